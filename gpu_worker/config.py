@@ -80,7 +80,8 @@ class ModelConfig:
             if self.linear_num_key_heads <= 0 or self.linear_num_value_heads <= 0:
                 raise ConfigError("linear_num_key_heads / linear_num_value_heads must be positive")
             if self.linear_num_value_heads % self.linear_num_key_heads:
-                raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+                raise ConfigError(
+                    "linear_num_value_heads must be a multiple of linear_num_key_heads")
 
     # ---- derived -------------------------------------------------------------------------
     @property

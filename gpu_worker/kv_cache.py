@@ -1,0 +1,138 @@
+"""Paged KV cache for the full-attention layers, with reference-counted blocks.
+
+Each slot owns a block table (list of block ids); a block holds ``block_size`` consecutive
+positions for every full-attention layer. Blocks are reference counted so a prefix can be
+shared by several slots; writing into a shared block copies it first (copy-on-write).
+Values are stored in the model dtype for now; int8 blocks with per-32 scales come later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+class CacheFull(RuntimeError):
+    """Not enough free KV blocks for the requested length."""
+
+
+class BlockAllocator:
+    """Free list plus reference counts over ``num_blocks`` block ids."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._refs = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if not self.can_allocate(n):
+            raise CacheFull(f"need {n} KV blocks, {len(self._free)} free")
+        ids = [self._free.pop() for _ in range(n)]
+        for i in ids:
+            self._refs[i] = 1
+        return ids
+
+    def incref(self, ids: list[int]) -> None:
+        for i in ids:
+            assert self._refs[i] > 0, f"incref of free block {i}"
+            self._refs[i] += 1
+
+    def free(self, ids: list[int]) -> None:
+        for i in ids:
+            assert self._refs[i] > 0, f"double free of block {i}"
+            self._refs[i] -= 1
+            if self._refs[i] == 0:
+                self._free.append(i)
+
+    def refcount(self, block: int) -> int:
+        return self._refs[block]
+
+
+@dataclasses.dataclass
+class KVCache:
+    """K/V pools [layers, blocks, block_size, kv_heads, head_dim] and per-slot block tables."""
+
+    xp: object
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: object
+
+    def __post_init__(self) -> None:
+        shape = (self.num_layers, self.num_blocks, self.block_size, self.kv_heads, self.head_dim)
+        self.k = self.xp.zeros(shape, dtype=self.dtype)
+        self.v = self.xp.zeros(shape, dtype=self.dtype)
+        self.allocator = BlockAllocator(self.num_blocks)
+        self.tables: dict[int, list[int]] = {}
+
+    def blocks_for(self, length: int) -> int:
+        return -(-length // self.block_size)
+
+    def can_grow(self, slot: int, length: int) -> bool:
+        have = len(self.tables.get(slot, ()))
+        return self.allocator.can_allocate(max(0, self.blocks_for(length) - have))
+
+    def ensure(self, slot: int, length: int) -> None:
+        """Make the slot's table cover positions [0, length)."""
+        table = self.tables.setdefault(slot, [])
+        need = self.blocks_for(length) - len(table)
+        if need > 0:
+            table.extend(self.allocator.allocate(need))
+
+    def share(self, dst: int, src_blocks: list[int]) -> None:
+        """Start slot ``dst`` with a reference to ``src_blocks`` (a cached prefix)."""
+        if self.tables.get(dst):
+            raise ValueError(f"slot {dst} already holds KV blocks")
+        self.allocator.incref(src_blocks)
+        self.tables[dst] = list(src_blocks)
+
+    def free_slot(self, slot: int) -> None:
+        self.allocator.free(self.tables.pop(slot, []))
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Drop whole blocks past ``length`` (rejected drafts need no truncation: kv_len rules)."""
+        table = self.tables.get(slot, [])
+        keep = self.blocks_for(length)
+        self.allocator.free(table[keep:])
+        del table[keep:]
+
+    def write(self, layer: int, slot: int, start: int, k, v) -> None:
+        """Store k, v [n, kv_heads, head_dim] at positions start..start+n of ``slot``."""
+        n = k.shape[0]
+        self.ensure(slot, start + n)
+        table = self.tables[slot]
+        first, last = start // self.block_size, (start + n - 1) // self.block_size
+        for bi in range(first, last + 1):
+            self._own_block(table, bi)
+        xp = self.xp
+        pos = xp.arange(start, start + n)
+        blocks = xp.asarray(table)[pos // self.block_size]
+        offs = pos % self.block_size
+        self.k[layer, blocks, offs] = k
+        self.v[layer, blocks, offs] = v
+
+    def read(self, layer: int, slot: int, length: int):
+        """K, V [length, kv_heads, head_dim] of the slot's first ``length`` positions."""
+        table = self.xp.asarray(self.tables[slot][: self.blocks_for(length)])
+        shape = (-1, self.kv_heads, self.head_dim)
+        k = self.k[layer, table].reshape(shape)[:length]
+        v = self.v[layer, table].reshape(shape)[:length]
+        return k, v
+
+    def _own_block(self, table: list[int], index: int) -> None:
+        """Copy-on-write: give the slot a private copy of a shared block before writing."""
+        block = table[index]
+        if self.allocator.refcount(block) > 1:
+            (fresh,) = self.allocator.allocate(1)
+            self.k[:, fresh] = self.k[:, block]
+            self.v[:, fresh] = self.v[:, block]
+            self.allocator.free([block])
+            table[index] = fresh

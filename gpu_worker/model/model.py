@@ -1,0 +1,164 @@
+"""The whole model (Qwen3-MoE or Qwen3-Next) over a ragged batch, plus the MTP head."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from gpu_worker.config import ModelConfig
+from gpu_worker.kv_cache import KVCache
+from gpu_worker.model.attention import full_attention
+from gpu_worker.model.batch import RaggedBatch
+from gpu_worker.model.gdn import gated_deltanet
+from gpu_worker.model.moe import dense_mlp, sparse_moe
+from gpu_worker.model.ops import Array, Ops
+from gpu_worker.states import RecurrentStates
+
+
+@dataclasses.dataclass
+class Caches:
+    """Everything per-slot the model reads and writes: KV, GDN states, the MTP head's KV."""
+
+    kv: KVCache
+    states: RecurrentStates | None
+    mtp_kv: KVCache | None
+
+    def reset_slot(self, slot: int) -> None:
+        self.kv.free_slot(slot)
+        if self.mtp_kv is not None:
+            self.mtp_kv.free_slot(slot)
+        if self.states is not None:
+            self.states.reset(slot)
+
+
+@dataclasses.dataclass
+class ForwardOut:
+    logits: Array  # [len(logit_rows), V]
+    hidden: Array  # [R, H] final-normed hidden state of every row (the MTP head's input)
+
+
+@dataclasses.dataclass
+class _Layer:
+    input_norm: Array
+    post_norm: Array
+    attn: dict[str, Array]
+    mlp: dict[str, Array]
+    full: bool
+    sparse: bool
+    cache_index: int  # index among full-attention (KV) or linear-attention (state) layers
+
+
+class Model:
+    """Weights on the array backend and the forward pass; caches are passed in.
+
+    ``tensors`` are canonical (see gpu_worker.weights_spec): routed experts stacked per layer.
+    """
+
+    def __init__(self, config: ModelConfig, tensors: dict[str, np.ndarray], *, xp=np,
+                 dtype=np.float32, exact: bool = False) -> None:
+        self.cfg = config
+        self.ops = Ops(xp, dtype, exact=exact)
+        self.xp = xp
+        w = {k: xp.asarray(v, dtype=self.ops.dtype) for k, v in tensors.items()}
+        self.embed = w["model.embed_tokens.weight"]  # [V, H]
+        self.lm_head = w.get("lm_head.weight", self.embed)  # [V, H]
+        self.final_norm = w["model.norm.weight"]
+        full_i = linear_i = 0
+        self.layers: list[_Layer] = []
+        for i in range(config.num_hidden_layers):
+            full = config.is_full_attention(i)
+            self.layers.append(self._make_layer(w, f"model.layers.{i}.", full,
+                                                config.is_sparse(i), full_i if full else linear_i))
+            full_i, linear_i = full_i + full, linear_i + (not full)
+        self.mtp: dict[str, Array] | None = None
+        self.mtp_layer: _Layer | None = None
+        if config.num_mtp_layers and "mtp.fc.weight" in w:
+            self.mtp = _sub(w, "mtp.")
+            self.mtp_layer = self._make_layer(w, "mtp.layers.0.", True, config.num_experts > 0, 0)
+
+    @staticmethod
+    def _make_layer(w: dict[str, Array], prefix: str, full: bool, sparse: bool,
+                    index: int) -> _Layer:
+        p = _sub(w, prefix)
+        return _Layer(p["input_layernorm.weight"], p["post_attention_layernorm.weight"],
+                      _sub(p, "self_attn." if full else "linear_attn."), _sub(p, "mlp."),
+                      full, sparse, index)
+
+    # ---- caches ------------------------------------------------------------------------
+    def new_caches(self, max_slots: int, max_tokens_per_slot: int,
+                   block_size: int = 16) -> Caches:
+        cfg, xp, dt = self.cfg, self.xp, self.ops.dtype
+        blocks = max_slots * -(-max_tokens_per_slot // block_size)
+        kv = KVCache(xp, len(cfg.full_attention_layers), blocks, block_size,
+                     cfg.num_key_value_heads, cfg.head_dim, dt)
+        states = None
+        if cfg.linear_attention_layers:
+            states = RecurrentStates(xp, len(cfg.linear_attention_layers), max_slots,
+                                     cfg.linear_conv_dim, cfg.linear_conv_kernel_dim,
+                                     cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                     cfg.linear_value_head_dim, np.promote_types(dt, np.float32))
+        mtp_kv = None
+        if self.mtp is not None:
+            mtp_kv = KVCache(xp, 1, blocks, block_size, cfg.num_key_value_heads,
+                             cfg.head_dim, dt)
+        return Caches(kv, states, mtp_kv)
+
+    # ---- forward -----------------------------------------------------------------------
+    def forward(self, batch: RaggedBatch, caches: Caches, logit_rows=None,
+                experts=None) -> ForwardOut:
+        """Run every row of ``batch``; logits only for ``logit_rows`` (default: each
+        segment's last row). ``experts(layer, x, ids, weights)`` overrides routed experts."""
+        cfg, ops, xp = self.cfg, self.ops, self.xp
+        x = self.embed[xp.asarray(batch.tokens)]  # [R, H]
+        positions = xp.asarray(batch.positions)
+        cos, sin = ops.rope_tables(positions, cfg.rotary_dim, cfg.rope_theta)  # [R, rot]
+        for i, layer in enumerate(self.layers):
+            fn = None if experts is None else (lambda h, ids, wts, i=i: experts(i, h, ids, wts))
+            x = self._layer(layer, x, batch, cos, sin, caches.kv, caches.states, fn)
+        hidden = ops.rms_norm(x, self.final_norm, cfg.rms_norm_eps,
+                              zero_centered=cfg.zero_centered_norms)  # [R, H]
+        rows = batch.last_rows() if logit_rows is None else np.asarray(logit_rows)
+        logits = ops.linear(hidden[xp.asarray(rows)], self.lm_head)  # [n, V]
+        return ForwardOut(logits, hidden)
+
+    def _layer(self, layer: _Layer, x: Array, batch: RaggedBatch, cos: Array, sin: Array,
+               kv: KVCache, states: RecurrentStates | None, experts) -> Array:
+        cfg, ops = self.cfg, self.ops
+        zc, eps = cfg.zero_centered_norms, cfg.rms_norm_eps
+        h = ops.rms_norm(x, layer.input_norm, eps, zero_centered=zc)
+        if layer.full:
+            x = x + full_attention(ops, cfg, layer.attn, h, batch, cos, sin, kv,
+                                   layer.cache_index)
+        else:
+            x = x + gated_deltanet(ops, cfg, layer.attn, h, batch, states, layer.cache_index)
+        h = ops.rms_norm(x, layer.post_norm, eps, zero_centered=zc)
+        if layer.sparse:
+            return x + sparse_moe(ops, cfg, layer.mlp, h, experts)
+        return x + dense_mlp(ops, layer.mlp, h)
+
+    def mtp_forward(self, batch: RaggedBatch, hidden: Array, caches: Caches,
+                    logit_rows=None) -> ForwardOut:
+        """The MTP head: row r holds token_{t+1} at position t and ``hidden[r]`` = h_t.
+
+        Returns logits (predicting token t+2) for ``logit_rows`` (default all rows) and the
+        head's own normed output for every row (the hidden input of a chained draft).
+        """
+        if self.mtp is None:
+            raise RuntimeError("this checkpoint has no MTP head")
+        cfg, ops, xp, m = self.cfg, self.ops, self.xp, self.mtp
+        zc, eps = cfg.zero_centered_norms, cfg.rms_norm_eps
+        e = ops.rms_norm(self.embed[xp.asarray(batch.tokens)], m["pre_fc_norm_embedding.weight"],
+                         eps, zero_centered=zc)
+        h = ops.rms_norm(hidden, m["pre_fc_norm_hidden.weight"], eps, zero_centered=zc)
+        x = ops.linear(xp.concatenate([e, h], axis=-1), m["fc.weight"])  # [R, H]
+        cos, sin = ops.rope_tables(xp.asarray(batch.positions), cfg.rotary_dim, cfg.rope_theta)
+        x = self._layer(self.mtp_layer, x, batch, cos, sin, caches.mtp_kv, None, None)
+        out = ops.rms_norm(x, m["norm.weight"], eps, zero_centered=zc)  # [R, H]
+        rows = np.arange(batch.num_rows) if logit_rows is None else np.asarray(logit_rows)
+        return ForwardOut(ops.linear(out[xp.asarray(rows)], self.lm_head), out)
+
+
+def _sub(w: dict[str, Array], prefix: str) -> dict[str, Array]:
+    n = len(prefix)
+    return {k[n:]: v for k, v in w.items() if k.startswith(prefix)}

@@ -1,0 +1,64 @@
+"""Feed-forward blocks: top-k softmax router, SwiGLU experts, shared expert, dense MLP."""
+
+from __future__ import annotations
+
+from gpu_worker.config import ModelConfig
+from gpu_worker.model.ops import Array, Ops
+
+
+def route(ops: Ops, cfg: ModelConfig, w_gate: Array, x: Array) -> tuple[Array, Array]:
+    """Router: softmax over all experts, top-k, optional renormalisation.
+    Returns expert ids [R, k] (int64) and weights [R, k]."""
+    xp = ops.xp
+    probs = ops.softmax(ops.linear(x, w_gate), axis=-1)  # [R, E]
+    kwargs = {"kind": "stable"} if xp.__name__ == "numpy" else {}
+    ids = xp.argsort(-probs, axis=-1, **kwargs)[:, : cfg.num_experts_per_tok]  # [R, k]
+    weights = xp.take_along_axis(probs, ids, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / xp.sum(weights, axis=-1, keepdims=True)
+    return ids, weights
+
+
+def swiglu(ops: Ops, x: Array, gate: Array, up: Array, down: Array) -> Array:
+    """down(silu(gate x) * up x): x [n, H] -> [n, H]."""
+    return ops.linear(ops.silu(ops.linear(x, gate)) * ops.linear(x, up), down)
+
+
+def experts_local(ops: Ops, gate: Array, up: Array, down: Array, x: Array,
+                  ids: Array, weights: Array) -> Array:
+    """sum_k w_k * expert_{ids_k}(x) per row, experts stacked [E, I, H] / [E, H, I].
+
+    Pairs with id -1 are skipped (computed elsewhere, e.g. on CPU workers).
+    NOTE: each row accumulates its experts in ascending expert id, whatever the batch.
+    """
+    xp = ops.xp
+    out = xp.zeros_like(x)
+    flat_ids = ids.reshape(-1)
+    for e in [int(e) for e in xp.unique(flat_ids) if e >= 0]:
+        rows, slots = xp.nonzero(ids == e)  # one (row, k) pair per routed row
+        y = swiglu(ops, x[rows], gate[e], up[e], down[e])  # [n, H]
+        out[rows] += weights[rows, slots][:, None] * y
+    return out
+
+
+def sparse_moe(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
+               experts=None) -> Array:
+    """Qwen3 sparse MoE block; Qwen3-Next adds the sigmoid-gated shared expert.
+
+    ``experts(x, ids, weights)`` computes the routed part; the default runs all experts here.
+    """
+    ids, weights = route(ops, cfg, p["gate.weight"], x)
+    if experts is None:
+        out = experts_local(ops, p["experts.gate_proj"], p["experts.up_proj"],
+                            p["experts.down_proj"], x, ids, weights)
+    else:
+        out = experts(x, ids, weights)
+    if "shared_expert.gate_proj.weight" in p:
+        shared = swiglu(ops, x, p["shared_expert.gate_proj.weight"],
+                        p["shared_expert.up_proj.weight"], p["shared_expert.down_proj.weight"])
+        out = out + ops.sigmoid(ops.linear(x, p["shared_expert_gate.weight"])) * shared
+    return out
+
+
+def dense_mlp(ops: Ops, p: dict[str, Array], x: Array) -> Array:
+    return swiglu(ops, x, p["gate_proj.weight"], p["up_proj.weight"], p["down_proj.weight"])
