@@ -1,0 +1,97 @@
+"""In-process engine: a model, its caches and the plain generate / score loops.
+
+The CLI uses it directly; the GPU worker process drives the same pieces from StepPlans.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from gpu_worker.backend import get_xp, to_numpy
+from gpu_worker.loader import load_checkpoint
+from gpu_worker.model.batch import RaggedBatch
+from gpu_worker.model.model import Caches, ForwardOut, Model
+from gpu_worker.sampling import SamplingParams, sample
+
+DTYPES = {"float32": np.float32, "float64": np.float64}
+
+
+class Engine:
+    def __init__(self, model: Model, *, max_slots: int = 4, max_len: int = 4096,
+                 block_size: int = 16, prefill_chunk: int = 512) -> None:
+        self.model = model
+        self.max_slots = max_slots
+        self.max_len = max_len
+        self.prefill_chunk = prefill_chunk
+        self.caches: Caches = model.new_caches(max_slots, max_len, block_size)
+
+    @classmethod
+    def from_dir(cls, path: str | Path, *, dtype: str = "float32", backend: str = "numpy",
+                 exact: bool | None = None, **kwargs) -> Engine:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        ckpt = load_checkpoint(path, dtype=DTYPES[dtype])
+        exact = (dtype == "float64") if exact is None else exact
+        model = Model(ckpt.config, ckpt.tensors, xp=get_xp(backend), dtype=DTYPES[dtype],
+                      exact=exact)
+        return cls(model, **kwargs)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.cfg.vocab_size
+
+    def forward(self, parts: list[tuple[int, int, np.ndarray]], logit_rows=None) -> ForwardOut:
+        return self.model.forward(RaggedBatch.build(parts), self.caches, logit_rows)
+
+    def prefill(self, slot: int, ids: np.ndarray, *, all_logits: bool = False) -> np.ndarray:
+        """Reset ``slot`` and run the prompt in chunks; logits [n, V] of the last row, or of
+        every row with ``all_logits``."""
+        self.caches.reset_slot(slot)
+        out = []
+        for start in range(0, len(ids), self.prefill_chunk):
+            chunk = ids[start:start + self.prefill_chunk]
+            rows = np.arange(len(chunk)) if all_logits else None
+            res = self.forward([(slot, start, chunk)], rows)
+            out.append(to_numpy(res.logits))
+        return np.concatenate(out) if all_logits else out[-1]
+
+    def score(self, ids: list[int] | np.ndarray, slot: int = 0) -> np.ndarray:
+        """float32 logits [T, V] of every prompt position."""
+        ids = self._check_ids(ids)
+        return self.prefill(slot, ids, all_logits=True).astype(np.float32)
+
+    def generate(self, prompt_ids: list[int] | np.ndarray, *, params: SamplingParams,
+                 max_tokens: int, eos_ids: tuple[int, ...] = (), slot: int = 0) -> list[int]:
+        """Plain decoding of one request; the EOS token that stops it is not returned."""
+        ids = self._check_ids(prompt_ids)
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if len(ids) + max_tokens > self.max_len:
+            raise ValueError(f"prompt ({len(ids)}) + max_tokens ({max_tokens}) exceeds the "
+                             f"context limit {self.max_len}")
+        logits = self.prefill(slot, ids)[0]
+        out: list[int] = []
+        pos = len(ids)
+        while True:
+            token = sample(logits, params, pos)
+            if token in eos_ids:
+                break
+            out.append(token)
+            if len(out) == max_tokens:
+                break
+            logits = to_numpy(self.forward([(slot, pos, np.array([token]))]).logits)[0]
+            pos += 1
+        return out
+
+    def _check_ids(self, ids) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise ValueError("the prompt is empty")
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        if ids.size > self.max_len:
+            raise ValueError(f"prompt of {ids.size} tokens exceeds the context limit "
+                             f"{self.max_len}")
+        return ids
