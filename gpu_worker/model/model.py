@@ -86,10 +86,10 @@ class Model:
                       full, sparse, index)
 
     # ---- caches ------------------------------------------------------------------------
-    def new_caches(self, max_slots: int, max_tokens_per_slot: int,
-                   block_size: int = 16) -> Caches:
+    def new_caches(self, max_slots: int, max_tokens_per_slot: int, block_size: int = 16,
+                   extra_blocks: int = 0) -> Caches:
         cfg, xp, dt = self.cfg, self.xp, self.ops.dtype
-        blocks = max_slots * -(-max_tokens_per_slot // block_size)
+        blocks = max_slots * -(-max_tokens_per_slot // block_size) + extra_blocks
         kv = KVCache(xp, len(cfg.full_attention_layers), blocks, block_size,
                      cfg.num_key_value_heads, cfg.head_dim, dt)
         states = None

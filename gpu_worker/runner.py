@@ -1,0 +1,211 @@
+"""Executes one StepPlan: cache commands, one ragged forward over every slot's rows,
+sampling, then the after-step cache commands. Pure in-process; server.py wraps it."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from gpu_worker.backend import to_numpy
+from gpu_worker.model.batch import RaggedBatch
+from gpu_worker.model.model import Model
+from gpu_worker.sampling import SamplingParams, sample
+from protocol.messages import (
+    CacheOp,
+    CacheOpKind,
+    Phase,
+    PromptPhase,
+    SlotResult,
+    SlotWork,
+    StepPlan,
+    StepResult,
+    WorkKind,
+)
+
+
+class PlanError(ValueError):
+    """A StepPlan that names an unknown slot or entry or breaks a cache invariant."""
+
+
+@dataclasses.dataclass
+class Entry:
+    """A saved slot state: a prefix checkpoint (KV block refs on the device) or a swapped-out
+    slot (KV copied to host memory, blocks freed)."""
+
+    num_tokens: int
+    blocks: list[int]  # device KV blocks held by reference (checkpoints)
+    state: tuple | None  # recurrent-state snapshot at exactly num_tokens
+    host_kv: tuple | None = None  # swapped-out (k, v) [layers, nblocks, bs, Hkv, hd]
+
+
+class Runner:
+    def __init__(self, model: Model, *, max_slots: int, max_context: int, block_size: int = 16,
+                 extra_blocks: int = 0, experts=None) -> None:
+        self.model = model
+        self.max_slots = max_slots
+        self.max_context = max_context
+        # extra_blocks: room for prefix checkpoints beyond every slot's own blocks
+        self.caches = model.new_caches(max_slots, max_context, block_size, extra_blocks)
+        self.experts = experts
+        self.entries: dict[int, Entry] = {}
+        self.lengths: dict[int, int] = {}  # tokens in each allocated slot's cache
+
+    @property
+    def kv(self):
+        return self.caches.kv
+
+    # ---- the step ------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        for op in plan.cache_ops:
+            self._cache_op(op)
+        results: list[SlotResult] = []
+        t1 = time.perf_counter()
+        if plan.slots:
+            results = self._forward(plan.slots)
+        t2 = time.perf_counter()
+        for op in plan.cache_ops_after:
+            self._cache_op(op)
+        timings = {"cache_ops": (t1 - t0 + time.perf_counter() - t2) * 1e3,
+                   "forward": (t2 - t1) * 1e3}
+        counters = {"rows": plan.num_rows, "kv_free_blocks": self.kv.allocator.num_free,
+                    "kv_total_blocks": self.kv.num_blocks}
+        return StepResult(step_id=plan.step_id, slots=results, timings_ms=timings,
+                          counters=counters)
+
+    def _forward(self, work: list[SlotWork]) -> list[SlotResult]:
+        for w in work:
+            if self.lengths.get(w.slot) is None:
+                raise PlanError(f"slot {w.slot} is not allocated")
+            if w.start_pos != self.lengths[w.slot]:
+                raise PlanError(f"slot {w.slot}: start_pos {w.start_pos} but the cache holds "
+                                f"{self.lengths[w.slot]} tokens")
+            if w.start_pos + w.num_tokens > self.max_context:
+                raise PlanError(f"slot {w.slot}: position {w.start_pos + w.num_tokens} is past "
+                                f"the context limit {self.max_context}")
+            if len(w.draft_ids):
+                raise PlanError("draft rows are not supported by this worker yet")
+        batch = RaggedBatch.build([(w.slot, w.start_pos, w.input_ids) for w in work])
+        wanted = [i for i, w in enumerate(work) if w.needs_logits]
+        last = batch.last_rows()
+        out = self.model.forward(batch, self.caches, last[wanted], self.experts)
+        logits = to_numpy(out.logits)
+        results = []
+        row_of = {i: j for j, i in enumerate(wanted)}
+        for i, w in enumerate(work):
+            self.lengths[w.slot] = w.start_pos + w.num_tokens
+            tokens: list[int] = []
+            if w.needs_logits:
+                pos = w.start_pos + w.num_tokens
+                tokens = [sample(logits[row_of[i]], _sampling(w), pos)]
+            prefill = w.kind == WorkKind.PREFILL
+            done = w.start_pos + w.num_tokens >= w.prompt_len
+            phase = Phase.DECODE if not prefill or done else Phase.PREFILL
+            results.append(SlotResult(
+                slot=w.slot, request_id=w.request_id, token_ids=tokens, num_accepted=0,
+                prompt=PromptPhase(phase=phase,
+                                   prompt_tokens_this_step=w.num_tokens if prefill else 0,
+                                   prompt_len=w.prompt_len, cached_len=w.cached_len)))
+        return results
+
+    # ---- cache commands ----------------------------------------------------------------
+    def _cache_op(self, op: CacheOp) -> None:
+        kind = op.op
+        if op.slot is not None and not 0 <= op.slot < self.max_slots:
+            raise PlanError(f"{kind.name}: slot {op.slot} out of range")
+        if kind == CacheOpKind.ALLOCATE:
+            self._release(op.slot)
+            self.lengths[op.slot] = 0
+        elif kind == CacheOpKind.FREE:
+            self._release(op.slot)
+        elif kind == CacheOpKind.CHECKPOINT:
+            self.entries[op.entry_id] = self._checkpoint(op.slot, op.num_tokens)
+        elif kind == CacheOpKind.SHARE_PREFIX:
+            self._share(op)
+        elif kind == CacheOpKind.RESTORE:
+            entry = self._entry(op.entry_id)
+            if entry.state is not None and self.caches.states is not None:
+                self.caches.states.restore(op.slot, entry.state)
+        elif kind == CacheOpKind.SWAP_OUT:
+            self.entries[op.entry_id] = self._swap_out(op.slot)
+        elif kind == CacheOpKind.SWAP_IN:
+            self._swap_in(op.slot, self.entries.pop(self._check_entry(op.entry_id)))
+        elif kind == CacheOpKind.DROP_CHECKPOINT:
+            self.kv.allocator.free(self.entries.pop(self._check_entry(op.entry_id)).blocks)
+
+    def _release(self, slot: int) -> None:
+        self.caches.reset_slot(slot)
+        self.lengths.pop(slot, None)
+
+    def _entry(self, entry_id: int) -> Entry:
+        return self.entries[self._check_entry(entry_id)]
+
+    def _check_entry(self, entry_id: int) -> int:
+        if entry_id not in self.entries:
+            raise PlanError(f"unknown cache entry {entry_id}")
+        return entry_id
+
+    def _checkpoint(self, slot: int, num_tokens: int) -> Entry:
+        if self.lengths.get(slot) != num_tokens:
+            raise PlanError(f"CHECKPOINT slot {slot} at {num_tokens} tokens, but it holds "
+                            f"{self.lengths.get(slot)}")
+        blocks = self.kv.tables.get(slot, [])[: self.kv.blocks_for(num_tokens)]
+        self.kv.allocator.incref(blocks)
+        state = self.caches.states.snapshot(slot) if self.caches.states is not None else None
+        return Entry(num_tokens, list(blocks), state)
+
+    def _share(self, op: CacheOp) -> None:
+        """slot <- the first num_tokens of an entry (with its recurrent state) or a slot."""
+        n = op.num_tokens
+        if op.entry_id is not None:
+            entry = self._entry(op.entry_id)
+            if n > entry.num_tokens or (entry.state is not None and n != entry.num_tokens):
+                raise PlanError(f"SHARE_PREFIX of {n} tokens from entry {op.entry_id} holding "
+                                f"{entry.num_tokens}")
+            blocks, state = entry.blocks, entry.state
+        else:
+            if self.caches.states is not None or self.lengths.get(op.src_slot, 0) < n:
+                raise PlanError("SHARE_PREFIX from a slot needs an attention-only model and a "
+                                "source slot holding the prefix")
+            blocks, state = self.kv.tables[op.src_slot], None
+        self._release(op.slot)
+        self.kv.share(op.slot, blocks[: self.kv.blocks_for(n)])
+        if state is not None:
+            self.caches.states.restore(op.slot, state)
+        self.lengths[op.slot] = n
+
+    def _swap_out(self, slot: int) -> Entry:
+        n = self.lengths.get(slot)
+        if n is None:
+            raise PlanError(f"SWAP_OUT of unallocated slot {slot}")
+        table = np.asarray(self.kv.tables.get(slot, []), dtype=np.int64)
+        host = (to_numpy(self.kv.k[:, table]).copy(), to_numpy(self.kv.v[:, table]).copy())
+        state = self.caches.states.snapshot(slot) if self.caches.states is not None else None
+        if state is not None:
+            state = tuple(to_numpy(s).copy() for s in state)
+        self._release(slot)
+        return Entry(n, [], state, host)
+
+    def _swap_in(self, slot: int, entry: Entry) -> None:
+        if entry.host_kv is None:
+            raise PlanError("SWAP_IN of an entry that was not swapped out")
+        self._release(slot)
+        xp = self.model.xp
+        self.kv.ensure(slot, entry.num_tokens)
+        table = xp.asarray(self.kv.tables.get(slot, []), dtype=xp.int64)
+        if entry.num_tokens:
+            self.kv.k[:, table] = xp.asarray(entry.host_kv[0])
+            self.kv.v[:, table] = xp.asarray(entry.host_kv[1])
+        if entry.state is not None:
+            self.caches.states.restore(slot, tuple(xp.asarray(s) for s in entry.state))
+        self.lengths[slot] = entry.num_tokens
+
+
+def _sampling(w: SlotWork) -> SamplingParams:
+    s = w.sampling
+    if s.seed is None:
+        raise PlanError(f"slot {w.slot}: the daemon must fix a seed for every request")
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                          min_p=s.min_p, seed=s.seed % (2**63))
