@@ -123,8 +123,6 @@ reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
         {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
             {{- '<|im_end|>\\n' }}
         {%- endif %}
-    {%- else %}
-        {{- raise_exception('Unexpected message role: ' + message.role) }}
     {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}

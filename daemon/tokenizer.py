@@ -1,0 +1,243 @@
+"""Tokenizer, streaming detokenizer and chat template of a Hugging Face model directory.
+
+Wraps `tokenizers.Tokenizer.from_file("tokenizer.json")` (Qwen has no BOS: encoding never adds
+special tokens), renders `chat_template.jinja` or `tokenizer_config.json["chat_template"]` in a
+sandboxed Jinja2 environment configured like transformers', and reads EOS ids from
+`generation_config.json` (falling back to tokenizer_config.json's `eos_token`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21
+    DecodeStream = None
+
+
+class TokenizerError(ValueError):
+    """Missing or unusable tokenizer files, or a chat template that cannot be rendered."""
+
+
+class MissingTokenizerError(TokenizerError):
+    """The model directory has no tokenizer.json (the model is usable with token ids only)."""
+
+
+class Tokenizer:
+    """Text <-> token ids for one model directory, plus its chat template and EOS ids."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, *, chat_template: str | None = None,
+                 eos_token_ids: Sequence[int] = (), source: str = "<memory>") -> None:
+        self.backend = backend
+        self.source = source
+        self.eos_token_ids: list[int] = list(eos_token_ids)
+        # special added tokens (e.g. <|im_end|>), content -> id
+        self.special_tokens: dict[str, int] = {
+            tok.content: i for i, tok in sorted(backend.get_added_tokens_decoder().items())
+            if tok.special}
+        self.chat_template = chat_template
+        self._template = _compile(chat_template, source) if chat_template is not None else None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load tokenizer.json, tokenizer_config.json, chat template and generation_config.json.
+
+        Raises MissingTokenizerError when there is no tokenizer.json, TokenizerError when a file
+        is unreadable or invalid.
+        """
+        root = Path(path)
+        file = root / "tokenizer.json"
+        if not file.is_file():
+            raise MissingTokenizerError(f"{file}: no tokenizer in this model directory")
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(file))
+        except Exception as exc:  # the Rust library raises plain Exception
+            raise TokenizerError(f"{file}: cannot load tokenizer: {exc}") from None
+        config = _json_object(root / "tokenizer_config.json")
+        template_file = root / "chat_template.jinja"
+        if template_file.is_file():
+            try:
+                template = template_file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise TokenizerError(f"{template_file}: cannot read: {exc}") from None
+            source = str(template_file)
+        else:
+            template = _config_template(config, root / "tokenizer_config.json")
+            source = str(root / "tokenizer_config.json")
+        eos = _eos_ids(root, config, backend)
+        return cls(backend, chat_template=template, eos_token_ids=eos, source=source)
+
+    # ---- text <-> ids --------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def detokenizer(self, *, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
+
+    # ---- chat ----------------------------------------------------------------------------
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], *,
+                            add_generation_prompt: bool = True,
+                            tools: Sequence[dict[str, Any]] | None = None,
+                            enable_thinking: bool | None = None, **extra: Any) -> str:
+        """Render `messages` (dicts with `role` and `content`) to the prompt text."""
+        if self._template is None:
+            raise TokenizerError(f"{self.source}: this model has no chat template")
+        if not isinstance(messages, Sequence) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise TokenizerError("messages must be a non-empty list of objects with a 'role'")
+        context: dict[str, Any] = {
+            **self._template_tokens(), **extra, "messages": list(messages),
+            "tools": list(tools) if tools else None,
+            "add_generation_prompt": add_generation_prompt}
+        if enable_thinking is not None:  # absent -> `enable_thinking is defined` is false
+            context["enable_thinking"] = enable_thinking
+        try:
+            return self._template.render(**context)
+        except jinja2.TemplateError as exc:
+            raise TokenizerError(f"{self.source}: chat template error: {exc}") from None
+
+    def _template_tokens(self) -> dict[str, str | None]:
+        eos = self.backend.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
+        return {"bos_token": None, "eos_token": eos}
+
+
+class IncrementalDetokenizer:
+    """Streaming text of a growing token sequence.
+
+    `add(ids)` returns the text that became final with these tokens (possibly ""); it never
+    ends inside a UTF-8 character. `flush()` returns what is left at the end of the stream.
+    The concatenation of all returned pieces equals `Tokenizer.decode` of all ids.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False,
+                 use_decode_stream: bool = True) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""  # everything returned so far
+        self._stream = (DecodeStream(skip_special_tokens=skip_special_tokens)
+                        if use_decode_stream and DecodeStream is not None else None)
+        self._prefix = 0  # fallback (prefix-offset) state: ids[_prefix:_read] already emitted
+        self._read = 0
+
+    def add(self, ids: int | Sequence[int]) -> str:
+        new = [ids] if isinstance(ids, int) else list(ids)
+        if not new:
+            return ""
+        self.ids.extend(new)
+        if self._stream is not None:
+            piece = self._stream.step(self._tok.backend, new) or ""
+        else:
+            piece = self._step_fallback()
+        self.text += piece
+        return piece
+
+    def flush(self) -> str:
+        """The rest of the text at end of stream (an incomplete character decodes as U+FFFD)."""
+        full = self._tok.decode(self.ids, skip_special_tokens=self._skip)
+        if not full.startswith(self.text):  # cannot happen for byte-level BPE; be loud
+            raise TokenizerError("incremental decode diverged from full decode")
+        rest = full[len(self.text):]
+        self.text = full
+        return rest
+
+    def _step_fallback(self) -> str:
+        decode = self._tok.backend.decode
+        before = decode(self.ids[self._prefix:self._read], skip_special_tokens=self._skip)
+        after = decode(self.ids[self._prefix:], skip_special_tokens=self._skip)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""  # wait for the rest of a multi-byte character
+        self._prefix, self._read = self._read, len(self.ids)
+        return after[len(before):]
+
+
+# ---- files ---------------------------------------------------------------------------------
+def _json_object(file: Path) -> dict[str, Any]:
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerError(f"{file}: cannot parse JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{file}: expected a JSON object")
+    return data
+
+
+def _config_template(config: dict[str, Any], file: Path) -> str | None:
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise TokenizerError(f"{file}: chat_template must be a string")
+    return template
+
+
+def _eos_ids(root: Path, config: dict[str, Any], backend: tokenizers.Tokenizer) -> list[int]:
+    gen_file = root / "generation_config.json"
+    eos = _json_object(gen_file).get("eos_token_id")
+    if eos is not None:
+        ids = [eos] if isinstance(eos, int) else eos
+        if not isinstance(ids, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise TokenizerError(f"{gen_file}: eos_token_id must be an integer or a list of "
+                                 f"integers, got {eos!r}")
+        return ids
+    token = config.get("eos_token")
+    if isinstance(token, dict):  # serialized AddedToken
+        token = token.get("content")
+    if token is None:
+        return []
+    token_id = backend.token_to_id(token) if isinstance(token, str) else None
+    if token_id is None:
+        raise TokenizerError(f"{root / 'tokenizer_config.json'}: eos_token {token!r} is not in "
+                             f"the vocabulary")
+    return [token_id]
+
+
+# ---- chat template environment (as transformers renders chat templates) -----------------------
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _compile(source: str, where: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise TokenizerError(f"{where}: chat template syntax error at line {exc.lineno}: "
+                             f"{exc.message}") from None
