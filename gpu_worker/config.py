@@ -172,6 +172,10 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise ConfigError("rope_parameters must be an object")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":  # yarn / linear / dynamic scaling would silently change logits
+        raise ConfigError(f"rope_parameters: unsupported rope_type {rope_type!r} "
+                          "(only 'default' RoPE is implemented)")
     rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
     partial = raw.get("partial_rotary_factor",
                       rope.get("partial_rotary_factor", 0.25 if is_next else 1.0))
@@ -207,12 +211,13 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=opt("num_key_value_heads", heads),
-        head_dim=opt("head_dim", hidden // heads),
+        # transformers: Qwen3-Next's config defaults head_dim to 256, Qwen3-MoE's to H / heads
+        head_dim=opt("head_dim", 256 if is_next else hidden // heads),
         intermediate_size=opt("intermediate_size", 0),
         moe_intermediate_size=opt("moe_intermediate_size", 0),
         num_experts=experts,
         num_experts_per_tok=opt("num_experts_per_tok", 0),
-        norm_topk_prob=opt("norm_topk_prob", True, bool),
+        norm_topk_prob=opt("norm_topk_prob", is_next, bool),  # transformers' defaults
         decoder_sparse_step=opt("decoder_sparse_step", 1),
         mlp_only_layers=tuple(_typed("mlp_only_layers", i, int) for i in mlp_only),
         rms_norm_eps=opt("rms_norm_eps", 1e-6, float),
