@@ -76,7 +76,7 @@ class SafetensorsFile:
         self._map: np.memmap | None = None
 
     def _parse_entry(self, name: str, entry: object) -> TensorInfo:
-        where = f"{self.path}: tensor {name!r}"
+        where = f"{self.path}: tensor {name}"
         if not isinstance(entry, dict):
             raise SafetensorsError(f"{where}: header entry is not an object")
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
@@ -115,7 +115,7 @@ class SafetensorsFile:
         """`name` converted to a float NumPy dtype, as a new contiguous array."""
         info = self.tensors[name]
         if info.dtype not in FLOAT_DTYPES:
-            raise SafetensorsError(f"{self.path}: tensor {name!r} has dtype {info.dtype}, "
+            raise SafetensorsError(f"{self.path}: tensor {name} has dtype {info.dtype}, "
                                    f"expected one of {', '.join(FLOAT_DTYPES)}")
         return to_float(self.raw(name), info.dtype, dtype)
 
@@ -155,7 +155,7 @@ def write_file(path: str | Path, tensors: Mapping[str, np.ndarray], *,
         elif st_dtype in STORAGE and st_dtype not in ("F8_E4M3", "F8_E5M2"):
             data = np.ascontiguousarray(arr, dtype=STORAGE[st_dtype]).tobytes()
         else:
-            raise ValueError(f"cannot store tensor {name!r} of dtype {arr.dtype} as {st_dtype}")
+            raise ValueError(f"cannot store tensor {name} of dtype {arr.dtype} as {st_dtype}")
         header[name] = {"dtype": st_dtype, "shape": list(arr.shape),
                         "data_offsets": [offset, offset + len(data)]}
         blobs.append(data)
