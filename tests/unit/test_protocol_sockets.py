@@ -12,6 +12,7 @@ import tempfile
 import msgpack
 import numpy as np
 import pytest
+import zmq
 
 from protocol.codec import Limits, encode
 from protocol.curve import CurveClientKeys, CurveServerKeys, new_keypair
@@ -117,6 +118,19 @@ def test_client_link_typed_errors_and_keeps_serving(run_dir):
         assert daemon.send_to(peer, Pong(nonce=9, time_ns=0))
         assert client.recv(timeout=2) == Pong(nonce=9, time_ns=0)
         assert daemon.send_to(b"no-such-client", Pong(nonce=1, time_ns=0)) is False
+
+
+def test_parts_over_maxmsgsize_drop_only_that_client(run_dir):
+    limits = Limits(max_body_bytes=4096, max_frame_bytes=64 << 10)
+    with DaemonToClients.in_run_dir(run_dir, limits=limits) as daemon, \
+            ClientToDaemon.in_run_dir(run_dir) as rogue, \
+            ClientToDaemon.in_run_dir(run_dir) as polite:
+        assert daemon.socket.getsockopt(zmq.MAXMSGSIZE) == 64 << 10
+        rogue.send(SubmitRequest(request_id="huge", prompt_ids=token_array(range(100_000))))
+        with pytest.raises(TimeoutError):  # libzmq dropped the connection, nothing decoded
+            daemon.recv(timeout=0.2)
+        polite.send(StatusRequest(query_id="still there?"))
+        assert daemon.recv(timeout=2)[1] == StatusRequest(query_id="still there?")
 
 
 async def test_async_roles_round_trip(run_dir):
