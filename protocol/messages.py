@@ -149,7 +149,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = None  # None: the daemon picks one (a StepPlan always carries one)
     repetition_penalty: float = 1.0  # 1 = off
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -160,7 +160,7 @@ class SamplingParams:
         _check(fin(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
         _check(self.top_k >= 0, "top_k must be >= 0 (0 = off)")
         _check(fin(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]")
-        _check(self.seed is None or 0 <= self.seed < 2**64, "seed must be in [0, 2**64)")
+        _check(self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)")
         _check(fin(self.repetition_penalty) and self.repetition_penalty > 0,
                "repetition_penalty must be > 0")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -233,6 +233,7 @@ class SlotWork:
         _check(len(self.draft_ids) == len(self.draft_sources), "one draft source per draft")
         _check(self.kind == WorkKind.DECODE or len(self.draft_ids) == 0, "drafts only in decode")
         _check(0 <= self.cached_len <= self.prompt_len, "need 0 <= cached_len <= prompt_len")
+        _check(self.sampling.seed is not None, "the daemon resolves the seed before planning")
 
     @property
     def num_rows(self) -> int:

@@ -59,8 +59,9 @@ def step_plan() -> StepPlan:
                           input_ids=np.array([42], np.int32), start_pos=17, num_tokens=1,
                           needs_logits=True, prompt_len=9,
                           sampling=SamplingParams(temperature=0.7, top_p=0.9, top_k=20,
-                                                  min_p=0.05, repetition_penalty=1.1,
-                                                  presence_penalty=0.5, frequency_penalty=-0.5),
+                                                  seed=2**63 - 1, min_p=0.05,
+                                                  repetition_penalty=1.1, presence_penalty=0.5,
+                                                  frequency_penalty=-0.5),
                           draft_ids=np.array([5, 6], np.int32),
                           draft_sources=np.array([DraftSource.MTP, DraftSource.SUFFIX], np.uint8))
     return StepPlan(step_id=11, slots=[prefill, decode_row],

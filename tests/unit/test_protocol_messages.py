@@ -47,7 +47,7 @@ def test_directions_cover_every_kind_and_only_ping_pong_are_shared():
 
 @pytest.mark.parametrize("kwargs", [
     {"temperature": -0.1}, {"temperature": float("nan")}, {"top_p": 0.0}, {"top_p": 1.5},
-    {"top_k": -1}, {"min_p": 1.5}, {"seed": -1}, {"seed": 2**64}, {"repetition_penalty": 0.0},
+    {"top_k": -1}, {"min_p": 1.5}, {"seed": -1}, {"seed": 2**63}, {"repetition_penalty": 0.0},
     {"presence_penalty": 2.5}, {"frequency_penalty": float("inf")},
 ])
 def test_sampling_params_reject_out_of_range(kwargs):
@@ -74,19 +74,24 @@ def test_submit_needs_exactly_one_prompt_form():
 
 def test_slot_work_checks_rows_and_drafts():
     ids = token_array([3])
+    seeded = SamplingParams(seed=0)
     ok = SlotWork(slot=0, request_id="r", kind=WorkKind.DECODE, input_ids=ids, start_pos=4,
-                  num_tokens=1, needs_logits=True, prompt_len=4,
+                  num_tokens=1, needs_logits=True, prompt_len=4, sampling=seeded,
                   draft_ids=token_array([7, 8]), draft_sources=np.array([1, 1], np.uint8))
     assert ok.num_rows == 3 and StepPlan(step_id=0, slots=[ok]).num_rows == 3
     with pytest.raises(ValueError):  # num_tokens disagrees with input_ids
         SlotWork(slot=0, request_id="r", kind=WorkKind.DECODE, input_ids=ids, start_pos=4,
-                 num_tokens=2, needs_logits=True, prompt_len=4)
+                 num_tokens=2, needs_logits=True, prompt_len=4, sampling=seeded)
     with pytest.raises(ValueError):  # drafts in a prefill chunk
         SlotWork(slot=0, request_id="r", kind=WorkKind.PREFILL, input_ids=ids, start_pos=0,
                  num_tokens=1, needs_logits=True, prompt_len=1, draft_ids=token_array([1]),
+                 sampling=seeded,
                  draft_sources=np.array([1], np.uint8))
     with pytest.raises(ValueError):  # the same slot twice
         StepPlan(step_id=0, slots=[ok, ok])
+    with pytest.raises(ValueError):  # an unresolved seed
+        SlotWork(slot=0, request_id="r", kind=WorkKind.DECODE, input_ids=ids, start_pos=4,
+                 num_tokens=1, needs_logits=True, prompt_len=4)
 
 
 def test_cache_ops_need_their_arguments():

@@ -24,6 +24,7 @@ from protocol.messages import (
     Heartbeat,
     Ping,
     Pong,
+    SamplingParams,
     SlotWork,
     StatusRequest,
     StepPlan,
@@ -56,7 +57,8 @@ def run_dir():
 def prefill(n: int) -> StepPlan:
     return StepPlan(step_id=1, slots=[SlotWork(
         slot=0, request_id="r", kind=WorkKind.PREFILL, input_ids=token_array(range(n)),
-        start_pos=0, num_tokens=n, needs_logits=True, prompt_len=n)])
+        start_pos=0, num_tokens=n, needs_logits=True, prompt_len=n,
+        sampling=SamplingParams(seed=1))])
 
 
 def test_worker_link_round_trip_over_ipc(run_dir):
