@@ -1,0 +1,405 @@
+"""The OpenAI-compatible HTTP API (aiohttp): completions, chat completions, models, health,
+readiness, metrics and slots.
+
+A generation request is validated (openai_schema), its chat template applied and tokenized
+here, checked against the limits, and submitted to the scheduler as a GenerationRequest; its
+RequestHandle's events become one JSON answer or an SSE stream. Every error is answered in
+OpenAI's shape. A client that disconnects (or a request past `limits.request_timeout_s`) has its
+request cancelled, which frees the slot at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import math
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from daemon.config import Config
+from daemon.logs import bind_request
+from daemon.metrics import Metrics
+from daemon.openai_format import Formatter
+from daemon.openai_schema import ApiError, ParsedRequest, bad, parse_chat, parse_completion
+from daemon.requests import (
+    EngineUnavailable,
+    GenerationRequest,
+    QueueFull,
+    RequestEvent,
+    RequestHandle,
+    RequestRejected,
+)
+from daemon.tokenizer import TokenizerError
+from gpu_worker.loader import CheckpointError, load_generation_config
+from gpu_worker.sampling import MAX_SEED, SamplingParams
+
+log = structlog.stdlib.get_logger(__name__)
+
+OPEN_PATHS = ("/health", "/ready")  # answered without an API key
+DISCONNECT_POLL_S = 0.25
+API: web.AppKey[HttpApi] = web.AppKey("tandem_api")
+REQUEST_ID = web.RequestKey("request_id", str)
+
+
+class ClientGone(Exception):
+    """The HTTP client closed its connection."""
+
+
+class RequestTimeout(Exception):
+    """The request ran past limits.request_timeout_s."""
+
+
+def make_app(scheduler: Any, tokenizer: Any, config: Config, metrics: Metrics, *,
+             generation_defaults: dict[str, Any] | None = None) -> web.Application:
+    """The aiohttp application. `scheduler` may be None while the engine starts: generation
+    requests are then validated and answered 503. `generation_defaults` (temperature, top_p,
+    top_k, min_p used when a request leaves them out) default to the model's
+    generation_config.json."""
+    api = HttpApi(scheduler, tokenizer, config, metrics, generation_defaults)
+    app = web.Application(client_max_size=config.server.max_body_bytes,
+                          middlewares=[api.middleware])
+    app[API] = api
+    app.router.add_post("/v1/completions", api.completions)
+    app.router.add_post("/v1/chat/completions", api.chat_completions)
+    app.router.add_get("/v1/models", api.models)
+    app.router.add_get("/v1/slots", api.slots)
+    app.router.add_get("/health", api.health)
+    app.router.add_get("/ready", api.ready)
+    app.router.add_get("/metrics", api.metrics_text)
+    return app
+
+
+async def start_site(app: web.Application, config: Config) -> web.AppRunner:
+    """Listen on config.server.host:port; `await runner.cleanup()` stops it."""
+    runner = web.AppRunner(app, access_log_format='%r %s %b %Tfs "%{User-Agent}i"')
+    await runner.setup()
+    site = web.TCPSite(runner, config.server.host, config.server.port, reuse_address=True)
+    await site.start()
+    return runner
+
+
+class HttpApi:
+    def __init__(self, scheduler: Any, tokenizer: Any, config: Config, metrics: Metrics,
+                 generation_defaults: dict[str, Any] | None) -> None:
+        self.scheduler, self.tokenizer, self.config, self.metrics = (
+            scheduler, tokenizer, config, metrics)
+        self.model_name = getattr(scheduler, "model_name", None) or config.model.served_name
+        self.model_names = {self.model_name, config.model.served_name, *config.model.aliases}
+        self.created = int(time.time())
+        self.defaults = (generation_defaults if generation_defaults is not None
+                         else _generation_defaults(config))
+        self._keys = [k.encode() for k in config.server.api_keys]
+
+    # ---- middleware: request id, auth, errors ------------------------------------------------
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        prefix = {"/v1/completions": "cmpl", "/v1/chat/completions": "chatcmpl"}.get(
+            request.path, "req")
+        request_id = request[REQUEST_ID] = f"{prefix}-{uuid.uuid4().hex}"
+        with bind_request(request_id):
+            try:
+                if self._keys and request.path not in OPEN_PATHS:
+                    self._authorize(request)
+                response = await handler(request)
+            except ApiError as exc:
+                response = self._error(exc)
+            except web.HTTPException as exc:  # unknown route, wrong method, body too large
+                response = self._error(_from_http(exc, self.config.server.max_body_bytes))
+            except Exception:
+                log.exception("internal_error", path=request.path)
+                response = self._error(ApiError(
+                    500, f"internal server error (request id {request_id})",
+                    type="server_error", code="internal_error", reason="internal_error"))
+            if not response.prepared:
+                response.headers["X-Request-Id"] = request_id
+            return response
+
+    def _authorize(self, request: web.Request) -> None:
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        given = key.strip().encode()
+        ok = False
+        for expected in self._keys:  # NOTE: compare with every key: time does not leak which
+            ok |= hmac.compare_digest(given, expected)
+        if scheme.lower() != "bearer" or not ok:
+            raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", reason="unauthorized",
+                           headers={"WWW-Authenticate": 'Bearer realm="tandem"'})
+
+    def _error(self, exc: ApiError) -> web.Response:
+        if exc.status != 500:
+            self.metrics.request_rejected(exc.reason)
+        return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+
+    # ---- simple endpoints --------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        snap = self._snapshot()
+        if snap is None or not snap.get("ready"):
+            return web.json_response({"status": "starting"}, status=503)
+        return web.json_response({"status": "ready", "model": self.model_name})
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(),
+                            headers={"Content-Type": self.metrics.content_type})
+
+    async def models(self, request: web.Request) -> web.Response:
+        names = [self.model_name, *sorted(self.model_names - {self.model_name})]
+        return web.json_response({"object": "list", "data": [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "tandem",
+             "root": self.model_name, "max_model_len": self._max_context()} for name in names]})
+
+    async def slots(self, request: web.Request) -> web.Response:
+        snap = self._snapshot()
+        if snap is None:
+            raise ApiError(503, "the engine is not running", type="server_error",
+                           code="engine_unavailable", reason="unavailable")
+        return web.json_response(snap)
+
+    def _snapshot(self) -> dict[str, Any] | None:
+        if self.scheduler is None:
+            return None
+        return self.scheduler.snapshot()
+
+    def _max_context(self) -> int:
+        return getattr(self.scheduler, "max_context", None) or self.config.scheduler.max_context
+
+    # ---- generation --------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        self.metrics.request_received("completions")
+        return await self._generate(request, parse_completion(await self._json(request)))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        self.metrics.request_received("chat_completions")
+        return await self._generate(request, parse_chat(await self._json(request)))
+
+    async def _json(self, request: web.Request) -> Any:
+        raw = await request.read()  # raises HTTPRequestEntityTooLarge past client_max_size
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise bad(None, f"the request body is not valid JSON: {exc}") from None
+
+    async def _generate(self, request: web.Request, req: ParsedRequest) -> web.StreamResponse:
+        if req.model is not None and req.model not in self.model_names:
+            raise ApiError(404, f"the model '{req.model}' does not exist; this server serves "
+                           f"'{self.model_name}'", param="model", code="model_not_found",
+                           reason="model_not_found")
+        prompt_ids = self._prompt_ids(req)
+        gen = GenerationRequest(request_id=request[REQUEST_ID], prompt_ids=prompt_ids,
+                                sampling=self._sampling(req),
+                                max_tokens=self._max_tokens(len(prompt_ids), req.max_tokens),
+                                stop=req.stop, priority=req.priority)
+        handle = self._submit(gen)
+        fmt = Formatter(req.kind, request[REQUEST_ID], self.model_name, int(time.time()))
+        log.info("request_submitted", kind=req.kind, prompt_tokens=len(prompt_ids),
+                 max_tokens=gen.max_tokens, stream=req.stream, priority=req.priority)
+        try:
+            if req.stream:
+                return await self._stream(request, handle, fmt, req.include_usage,
+                                          len(prompt_ids))
+            return await self._collect(request, handle, fmt, len(prompt_ids))
+        finally:
+            if not handle.done:
+                handle.cancel()
+
+    def _prompt_ids(self, req: ParsedRequest) -> list[int]:
+        if isinstance(req.prompt, list):
+            vocab = getattr(self.tokenizer, "vocab_size", None)
+            if vocab is not None and max(req.prompt) >= vocab:
+                raise bad("prompt", f"token id {max(req.prompt)} is out of range: the "
+                          f"vocabulary has {vocab} tokens")
+            return list(req.prompt)
+        if self.tokenizer is None:
+            raise bad("prompt" if req.kind == "completion" else "messages",
+                      "this model has no tokenizer: send 'prompt' as a list of token ids")
+        try:
+            text = req.prompt if req.kind == "completion" else self.tokenizer.apply_chat_template(
+                req.messages, add_generation_prompt=True, tools=req.tools,
+                enable_thinking=req.enable_thinking)
+            ids = self.tokenizer.encode(text)
+        except TokenizerError as exc:
+            raise bad("messages", str(exc)) from None
+        if not ids:
+            raise bad("prompt", "the prompt encodes to zero tokens")
+        return ids
+
+    def _max_tokens(self, n_prompt: int, asked: int | None) -> int:
+        limit, ctx = self.config.max_prompt_tokens, self._max_context()
+        if n_prompt > limit:
+            raise ApiError(400, f"the prompt has {n_prompt} tokens, more than the limit of "
+                           f"{limit}", param="messages", code="context_length_exceeded",
+                           reason="prompt_too_long")
+        cap = self.config.max_tokens
+        if asked is not None and asked > cap:
+            raise bad("max_tokens", f"'max_tokens' must be <= {cap}, got {asked}")
+        if asked is not None and n_prompt + asked > ctx:
+            raise ApiError(400, f"the prompt ({n_prompt} tokens) plus max_tokens ({asked}) is "
+                           f"{n_prompt + asked} tokens, more than the context limit of {ctx}",
+                           param="max_tokens", code="context_length_exceeded",
+                           reason="prompt_too_long")
+        room = ctx - n_prompt
+        if room < 1:
+            raise ApiError(400, f"the prompt has {n_prompt} tokens and leaves no room in the "
+                           f"context limit of {ctx}", param="messages",
+                           code="context_length_exceeded", reason="prompt_too_long")
+        return asked if asked is not None else min(cap, room)
+
+    def _sampling(self, req: ParsedRequest) -> SamplingParams:
+        d = self.defaults
+
+        def pick(value: Any, key: str, fallback: Any) -> Any:
+            return value if value is not None else d.get(key, fallback)
+
+        seed = req.seed if req.seed is not None else secrets.randbelow(MAX_SEED + 1)
+        try:
+            return SamplingParams(temperature=pick(req.temperature, "temperature", 1.0),
+                                  top_p=pick(req.top_p, "top_p", 1.0),
+                                  top_k=pick(req.top_k, "top_k", 0),
+                                  min_p=pick(req.min_p, "min_p", 0.0), seed=seed)
+        except ValueError as exc:
+            raise bad(None, str(exc)) from None
+
+    def _submit(self, gen: GenerationRequest) -> RequestHandle:
+        if self.scheduler is None:
+            raise _unavailable("the engine is starting")
+        try:
+            return self.scheduler.submit(gen)
+        except QueueFull as exc:
+            retry = str(max(1, math.ceil(exc.retry_after)))
+            raise ApiError(503, f"the server is busy: {exc}", type="server_error",
+                           code="queue_full", reason="queue_full",
+                           headers={"Retry-After": retry}) from None
+        except RequestRejected as exc:
+            raise ApiError(400, str(exc), reason="rejected") from None
+        except EngineUnavailable as exc:
+            raise _unavailable(str(exc)) from None
+
+    # ---- answers -----------------------------------------------------------------------------
+    async def _events(self, request: web.Request,
+                      handle: RequestHandle) -> AsyncIterator[RequestEvent]:
+        """The handle's events; raises ClientGone / RequestTimeout while waiting for one."""
+        loop = asyncio.get_running_loop()
+        timeout = self.config.limits.request_timeout_s
+        deadline = loop.time() + timeout if timeout else math.inf
+        pending: asyncio.Future[RequestEvent] | None = None
+        try:
+            while not handle.done:
+                pending = pending or asyncio.ensure_future(handle.__anext__())
+                done, _ = await asyncio.wait({pending}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    event, pending = pending.result(), None
+                    yield event
+                elif request.transport is None or request.transport.is_closing():
+                    raise ClientGone
+                elif loop.time() > deadline:
+                    raise RequestTimeout(f"the request timed out after {timeout:g} s")
+        finally:
+            if pending is not None:
+                pending.cancel()
+
+    async def _collect(self, request: web.Request, handle: RequestHandle, fmt: Formatter,
+                       n_prompt: int) -> web.Response:
+        texts, count, last = [], 0, None
+        try:
+            async with contextlib.aclosing(self._events(request, handle)) as events:
+                async for last in events:
+                    texts.append(last.text)
+                    count += len(last.token_ids)
+        except ClientGone:
+            log.info("client_disconnected")
+            return web.Response(status=499)  # nobody reads it
+        except RequestTimeout as exc:
+            raise ApiError(504, str(exc), type="server_error", code="timeout",
+                           reason="timeout") from None
+        if last is None or last.finish_reason not in ("stop", "length"):
+            raise _failed(last)
+        usage = fmt.usage(last.usage, n_prompt, count)
+        return web.json_response(fmt.response("".join(texts), last.finish_reason, usage))
+
+    async def _stream(self, request: web.Request, handle: RequestHandle, fmt: Formatter,
+                      include_usage: bool, n_prompt: int) -> web.StreamResponse:
+        response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no", "X-Request-Id": request[REQUEST_ID]})
+        await response.prepare(request)
+
+        async def send(obj: dict[str, Any]) -> None:
+            await response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode()
+                                 + b"\n\n")
+
+        try:
+            if fmt.kind == "chat":
+                await send(fmt.chunk(role=True, include_usage=include_usage))
+            count = 0
+            async with contextlib.aclosing(self._events(request, handle)) as events:
+                async for event in events:
+                    count += len(event.token_ids)
+                    if event.text:
+                        await send(fmt.chunk(text=event.text, include_usage=include_usage))
+                    if event.finish_reason in ("stop", "length"):
+                        await send(fmt.chunk(finish_reason=event.finish_reason,
+                                             include_usage=include_usage))
+                        if include_usage:
+                            await send(fmt.usage_chunk(fmt.usage(event.usage, n_prompt, count)))
+                    elif event.finish_reason is not None:
+                        await send(_failed(event).body())
+        except RequestTimeout as exc:
+            await send(ApiError(504, str(exc), type="server_error", code="timeout").body())
+        except (ClientGone, ConnectionError):
+            log.info("client_disconnected")
+            return response
+        except Exception:
+            log.exception("internal_error_in_stream")
+            await send(ApiError(500, f"internal server error (request id "
+                                     f"{request[REQUEST_ID]})", type="server_error",
+                                code="internal_error").body())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def _unavailable(message: str) -> ApiError:
+    return ApiError(503, f"the engine is unavailable: {message}", type="server_error",
+                    code="engine_unavailable", reason="unavailable",
+                    headers={"Retry-After": "5"})
+
+
+def _failed(event: RequestEvent | None) -> ApiError:
+    """A request that ended with finish_reason "error" or "cancelled" (not by its client)."""
+    if event is None:
+        return ApiError(500, "the request ended without a result", type="server_error",
+                        code="internal_error", reason="internal_error")
+    message = event.error or f"the request was {event.finish_reason}"
+    return ApiError(503, message, type="server_error", code=f"request_{event.finish_reason}",
+                    reason=f"request_{event.finish_reason}")
+
+
+def _from_http(exc: web.HTTPException, max_body: int) -> ApiError:
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return ApiError(413, f"the request body is larger than the limit of {max_body} bytes "
+                        f"(server.max_body_bytes)", code="body_too_large",
+                        reason="body_too_large")
+    if isinstance(exc, web.HTTPNotFound):
+        return ApiError(404, "no such endpoint", code="not_found", reason="not_found")
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        return ApiError(405, f"method {exc.method} is not allowed here", reason="bad_method",
+                        headers={"Allow": ", ".join(sorted(exc.allowed_methods))})
+    return ApiError(exc.status, exc.reason, reason="http_error")
+
+
+def _generation_defaults(config: Config) -> dict[str, Any]:
+    try:
+        return load_generation_config(config.model.path)
+    except CheckpointError as exc:
+        log.warning("generation_config_unreadable", error=str(exc))
+        return {}

@@ -1,0 +1,144 @@
+"""Prometheus metrics of the daemon (ARCHITECTURE.md §8), on a registry of their own.
+
+Who calls what: the HTTP and ZeroMQ front ends call `request_received` and `request_rejected`
+(a request refused before it reached a slot); the scheduler calls everything else, once per
+request (`request_finished`), per emitted token (`observe_ttft` for the first one,
+`observe_itl` for the rest) or per step.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "tandem"
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0,
+               2.5, 5.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12,
+                10.24)
+ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+class _PromptThroughput(Collector):
+    """Prompt tokens/s over the latest steps that did prompt work; absent when stale."""
+
+    def __init__(self) -> None:
+        self.value: float | None = None
+
+    def collect(self):
+        family = GaugeMetricFamily(
+            f"{PREFIX}_prompt_throughput_tokens_per_second",
+            "Prompt (prefill) tokens per second over recent steps that processed prompt "
+            "tokens; absent when no prompt work happened recently")
+        if self.value is not None:
+            family.add_metric([], self.value)
+        yield family
+
+
+class Metrics:
+    """All of the daemon's metrics; `render()` gives the Prometheus text exposition."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, p = self.registry, PREFIX
+        self._received = Counter(f"{p}_requests_received", "Requests received, by endpoint",
+                                 ["endpoint"], registry=r)
+        self._rejected = Counter(f"{p}_requests_rejected",
+                                 "Requests refused before generation, by reason", ["reason"],
+                                 registry=r)
+        self._finished = Counter(f"{p}_requests_finished",
+                                 "Requests finished, by finish reason", ["finish_reason"],
+                                 registry=r)
+        self._prompt_tokens = Counter(f"{p}_prompt_tokens", "Prompt tokens of finished requests",
+                                      registry=r)
+        self._cached_tokens = Counter(f"{p}_prompt_cached_tokens",
+                                      "Prompt tokens served from the prefix cache", registry=r)
+        self._generation_tokens = Counter(f"{p}_generation_tokens",
+                                          "Generated tokens of finished requests", registry=r)
+        self._ttft = Histogram(f"{p}_time_to_first_token_seconds",
+                               "Time from arrival to the first generated token",
+                               buckets=TTFT_BUCKETS, registry=r)
+        self._itl = Histogram(f"{p}_inter_token_latency_seconds",
+                              "Time between consecutive generated tokens of a request",
+                              buckets=ITL_BUCKETS, registry=r)
+        self._queue_depth = Gauge(f"{p}_queue_depth", "Requests waiting for a slot", registry=r)
+        self._active_slots = Gauge(f"{p}_active_slots", "Slots holding a request", registry=r)
+        self._kv_used = Gauge(f"{p}_kv_blocks_used", "KV cache blocks in use", registry=r)
+        self._kv_total = Gauge(f"{p}_kv_blocks_total", "KV cache blocks in all", registry=r)
+        self._kv_usage = Gauge(f"{p}_kv_usage_ratio", "Fraction of KV cache blocks in use",
+                               registry=r)
+        self._step = Histogram(f"{p}_step_seconds", "Wall time of one engine step",
+                               buckets=STEP_BUCKETS, registry=r)
+        self._rows = Histogram(f"{p}_step_rows", "Rows (tokens) in one engine step",
+                               buckets=ROW_BUCKETS, registry=r)
+        self._step_prompt = Counter(f"{p}_step_prompt_tokens",
+                                    "Prompt tokens processed by engine steps", registry=r)
+        self._step_decode = Counter(f"{p}_step_decode_tokens",
+                                    "Decode rows processed by engine steps", registry=r)
+        self._restarts = Counter(f"{p}_worker_restarts", "Child processes restarted, by component",
+                                 ["component"], registry=r)
+        self._throughput = _PromptThroughput()
+        r.register(self._throughput)
+        ProcessCollector(registry=r)  # the daemon's own CPU, memory and open files
+
+    # ---- requests ----------------------------------------------------------------------------
+    def request_received(self, endpoint: str) -> None:
+        self._received.labels(endpoint=endpoint).inc()
+
+    def request_rejected(self, reason: str) -> None:
+        self._rejected.labels(reason=reason).inc()
+
+    def request_finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+                         cached_tokens: int = 0) -> None:
+        self._finished.labels(finish_reason=finish_reason).inc()
+        self._prompt_tokens.inc(prompt_tokens)
+        self._generation_tokens.inc(completion_tokens)
+        self._cached_tokens.inc(cached_tokens)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    # ---- engine state ------------------------------------------------------------------------
+    def set_queue_depth(self, n: int) -> None:
+        self._queue_depth.set(n)
+
+    def set_active_slots(self, n: int) -> None:
+        self._active_slots.set(n)
+
+    def set_kv_usage(self, used_blocks: int, total_blocks: int) -> None:
+        self._kv_used.set(used_blocks)
+        self._kv_total.set(total_blocks)
+        self._kv_usage.set(used_blocks / total_blocks if total_blocks else 0.0)
+
+    def observe_step(self, seconds: float, rows: int, prompt_tokens: int,
+                     decode_tokens: int) -> None:
+        self._step.observe(seconds)
+        self._rows.observe(rows)
+        self._step_prompt.inc(prompt_tokens)
+        self._step_decode.inc(decode_tokens)
+
+    def set_prompt_throughput(self, tokens_per_s: float | None) -> None:
+        """None marks it stale: no recent step did prompt work, so the gauge is absent."""
+        self._throughput.value = tokens_per_s
+
+    def worker_restarted(self, component: str) -> None:
+        self._restarts.labels(component=component).inc()
+
+    # ---- exposition --------------------------------------------------------------------------
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

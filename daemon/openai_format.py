@@ -1,0 +1,66 @@
+"""OpenAI's response shapes: completion / chat completion objects and their stream chunks."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from daemon.requests import Usage
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Formatter:
+    """Builds the JSON objects of one request (`kind` "completion" or "chat")."""
+
+    kind: str
+    request_id: str
+    model: str
+    created: int
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.request_id, "object": obj, "created": self.created,
+                "model": self.model}
+
+    @staticmethod
+    def usage(usage: Usage | None, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        """OpenAI's usage object; the counts are a fallback when the engine sent none."""
+        if usage is not None:
+            prompt_tokens, completion_tokens = usage.prompt_tokens, usage.completion_tokens
+        cached = usage.cached_tokens if usage is not None else 0
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def response(self, text: str, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+        """The whole (non-streamed) answer."""
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": finish_reason}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": usage}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("text_completion"), "choices": [choice], "usage": usage}
+
+    def chunk(self, *, text: str = "", role: bool = False, finish_reason: str | None = None,
+              include_usage: bool = False) -> dict[str, Any]:
+        """One stream chunk: the assistant role (chat's first chunk), a piece of text, or the
+        finish reason. With stream_options.include_usage every chunk has "usage": null."""
+        if self.kind == "chat":
+            delta: dict[str, Any] = {}
+            if role:
+                delta = {"role": "assistant", "content": ""}
+            elif text:
+                delta = {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None,
+                      "finish_reason": finish_reason}
+            out = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            out = {**self._head("text_completion"), "choices": [choice]}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """The last chunk when stream_options.include_usage: no choices, the usage."""
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": usage}
