@@ -1,0 +1,767 @@
+#!/usr/bin/env python3
+"""Train tandem-tiny: a small Qwen3-Next MoE (transformers' ``Qwen3NextForCausalLM``) plus an MTP
+head, jointly, and save it in the real Qwen3-Next on-disk format.
+
+Needs the ``train`` extra (torch, transformers); nothing in Tandem's runtime imports this file.
+
+Sub-commands (see ``docs/training.md`` for the full recipe):
+
+* ``prepare``   tokenize a corpus from ``scripts/build_corpus.py`` into uint16 streams,
+* ``train``     train (or resume) on CPU or CUDA under a wall-clock budget, save a checkpoint,
+* ``export``    merge a checkpoint's shards into ``models/tandem-tiny/model.safetensors``,
+* ``evaluate``  held-out perplexity (code / prose / chat) and MTP agreement (transformers),
+* ``reference`` write ``reference_logits.npz`` (float32 logits of transformers and of the MTP head),
+* ``sample``    greedy chat completion, to eyeball the model.
+
+MTP (MODELS.md): for position t, x = fc(concat[norm_e(embed(token[t+1])), norm_h(h[t])]) with the
+embedding first, one full-attention decoder layer with the sparse MoE block at position t,
+``mtp.norm``, the shared lm_head; it predicts token[t+2]. h[t] is the main model's final-normed
+hidden state. Loss = CE(main) + mtp_weight * CE(mtp) + aux_weight * load-balancing loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+from transformers.models.qwen3_next import modeling_qwen3_next as qn
+
+KINDS = ("code", "prose", "chat")
+KIND_WEIGHTS = {"code": 1.0, "prose": 1.5, "chat": 2.5}  # sampling weight per token
+EOT = "<|endoftext|>"
+MAX_SHARD_BYTES = 12 * 1024 * 1024
+
+
+# --------------------------------------------------------------------------- model
+
+
+def make_config(vocab_size: int = 8192, bos: int = 8166, eos: int = 8168) -> Qwen3NextConfig:
+    """tandem-tiny's shape: 8 layers (every 4th full attention), 16 experts top-4 + shared."""
+    layers = 8
+    cfg = Qwen3NextConfig(
+        vocab_size=vocab_size,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        hidden_act="silu",
+        max_position_embeddings=4096,
+        initializer_range=0.02,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.25},
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        decoder_sparse_step=1,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=128,
+        num_experts_per_tok=4,
+        num_experts=16,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.01,
+        mlp_only_layers=[],
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                     for i in range(layers)],
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=bos,
+    )
+    cfg.full_attention_interval = 4
+    cfg.mtp_num_hidden_layers = 1
+    cfg.partial_rotary_factor = 0.25
+    cfg.rope_theta = 10000.0
+    return cfg
+
+
+class MTPHead(nn.Module):
+    """Qwen3-Next multi-token-prediction head; parameter names match ``mtp.*`` on disk."""
+
+    def __init__(self, config: Qwen3NextConfig) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.pre_fc_norm_embedding = qn.Qwen3NextRMSNorm(h, eps=eps)
+        self.pre_fc_norm_hidden = qn.Qwen3NextRMSNorm(h, eps=eps)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        layer_cfg = copy.deepcopy(config)
+        layer_cfg.layer_types = ["full_attention"]
+        layer_cfg.mlp_only_layers = []
+        self.layer_config = layer_cfg
+        self.layers = nn.ModuleList([qn.Qwen3NextDecoderLayer(layer_cfg, 0)])
+        self.norm = qn.Qwen3NextRMSNorm(h, eps=eps)
+
+    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                position_ids: torch.Tensor) -> torch.Tensor:
+        """hidden: final-normed h[t]; next_embeds: embed(token[t+1]); returns mtp.norm output."""
+        x = torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)],
+                      dim=-1)
+        x = self.fc(x)
+        x = self.layers[0](x, position_embeddings=position_embeddings, attention_mask=None,
+                           position_ids=position_ids)
+        if isinstance(x, tuple):
+            x = x[0]
+        return self.norm(x)
+
+
+class TinyModel(nn.Module):
+    """Qwen3NextForCausalLM + MTPHead, sharing embedding and lm_head."""
+
+    def __init__(self, config: Qwen3NextConfig) -> None:
+        super().__init__()
+        self.lm = Qwen3NextForCausalLM(config)
+        self.mtp = MTPHead(config)
+        self.mtp.apply(self.lm._init_weights)
+        for mod in self.mtp.modules():  # zero-centred norms start at 0 (i.e. scale 1)
+            if isinstance(mod, qn.Qwen3NextRMSNorm):
+                nn.init.zeros_(mod.weight)
+
+    @property
+    def config(self) -> Qwen3NextConfig:
+        return self.lm.config
+
+    def set_experts_impl(self, impl: str) -> None:
+        for cfg in (self.lm.config, self.mtp.layer_config):
+            cfg._experts_implementation = impl
+
+    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm.model(input_ids=ids).last_hidden_state
+
+    def mtp_hidden(self, h: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """MTP output for positions 0..n-1 given h[0..n-1] and token[1..n]."""
+        b, n = next_ids.shape
+        pos = torch.arange(n, device=next_ids.device)[None].expand(b, n)
+        emb = self.lm.model.embed_tokens(next_ids)
+        pe = self.lm.model.rotary_emb(h, pos)
+        return self.mtp(h, emb, pe, pos)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm.lm_head(x)
+
+
+def count_params(model: TinyModel) -> dict[str, int]:
+    total = sum(p.numel() for p in model.parameters())
+    mtp = sum(p.numel() for p in model.mtp.parameters())
+    cfg = model.config
+    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    idle = cfg.num_experts - cfg.num_experts_per_tok
+    inactive = (cfg.num_hidden_layers + 1) * per_expert * idle
+    return {"total": total, "mtp": mtp, "main": total - mtp, "active_per_token": total - inactive}
+
+
+# --------------------------------------------------------------------------- on-disk format
+
+
+def to_hf_state(model: TinyModel, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Model + MTP weights under Qwen3-Next checkpoint names, experts split per expert."""
+    out: dict[str, torch.Tensor] = {}
+    items = [(k, v) for k, v in model.lm.state_dict().items()]
+    items += [("mtp." + k, v) for k, v in model.mtp.state_dict().items()]
+    for k, v in items:
+        if k == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        v = v.detach().to("cpu", dtype)
+        if k.endswith("mlp.experts.gate_up_proj"):
+            base = k[: -len("gate_up_proj")]
+            inter = v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = v[e, :inter].contiguous()
+                out[f"{base}{e}.up_proj.weight"] = v[e, inter:].contiguous()
+        elif k.endswith("mlp.experts.down_proj"):
+            base = k[: -len("down_proj")]
+            for e in range(v.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = v[e].contiguous()
+        else:
+            out[k] = v.contiguous()
+    return out
+
+
+def from_hf_state(model: TinyModel, state: dict[str, torch.Tensor]) -> None:
+    """Inverse of :func:`to_hf_state` (loads into fused or per-expert module layouts)."""
+    lm_sd, mtp_sd = model.lm.state_dict(), model.mtp.state_dict()
+    new_lm: dict[str, torch.Tensor] = {}
+    new_mtp: dict[str, torch.Tensor] = {}
+    for target, prefix, new in ((lm_sd, "", new_lm), (mtp_sd, "mtp.", new_mtp)):
+        for k, ref in target.items():
+            src = prefix + k
+            if src in state:
+                new[k] = state[src]
+            elif k == "lm_head.weight":
+                new[k] = state["model.embed_tokens.weight"]
+            elif k.endswith("mlp.experts.gate_up_proj"):
+                base = src[: -len("gate_up_proj")]
+                new[k] = torch.stack([
+                    torch.cat([state[f"{base}{e}.gate_proj.weight"],
+                               state[f"{base}{e}.up_proj.weight"]], 0)
+                    for e in range(ref.shape[0])])
+            elif k.endswith("mlp.experts.down_proj"):
+                base = src[: -len("down_proj")]
+                new[k] = torch.stack([state[f"{base}{e}.down_proj.weight"]
+                                      for e in range(ref.shape[0])])
+            else:
+                raise KeyError(f"checkpoint lacks {src}")
+            new[k] = new[k].to(ref.dtype)
+    model.lm.load_state_dict(new_lm)
+    model.mtp.load_state_dict(new_mtp)
+
+
+def config_dict(cfg: Qwen3NextConfig) -> dict:
+    d = cfg.to_dict()
+    for k in list(d):
+        if k.startswith("_") or k in ("transformers_version", "output_router_logits"):
+            d.pop(k, None)
+    d["architectures"] = ["Qwen3NextForCausalLM"]
+    d["model_type"] = "qwen3_next"
+    d["torch_dtype"] = "bfloat16"
+    d["dtype"] = "bfloat16"
+    d["mtp_num_hidden_layers"] = 1
+    d["full_attention_interval"] = 4
+    d["partial_rotary_factor"] = 0.25
+    d["rope_theta"] = 10000.0
+    return d
+
+
+def save_checkpoint(model: TinyModel, out: Path, meta: dict) -> None:
+    """bf16 weights in <= 12 MiB shards + index + config + train_state.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    state = to_hf_state(model)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k in sorted(state):
+        nbytes = state[k].numel() * state[k].element_size()
+        if size + nbytes > MAX_SHARD_BYTES and shards[-1]:
+            shards.append({})
+            size = 0
+        shards[-1][k] = state[k]
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(v.numel() * v.element_size() for v in state.values())
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (out / "config.json").write_text(json.dumps(config_dict(model.config), indent=2) + "\n")
+    (out / "train_state.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def load_state_dir(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("model*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def load_model(path: Path, dtype: torch.dtype = torch.float32) -> TinyModel:
+    cfg_d = json.loads((path / "config.json").read_text())
+    cfg = make_config(cfg_d["vocab_size"], cfg_d["bos_token_id"], cfg_d["eos_token_id"])
+    model = TinyModel(cfg)
+    from_hf_state(model, load_state_dir(path))
+    return model.to(dtype)
+
+
+# --------------------------------------------------------------------------- data
+
+
+def prepare(corpus: Path, tokenizer_path: Path, out: Path) -> dict:
+    """Tokenize train/heldout JSONL into uint16 streams, one per split and kind."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    eot = tok.token_to_id(EOT)
+    out.mkdir(parents=True, exist_ok=True)
+    meta: dict = {"eot": eot, "vocab_size": tok.get_vocab_size(), "streams": {}}
+    for split in ("train", "heldout"):
+        texts: dict[str, list[str]] = {k: [] for k in KINDS}
+        with open(corpus / f"{split}.jsonl", encoding="utf-8") as fh:
+            for line in fh:
+                d = json.loads(line)
+                texts[d["kind"]].append(d["text"])
+        for kind, docs in texts.items():
+            ids: list[int] = []
+            for enc in tok.encode_batch(docs, add_special_tokens=False):
+                ids.extend(enc.ids)
+                ids.append(eot)
+            arr = np.asarray(ids, dtype=np.uint16)
+            np.save(out / f"{split}_{kind}.npy", arr)
+            meta["streams"][f"{split}_{kind}"] = {"docs": len(docs), "tokens": int(arr.size)}
+    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+def load_streams(data: Path, split: str, device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.load(data / f"{split}_{k}.npy").astype(np.int64)).to(device)
+            for k in KINDS}
+
+
+class Sampler:
+    """Random (T+1)-token windows from the train streams, kinds weighted by KIND_WEIGHTS."""
+
+    def __init__(self, streams: dict[str, torch.Tensor], seq: int, seed: int) -> None:
+        self.streams, self.seq = streams, seq
+        self.gen = torch.Generator(device="cpu").manual_seed(seed)
+        w = torch.tensor([KIND_WEIGHTS[k] * streams[k].numel() for k in KINDS], dtype=torch.float)
+        self.probs = w / w.sum()
+        self.ar = {k: torch.arange(seq + 1, device=s.device) for k, s in streams.items()}
+
+    def batch(self, bsz: int) -> torch.Tensor:
+        kinds = torch.multinomial(self.probs, bsz, replacement=True, generator=self.gen)
+        rows = []
+        for i, k in enumerate(KINDS):
+            n = int((kinds == i).sum())
+            if n == 0:
+                continue
+            s = self.streams[k]
+            off = torch.randint(0, s.numel() - self.seq - 1, (n,), generator=self.gen)
+            rows.append(s[off.to(s.device)[:, None] + self.ar[k][None]])
+        return torch.cat(rows, 0)
+
+
+def eval_windows(stream: torch.Tensor, seq: int, n: int) -> torch.Tensor:
+    """n evenly spaced (seq+1)-token windows (deterministic)."""
+    n = max(1, min(n, (stream.numel() - 1) // (seq + 1)))
+    offs = torch.linspace(0, stream.numel() - seq - 2, n).long().to(stream.device)
+    return stream[offs[:, None] + torch.arange(seq + 1, device=stream.device)[None]]
+
+
+# --------------------------------------------------------------------------- losses
+
+
+class RouterTap:
+    """Collects router logits of every sparse block (main layers and MTP) via hooks."""
+
+    def __init__(self, model: TinyModel) -> None:
+        self.logits: list[torch.Tensor] = []
+        self.k = model.config.num_experts_per_tok
+        for name, mod in model.named_modules():
+            if name.endswith("mlp.gate"):
+                mod.register_forward_hook(self._hook)
+
+    def _hook(self, mod: nn.Module, inp: tuple, out: torch.Tensor | tuple) -> None:
+        self.logits.append(out[0] if isinstance(out, tuple) else out)
+
+    def balance_loss(self) -> torch.Tensor:
+        """Switch-style load balancing: E * sum_i f_i * P_i, averaged over sparse blocks."""
+        losses = []
+        for lg in self.logits:
+            probs = lg.float().softmax(-1)
+            e = probs.shape[-1]
+            top = probs.topk(self.k, dim=-1).indices
+            frac = F.one_hot(top, e).float().sum(1).mean(0) / self.k
+            losses.append(e * (frac * probs.mean(0)).sum())
+        self.logits = []
+        return torch.stack(losses).mean()
+
+
+def losses(model: TinyModel, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(main CE, MTP CE, extras) for a batch of (T+1)-token windows."""
+    inp, labels = ids[:, :-1], ids[:, 1:]
+    h = model.hidden(inp)
+    logits = model.logits(h)
+    v = logits.shape[-1]
+    main = F.cross_entropy(logits.float().reshape(-1, v), labels.reshape(-1))
+    m = model.mtp_hidden(h[:, :-1], inp[:, 1:])
+    mlogits = model.logits(m)
+    mtp = F.cross_entropy(mlogits.float().reshape(-1, v), ids[:, 2:].reshape(-1))
+    return main, mtp, {"logits": logits, "mtp_logits": mlogits}
+
+
+@torch.no_grad()
+def evaluate(model: TinyModel, streams: dict[str, torch.Tensor], seq: int, windows: int,
+             bsz: int, autocast: bool = False) -> dict:
+    """Held-out CE/perplexity per kind, MTP CE, MTP agreement/accuracy on code."""
+    model.eval()
+    res: dict = {}
+    dev = next(model.parameters()).device
+    for kind, stream in streams.items():
+        w = eval_windows(stream, seq, windows)
+        tot = {"main": 0.0, "mtp": 0.0, "agree": 0.0, "mtp_acc": 0.0, "main_acc": 0.0, "n": 0}
+        for i in range(0, w.shape[0], bsz):
+            ids = w[i : i + bsz]
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+                main, mtp, ex = losses(model, ids)
+            n = ids.shape[0]
+            main_pred = ex["logits"].argmax(-1)  # main_pred[:, t] predicts token t+1
+            mtp_pred = ex["mtp_logits"].argmax(-1)  # mtp_pred[:, t] predicts token t+2
+            tot["main"] += float(main) * n
+            tot["mtp"] += float(mtp) * n
+            tot["agree"] += float((mtp_pred == main_pred[:, 1:]).float().mean()) * n
+            tot["mtp_acc"] += float((mtp_pred == ids[:, 2:]).float().mean()) * n
+            tot["main_acc"] += float((main_pred == ids[:, 1:]).float().mean()) * n
+            tot["n"] += n
+        n = tot.pop("n")
+        r = {k: v / n for k, v in tot.items()}
+        r["ppl"] = math.exp(r["main"])
+        r["windows"] = n
+        r["tokens"] = n * seq
+        res[kind] = r
+    model.train()
+    return res
+
+
+# --------------------------------------------------------------------------- training
+
+
+def _chunk_gdr(query, key, value, g, beta, chunk_size=64, initial_state=None,  # noqa: ANN001
+               output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
+    """transformers 5.24's torch chunked gated delta rule (triangular solve per chunk)."""
+    dtype = query.dtype
+    b, n, hk, dk = key.shape
+    hv, dv = value.shape[-2:]
+    if hk != hv:
+        query = query.repeat_interleave(hv // hk, dim=2)
+        key = key.repeat_interleave(hv // hk, dim=2)
+    query, key, value, beta, g = [x.transpose(1, 2).to(torch.float32).contiguous()
+                                  for x in (query, key, value, beta, g)]
+    if use_qk_l2norm_in_kernel:
+        query = query * torch.rsqrt((query * query).sum(-1, keepdim=True) + 1e-6)
+        key = key * torch.rsqrt((key * key).sum(-1, keepdim=True) + 1e-6)
+    query = query * query.shape[-1] ** -0.5
+    pad = (chunk_size - n % chunk_size) % chunk_size
+    query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
+    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
+    nc = (n + pad) // chunk_size
+    v_beta, k_beta = value * beta[..., None], key * beta[..., None]
+    query, key, k_beta, v_beta = [x.reshape(b, hv, nc, chunk_size, x.shape[-1])
+                                  for x in (query, key, k_beta, v_beta)]
+    cum = g.reshape(b, hv, nc, chunk_size).cumsum(-1)
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=query.device).triu(1)
+    pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    ut = (k_beta @ key.transpose(-1, -2)) * pair
+    intra = (query @ key.transpose(-1, -2)) * pair
+    new_v = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
+    k_cum = torch.linalg.solve_triangular(ut, k_beta * cum.exp()[..., None], upper=False,
+                                          unitriangular=True)
+    state = (torch.zeros(b, hv, dk, dv, dtype=torch.float32, device=query.device)
+             if initial_state is None else initial_state.to(torch.float32))
+    query = query * cum.exp()[..., None]
+    key = key * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    outs = []
+    for i in range(nc):
+        vn = new_v[:, :, i] - k_cum[:, :, i] @ state
+        outs.append(query[:, :, i] @ state + intra[:, :, i] @ vn)
+        state = state * chunk_decay[:, :, i] + key[:, :, i].transpose(-1, -2) @ vn
+    out = torch.stack(outs, 2).reshape(b, hv, -1, dv)[:, :, :n]
+    return out.transpose(1, 2).contiguous().to(dtype), (state if output_final_state else None)
+
+
+def fast_chunk_gated_delta_rule_installed() -> str:
+    """Make sure the torch chunked GDN uses a triangular solve, not a 63-step Python loop."""
+    import inspect
+
+    try:
+        src = inspect.getsource(qn.torch_chunk_gated_delta_rule)
+    except (OSError, TypeError):
+        src = ""
+    if "solve_triangular" in src:
+        return "transformers (solve_triangular)"
+    qn.torch_chunk_gated_delta_rule = _chunk_gdr
+    return "patched (_chunk_gdr)"
+
+
+def pick_experts_impl(model: TinyModel, sampler: Sampler, bsz: int, dev: torch.device,
+                      candidates: list[str]) -> str:
+    best, best_t = candidates[0], float("inf")
+    for impl in candidates:
+        try:
+            model.set_experts_impl(impl)
+            for i in range(4):
+                if i == 1:
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    main, mtp, _ = losses(model, sampler.batch(bsz))
+                (main + mtp).backward()
+            torch.cuda.synchronize()
+            dt = (time.perf_counter() - t0) / 3
+            model.zero_grad(set_to_none=True)
+            print(f"experts_impl {impl}: {dt * 1000:.1f} ms/step", flush=True)
+            if dt < best_t:
+                best, best_t = impl, dt
+        except Exception as exc:  # noqa: BLE001 - any failure just rules the candidate out
+            print(f"experts_impl {impl} failed: {exc!r}", flush=True)
+            model.zero_grad(set_to_none=True)
+    model.set_experts_impl(best)
+    return best
+
+
+def train(args: argparse.Namespace) -> None:
+    t_start = time.time()
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(args.seed)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    meta_prev: dict = {}
+    if args.resume:
+        model = load_model(args.resume)
+        meta_prev = json.loads((args.resume / "train_state.json").read_text())
+    else:
+        dmeta = json.loads((args.data / "meta.json").read_text())
+        model = TinyModel(make_config(dmeta["vocab_size"]))
+    model.to(dev)
+    print("params", count_params(model), "gdn", fast_chunk_gated_delta_rule_installed(),
+          flush=True)
+    train_streams = load_streams(args.data, "train", dev)
+    held_streams = load_streams(args.data, "heldout", dev)
+    step0 = int(meta_prev.get("step", 0))
+    tokens0 = int(meta_prev.get("tokens_seen", 0))
+    sampler = Sampler(train_streams, args.seq, args.seed * 1_000_003 + step0)
+    autocast = dev.type == "cuda"
+    impl = "eager"
+    if dev.type == "cuda":
+        impl = pick_experts_impl(model, sampler, args.batch, dev, ["grouped_mm", "eager"])
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        (no_decay if p.ndim < 2 or "norm" in n else decay).append(p)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
+    tap = RouterTap(model)
+    budget = args.time_budget - (time.time() - t_start)
+    t0 = time.time()
+    step, tokens = 0, 0
+    history: list[dict] = list(meta_prev.get("history", []))
+    ema = None
+    next_eval = t0 + args.eval_every
+    speed_logged = False
+    while True:
+        elapsed = time.time() - t0
+        if elapsed >= budget or (args.max_steps and step >= args.max_steps):
+            break
+        warm = min(1.0, (step + 1) / args.warmup)
+        frac = elapsed / budget
+        lr_scale = warm
+        if args.decay_frac > 0 and frac > 1 - args.decay_frac:
+            into = (frac - (1 - args.decay_frac)) / args.decay_frac
+            lr_scale *= 1 - (1 - args.min_lr_ratio) * into
+        for g in opt.param_groups:
+            g["lr"] = args.lr * lr_scale
+        ids = sampler.batch(args.batch)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+            main, mtp, _ = losses(model, ids)
+            aux = tap.balance_loss()
+        loss = main + args.mtp_weight * mtp + args.aux_weight * aux
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        step += 1
+        tokens += ids.shape[0] * args.seq
+        if step % args.log_every == 0 or step <= 3:
+            vals = (float(main), float(mtp), float(aux), float(gnorm))
+            ema = vals if ema is None else tuple(0.9 * a + 0.1 * b for a, b in zip(ema, vals,
+                                                                                  strict=True))
+            el = time.time() - t0
+            print(f"step {step0 + step} tok {tokens0 + tokens} main {vals[0]:.3f} "
+                  f"mtp {vals[1]:.3f} aux {vals[2]:.3f} gn {vals[3]:.2f} "
+                  f"lr {args.lr * lr_scale:.2e} {tokens / el:.0f} tok/s t {el:.0f}s", flush=True)
+            history.append({"step": step0 + step, "tokens": tokens0 + tokens, "main": vals[0],
+                            "mtp": vals[1], "aux": vals[2], "t": round(el, 1)})
+        if not speed_logged and step == 12:
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            print(f"SPEED after 12 steps: {tokens / (time.time() - t0):.0f} tok/s "
+                  f"(experts_impl {impl})", flush=True)
+            speed_logged = True
+        if time.time() > next_eval:
+            ev = evaluate(model, {"code": held_streams["code"]}, args.seq, 32, args.batch,
+                          autocast)
+            tap.logits.clear()
+            print(f"eval step {step0 + step} code ce {ev['code']['main']:.3f} "
+                  f"mtp {ev['code']['mtp']:.3f} agree {ev['code']['agree']:.3f}", flush=True)
+            next_eval = time.time() + args.eval_every
+    train_time = time.time() - t0
+    print(f"trained {step} steps, {tokens} tokens in {train_time:.0f}s "
+          f"({tokens / max(train_time, 1e-9):.0f} tok/s)", flush=True)
+    meta = {
+        "step": step0 + step, "tokens_seen": tokens0 + tokens,
+        "train_seconds": float(meta_prev.get("train_seconds", 0)) + train_time,
+        "runs": list(meta_prev.get("runs", [])) + [{
+            "steps": step, "tokens": tokens, "seconds": round(train_time, 1),
+            "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+            "experts_impl": impl, "batch": args.batch, "seq": args.seq, "lr": args.lr,
+            "warmup": args.warmup, "decay_frac": args.decay_frac,
+            "resumed_from_step": step0}],
+        "history": history[-400:],
+        "recipe": {"mtp_weight": args.mtp_weight, "aux_weight": args.aux_weight,
+                   "weight_decay": args.weight_decay, "clip": args.clip,
+                   "kind_weights": KIND_WEIGHTS, "optimizer": "AdamW(0.9,0.95)"},
+    }
+    # Evaluate the weights as shipped: bf16-rounded, run in float32.
+    save_checkpoint(model, args.out, meta)
+    if args.final_eval:
+        shipped = load_model(args.out).to(dev)
+        shipped.set_experts_impl(impl)
+        ev = evaluate(shipped, held_streams, args.seq, args.eval_windows, args.batch, False)
+        meta["heldout_fp32"] = ev
+        print("heldout", json.dumps(ev), flush=True)
+        (args.out / "train_state.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"saved {args.out} total {time.time() - t_start:.0f}s", flush=True)
+
+
+# --------------------------------------------------------------------------- export, reference
+
+
+def export(ckpt: Path, model_dir: Path) -> None:
+    """Merge checkpoint shards into one model.safetensors + config + generation_config."""
+    state = load_state_dir(ckpt)
+    save_file({k: state[k].contiguous() for k in sorted(state)},
+              str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    gen = {"bos_token_id": cfg["bos_token_id"], "pad_token_id": cfg["pad_token_id"],
+           "eos_token_id": [cfg["eos_token_id"], cfg["bos_token_id"]],
+           "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+           "transformers_version": "5.17.0"}
+    (model_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    print("wrote", model_dir / "model.safetensors",
+          (model_dir / "model.safetensors").stat().st_size, "bytes")
+
+
+REF_LEN = 48
+REF_POSITIONS = (0, 7, 15, 23, 31, 39, 46)  # the MTP at t needs token t+1, so t <= REF_LEN - 2
+
+
+def reference(model_dir: Path, data: Path, out: Path) -> None:
+    """transformers float32 logits (full rows at REF_POSITIONS) + MTP logits, CPU."""
+    torch.manual_seed(0)
+    lm = Qwen3NextForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    lm.eval()
+    model = load_model(model_dir)
+    model.eval()
+    code = np.load(data / "heldout_code.npy")
+    prose = np.load(data / "heldout_prose.npy")
+    seqs = np.stack([code[1000 : 1000 + REF_LEN], prose[500 : 500 + REF_LEN]]).astype(np.int64)
+    ids = torch.from_numpy(seqs)
+    pos = np.asarray(REF_POSITIONS, dtype=np.int64)
+    with torch.no_grad():
+        hf = lm(input_ids=ids).logits.float()
+        h = model.hidden(ids)
+        own = model.logits(h)
+        mtp = model.logits(model.mtp_hidden(h[:, :-1], ids[:, 1:]))
+    diff = float((hf - own).abs().max())
+    print("transformers vs training-module logits max abs diff", diff)
+    np.savez_compressed(
+        out,
+        input_ids=seqs.astype(np.int32),
+        positions=pos.astype(np.int32),
+        logits=hf[:, pos].numpy().astype(np.float32),
+        mtp_logits=mtp[:, pos].numpy().astype(np.float32),
+        top32_idx=hf.topk(32, -1).indices.numpy().astype(np.int32),
+        top32_val=hf.topk(32, -1).values.numpy().astype(np.float32),
+        mtp_top32_idx=mtp.topk(32, -1).indices.numpy().astype(np.int32),
+        mtp_top32_val=mtp.topk(32, -1).values.numpy().astype(np.float32),
+        hidden_final=h[:, pos].numpy().astype(np.float32),
+    )
+    print("wrote", out, out.stat().st_size, "bytes")
+
+
+def sample(model_dir: Path, prompt: str, max_new: int) -> str:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    lm = Qwen3NextForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    text = (f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+            "<think>\n\n</think>\n\n")
+    ids = torch.tensor([tok.encode(text, add_special_tokens=False).ids])
+    gen = json.loads((model_dir / "generation_config.json").read_text())
+    out = lm.generate(ids, max_new_tokens=max_new, do_sample=False,
+                      eos_token_id=gen["eos_token_id"], pad_token_id=gen["pad_token_id"])
+    return tok.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=False)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("--corpus", type=Path, required=True)
+    p.add_argument("--tokenizer", type=Path, default=Path("models/tandem-tiny/tokenizer.json"))
+    p.add_argument("--out", type=Path, required=True)
+    t = sub.add_parser("train")
+    t.add_argument("--data", type=Path, required=True, help="dir written by prepare")
+    t.add_argument("--out", type=Path, required=True, help="checkpoint dir to write")
+    t.add_argument("--resume", type=Path, default=None, help="checkpoint dir to resume from")
+    t.add_argument("--device", default=None)
+    t.add_argument("--time-budget", type=float, default=420.0, help="seconds, whole command")
+    t.add_argument("--max-steps", type=int, default=0)
+    t.add_argument("--batch", type=int, default=64)
+    t.add_argument("--seq", type=int, default=512)
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--warmup", type=int, default=150)
+    t.add_argument("--decay-frac", type=float, default=0.0,
+                   help="linear decay over this final fraction of the budget (WSD)")
+    t.add_argument("--min-lr-ratio", type=float, default=0.05)
+    t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--clip", type=float, default=1.0)
+    t.add_argument("--mtp-weight", type=float, default=0.3)
+    t.add_argument("--aux-weight", type=float, default=0.01)
+    t.add_argument("--seed", type=int, default=1234)
+    t.add_argument("--log-every", type=int, default=25)
+    t.add_argument("--eval-every", type=float, default=120.0)
+    t.add_argument("--eval-windows", type=int, default=128)
+    t.add_argument("--final-eval", action="store_true")
+    e = sub.add_parser("export")
+    e.add_argument("--ckpt", type=Path, required=True)
+    e.add_argument("--model-dir", type=Path, default=Path("models/tandem-tiny"))
+    r = sub.add_parser("reference")
+    r.add_argument("--model-dir", type=Path, default=Path("models/tandem-tiny"))
+    r.add_argument("--data", type=Path, required=True)
+    r.add_argument("--out", type=Path, default=Path("models/tandem-tiny/reference_logits.npz"))
+    v = sub.add_parser("evaluate")
+    v.add_argument("--model-dir", type=Path, default=Path("models/tandem-tiny"))
+    v.add_argument("--data", type=Path, required=True)
+    v.add_argument("--windows", type=int, default=8)
+    v.add_argument("--seq", type=int, default=512)
+    s = sub.add_parser("sample")
+    s.add_argument("--model-dir", type=Path, default=Path("models/tandem-tiny"))
+    s.add_argument("--prompt", default="Write a Python function that reverses a string")
+    s.add_argument("--max-new", type=int, default=80)
+    args = ap.parse_args(argv)
+    if args.cmd == "prepare":
+        print(json.dumps(prepare(args.corpus, args.tokenizer, args.out), indent=1))
+    elif args.cmd == "train":
+        train(args)
+    elif args.cmd == "export":
+        export(args.ckpt, args.model_dir)
+    elif args.cmd == "reference":
+        reference(args.model_dir, args.data, args.out)
+    elif args.cmd == "evaluate":
+        model = load_model(args.model_dir)
+        ev = evaluate(model, load_streams(args.data, "heldout", torch.device("cpu")),
+                      args.seq, args.windows, 4)
+        print(json.dumps(ev, indent=1))
+    elif args.cmd == "sample":
+        print(sample(args.model_dir, args.prompt, args.max_new))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    sys.exit(main())
