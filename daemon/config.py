@@ -361,7 +361,7 @@ def _section(name: str, table: Any, base: Path) -> Any:
         if key not in known:
             raise ConfigError(f"{name}.{key}: unknown key (known: {', '.join(known)})")
         if f"{name}.{key}" in _PATH_KEYS and isinstance(value, str | Path):
-            value = base / Path(value).expanduser() if value else value
+            value = Path(os.path.normpath(base / Path(value).expanduser())) if value else value
         values[key] = _freeze(value)
     return cls(**values)
 

@@ -279,7 +279,7 @@ async def test_valid_requests_pass_validation_and_meet_the_absent_engine(client,
     assert resp.headers["X-Request-Id"].startswith(prefix)
 
 
-# ---- auth ----------------------------------------------------------------------------------------
+# ---- auth ---------------------------------------------------------------------------------------
 async def test_missing_and_wrong_keys_are_401(keyed):
     for headers in ({}, {"Authorization": "Bearer nope-nope-nope"},
                     {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}):

@@ -1,0 +1,68 @@
+"""The `serve` and `check-config` subcommands of `tandem` (hooked into daemon/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from daemon.config import Config, ConfigError, load_config, summary
+
+
+def register(sub: Any) -> None:
+    """Add `serve` and `check-config` to the `tandem` subparsers `sub`."""
+    serve = sub.add_parser("serve", help="run the daemon: HTTP API, ZeroMQ API, workers")
+    serve.add_argument("--config", type=Path, default=None,
+                       help="TOML config (default: built-in defaults, as configs/tiny.toml)")
+    serve.add_argument("--model", type=Path, default=None, help="model directory ([model] path)")
+    serve.add_argument("--host", default=None, help="HTTP address to bind ([server] host)")
+    serve.add_argument("--port", type=int, default=None, help="HTTP port ([server] port)")
+    serve.set_defaults(func=run_serve)
+
+    check = sub.add_parser("check-config", help="validate a config file and summarize it")
+    check.add_argument("config", type=Path, help="TOML config file")
+    check.set_defaults(func=run_check_config)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The config file of `args` with its command-line overrides applied (ConfigError)."""
+    return load_config(args.config, {"model.path": args.model, "server.host": args.host,
+                                     "server.port": args.port})
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"tandem: config error: {exc}", file=sys.stderr)
+        return 2
+    from daemon import lifecycle  # noqa: PLC0415 (starts heavy imports only when serving)
+    from daemon.logs import configure_logging  # noqa: PLC0415
+
+    configure_logging(config.logging.level, config.logging.json,
+                      log_prompts=config.logging.log_prompts)
+    return int(lifecycle.serve(config) or 0)
+
+
+def run_check_config(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+        _check_model(config)
+    except ConfigError as exc:
+        print(f"tandem: config error: {exc}", file=sys.stderr)
+        return 2
+    print(f"OK: {args.config}")
+    for line in summary(config):
+        print(f"  {line}")
+    return 0
+
+
+def _check_model(config: Config) -> None:
+    """The model directory must hold a config.json the loader accepts."""
+    from gpu_worker.loader import CheckpointError, load_config  # noqa: PLC0415
+
+    try:
+        load_config(config.model.path)
+    except CheckpointError as exc:
+        raise ConfigError(f"model.path: {exc}") from None

@@ -1,0 +1,280 @@
+"""daemon.config: TOML -> validated frozen dataclasses, errors naming the key; the shipped
+configs; `tandem check-config` and `serve` argument handling (daemon.commands)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from daemon import commands
+from daemon.cli import DEFAULT_MODEL, REPO_ROOT
+from daemon.config import Config, ConfigError, ServerSection, load_config
+from gpu_worker.tiny_model import DEFAULT_SIZES, build_config
+
+CONFIGS = REPO_ROOT / "configs"
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    file = tmp_path / "tandem.toml"
+    file.write_text(text)
+    return file
+
+
+def _model_dir(tmp_path: Path) -> Path:
+    model = tmp_path / "model"
+    model.mkdir()
+    config = build_config("qwen3_next", DEFAULT_SIZES, "float32", [1, 2])
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def _error(tmp_path: Path, text: str, overrides: dict | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, text), overrides)
+    return str(info.value)
+
+
+# ---- defaults and the shipped files -------------------------------------------------------------
+def test_defaults_serve_the_tiny_model_on_numpy_and_loopback():
+    config = load_config(None)
+    assert config.model.path == DEFAULT_MODEL
+    assert config.model.served_name == "tandem-tiny"
+    assert (config.model.backend, config.model.dtype) == ("numpy", "float32")
+    assert (config.server.host, config.server.port) == ("127.0.0.1", 8000)
+    assert config.server.is_loopback
+    assert config.scheduler.max_slots == 4
+    assert config.max_prompt_tokens == config.scheduler.max_context - 1
+    assert config.server.zmq_endpoint == f"ipc://{config.server.run_dir}/client.sock"
+
+
+def test_tiny_toml_equals_the_built_in_defaults():
+    config = load_config(CONFIGS / "tiny.toml")
+    assert config.source == (CONFIGS / "tiny.toml").resolve()
+    assert dataclasses.replace(config, source=None) == load_config(None)
+
+
+def test_qwen3_next_example_is_valid_given_its_model_and_key_file(tmp_path):
+    keys = tmp_path / "api_keys"
+    keys.write_text("# operators\nsk-0123456789abcdef\n\nsk-fedcba9876543210\n")
+    config = load_config(CONFIGS / "qwen3-next-80b.toml",
+                         {"model.path": tmp_path, "server.api_keys_file": keys})
+    assert config.server.api_keys == ("sk-0123456789abcdef", "sk-fedcba9876543210")
+    assert config.model.backend == "cupy"
+    assert config.experts.placement == "split" and config.experts.num_cpu_workers == 2
+    assert config.model.served_name == "qwen3-next-80b-a3b-instruct"
+    assert config.max_prompt_tokens == 30000
+
+
+def test_qwen3_next_example_names_its_missing_model(tmp_path):
+    with pytest.raises(ConfigError, match=r"^model\.path: must be an existing model directory"):
+        load_config(CONFIGS / "qwen3-next-80b.toml")
+
+
+# ---- errors name the key ------------------------------------------------------------------------
+@pytest.mark.parametrize("text, message", [
+    ("[scheduler]\nmax_slots = 0\n", "scheduler.max_slots: must be >= 1, got 0"),
+    ("[scheduler]\nmax_slots = true\n", "scheduler.max_slots: must be an integer, got True"),
+    ("[scheduler]\nmax_slots = 2\nslots = 3\n", "scheduler.slots: unknown key"),
+    ("[scheduler]\nkv_block_size = 48\n", "scheduler.kv_block_size: must be a power of two"),
+    ("[scheduler]\npreemption = \"kill\"\n", "scheduler.preemption: must be one of 'swap', "
+     "'recompute', got 'kill'"),
+    ("[schedular]\nmax_slots = 2\n", "schedular: unknown section"),
+    ("scheduler = 3\n", "scheduler: must be a table"),
+    ("[model]\ndtype = \"bfloat16\"\n", "model.dtype: must be one of 'float32', 'float64'"),
+    ("[model]\nbackend = \"torch\"\n", "model.backend: must be one of"),
+    ("[model]\npath = \"nowhere\"\n", "model.path: must be an existing model directory"),
+    ("[server]\nport = 70000\n", "server.port: must be <= 65535, got 70000"),
+    ("[server]\nport = \"80\"\n", "server.port: must be an integer"),
+    ("[server]\napi_keys = \"k\"\n", "server.api_keys: must be a list of non-empty strings"),
+    ("[server]\napi_keys = [\"short\"]\n", "server.api_keys: each key must be >= 8"),
+    ("[server]\nmax_body_bytes = 10\n", "server.max_body_bytes: must be >= 1024"),
+    ("[server]\nzmq_endpoint = \"udp://x\"\n", "server.zmq_endpoint: must start with ipc://"),
+    ("[server]\nzmq_endpoint = \"tcp://0.0.0.0:5555\"\n", "server.zmq_curve_public_key: a "
+     "tcp:// endpoint needs CURVE keys"),
+    ("[server]\nzmq_endpoint = \"ipc:///" + "x" * 120 + "\"\n",
+     "server.zmq_endpoint: ipc path must be <= 107 bytes"),
+    ("[server]\napi_keys_file = \"missing-keys\"\n", "server.api_keys_file: cannot read"),
+    ("[limits]\nmax_prompt_tokens = 0\n", "limits.max_prompt_tokens: must be >= 1, got 0"),
+    ("[limits]\nmax_prompt_tokens = 4096\n", "limits.max_prompt_tokens: must be < "
+     "scheduler.max_context (4096), got 4096"),
+    ("[limits]\nrequest_timeout_s = -1\n", "limits.request_timeout_s: must be >= 0"),
+    ("[limits]\nrequest_timeout_s = nan\n", "limits.request_timeout_s: must be a finite number"),
+    ("[experts]\nplacement = \"split\"\n", "experts.cpu_experts_per_layer: must be >= 1 with "
+     "placement = 'split'"),
+    ("[experts]\nplacement = \"disk\"\n", "experts.placement: must be one of"),
+    ("[experts]\ncpu_workers = 2\ncpu_cores = [[0, 1]]\n", "experts.cpu_cores: must have one "
+     "list per worker (2)"),
+    ("[experts]\ncpu_cores = [[0, 1], [1, 2]]\n", "experts.cpu_cores: a core must belong to one "
+     "worker only"),
+    ("[experts]\ncpu_cores = [[0, -1]]\n", "experts.cpu_cores: must be a list of non-empty"),
+    ("[experts]\ncpu_cores = [[]]\n", "experts.cpu_cores: must be a list of non-empty"),
+    ("[speculation]\nmode = \"wide\"\n", "speculation.mode: only 'off' is available in this "
+     "version"),
+    ("[speculation]\nmode = \"fast\"\n", "speculation.mode: must be one of 'off', 'narrow', "
+     "'wide'"),
+    ("[logging]\nlevel = \"verbose\"\n", "logging.level: must be one of"),
+    ("[logging]\njson = \"yes\"\n", "logging.json: must be true or false"),
+    ("[systemd]\nwatchdog = 1\n", "systemd.watchdog: must be true or false"),
+    ("[model\n", "invalid TOML"),
+])
+def test_bad_values_name_the_key(tmp_path, text, message):
+    assert message in _error(tmp_path, text)
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "absent.toml")
+
+
+# ---- public addresses need keys -----------------------------------------------------------------
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.10", "example.org"])
+def test_public_host_without_keys_is_refused(tmp_path, host):
+    message = _error(tmp_path, f'[server]\nhost = "{host}"\n')
+    assert message.startswith("server.host:")
+    assert "api_keys" in message and "allow_insecure_public" in message
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"])
+def test_loopback_hosts_need_no_keys(tmp_path, host):
+    assert load_config(_write(tmp_path, f'[server]\nhost = "{host}"\n')).server.is_loopback
+
+
+def test_public_host_with_keys_or_explicit_permission(tmp_path):
+    keyed = load_config(_write(tmp_path, '[server]\nhost = "0.0.0.0"\n'
+                                          'api_keys = ["sk-0123456789"]\n'))
+    assert keyed.server.api_keys == ("sk-0123456789",)
+    open_ = load_config(_write(tmp_path, '[server]\nhost = "0.0.0.0"\n'
+                                         'allow_insecure_public = true\n'))
+    assert not open_.server.is_loopback
+
+
+def test_cli_host_override_is_checked_too(tmp_path):
+    message = _error(tmp_path, "[server]\nport = 9000\n", {"server.host": "0.0.0.0"})
+    assert message.startswith("server.host:")
+
+
+# ---- overrides and paths ------------------------------------------------------------------------
+def test_overrides_win_and_none_is_ignored(tmp_path):
+    model = _model_dir(tmp_path)
+    config = load_config(_write(tmp_path, "[server]\nport = 9000\n"),
+                         {"server.port": 9100, "server.host": None, "model.path": model})
+    assert config.server.port == 9100
+    assert config.server.host == "127.0.0.1"
+    assert config.model.path == model and config.model.served_name == "model"
+
+
+def test_unknown_override_is_refused():
+    with pytest.raises(ConfigError, match="^nope: unknown override"):
+        load_config(None, {"nope": 1})
+    with pytest.raises(ConfigError, match=r"^server\.nope: unknown key"):
+        load_config(None, {"server.nope": 1})
+
+
+def test_relative_paths_are_relative_to_the_config_file(tmp_path, monkeypatch):
+    _model_dir(tmp_path)
+    (tmp_path / "keys").write_text("sk-0123456789\n")
+    sub = tmp_path / "elsewhere"
+    sub.mkdir()
+    monkeypatch.chdir(sub)
+    config = load_config(_write(tmp_path, '[model]\npath = "model"\n'
+                                          '[server]\napi_keys_file = "keys"\n'
+                                          'run_dir = "run"\n'))
+    assert config.model.path == tmp_path / "model"
+    assert config.server.run_dir == tmp_path / "run"
+    assert config.server.zmq_endpoint == f"ipc://{tmp_path}/run/client.sock"
+
+
+def test_run_dir_follows_systemd_then_xdg(monkeypatch, tmp_path):
+    monkeypatch.setenv("RUNTIME_DIRECTORY", str(tmp_path / "sd"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
+    assert load_config(None).server.run_dir == tmp_path / "sd"
+    monkeypatch.delenv("RUNTIME_DIRECTORY")
+    assert load_config(None).server.run_dir == tmp_path / "xdg" / "tandem"
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert str(load_config(None).server.run_dir).startswith("/tmp/tandem-")
+
+
+def test_sections_are_frozen_and_validate_directly():
+    config = Config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.server.port = 1  # type: ignore[misc]
+    with pytest.raises(ConfigError, match="server.port"):
+        ServerSection(port=-1)
+
+
+# ---- commands -----------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem")
+    commands.register(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def test_check_config_ok_prints_a_summary(tmp_path, capsys):
+    model = _model_dir(tmp_path)
+    file = _write(tmp_path, f'[model]\npath = "{model}"\n[scheduler]\nmax_slots = 2\n')
+    args = _parser().parse_args(["check-config", str(file)])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"OK: {file}")
+    assert "2 slots x 4096 tokens" in out and "http://127.0.0.1:8000" in out
+
+
+def test_check_config_names_the_bad_key_and_exits_2(tmp_path, capsys):
+    file = _write(tmp_path, "[scheduler]\nmax_slots = 0\n")
+    args = _parser().parse_args(["check-config", str(file)])
+    assert args.func(args) == 2
+    assert "scheduler.max_slots: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_check_config_checks_the_model_config(tmp_path, capsys):
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    file = _write(tmp_path, f'[model]\npath = "{empty}"\n')
+    args = _parser().parse_args(["check-config", str(file)])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tandem: config error: model.path:") and "config.json" in err
+
+
+def test_serve_flags_override_the_file(tmp_path):
+    model = _model_dir(tmp_path)
+    file = _write(tmp_path, '[server]\nport = 9000\nhost = "127.0.0.1"\n')
+    args = _parser().parse_args(["serve", "--config", str(file), "--port", "9200",
+                                 "--model", str(model), "--host", "::1"])
+    config = commands.config_from_args(args)
+    assert (config.server.host, config.server.port, config.model.path) == ("::1", 9200, model)
+    assert args.func is commands.run_serve
+
+
+def test_serve_refuses_a_bad_config_before_starting(tmp_path, capsys):
+    args = _parser().parse_args(["serve", "--host", "0.0.0.0"])
+    assert args.func(args) == 2
+    assert "server.host:" in capsys.readouterr().err
+
+
+def test_unit_file_command_line_parses():
+    unit = (CONFIGS / "tandem.service").read_text()
+    exec_start = next(line.split("=", 1)[1] for line in unit.splitlines()
+                      if line.startswith("ExecStart="))
+    argv = shlex.split(exec_start)
+    assert argv[0] == "tandem"
+    args = _parser().parse_args(argv[1:])
+    assert args.command == "serve" and args.config == Path("/etc/tandem/tandem.toml")
+
+
+def test_check_config_as_a_process(tmp_path):
+    file = _write(tmp_path, "[experts]\nplacement = \"split\"\n")
+    code = ("import sys, argparse; from daemon import commands; p = argparse.ArgumentParser(); "
+            "commands.register(p.add_subparsers(dest='c')); a = p.parse_args(sys.argv[1:]); "
+            "sys.exit(a.func(a))")
+    proc = subprocess.run([sys.executable, "-c", code, "check-config", str(file)],
+                          capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert proc.returncode == 2
+    assert "experts.cpu_experts_per_layer" in proc.stderr
