@@ -26,14 +26,28 @@ class ProtocolErrorCode(IntEnum):
 
 
 class ProtocolError(Exception):
-    """A message that breaks the wire contract. `peer` is the ROUTER routing id of the
-    sender when a socket wrapper knows it (so the daemon can answer with an ErrorReply)."""
+    """A message that breaks the wire contract, with the path of the offending field
+    (e.g. `StepPlan.slots[1].input_ids`). `peer` is the ROUTER routing id of the sender
+    when a socket wrapper knows it (so the daemon can answer with an ErrorReply)."""
 
-    def __init__(self, code: ProtocolErrorCode, message: str, *, peer: bytes | None = None):
-        super().__init__(f"{code.name}: {message}")
+    def __init__(self, code: ProtocolErrorCode, detail: str, *, peer: bytes | None = None):
+        super().__init__(code, detail)
         self.code = code
-        self.message = message
+        self.detail = detail
+        self.path: list[str] = []
         self.peer = peer
+
+    def at(self, segment: str) -> ProtocolError:
+        """Prefix the field path (codec use, while the error climbs out of nested fields)."""
+        self.path.insert(0, segment)
+        return self
+
+    @property
+    def message(self) -> str:
+        return f"{''.join(self.path)}: {self.detail}" if self.path else self.detail
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.message}"
 
 
 class TandemError(Exception):
