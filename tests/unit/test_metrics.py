@@ -1,0 +1,109 @@
+"""daemon.metrics: what the text exposition says after each call, parsed with
+prometheus_client's own parser; registries are private to each Metrics."""
+
+from __future__ import annotations
+
+import prometheus_client
+from prometheus_client.parser import text_string_to_metric_families
+
+from daemon.metrics import Metrics
+
+
+def _samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _value(metrics: Metrics, name: str, **labels: str) -> float | None:
+    return _samples(metrics).get((name, tuple(sorted(labels.items()))))
+
+
+def test_request_counters():
+    m = Metrics()
+    m.request_received("chat_completions")
+    m.request_received("chat_completions")
+    m.request_received("completions")
+    m.request_rejected("queue_full")
+    m.request_finished("stop", prompt_tokens=10, completion_tokens=5, cached_tokens=4)
+    m.request_finished("length", prompt_tokens=7, completion_tokens=3)
+    assert _value(m, "tandem_requests_received_total", endpoint="chat_completions") == 2
+    assert _value(m, "tandem_requests_received_total", endpoint="completions") == 1
+    assert _value(m, "tandem_requests_rejected_total", reason="queue_full") == 1
+    assert _value(m, "tandem_requests_finished_total", finish_reason="stop") == 1
+    assert _value(m, "tandem_requests_finished_total", finish_reason="length") == 1
+    assert _value(m, "tandem_prompt_tokens_total") == 17
+    assert _value(m, "tandem_generation_tokens_total") == 8
+    assert _value(m, "tandem_prompt_cached_tokens_total") == 4
+
+
+def test_latency_histograms_bucket_their_observations():
+    m = Metrics()
+    for s in (0.02, 0.3, 7.0):
+        m.observe_ttft(s)
+    m.observe_itl(0.015)
+    assert _value(m, "tandem_time_to_first_token_seconds_count") == 3
+    assert _value(m, "tandem_time_to_first_token_seconds_sum") == 7.32
+    assert _value(m, "tandem_time_to_first_token_seconds_bucket", le="0.025") == 1
+    assert _value(m, "tandem_time_to_first_token_seconds_bucket", le="0.5") == 2
+    assert _value(m, "tandem_time_to_first_token_seconds_bucket", le="5.0") == 2
+    assert _value(m, "tandem_time_to_first_token_seconds_bucket", le="+Inf") == 3
+    assert _value(m, "tandem_inter_token_latency_seconds_bucket", le="0.01") == 0
+    assert _value(m, "tandem_inter_token_latency_seconds_bucket", le="0.02") == 1
+
+
+def test_gauges_follow_the_latest_value():
+    m = Metrics()
+    m.set_queue_depth(3)
+    m.set_active_slots(4)
+    m.set_kv_usage(used_blocks=30, total_blocks=120)
+    m.set_queue_depth(1)
+    assert _value(m, "tandem_queue_depth") == 1
+    assert _value(m, "tandem_active_slots") == 4
+    assert _value(m, "tandem_kv_blocks_used") == 30
+    assert _value(m, "tandem_kv_blocks_total") == 120
+    assert _value(m, "tandem_kv_usage_ratio") == 0.25
+    m.set_kv_usage(0, 0)
+    assert _value(m, "tandem_kv_usage_ratio") == 0
+
+
+def test_steps():
+    m = Metrics()
+    m.observe_step(0.004, rows=8, prompt_tokens=0, decode_tokens=8)
+    m.observe_step(0.150, rows=512, prompt_tokens=510, decode_tokens=2)
+    assert _value(m, "tandem_step_seconds_count") == 2
+    assert _value(m, "tandem_step_seconds_bucket", le="0.005") == 1
+    assert _value(m, "tandem_step_rows_bucket", le="8.0") == 1
+    assert _value(m, "tandem_step_rows_bucket", le="512.0") == 2
+    assert _value(m, "tandem_step_prompt_tokens_total") == 510
+    assert _value(m, "tandem_step_decode_tokens_total") == 10
+
+
+def test_prompt_throughput_is_absent_when_stale():
+    m = Metrics()
+    name = "tandem_prompt_throughput_tokens_per_second"
+    assert _value(m, name) is None  # never measured
+    m.set_prompt_throughput(1234.5)
+    assert _value(m, name) == 1234.5
+    m.set_prompt_throughput(None)  # no prompt work lately: absent, not the last value
+    assert _value(m, name) is None
+    assert f"# TYPE {name} gauge" in m.render().decode()
+
+
+def test_worker_restarts():
+    m = Metrics()
+    m.worker_restarted("gpu_worker")
+    m.worker_restarted("cpu_experts")
+    m.worker_restarted("cpu_experts")
+    assert _value(m, "tandem_worker_restarts_total", component="cpu_experts") == 2
+    assert _value(m, "tandem_worker_restarts_total", component="gpu_worker") == 1
+
+
+def test_registries_are_private():
+    a, b = Metrics(), Metrics()  # a shared registry would refuse the duplicate names
+    a.request_received("completions")
+    assert _value(b, "tandem_requests_received_total", endpoint="completions") is None
+    assert b"tandem_" not in prometheus_client.generate_latest(prometheus_client.REGISTRY)
+    assert a.content_type.startswith("text/plain")
