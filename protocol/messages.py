@@ -337,6 +337,10 @@ class ReadyMsg:
     model: ModelInfo
     pid: int
 
+    def supports(self, capability: str) -> bool:
+        """Whether the worker has `capability`; the daemon falls back when it lacks one."""
+        return capability in self.capabilities
+
 
 @dataclass(slots=True, kw_only=True)
 class WorkerError:

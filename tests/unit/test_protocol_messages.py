@@ -11,16 +11,21 @@ from protocol.errors import (
     error_from_reply,
 )
 from protocol.messages import (
+    CAP_PROMPT_PHASE_METADATA,
+    CAPABILITIES,
     CLIENT_TO_DAEMON,
     DAEMON_TO_CLIENT,
     DAEMON_TO_WORKER,
     MESSAGE_TYPES,
+    PROTOCOL_VERSION,
     WORKER_TO_DAEMON,
     CacheOp,
     CacheOpKind,
     ErrorCode,
     ErrorReply,
+    ModelInfo,
     MsgKind,
+    ReadyMsg,
     SamplingParams,
     SlotResult,
     SlotWork,
@@ -129,3 +134,12 @@ def test_error_replies_map_to_typed_exceptions():
     assert err.request_id == "r"
     assert isinstance(error_from_reply(ErrorReply(code=ErrorCode.WORKER_DIED, message="x")),
                       WorkerDiedError)
+
+
+def test_ready_reports_capabilities():
+    ready = ReadyMsg(protocol_version=PROTOCOL_VERSION, capabilities=list(CAPABILITIES), pid=1,
+                     model=ModelInfo(name="tiny", vocab_size=8, max_slots=1,
+                                     kv_capacity_tokens=64, max_seq_len=64))
+    assert ready.supports(CAP_PROMPT_PHASE_METADATA)
+    old = ReadyMsg(protocol_version=PROTOCOL_VERSION, capabilities=[], pid=1, model=ready.model)
+    assert not old.supports(CAP_PROMPT_PHASE_METADATA)
