@@ -36,10 +36,13 @@ class Tokenizer:
     """Text <-> token ids for one model directory, plus its chat template and EOS ids."""
 
     def __init__(self, backend: tokenizers.Tokenizer, *, chat_template: str | None = None,
-                 eos_token_ids: Sequence[int] = (), source: str = "<memory>") -> None:
+                 eos_token_ids: Sequence[int] = (), template_tokens: dict[str, str] | None = None,
+                 source: str = "<memory>") -> None:
         self.backend = backend
         self.source = source
         self.eos_token_ids: list[int] = list(eos_token_ids)
+        # bos_token / eos_token / pad_token / unk_token strings the template may use
+        self.template_tokens = dict(template_tokens or {})
         # special added tokens (e.g. <|im_end|>), content -> id
         self.special_tokens: dict[str, int] = {
             tok.content: i for i, tok in sorted(backend.get_added_tokens_decoder().items())
@@ -74,7 +77,10 @@ class Tokenizer:
             template = _config_template(config, root / "tokenizer_config.json")
             source = str(root / "tokenizer_config.json")
         eos = _eos_ids(root, config, backend)
-        return cls(backend, chat_template=template, eos_token_ids=eos, source=source)
+        tokens = {key: _token_text(config.get(key))
+                  for key in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        return cls(backend, chat_template=template, eos_token_ids=eos, source=source,
+                   template_tokens={k: v for k, v in tokens.items() if v is not None})
 
     # ---- text <-> ids --------------------------------------------------------------------
     @property
@@ -105,7 +111,8 @@ class Tokenizer:
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise TokenizerError("messages must be a non-empty list of objects with a 'role'")
         context: dict[str, Any] = {
-            **self._template_tokens(), **extra, "messages": list(messages),
+            "bos_token": None, "eos_token": None, **self.template_tokens, **extra,
+            "messages": list(messages),
             "tools": list(tools) if tools else None,
             "add_generation_prompt": add_generation_prompt}
         if enable_thinking is not None:  # absent -> `enable_thinking is defined` is false
@@ -114,10 +121,6 @@ class Tokenizer:
             return self._template.render(**context)
         except jinja2.TemplateError as exc:
             raise TokenizerError(f"{self.source}: chat template error: {exc}") from None
-
-    def _template_tokens(self) -> dict[str, str | None]:
-        eos = self.backend.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
-        return {"bos_token": None, "eos_token": eos}
 
 
 class IncrementalDetokenizer:
@@ -203,16 +206,20 @@ def _eos_ids(root: Path, config: dict[str, Any], backend: tokenizers.Tokenizer) 
             raise TokenizerError(f"{gen_file}: eos_token_id must be an integer or a list of "
                                  f"integers, got {eos!r}")
         return ids
-    token = config.get("eos_token")
-    if isinstance(token, dict):  # serialized AddedToken
-        token = token.get("content")
+    token = _token_text(config.get("eos_token"))
     if token is None:
         return []
-    token_id = backend.token_to_id(token) if isinstance(token, str) else None
+    token_id = backend.token_to_id(token)
     if token_id is None:
         raise TokenizerError(f"{root / 'tokenizer_config.json'}: eos_token {token!r} is not in "
                              f"the vocabulary")
     return [token_id]
+
+
+def _token_text(token: Any) -> str | None:
+    if isinstance(token, dict):  # serialized AddedToken
+        token = token.get("content")
+    return token if isinstance(token, str) else None
 
 
 # ---- chat template environment (as transformers renders chat templates) -----------------------

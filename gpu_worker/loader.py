@@ -39,7 +39,9 @@ class CheckpointError(ValueError):
 @dataclasses.dataclass(slots=True)
 class Checkpoint:
     config: ModelConfig
-    tensors: dict[str, np.ndarray]  # canonical names (weights_spec), contiguous, one dtype
+    # canonical names (weights_spec), contiguous, one dtype; with tied embeddings
+    # "lm_head.weight" is the same array object as "model.embed_tokens.weight"
+    tensors: dict[str, np.ndarray]
     path: Path
 
 
@@ -252,10 +254,10 @@ def _plan_experts(root: Path, prefix: str, gate_shape: tuple[int, ...],
         df, di = source(f"{prefix}.down_proj", (E, H, I))
 
         def gate(dt: np.dtype) -> np.ndarray:  # gate rows come first in gate_up_proj
-            return np.ascontiguousarray(gf.read(fused, dt)[:, :I])
+            return gf.read(fused, dt, (slice(None), slice(None, I)))  # [E, I, H]
 
         def up(dt: np.dtype) -> np.ndarray:
-            return np.ascontiguousarray(gf.read(fused, dt)[:, I:])
+            return gf.read(fused, dt, (slice(None), slice(I, None)))  # [E, I, H]
 
         return {f"{prefix}.gate_proj": (gate, gi.nbytes // 2),
                 f"{prefix}.up_proj": (up, gi.nbytes // 2),

@@ -111,13 +111,16 @@ class SafetensorsFile:
         flat = self._map[info.begin:info.begin + info.nbytes].view(storage)
         return flat.reshape(info.shape)
 
-    def read(self, name: str, dtype: np.dtype | type = np.float32) -> np.ndarray:
-        """`name` converted to a float NumPy dtype, as a new contiguous array."""
+    def read(self, name: str, dtype: np.dtype | type = np.float32,
+             index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """`name` (or the part `index` selects) converted to a float NumPy dtype, as a new
+        contiguous array; only the selected bytes are touched."""
         info = self.tensors[name]
         if info.dtype not in FLOAT_DTYPES:
             raise SafetensorsError(f"{self.path}: tensor {name} has dtype {info.dtype}, "
                                    f"expected one of {', '.join(FLOAT_DTYPES)}")
-        return to_float(self.raw(name), info.dtype, dtype)
+        raw = self.raw(name)
+        return to_float(raw if index is None else raw[index], info.dtype, dtype)
 
 
 def to_float(raw: np.ndarray, st_dtype: str, dtype: np.dtype | type) -> np.ndarray:

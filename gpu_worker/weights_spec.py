@@ -121,7 +121,10 @@ def _mtp(config: ModelConfig) -> dict[str, Shape]:
     for layer in range(config.num_mtp_layers):
         prefix = f"mtp.layers.{layer}"
         shapes.update(_attention(config, prefix))
-        shapes.update(_sparse_moe(config, prefix))
+        if config.num_experts:
+            shapes.update(_sparse_moe(config, prefix))
+        else:
+            shapes.update(_mlp(f"{prefix}.mlp", H, config.intermediate_size))
         shapes.update(_layer_norms(config, prefix))
     shapes["mtp.norm.weight"] = (H,)
     return shapes

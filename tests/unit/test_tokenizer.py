@@ -207,6 +207,9 @@ def test_template_errors(model_dir, tmp_path):
     rendered = Tokenizer.from_dir(path).apply_chat_template(
         [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
     assert rendered == "a\n"  # loopcontrols + trim_blocks
+    (path / "chat_template.jinja").write_text("{{ eos_token }}|{{ pad_token }}|{{ extra }}")
+    rendered = Tokenizer.from_dir(path).apply_chat_template([{"role": "user"}], extra=5)
+    assert rendered == "<|im_end|>|<|endoftext|>|5"  # tokenizer_config's special tokens
     with pytest.raises(TokenizerError, match="role"):
         Tokenizer.from_dir(path).apply_chat_template([{"content": "no role"}])
 
