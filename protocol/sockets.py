@@ -12,7 +12,9 @@ never queued for a dead worker (send times out instead). The worker's ROUTER nam
 one peer b"daemon" (CONNECT_ROUTING_ID) and sets ROUTER_MANDATORY, so it can send READY
 at once and notices a vanished daemon as a send timeout. Make a new DaemonToWorker per
 worker incarnation. The client ROUTER also sets ROUTER_MANDATORY: sending to a client
-that is gone, or not reading, returns False instead of dropping tokens silently.
+that is gone, or not reading, returns False instead of dropping tokens silently. A client's
+DEALER sets IMMEDIATE: with no (authenticated) connection, send() times out instead of
+queueing requests for a daemon that is not there.
 
 Every wrapper has a sync and an asyncio (`Async...`) variant with the same methods.
 Not thread-safe: use a wrapper from one thread (or one event loop) only.
@@ -68,6 +70,7 @@ class _Role:
     fixed_peer: bytes | None = None  # ROUTER with one known peer
     drop_unreachable: bool = False  # ROUTER to many peers: unreachable peer -> send() False
     sndhwm: int = 1000
+    immediate: bool = False  # queue nothing until a connection is up (and authenticated)
 
 
 _ROLES = {
@@ -76,7 +79,8 @@ _ROLES = {
                               fixed_peer=DAEMON_PEER_ID),
     "daemon_to_clients": _Role(zmq.ROUTER, True, DAEMON_TO_CLIENT, CLIENT_TO_DAEMON,
                                drop_unreachable=True, sndhwm=10_000),
-    "client_to_daemon": _Role(zmq.DEALER, False, CLIENT_TO_DAEMON, DAEMON_TO_CLIENT),
+    "client_to_daemon": _Role(zmq.DEALER, False, CLIENT_TO_DAEMON, DAEMON_TO_CLIENT,
+                              immediate=True),
 }
 
 
@@ -118,6 +122,7 @@ class _Endpoint:
         sock.linger = 0
         sock.setsockopt(zmq.MAXMSGSIZE, limits.max_part_bytes)
         sock.sndhwm = role.sndhwm
+        sock.immediate = int(role.immediate)
         if role.socket_type == zmq.ROUTER:
             sock.router_mandatory = 1
         try:

@@ -199,6 +199,15 @@ def test_errors_are_typed_and_timeouts_cancel(server):
         assert client.generate("ok").text == "ok"
 
 
+def test_no_daemon_is_a_timeout_not_a_hang():
+    with tempfile.TemporaryDirectory(prefix="tdm-") as run_dir, \
+            TandemClient(run_dir=run_dir, timeout=0.2) as client:
+        start = time.monotonic()
+        with pytest.raises(TandemTimeoutError):
+            client.submit("anyone there?")
+        assert time.monotonic() - start < 2
+
+
 def test_status(server):
     with TandemClient(run_dir=server.run_dir, timeout=5) as client:
         rid = client.submit("z" * 1000, max_tokens=1000)
