@@ -1,0 +1,137 @@
+"""Expert weights: quantize to int8 blocks of 32 + fp16 scales, shard by intermediate dim, tile.
+
+Canonical form (``QuantizedLayer``): ``gate_q/up_q [E, I, H]``, ``down_q [E, H, I]`` int8 with
+fp16 scales per block of 32 along the reduction axis (H for gate/up, I for down), quantized
+by the canonical quantizer of quant.py. A shard is a contiguous range of whole I-blocks, so
+the re-quantization of ``h`` inside a shard equals that of the whole expert. The kernel form
+(``tile``) reorders a shard for kernels.py; a manifest lays all of a worker's tiled layers
+out in one flat shared-memory buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cpu_experts.quant import BLOCK, quantize
+
+ALIGN = 64
+NAMES = ("gu_w", "gu_s", "down_w", "down_s")
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedLayer:
+    """One MoE layer's CPU experts in canonical quantized form."""
+
+    gate_q: np.ndarray  # [E, I, H] int8
+    gate_s: np.ndarray  # [E, I, H/32] float16
+    up_q: np.ndarray    # [E, I, H] int8
+    up_s: np.ndarray    # [E, I, H/32] float16
+    down_q: np.ndarray  # [E, H, I] int8
+    down_s: np.ndarray  # [E, H, I/32] float16
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_q.shape[0]
+
+    @property
+    def intermediate(self) -> int:
+        return self.gate_q.shape[1]
+
+    @property
+    def hidden(self) -> int:
+        return self.gate_q.shape[2]
+
+    def shard(self, lo: int, hi: int) -> tuple[np.ndarray, ...]:
+        """Canonical arrays of intermediate range [lo, hi) (whole blocks): reference.py's shard."""
+        return (self.gate_q[:, lo:hi], self.gate_s[:, lo:hi], self.up_q[:, lo:hi],
+                self.up_s[:, lo:hi], self.down_q[:, :, lo:hi],
+                self.down_s[:, :, lo // BLOCK:hi // BLOCK])
+
+
+def quantize_layer(gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> QuantizedLayer:
+    """Float ``gate/up [E, I, H]``, ``down [E, H, I]`` -> canonical int8 blocks of 32."""
+    E, I, H = gate.shape
+    if up.shape != (E, I, H) or down.shape != (E, H, I):
+        raise ValueError(f"expert shapes disagree: gate {gate.shape}, up {up.shape}, "
+                         f"down {down.shape} (want [E,I,H], [E,I,H], [E,H,I])")
+    if H % BLOCK or I % BLOCK:
+        raise ValueError(f"H={H} and I={I} must be multiples of {BLOCK}")
+    gq, gs = quantize(gate)
+    uq, us = quantize(up)
+    dq, ds = quantize(down)
+    return QuantizedLayer(gq, gs, uq, us, dq, ds)
+
+
+def shard_bounds(intermediate: int, num_shards: int) -> list[tuple[int, int]]:
+    """Split I into ``num_shards`` ranges of whole 32-blocks (sizes differ by <= 1 block)."""
+    nb = intermediate // BLOCK
+    if num_shards < 1 or num_shards > nb:
+        raise ValueError(f"cannot split I={intermediate} ({nb} blocks) into {num_shards} shards")
+    base, extra = divmod(nb, num_shards)
+    bounds, lo = [], 0
+    for s in range(num_shards):
+        hi = lo + (base + (1 if s < extra else 0)) * BLOCK
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def unit_tile(units: int) -> int:
+    """Output units per tile: 64 where it divides, else 32 (units is a multiple of 32)."""
+    return 64 if units % 64 == 0 else BLOCK
+
+
+def tiled_shapes(E: int, mats: int, units: int, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Kernel shapes of ``mats`` matrices per expert, each ``[units, n]`` reduced along n."""
+    tu = unit_tile(units)
+    return (E, mats, units // tu, n // BLOCK, BLOCK, tu), (E, mats, units // tu, n // BLOCK, tu)
+
+
+def tile_into(q: np.ndarray, s: np.ndarray, w_out: np.ndarray, s_out: np.ndarray) -> None:
+    """``q [E, U, n] int8, s [E, U, n/32] f16`` -> ``w_out [E, U/tu, n/32, 32, tu]`` int8,
+    ``s_out [E, U/tu, n/32, tu]`` float32.
+
+    (w_out/s_out are one matrix's slice ``[:, m]`` of the kernel arrays.)
+    """
+    E, U, n = q.shape
+    tu = w_out.shape[-1]
+    w_out[...] = q.reshape(E, U // tu, tu, n // BLOCK, BLOCK).transpose(0, 1, 3, 4, 2)
+    s_out[...] = s.astype(np.float32).reshape(E, U // tu, tu, n // BLOCK).transpose(0, 1, 3, 2)
+
+
+def plan_shard(layers: dict[int, QuantizedLayer], lo_hi: tuple[int, int]) -> tuple[list, int]:
+    """Manifest ``[(layer, name, shape, dtype, offset), ...]`` and byte size of one shard."""
+    lo, hi = lo_hi
+    manifest, off = [], 0
+    for layer, ql in sorted(layers.items()):
+        E, H, Is = ql.num_experts, ql.hidden, hi - lo
+        gw, gs = tiled_shapes(E, 2, Is, H)
+        dw, ds = tiled_shapes(E, 1, H, Is)
+        for name, shape, dt in zip(NAMES, (gw, gs, dw, ds), ("int8", "float32") * 2, strict=True):
+            manifest.append((layer, name, shape, dt, off))
+            off += -(-int(np.prod(shape)) * np.dtype(dt).itemsize // ALIGN) * ALIGN
+    return manifest, off
+
+
+def views(buf, manifest: list) -> dict[int, tuple[np.ndarray, ...]]:
+    """Arrays of a manifest over a flat buffer: ``{layer: (gu_w, gu_s, down_w, down_s)}``."""
+    out: dict[int, list[np.ndarray]] = {}
+    for layer, _name, shape, dt, off in manifest:
+        count = int(np.prod(shape))
+        arr = np.frombuffer(buf, dtype=dt, count=count, offset=off).reshape(shape)
+        out.setdefault(int(layer), []).append(arr)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def write_shard(buf, manifest: list, layers: dict[int, QuantizedLayer],
+                lo_hi: tuple[int, int]) -> None:
+    """Tile the shard ``lo_hi`` of every layer into ``buf`` as laid out by ``manifest``."""
+    dst = views(buf, manifest)
+    for layer, ql in layers.items():
+        gq, gs, uq, us, dq, ds = ql.shard(*lo_hi)
+        gu_w, gu_s, down_w, down_s = dst[layer]
+        tile_into(gq, gs, gu_w[:, 0], gu_s[:, 0])
+        tile_into(uq, us, gu_w[:, 1], gu_s[:, 1])
+        tile_into(dq, ds, down_w[:, 0], down_s[:, 0])
