@@ -57,6 +57,9 @@ def load_checkpoint(path: str | Path, *, dtype: Any = np.float32, include_mtp: b
     config declares MTP layers. `progress=None` shows a bar on stderr for checkpoints over
     64 MB, True always, False never.
     """
+    np_dtype = np.dtype(dtype)
+    if np_dtype.kind != "f":
+        raise ValueError(f"dtype must be a floating type, got {np_dtype}")
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"{root}: not a checkpoint directory")
@@ -66,7 +69,6 @@ def load_checkpoint(path: str | Path, *, dtype: Any = np.float32, include_mtp: b
     expected = expected_tensors(config, include_mtp=include_mtp)
     plan = _plan(root, config, expected, sources, include_mtp)
 
-    np_dtype = np.dtype(dtype)
     total = sum(nbytes for _, nbytes in plan.values())
     show = progress if progress is not None else total > PROGRESS_MIN_BYTES
     tensors: dict[str, np.ndarray] = {}

@@ -235,6 +235,12 @@ def load_error(path: Path, **kwargs) -> str:
     return str(info.value)
 
 
+def test_not_a_directory_and_bad_dtype(bad):
+    assert "not a checkpoint directory" in load_error(bad / "config.json")
+    with pytest.raises(ValueError, match="floating"):
+        load_checkpoint(bad, dtype=np.int8)
+
+
 def test_missing_config(bad):
     (bad / "config.json").unlink()
     msg = load_error(bad)
