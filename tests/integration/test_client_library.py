@@ -18,6 +18,7 @@ from protocol.client import AsyncTandemClient, TandemClient
 from protocol.errors import (
     BadRequestError,
     ProtocolError,
+    ProtocolViolationError,
     QueueFullError,
     TandemTimeoutError,
 )
@@ -42,7 +43,8 @@ TICK_S = 0.002
 class EchoServer(threading.Thread):
     """Echo daemon. Prompt text comes back one character per event (token id = ord);
     prompt_ids come back as "<id>"; chat messages as their joined contents. Prompts
-    "!queue_full", "!bad" and "!silent" answer with an error or never answer."""
+    "!queue_full", "!bad", "!anonymous_error" and "!silent" answer with an error or never
+    answer."""
 
     def __init__(self, run_dir: str):
         super().__init__(daemon=True)
@@ -75,6 +77,8 @@ class EchoServer(threading.Thread):
                 code = ErrorCode.QUEUE_FULL if full else ErrorCode.BAD_REQUEST
                 sock.send_to(peer, ErrorReply(code=code, message="no", request_id=msg.request_id,
                                               retry_after_s=1.0))
+            elif msg.prompt == "!anonymous_error":  # an error the daemon cannot attribute
+                sock.send_to(peer, ErrorReply(code=ErrorCode.PROTOCOL, message="garbled"))
             elif msg.prompt != "!silent":
                 if msg.prompt is not None:
                     pieces = [(ord(c), c) for c in msg.prompt]
@@ -195,6 +199,14 @@ def test_errors_are_typed_and_timeouts_cancel(server):
             client.submit("a", prompt_ids=[1])
         with pytest.raises(ValueError):
             client.submit("a", temperature=-1)
+        # An error without a request id fails the requests still waiting for a first answer,
+        # not those already streaming.
+        streaming = client.submit("s" * 50, max_tokens=50)
+        events = client.stream(streaming)
+        assert next(events).text == "s"
+        with pytest.raises(ProtocolViolationError):
+            client.generate("!anonymous_error")
+        assert "".join(e.text for e in events) == "s" * 49
         # After all that, the connection still serves.
         assert client.generate("ok").text == "ok"
 
