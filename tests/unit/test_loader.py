@@ -115,6 +115,16 @@ def test_fused_layout_from_transformers_state_dict(hf_dirs, tmp_path, case):
     assert_same(load_checkpoint(tmp_path).tensors, reference)
 
 
+@pytest.mark.parametrize("torch_dtype", ["bfloat16", "float16"])
+def test_transformers_half_precision_sharded(tmp_path, torch_dtype):
+    model = hf_model("qwen3_next").to(getattr(torch, torch_dtype))
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    ckpt = load_checkpoint(tmp_path)
+    assert_same(ckpt.tensors, canonical_state_dict(model))  # .float() of the same values
+
+
 def test_sharded_bf16_fp16_match_single_fp32(tmp_path):
     sizes = dict(SMALL, tokenizer=False)
     ref = load_checkpoint(make_tiny_model(tmp_path / "f32", "qwen3_next", seed=3, **sizes))
