@@ -11,19 +11,18 @@ request cancelled, which frees the slot at the next step boundary.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 import math
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import structlog
 from aiohttp import web
 
+from daemon import http_answer
 from daemon.config import Config
 from daemon.logs import bind_request
 from daemon.metrics import Metrics
@@ -33,7 +32,6 @@ from daemon.requests import (
     EngineUnavailable,
     GenerationRequest,
     QueueFull,
-    RequestEvent,
     RequestHandle,
     RequestRejected,
 )
@@ -44,17 +42,8 @@ from gpu_worker.sampling import MAX_SEED, SamplingParams
 log = structlog.stdlib.get_logger(__name__)
 
 OPEN_PATHS = ("/health", "/ready")  # answered without an API key
-DISCONNECT_POLL_S = 0.25
 API: web.AppKey[HttpApi] = web.AppKey("tandem_api")
 REQUEST_ID = web.RequestKey("request_id", str)
-
-
-class ClientGone(Exception):
-    """The HTTP client closed its connection."""
-
-
-class RequestTimeout(Exception):
-    """The request ran past limits.request_timeout_s."""
 
 
 def make_app(scheduler: Any, tokenizer: Any, config: Config, metrics: Metrics, *,
@@ -117,7 +106,7 @@ class HttpApi:
                 log.exception("internal_error", path=request.path)
                 response = self._error(ApiError(
                     500, f"internal server error (request id {request_id})",
-                    type="server_error", code="internal_error", reason="internal_error"))
+                    type="server_error", code="internal_error", reason=None))
             if not response.prepared:
                 response.headers["X-Request-Id"] = request_id
             return response
@@ -134,8 +123,10 @@ class HttpApi:
                            headers={"WWW-Authenticate": 'Bearer realm="tandem"'})
 
     def _error(self, exc: ApiError) -> web.Response:
-        if exc.status != 500:
+        if exc.reason is not None:
             self.metrics.request_rejected(exc.reason)
+        log.info("request_rejected" if exc.reason else "request_failed", status=exc.status,
+                 code=exc.code, param=exc.param, error=exc.message)
         return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
 
     # ---- simple endpoints --------------------------------------------------------------------
@@ -203,11 +194,15 @@ class HttpApi:
         fmt = Formatter(req.kind, request[REQUEST_ID], self.model_name, int(time.time()))
         log.info("request_submitted", kind=req.kind, prompt_tokens=len(prompt_ids),
                  max_tokens=gen.max_tokens, stream=req.stream, priority=req.priority)
+        timeout = self.config.limits.request_timeout_s
         try:
             if req.stream:
-                return await self._stream(request, handle, fmt, req.include_usage,
-                                          len(prompt_ids))
-            return await self._collect(request, handle, fmt, len(prompt_ids))
+                return await http_answer.stream(request, handle, fmt, len(prompt_ids), timeout,
+                                                req.include_usage)
+            return await http_answer.collect(request, handle, fmt, len(prompt_ids), timeout)
+        except asyncio.CancelledError:
+            log.info("client_disconnected")
+            raise
         finally:
             if not handle.done:
                 handle.cancel()
@@ -284,104 +279,11 @@ class HttpApi:
         except EngineUnavailable as exc:
             raise _unavailable(str(exc)) from None
 
-    # ---- answers -----------------------------------------------------------------------------
-    async def _events(self, request: web.Request,
-                      handle: RequestHandle) -> AsyncIterator[RequestEvent]:
-        """The handle's events; raises ClientGone / RequestTimeout while waiting for one."""
-        loop = asyncio.get_running_loop()
-        timeout = self.config.limits.request_timeout_s
-        deadline = loop.time() + timeout if timeout else math.inf
-        pending: asyncio.Future[RequestEvent] | None = None
-        try:
-            while not handle.done:
-                pending = pending or asyncio.ensure_future(handle.__anext__())
-                done, _ = await asyncio.wait({pending}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    event, pending = pending.result(), None
-                    yield event
-                elif request.transport is None or request.transport.is_closing():
-                    raise ClientGone
-                elif loop.time() > deadline:
-                    raise RequestTimeout(f"the request timed out after {timeout:g} s")
-        finally:
-            if pending is not None:
-                pending.cancel()
-
-    async def _collect(self, request: web.Request, handle: RequestHandle, fmt: Formatter,
-                       n_prompt: int) -> web.Response:
-        texts, count, last = [], 0, None
-        try:
-            async with contextlib.aclosing(self._events(request, handle)) as events:
-                async for last in events:
-                    texts.append(last.text)
-                    count += len(last.token_ids)
-        except ClientGone:
-            log.info("client_disconnected")
-            return web.Response(status=499)  # nobody reads it
-        except RequestTimeout as exc:
-            raise ApiError(504, str(exc), type="server_error", code="timeout",
-                           reason="timeout") from None
-        if last is None or last.finish_reason not in ("stop", "length"):
-            raise _failed(last)
-        usage = fmt.usage(last.usage, n_prompt, count)
-        return web.json_response(fmt.response("".join(texts), last.finish_reason, usage))
-
-    async def _stream(self, request: web.Request, handle: RequestHandle, fmt: Formatter,
-                      include_usage: bool, n_prompt: int) -> web.StreamResponse:
-        response = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no", "X-Request-Id": request[REQUEST_ID]})
-        await response.prepare(request)
-
-        async def send(obj: dict[str, Any]) -> None:
-            await response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode()
-                                 + b"\n\n")
-
-        try:
-            if fmt.kind == "chat":
-                await send(fmt.chunk(role=True, include_usage=include_usage))
-            count = 0
-            async with contextlib.aclosing(self._events(request, handle)) as events:
-                async for event in events:
-                    count += len(event.token_ids)
-                    if event.text:
-                        await send(fmt.chunk(text=event.text, include_usage=include_usage))
-                    if event.finish_reason in ("stop", "length"):
-                        await send(fmt.chunk(finish_reason=event.finish_reason,
-                                             include_usage=include_usage))
-                        if include_usage:
-                            await send(fmt.usage_chunk(fmt.usage(event.usage, n_prompt, count)))
-                    elif event.finish_reason is not None:
-                        await send(_failed(event).body())
-        except RequestTimeout as exc:
-            await send(ApiError(504, str(exc), type="server_error", code="timeout").body())
-        except (ClientGone, ConnectionError):
-            log.info("client_disconnected")
-            return response
-        except Exception:
-            log.exception("internal_error_in_stream")
-            await send(ApiError(500, f"internal server error (request id "
-                                     f"{request[REQUEST_ID]})", type="server_error",
-                                code="internal_error").body())
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
-
 
 def _unavailable(message: str) -> ApiError:
     return ApiError(503, f"the engine is unavailable: {message}", type="server_error",
                     code="engine_unavailable", reason="unavailable",
                     headers={"Retry-After": "5"})
-
-
-def _failed(event: RequestEvent | None) -> ApiError:
-    """A request that ended with finish_reason "error" or "cancelled" (not by its client)."""
-    if event is None:
-        return ApiError(500, "the request ended without a result", type="server_error",
-                        code="internal_error", reason="internal_error")
-    message = event.error or f"the request was {event.finish_reason}"
-    return ApiError(503, message, type="server_error", code=f"request_{event.finish_reason}",
-                    reason=f"request_{event.finish_reason}")
 
 
 def _from_http(exc: web.HTTPException, max_body: int) -> ApiError:

@@ -28,11 +28,14 @@ CHAT_FIELDS = frozenset(_COMMON + ("messages", "max_completion_tokens", "tools",
 
 
 class ApiError(Exception):
-    """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
+    """An error answered in OpenAI's shape: {"error": {message, type, param, code}}.
+    `reason` labels the rejection in metrics; None for a request that had been accepted and
+    failed later (the scheduler counts those as finished)."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  type: str = "invalid_request_error", code: str | None = None,
-                 reason: str = "invalid_request", headers: dict[str, str] | None = None) -> None:
+                 reason: str | None = "invalid_request",
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.type = status, message, param, type
         self.code, self.reason, self.headers = code, reason, headers or {}

@@ -4,14 +4,18 @@ scheduler is absent (None), so a request that passes every check is answered 503
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 
 import pytest
+import structlog
 from aiohttp.test_utils import TestClient, TestServer
 
 from daemon.api_http import make_app
 from daemon.cli import DEFAULT_MODEL
 from daemon.config import load_config
+from daemon.logs import configure_logging, get_logger
 from daemon.metrics import Metrics
 from daemon.tokenizer import Tokenizer
 
@@ -351,3 +355,57 @@ async def test_server_keeps_serving_after_bad_input(client):
     await client.post(CHAT, data=b"\xff\xfe", headers={"Content-Type": "application/json"})
     await client.post(CHAT, data=json.dumps(_chat()).encode() * 2)
     assert (await client.get("/health")).status == 200
+
+
+# ---- internal errors and logs --------------------------------------------------------------------
+@pytest.fixture
+def restore_logging():
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    structlog.reset_defaults()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+async def test_internal_error_is_a_generic_500_logged_with_the_request_id(tokenizer,
+                                                                         restore_logging):
+    stream = io.StringIO()
+    configure_logging("info", True, stream=stream)
+    config = load_config(None, {"model.path": DEFAULT_MODEL})
+    # a broken generation_config.json default reaches SamplingParams: a server-side fault
+    app = make_app(None, tokenizer, config, Metrics(), generation_defaults={"temperature": "hot"})
+    async with TestClient(TestServer(app)) as c:
+        resp = await c.post(CHAT, json=_chat())
+        err = await _error(resp, 500)
+    rid = resp.headers["X-Request-Id"]
+    assert err["type"] == "server_error" and rid in err["message"]
+    assert "hot" not in err["message"] and "Traceback" not in err["message"]
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    logged = [x for x in lines if x["event"] == "internal_error"]
+    assert logged and logged[0]["request_id"] == rid and "Traceback" in logged[0]["exception"]
+
+
+async def test_logs_carry_request_ids_but_no_prompt_text(tokenizer, restore_logging):
+    stream = io.StringIO()
+    configure_logging("info", True, stream=stream)
+    secret = "my-secret-prompt-text "
+    c = await _client(tokenizer)
+    try:
+        resp = await c.post(COMPLETIONS, json={"prompt": secret * 60})
+        assert resp.status == 400
+        get_logger("test").info("probe", prompt=secret, messages=[{"content": secret}])
+    finally:
+        await c.close()
+    text = stream.getvalue()
+    assert "my-secret" not in text
+    lines = [json.loads(line) for line in text.splitlines()]
+    rejected = [x for x in lines if x["event"] == "request_rejected"]
+    assert rejected[0]["request_id"] == resp.headers["X-Request-Id"]
+    assert rejected[0]["code"] == "context_length_exceeded"
+    assert next(x for x in lines if x["event"] == "probe")["prompt"] == "<redacted: 22 chars>"
+
+    stream = io.StringIO()
+    configure_logging("info", True, log_prompts=True, stream=stream)
+    get_logger("test").info("probe", prompt=secret)
+    assert secret in stream.getvalue()

@@ -1,0 +1,143 @@
+"""Turning a RequestHandle's events into an HTTP answer: one JSON object, or an SSE stream
+(`data: {chunk}\\n\\n` ... `data: [DONE]\\n\\n`) in OpenAI's shapes.
+
+While waiting for events it watches the connection: a client that went away, or a request
+past its deadline, ends the wait; the caller then cancels the request (its slot is freed at
+the next step boundary).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from daemon.openai_format import Formatter
+from daemon.openai_schema import ApiError
+from daemon.requests import RequestEvent, RequestHandle
+
+log = structlog.stdlib.get_logger(__name__)
+
+DISCONNECT_POLL_S = 0.25
+DONE = ("stop", "length")  # finish reasons of a request that completed normally
+
+
+class ClientGone(Exception):
+    """The HTTP client closed its connection."""
+
+
+class RequestTimeout(Exception):
+    """The request ran past limits.request_timeout_s."""
+
+
+async def events(request: web.Request, handle: RequestHandle,
+                 timeout_s: float) -> AsyncIterator[RequestEvent]:
+    """The handle's events until the last; raises ClientGone or RequestTimeout (0: none)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s if timeout_s else math.inf
+    pending: asyncio.Future[RequestEvent] | None = None
+    try:
+        while not handle.done:
+            pending = pending or asyncio.ensure_future(handle.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=DISCONNECT_POLL_S)
+            if done:
+                event, pending = pending.result(), None
+                yield event
+            elif request.transport is None or request.transport.is_closing():
+                raise ClientGone
+            if loop.time() > deadline and not handle.done:
+                raise RequestTimeout(f"the request timed out after {timeout_s:g} s")
+    finally:
+        if pending is not None:
+            pending.cancel()  # NOTE: a cancelled Queue.get loses no event
+
+
+def failed(event: RequestEvent | None) -> ApiError:
+    """The error of a request that ended with "error" or "cancelled" (not by its client)."""
+    if event is None:
+        return ApiError(500, "the request ended without a result", type="server_error",
+                        code="internal_error", reason=None)
+    message = event.error or f"the request was {event.finish_reason}"
+    return ApiError(503, message, type="server_error", code=f"request_{event.finish_reason}",
+                    reason=None)
+
+
+def _timeout(exc: RequestTimeout) -> ApiError:
+    return ApiError(504, str(exc), type="server_error", code="timeout", reason=None)
+
+
+def _finished(start: float, finish_reason: str | None, usage: dict[str, Any]) -> None:
+    log.info("request_finished", finish_reason=finish_reason,
+             prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"],
+             seconds=round(time.monotonic() - start, 4))
+
+
+async def collect(request: web.Request, handle: RequestHandle, fmt: Formatter, n_prompt: int,
+                  timeout_s: float) -> web.Response:
+    """The whole answer as one JSON object (ApiError when the request failed)."""
+    start, texts, count, last = time.monotonic(), [], 0, None
+    try:
+        async with contextlib.aclosing(events(request, handle, timeout_s)) as stream:
+            async for last in stream:
+                texts.append(last.text)
+                count += len(last.token_ids)
+    except ClientGone:
+        log.info("client_disconnected")
+        return web.Response(status=499)  # nobody reads it
+    except RequestTimeout as exc:
+        raise _timeout(exc) from None
+    if last is None or last.finish_reason not in DONE:
+        raise failed(last)
+    usage = fmt.usage(last.usage, n_prompt, count)
+    _finished(start, last.finish_reason, usage)
+    return web.json_response(fmt.response("".join(texts), last.finish_reason, usage))
+
+
+async def stream(request: web.Request, handle: RequestHandle, fmt: Formatter, n_prompt: int,
+                 timeout_s: float, include_usage: bool) -> web.StreamResponse:
+    """Server-sent events. Errors after the headers went out become an error event."""
+    response = web.StreamResponse(headers={
+        "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+        "X-Accel-Buffering": "no", "X-Request-Id": fmt.request_id})
+    await response.prepare(request)
+
+    async def send(obj: dict[str, Any]) -> None:
+        await response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+    start, count = time.monotonic(), 0
+    try:
+        if fmt.kind == "chat":
+            await send(fmt.chunk(role=True, include_usage=include_usage))
+        async with contextlib.aclosing(events(request, handle, timeout_s)) as stream_:
+            async for event in stream_:
+                count += len(event.token_ids)
+                if event.text:
+                    await send(fmt.chunk(text=event.text, include_usage=include_usage))
+                if event.finish_reason in DONE:
+                    await send(fmt.chunk(finish_reason=event.finish_reason,
+                                         include_usage=include_usage))
+                    usage = fmt.usage(event.usage, n_prompt, count)
+                    if include_usage:
+                        await send(fmt.usage_chunk(usage))
+                    _finished(start, event.finish_reason, usage)
+                elif event.finish_reason is not None:
+                    await send(failed(event).body())
+    except RequestTimeout as exc:
+        await send(_timeout(exc).body())
+    except (ClientGone, ConnectionError):
+        log.info("client_disconnected", completion_tokens=count)
+        return response
+    except Exception:
+        log.exception("internal_error_in_stream")
+        await send(ApiError(500, f"internal server error (request id {fmt.request_id})",
+                            type="server_error", code="internal_error").body())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
