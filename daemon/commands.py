@@ -37,12 +37,9 @@ def run_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"tandem: config error: {exc}", file=sys.stderr)
         return 2
-    from daemon import lifecycle  # noqa: PLC0415 (starts heavy imports only when serving)
-    from daemon.logs import configure_logging  # noqa: PLC0415
+    from daemon import lifecycle  # noqa: PLC0415 (heavy imports only when serving)
 
-    configure_logging(config.logging.level, config.logging.json,
-                      log_prompts=config.logging.log_prompts)
-    return int(lifecycle.serve(config) or 0)
+    return int(lifecycle.serve(config) or 0)  # it configures logging from config.logging
 
 
 def run_check_config(args: argparse.Namespace) -> int:
