@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(score)
     score.add_argument("--prompt-ids", required=True)
     score.add_argument("--out", type=Path, required=True)
+
+    from daemon import commands  # noqa: PLC0415  (serve and check-config)
+
+    commands.register(sub)
     return parser
 
 

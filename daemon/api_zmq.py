@@ -1,0 +1,171 @@
+"""The ZeroMQ client API: SubmitRequest / CancelRequest / StatusRequest in, events out."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+
+from daemon.config import Config
+from daemon.logs import get_logger
+from daemon.requests import (
+    EngineUnavailable,
+    GenerationRequest,
+    QueueFull,
+    RequestRejected,
+)
+from daemon.scheduler import Scheduler
+from gpu_worker.sampling import MAX_SEED, SamplingParams
+from protocol.curve import CurveServerKeys
+from protocol.errors import ProtocolError
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    CancelRequest,
+    ErrorCode,
+    ErrorReply,
+    Phase,
+    Ping,
+    Pong,
+    SlotStatus,
+    StatusReply,
+    StatusRequest,
+    SubmitRequest,
+    TokenEvent,
+    Usage,
+)
+from protocol.sockets import AsyncDaemonToClients
+
+log = get_logger("tandem.api_zmq")
+PHASES = {"idle": None, "prefill": Phase.PREFILL, "decode": Phase.DECODE}
+
+
+class ZmqApi:
+    def __init__(self, config: Config, scheduler: Scheduler, tokenizer) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        server = config.server
+        keys = None
+        if server.zmq_endpoint.startswith("tcp://"):
+            secret = server.zmq_curve_secret_key_file.read_text().strip()
+            keys = CurveServerKeys(server.zmq_curve_public_key.encode(), secret.encode(),
+                                   tuple(k.encode() for k in server.zmq_curve_client_keys))
+        server.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.sock = AsyncDaemonToClients(server.zmq_endpoint, server_keys=keys)
+        self.address = self.sock.address
+        self._streams: dict[tuple[bytes, str], asyncio.Task] = {}
+
+    async def serve(self) -> None:
+        while True:
+            try:
+                peer, msg = await self.sock.recv()
+            except ProtocolError as exc:
+                if exc.peer is not None:
+                    await self.sock.send_to(exc.peer, ErrorReply(code=ErrorCode.PROTOCOL,
+                                                                 message=str(exc)))
+                continue
+            if isinstance(msg, SubmitRequest):
+                await self._submit(peer, msg)
+            elif isinstance(msg, CancelRequest):
+                self.scheduler.cancel(_internal_id(peer, msg.request_id))
+            elif isinstance(msg, StatusRequest):
+                await self.sock.send_to(peer, self._status(msg.query_id))
+            elif isinstance(msg, Ping):
+                await self.sock.send_to(peer, Pong(nonce=msg.nonce, time_ns=msg.time_ns))
+
+    def close(self) -> None:
+        for task in self._streams.values():
+            task.cancel()
+        self.sock.close()
+
+    async def _submit(self, peer: bytes, msg: SubmitRequest) -> None:
+        rid = msg.request_id
+        try:
+            req = self._request(peer, msg)
+            handle = self.scheduler.submit(req)
+        except (RequestRejected, ValueError) as exc:
+            return await self._error(peer, ErrorCode.BAD_REQUEST, str(exc), rid)
+        except QueueFull as exc:
+            return await self.sock.send_to(peer, ErrorReply(
+                code=ErrorCode.QUEUE_FULL, message=str(exc), request_id=rid,
+                retry_after_s=exc.retry_after))
+        except EngineUnavailable as exc:
+            return await self._error(peer, ErrorCode.WORKER_DIED, str(exc), rid)
+        task = asyncio.create_task(self._stream(peer, msg, handle))
+        self._streams[(peer, rid)] = task
+        task.add_done_callback(lambda _: self._streams.pop((peer, rid), None))
+
+    def _request(self, peer: bytes, msg: SubmitRequest) -> GenerationRequest:
+        limits = self.config
+        if msg.prompt_ids is not None:
+            ids = [int(t) for t in msg.prompt_ids]
+        else:
+            if self.tokenizer is None:
+                raise RequestRejected("this model has no tokenizer: send prompt_ids")
+            text = msg.prompt
+            if msg.messages is not None:
+                text = self.tokenizer.apply_chat_template(
+                    [{"role": m.role, "content": m.content} for m in msg.messages],
+                    add_generation_prompt=True)
+            ids = self.tokenizer.encode(text)
+        if len(ids) > limits.max_prompt_tokens:
+            raise RequestRejected(f"the prompt has {len(ids)} tokens; the limit is "
+                                  f"{limits.max_prompt_tokens}")
+        if msg.max_tokens > limits.max_tokens:
+            raise RequestRejected(f"max_tokens {msg.max_tokens} exceeds the limit "
+                                  f"{limits.max_tokens}")
+        s = msg.sampling
+        seed = s.seed if s.seed is not None else secrets.randbelow(MAX_SEED + 1)
+        sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                  min_p=s.min_p, seed=seed)
+        return GenerationRequest(
+            request_id=_internal_id(peer, msg.request_id), prompt_ids=ids,
+            sampling=sampling, max_tokens=msg.max_tokens,
+            stop=tuple(msg.stop), priority=msg.priority)
+
+    async def _stream(self, peer: bytes, msg: SubmitRequest, handle) -> None:
+        index, ids, text = 0, [], []
+        async for event in handle:
+            usage = None
+            if event.usage is not None and msg.include_usage:
+                usage = Usage(prompt_tokens=event.usage.prompt_tokens,
+                              completion_tokens=event.usage.completion_tokens,
+                              cached_tokens=event.usage.cached_tokens)
+            if event.finish_reason == "error":
+                await self._error(peer, ErrorCode.WORKER_DIED, event.error or "error",
+                                  msg.request_id)
+                return
+            if not msg.stream:
+                ids += event.token_ids
+                text.append(event.text)
+                if event.finish_reason is None:
+                    continue
+                event.token_ids, event.text = ids, "".join(text)
+            sent = await self.sock.send_to(peer, TokenEvent(
+                request_id=msg.request_id, index=index, token_ids=list(event.token_ids),
+                text=event.text, finish_reason=event.finish_reason, usage=usage))
+            index += 1
+            if not sent:  # the client went away: free its slot
+                handle.cancel()
+                with contextlib.suppress(Exception):
+                    async for _ in handle:
+                        pass
+                return
+
+    def _status(self, query_id: str) -> StatusReply:
+        snap = self.scheduler.snapshot()
+        slots = [SlotStatus(slot=s["slot"], request_id=s["request_id"], phase=PHASES[s["phase"]],
+                            prompt_done=s["processed"], prompt_len=s["prompt_tokens"],
+                            num_generated=s["generated"]) for s in snap["slots"]]
+        return StatusReply(query_id=query_id, model=self.scheduler.model_name,
+                           protocol_version=PROTOCOL_VERSION,
+                           max_slots=len(slots), queue_depth=snap["queue_depth"], slots=slots)
+
+    async def _error(self, peer: bytes, code: ErrorCode, message: str, rid: str | None) -> None:
+        await self.sock.send_to(peer, ErrorReply(code=code, message=message, request_id=rid))
+
+
+def _internal_id(peer: bytes, request_id: str) -> str:
+    """Client request ids are unique per connection; the scheduler's must be global."""
+    return f"zmq-{peer.hex()}-{request_id}"
+

@@ -1,0 +1,311 @@
+"""Continuous batching: admission, slots, chunked prefill, preemption, prefix reuse.
+
+The step loop is plan -> run on the worker -> commit -> emit. Planning and committing are
+bookkeeping over plain data; only ``run`` awaits the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import time
+
+import structlog
+
+from daemon.prefix_cache import PrefixCache
+from daemon.requests import (
+    EngineUnavailable,
+    GenerationRequest,
+    QueueFull,
+    RequestHandle,
+    RequestRejected,
+)
+from daemon.slots import Sequence
+from daemon.worker_client import WorkerDied, WorkerStepError
+from protocol.messages import (
+    CacheOp,
+    CacheOpKind,
+    SamplingParams,
+    SlotWork,
+    StepPlan,
+    StepResult,
+    WorkKind,
+    token_array,
+)
+
+log = structlog.get_logger("tandem.scheduler")
+OP = CacheOpKind
+
+
+class Scheduler:
+    def __init__(self, *, max_slots: int, max_context: int, max_queue: int, prefill_chunk: int,
+                 block_size: int, checkpoint_interval: int, prefix_blocks: int,
+                 tokenizer=None, eos_ids=(), metrics=None, model_name: str = "") -> None:
+        self.max_slots = max_slots
+        self.max_context = max_context
+        self.max_queue = max_queue
+        self.prefill_chunk = prefill_chunk
+        self.checkpoint_interval = checkpoint_interval
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.eos_ids = frozenset(eos_ids)
+        self.metrics = metrics
+        self.prefix = PrefixCache(prefix_blocks, block_size) if prefix_blocks else None
+        self.worker = None  # set by attach(); anything with ``async step(plan)``
+        self.slots: list[Sequence | None] = [None] * max_slots
+        self.queue: list[tuple[int, int, Sequence]] = []  # heap of (-priority, order, seq)
+        self.by_id: dict[str, Sequence] = {}
+        self._order = 0
+        self._step_id = 0
+        self._entry_id = 0
+        self._pending_ops: list[CacheOp] = []  # frees and drops for the next plan
+        self._wake = asyncio.Event()
+
+    # ---- front-end interface -----------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self.worker is not None
+
+    def submit(self, req: GenerationRequest) -> RequestHandle:
+        if not self.ready:
+            raise EngineUnavailable("the model worker is not ready")
+        if not req.prompt_ids:
+            raise RequestRejected("the prompt is empty")
+        total = len(req.prompt_ids) + req.max_tokens
+        if total > self.max_context:
+            raise RequestRejected(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens "
+                                  f"({req.max_tokens}) = {total} exceeds the context limit "
+                                  f"{self.max_context}")
+        if req.request_id in self.by_id:
+            raise RequestRejected(f"request id {req.request_id!r} is already in use")
+        if len(self.queue) >= self.max_queue:
+            raise QueueFull(f"the queue holds {len(self.queue)} requests", retry_after=1.0)
+        detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
+        handle = RequestHandle(req.request_id, self.cancel)
+        seq = Sequence(req, handle, req.sampling.seed, detok, self.eos_ids, self._order)
+        self._order += 1
+        self.by_id[req.request_id] = seq
+        heapq.heappush(self.queue, (-req.priority, seq.order, seq))
+        self._changed()
+        return handle
+
+    def cancel(self, request_id: str) -> bool:
+        seq = self.by_id.get(request_id)
+        if seq is None or seq.finished:
+            return False
+        seq.cancel_requested = True
+        self._wake.set()
+        return True
+
+    def snapshot(self) -> dict:
+        slots = []
+        for i, seq in enumerate(self.slots):
+            slots.append({"slot": i, "request_id": seq.req.request_id if seq else None,
+                          "phase": seq.phase if seq else "idle",
+                          "prompt_tokens": len(seq.prompt) if seq else 0,
+                          "processed": min(seq.processed, len(seq.prompt)) if seq else 0,
+                          "cached": seq.cached if seq else 0,
+                          "generated": len(seq.generated) if seq else 0})
+        return {"ready": self.ready, "queue_depth": len(self.queue), "slots": slots}
+
+    # ---- the step loop -------------------------------------------------------------------
+    def attach(self, worker) -> None:
+        self.worker = worker
+        self._wake.set()
+
+    def detach(self, error: str) -> None:
+        """The worker died: fail every request that had state there; keep the queue."""
+        self.worker = None
+        for i, seq in enumerate(self.slots):
+            if seq is not None:
+                self._finish(seq, "error", error)
+                self.slots[i] = None
+        for _, _, seq in list(self.queue):
+            if seq.swapped_entry is not None:
+                self.queue.remove((-seq.req.priority, seq.order, seq))
+                self._finish(seq, "error", error)
+        heapq.heapify(self.queue)
+        self._pending_ops.clear()
+        self.prefix = PrefixCache(self.prefix.max_blocks, self.prefix.block_size) \
+            if self.prefix else None
+
+    async def run(self) -> None:
+        """Plan, run, commit until cancelled; returns when the worker dies."""
+        while self.worker is not None:
+            plan = self.plan()
+            if not plan.slots and not plan.cache_ops:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            t0 = time.monotonic()
+            try:
+                result = await self.worker.step(plan)
+            except WorkerStepError as exc:
+                log.error("step refused", step=plan.step_id, error=str(exc))
+                self._fail_plan(plan, str(exc))
+                continue
+            except WorkerDied as exc:
+                log.error("gpu worker died", error=str(exc))
+                self.detach(f"the model worker died: {exc}")
+                return
+            self.commit(plan, result, time.monotonic() - t0)
+
+    def plan(self) -> StepPlan:
+        ops, self._pending_ops = self._pending_ops, []
+        for entry in [e for e in self.queue if e[2].cancel_requested]:
+            self.queue.remove(entry)
+            heapq.heapify(self.queue)
+            self._finish(entry[2], "cancelled", drop_entry=True)
+        ops += self._pending_ops
+        self._pending_ops = []
+        for i, seq in enumerate(self.slots):
+            if seq is not None and seq.cancel_requested:
+                self._finish(seq, "cancelled")
+                self._release(i, ops)
+        self._preempt_for_priority(ops)
+        self._admit(ops)
+        work, after = [], []
+        for slot, seq in enumerate(self.slots):
+            if seq is not None:
+                work.append(self._work_for(slot, seq, after))
+        self._step_id += 1
+        return StepPlan(step_id=self._step_id, slots=work, cache_ops=ops, cache_ops_after=after)
+
+    def commit(self, plan: StepPlan, result: StepResult, seconds: float) -> None:
+        now = time.monotonic()
+        prompt_tokens = decode_tokens = 0
+        for work, res in zip(plan.slots, result.slots, strict=True):
+            seq = self.slots[work.slot]
+            seq.processed = work.start_pos + work.num_tokens
+            if work.kind == WorkKind.PREFILL:
+                prompt_tokens += work.num_tokens
+            else:
+                decode_tokens += work.num_tokens
+            if not res.token_ids:
+                continue
+            event = seq.add_tokens(res.token_ids)
+            self._observe_latency(seq, now)
+            if event is not None:
+                seq.handle.push(event)
+            if seq.finished:
+                self._done(seq)
+                self._release(work.slot, self._pending_ops)
+        if self.metrics is not None:
+            self.metrics.observe_step(seconds, plan.num_rows, prompt_tokens, decode_tokens)
+            self.metrics.set_prompt_throughput(prompt_tokens / seconds if prompt_tokens else None)
+            self.metrics.set_active_slots(sum(s is not None for s in self.slots))
+            self.metrics.set_queue_depth(len(self.queue))
+            used = result.counters.get("kv_total_blocks", 0) - result.counters.get(
+                "kv_free_blocks", 0)
+            self.metrics.set_kv_usage(used, result.counters.get("kv_total_blocks", 0))
+
+    # ---- planning pieces -----------------------------------------------------------------
+    def _work_for(self, slot: int, seq: Sequence, after: list[CacheOp]) -> SlotWork:
+        sampling = SamplingParams(temperature=seq.req.sampling.temperature,
+                                  top_p=seq.req.sampling.top_p, top_k=seq.req.sampling.top_k,
+                                  min_p=seq.req.sampling.min_p, seed=seq.seed)
+        common = dict(slot=slot, request_id=seq.req.request_id, sampling=sampling,
+                      prompt_len=len(seq.prompt), cached_len=seq.cached)
+        if not seq.in_prefill:
+            return SlotWork(kind=WorkKind.DECODE, start_pos=seq.processed, num_tokens=1,
+                            input_ids=token_array([seq.token_at(seq.processed)]),
+                            needs_logits=True, **common)
+        start, n_prompt = seq.processed, len(seq.prompt)
+        end = min(start + self.prefill_chunk, n_prompt)
+        if self.prefix is not None:  # chunks end on checkpoint boundaries
+            boundary = (start // self.checkpoint_interval + 1) * self.checkpoint_interval
+            end = min(end, boundary)
+            if end % self.checkpoint_interval == 0 or end == n_prompt:
+                self._checkpoint(slot, seq.prompt[:end], after)
+        return SlotWork(kind=WorkKind.PREFILL, start_pos=start, num_tokens=end - start,
+                        input_ids=token_array(seq.prompt[start:end]),
+                        needs_logits=end == n_prompt, **common)
+
+    def _checkpoint(self, slot: int, tokens: list[int], after: list[CacheOp]) -> None:
+        if self.prefix.contains(tokens) or not self.prefix.fits(len(tokens)):
+            return
+        entry = self._new_entry()
+        after.append(CacheOp(op=OP.CHECKPOINT, slot=slot, num_tokens=len(tokens),
+                             entry_id=entry))
+        for dropped in self.prefix.add(tokens, entry):
+            self._pending_ops.append(CacheOp(op=OP.DROP_CHECKPOINT, entry_id=dropped))
+
+    def _admit(self, ops: list[CacheOp]) -> None:
+        while self.queue and None in self.slots:
+            _, _, seq = heapq.heappop(self.queue)
+            if seq.cancel_requested:
+                self._finish(seq, "cancelled", drop_entry=True)
+                continue
+            slot = self.slots.index(None)
+            self.slots[slot] = seq
+            seq.slot = slot
+            if seq.swapped_entry is not None:
+                ops.append(CacheOp(op=OP.SWAP_IN, slot=slot, entry_id=seq.swapped_entry))
+                seq.swapped_entry = None
+                continue
+            ops.append(CacheOp(op=OP.ALLOCATE, slot=slot, num_tokens=len(seq.prompt)))
+            hit = self.prefix.lookup(seq.prompt) if self.prefix is not None else None
+            if hit is not None:
+                entry, n = hit
+                ops.append(CacheOp(op=OP.SHARE_PREFIX, slot=slot, entry_id=entry, num_tokens=n))
+                seq.processed = seq.cached = n
+
+    def _preempt_for_priority(self, ops: list[CacheOp]) -> None:
+        """Swap out the lowest-priority running request when a higher one waits."""
+        while self.queue and None not in self.slots:
+            top = -self.queue[0][0]
+            running = [(s.req.priority, -s.order, i) for i, s in enumerate(self.slots)]
+            prio, _, victim_slot = min(running)
+            if prio >= top:
+                return
+            victim = self.slots[victim_slot]
+            victim.swapped_entry = self._new_entry()
+            ops.append(CacheOp(op=OP.SWAP_OUT, slot=victim_slot, entry_id=victim.swapped_entry))
+            self.slots[victim_slot] = None
+            victim.slot = None
+            heapq.heappush(self.queue, (-victim.req.priority, victim.order, victim))
+            log.info("preempted", request_id=victim.req.request_id, slot=victim_slot)
+
+    # ---- endings ---------------------------------------------------------------------------
+    def _release(self, slot: int, ops: list[CacheOp]) -> None:
+        self.slots[slot] = None
+        ops.append(CacheOp(op=OP.FREE, slot=slot))
+        self._changed()
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None,
+                drop_entry: bool = False) -> None:
+        if drop_entry and seq.swapped_entry is not None:
+            self._pending_ops.append(CacheOp(op=OP.DROP_CHECKPOINT, entry_id=seq.swapped_entry))
+            seq.swapped_entry = None
+        seq.handle.push(seq.finish(reason, error))
+        self._done(seq)
+
+    def _done(self, seq: Sequence) -> None:
+        self.by_id.pop(seq.req.request_id, None)
+        if self.metrics is not None:
+            self.metrics.request_finished(seq.finished, len(seq.prompt), len(seq.generated),
+                                          seq.cached)
+
+    def _fail_plan(self, plan: StepPlan, error: str) -> None:
+        for work in plan.slots:
+            seq = self.slots[work.slot]
+            if seq is not None:
+                self._finish(seq, "error", error)
+                self._release(work.slot, self._pending_ops)
+
+    def _observe_latency(self, seq: Sequence, now: float) -> None:
+        if self.metrics is not None:
+            if seq.t_last is None:
+                self.metrics.observe_ttft(now - seq.t_submit)
+            else:
+                self.metrics.observe_itl(now - seq.t_last)
+        seq.t_last = now
+
+    def _new_entry(self) -> int:
+        self._entry_id += 1
+        return self._entry_id
+
+    def _changed(self) -> None:
+        self._wake.set()
+        if self.metrics is not None:
+            self.metrics.set_queue_depth(len(self.queue))

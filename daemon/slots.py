@@ -1,0 +1,103 @@
+"""One request's bookkeeping in the daemon: tokens, progress, text and stop handling."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from daemon.requests import GenerationRequest, RequestEvent, RequestHandle, Usage
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    req: GenerationRequest
+    handle: RequestHandle
+    seed: int
+    detok: object | None  # IncrementalDetokenizer, or None for a model without tokenizer
+    eos_ids: frozenset[int]
+    order: int  # admission order (FIFO within a priority)
+    slot: int | None = None
+    generated: list[int] = dataclasses.field(default_factory=list)
+    processed: int = 0  # tokens in the worker's cache for this request
+    cached: int = 0  # prompt tokens reused from the prefix cache
+    swapped_entry: int | None = None  # preempted: its state lives in this worker entry
+    text: str = ""
+    sent: int = 0  # chars of ``text`` already emitted
+    finished: str | None = None  # finish reason once done
+    cancel_requested: bool = False
+    t_submit: float = dataclasses.field(default_factory=time.monotonic)
+    t_last: float | None = None
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.req.prompt_ids
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.processed < len(self.prompt)
+
+    @property
+    def phase(self) -> str:
+        return "prefill" if self.in_prefill else "decode"
+
+    def token_at(self, pos: int) -> int:
+        n = len(self.prompt)
+        return self.prompt[pos] if pos < n else self.generated[pos - n]
+
+    def add_tokens(self, ids: list[int]) -> RequestEvent | None:
+        """Append sampled tokens; returns the event to emit (None when nothing is new)."""
+        new_ids: list[int] = []
+        for token in ids:
+            if self.req.eos and token in self.eos_ids:
+                self.finished = "stop"
+                break
+            self.generated.append(token)
+            new_ids.append(token)
+            if self.detok is not None:
+                self.text += self.detok.add(token)
+            if self._hit_stop():
+                self.finished = "stop"
+                break
+            if len(self.generated) >= self.req.max_tokens:
+                self.finished = "length"
+                break
+        if self.finished and self.detok is not None and not self._stopped_by_string:
+            self.text += self.detok.flush()
+        delta = self._take_text()
+        if not new_ids and not delta and not self.finished:
+            return None
+        return RequestEvent(new_ids, delta, self.finished,
+                            usage=self.usage() if self.finished else None)
+
+    def finish(self, reason: str, error: str | None = None) -> RequestEvent:
+        self.finished = reason
+        return RequestEvent([], self._take_text() if reason != "error" else "", reason,
+                            error=error, usage=self.usage())
+
+    def usage(self) -> Usage:
+        return Usage(len(self.prompt), len(self.generated), self.cached)
+
+    # ---- stop strings ------------------------------------------------------------------
+    _stopped_by_string: bool = False
+
+    def _hit_stop(self) -> bool:
+        longest = max((len(s) for s in self.req.stop), default=0)
+        start = max(0, self.sent - longest)
+        hits = [i for i in (self.text.find(s, start) for s in self.req.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self._stopped_by_string = True
+        return bool(hits)
+
+    def _take_text(self) -> str:
+        """Text that can be emitted: everything when finished; otherwise hold back a tail
+        that could still grow into a stop string."""
+        end = len(self.text)
+        if not self.finished:
+            for s in self.req.stop:
+                for k in range(min(len(s) - 1, end - self.sent), 0, -1):
+                    if self.text.endswith(s[:k]):
+                        end = min(end, len(self.text) - k)
+                        break
+        delta, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return delta

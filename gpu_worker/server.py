@@ -1,0 +1,161 @@
+"""The GPU worker process: READY handshake, then one StepPlan at a time.
+
+    python -m gpu_worker.server --run-dir DIR --model PATH [--dtype float32] ...
+
+It connects to the daemon's worker socket in DIR, loads the model, starts the CPU expert
+workers where the placement asks for them, sends ReadyMsg, and answers every StepPlan with
+a StepResult (or a typed WorkerError). It dies with its parent (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import sys
+import traceback
+
+import numpy as np
+
+from gpu_worker.backend import get_xp
+from gpu_worker.loader import CheckpointError, load_checkpoint, load_generation_config
+from gpu_worker.model.model import Model
+from gpu_worker.runner import PlanError, Runner
+from protocol.errors import ProtocolError
+from protocol.messages import (
+    CAPABILITIES,
+    PROTOCOL_VERSION,
+    ModelInfo,
+    Ping,
+    Pong,
+    ReadyMsg,
+    Shutdown,
+    StepPlan,
+    WorkerError,
+    WorkerErrorCode,
+)
+from protocol.sockets import WorkerToDaemon
+
+DTYPES = {"float32": np.float32, "float64": np.float64}
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM us when the daemon dies, so no worker outlives it."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() == 1:  # the parent already died before prctl
+        sys.exit(1)
+
+
+def build_runner(args: argparse.Namespace):
+    ckpt = load_checkpoint(args.model, dtype=DTYPES[args.dtype])
+    model = Model(ckpt.config, ckpt.tensors, xp=get_xp(args.backend), dtype=DTYPES[args.dtype],
+                  exact=args.dtype == "float64")
+    pool = None
+    if args.placement != "gpu":
+        from gpu_worker.moe_dispatch import ExpertPlacement  # noqa: PLC0415
+
+        pool = ExpertPlacement.start(model, ckpt.tensors, placement=args.placement,
+                                     cpu_per_layer=args.cpu_experts_per_layer,
+                                     num_workers=args.cpu_workers)
+    blocks_per_slot = -(-args.max_context // args.block_size)
+    runner = Runner(model, max_slots=args.max_slots, max_context=args.max_context,
+                    block_size=args.block_size, extra_blocks=args.extra_blocks,
+                    experts=pool.experts if pool else None)
+    capacity = (args.max_slots * blocks_per_slot + args.extra_blocks) * args.block_size
+    eos = load_generation_config(args.model).get("eos_token_ids", [])
+    info = ModelInfo(name=args.name or os.path.basename(os.path.normpath(args.model)),
+                     vocab_size=ckpt.config.vocab_size, max_slots=args.max_slots,
+                     kv_capacity_tokens=capacity, max_seq_len=args.max_context,
+                     eos_token_ids=list(eos))
+    return runner, pool, info
+
+
+def serve(args: argparse.Namespace) -> int:
+    _die_with_parent()
+    sock = WorkerToDaemon.in_run_dir(args.run_dir)
+    try:
+        runner, pool, info = build_runner(args)
+    except (CheckpointError, ValueError, OSError, RuntimeError) as exc:
+        sock.send(WorkerError(code=WorkerErrorCode.MODEL_LOAD, message=str(exc), fatal=True),
+                  timeout=5)
+        sock.close()
+        return 1
+    sock.send(ReadyMsg(protocol_version=PROTOCOL_VERSION, capabilities=list(CAPABILITIES),
+                       model=info, pid=os.getpid()), timeout=30)
+    try:
+        while True:
+            try:
+                msg = sock.recv()
+            except ProtocolError as exc:
+                sock.send(WorkerError(code=WorkerErrorCode.PROTOCOL, message=str(exc)))
+                continue
+            if isinstance(msg, Shutdown):
+                return 0
+            if isinstance(msg, Ping):
+                sock.send(Pong(nonce=msg.nonce, time_ns=msg.time_ns))
+                continue
+            if not isinstance(msg, StepPlan):
+                sock.send(WorkerError(code=WorkerErrorCode.PROTOCOL,
+                                      message=f"unexpected {type(msg).__name__}"))
+                continue
+            try:
+                sock.send(_execute(runner, pool, msg))
+            except _Fatal as fatal:
+                sock.send(fatal.error, timeout=2)
+                return 1
+    finally:
+        if pool is not None:
+            pool.close()
+        sock.close()
+
+
+def _execute(runner: Runner, pool, plan: StepPlan):
+    try:
+        if pool is not None:
+            pool.check_alive()
+        return runner.execute(plan)
+    except PlanError as exc:
+        return WorkerError(code=WorkerErrorCode.BAD_PLAN, message=str(exc), step_id=plan.step_id)
+    except Exception as exc:  # a bug or a dead CPU worker: report it, then exit for a restart
+        died = type(exc).__name__ == "CpuWorkerDied"
+        code = WorkerErrorCode.CPU_WORKER_DIED if died else WorkerErrorCode.INTERNAL
+        traceback.print_exc(file=sys.stderr)
+        err = WorkerError(code=code, message=f"{type(exc).__name__}: {exc}", fatal=True,
+                          step_id=plan.step_id)
+        raise _Fatal(err) from exc
+
+
+class _Fatal(Exception):
+    def __init__(self, error: WorkerError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="gpu_worker.server")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--name", default="")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    p.add_argument("--backend", default="numpy")
+    p.add_argument("--max-slots", type=int, default=4)
+    p.add_argument("--max-context", type=int, default=4096)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--extra-blocks", type=int, default=0)
+    p.add_argument("--placement", choices=("gpu", "cpu", "split"), default="gpu")
+    p.add_argument("--cpu-experts-per-layer", type=int, default=0)
+    p.add_argument("--cpu-workers", type=int, default=1)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return serve(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
