@@ -68,7 +68,7 @@ def make_app(scheduler: Any, tokenizer: Any, config: Config, metrics: Metrics, *
 
 async def start_site(app: web.Application, config: Config) -> web.AppRunner:
     """Listen on config.server.host:port; `await runner.cleanup()` stops it."""
-    runner = web.AppRunner(app, access_log_format='%r %s %b %Tfs "%{User-Agent}i"')
+    runner = web.AppRunner(app, access_log_format='%a "%r" %s %b %Tfs "%{User-Agent}i"')
     await runner.setup()
     site = web.TCPSite(runner, config.server.host, config.server.port, reuse_address=True)
     await site.start()
@@ -189,7 +189,7 @@ class HttpApi:
         gen = GenerationRequest(request_id=request[REQUEST_ID], prompt_ids=prompt_ids,
                                 sampling=self._sampling(req),
                                 max_tokens=self._max_tokens(len(prompt_ids), req.max_tokens),
-                                stop=req.stop, priority=req.priority)
+                                stop=req.stop, priority=req.priority, eos=not req.ignore_eos)
         handle = self._submit(gen)
         fmt = Formatter(req.kind, request[REQUEST_ID], self.model_name, int(time.time()))
         log.info("request_submitted", kind=req.kind, prompt_tokens=len(prompt_ids),

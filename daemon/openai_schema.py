@@ -20,7 +20,7 @@ PRIORITY_RANGE = (-1000, 1000)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
            "stream", "stream_options", "n", "user", "priority", "presence_penalty",
-           "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs")
+           "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "ignore_eos")
 COMPLETION_FIELDS = frozenset(_COMMON + ("prompt", "best_of", "echo", "suffix"))
 CHAT_FIELDS = frozenset(_COMMON + ("messages", "max_completion_tokens", "tools", "tool_choice",
                                    "parallel_tool_calls", "top_logprobs", "response_format",
@@ -67,6 +67,7 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     priority: int = 0
+    ignore_eos: bool = False  # vLLM's extension: generate past EOS (benchmarks)
 
 
 # ---- scalar checks ------------------------------------------------------------------------------
@@ -140,7 +141,8 @@ def _common(body: Any, kind: str, known: frozenset[str]) -> ParsedRequest:
         top_k=0 if top_k == -1 else top_k, min_p=_num(body, "min_p", 0.0, 1.0),
         seed=_int(body, "seed", 0, MAX_SEED), stop=_stop(body.get("stop")), stream=stream,
         include_usage=_stream_options(body.get("stream_options"), stream),
-        priority=_int(body, "priority", *PRIORITY_RANGE) or 0)
+        priority=_int(body, "priority", *PRIORITY_RANGE) or 0,
+        ignore_eos=bool(_bool(body, "ignore_eos")))
 
 
 def _stop(value: Any) -> tuple[str, ...]:
