@@ -1,0 +1,149 @@
+"""A real ``tandem serve`` process for integration tests: start, wait for /ready, stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    """All live processes below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Server:
+    def __init__(self, tmp: Path, model: Path, **sections: dict) -> None:
+        self.port = free_port()
+        self.run_dir = tmp / "run"
+        cfg = {"model": {"path": str(model), "dtype": "float64", "name": "tandem-test"},
+               "server": {"port": self.port, "run_dir": str(self.run_dir)},
+               "scheduler": {"max_context": 512, "kv_block_size": 16, "prefill_chunk": 64,
+                             "checkpoint_interval": 32},
+               "logging": {"json": True}}
+        for name, values in sections.items():
+            cfg.setdefault(name, {}).update(values)
+        self.config = tmp / "tandem.toml"
+        self.config.write_text(_toml(cfg))
+        self.log = tmp / "serve.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def zmq_address(self) -> str:
+        return f"ipc://{self.run_dir}/client.sock"
+
+    def start(self, timeout: float = 60) -> Server:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "daemon.cli", "serve", "--config", str(self.config)],
+            stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited:\n{self.log.read_text()[-3000:]}"
+            try:
+                if self.get("/ready")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"server not ready:\n{self.log.read_text()[-3000:]}")
+
+    def get(self, path: str) -> tuple[int, dict | str]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=10) as r:
+                body = r.read().decode()
+                status = r.status
+        except urllib.error.HTTPError as e:
+            body, status = e.read().decode(), e.code
+        try:
+            return status, json.loads(body)
+        except json.JSONDecodeError:
+            return status, body
+
+    def worker_pid(self) -> int:
+        return next(p for p in descendants(self.proc.pid) if _cmdline(p).find("gpu_worker") >= 0)
+
+    def stop(self) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        tree = descendants(self.proc.pid)
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = [p for p in tree if alive(p)]
+        assert not left, f"processes left behind after SIGTERM: {left}"
+        return code
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _toml(cfg: dict) -> str:
+    lines = []
+    for section, values in cfg.items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            lines.append(f"{key} = {json.dumps(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def generate_alone(model: Path, prompt: str, max_tokens: int, *, chat: bool = True,
+                   temperature: float = 0.0, seed: int = 0) -> dict:
+    """What ``tandem generate`` prints for one request (float64, the reference path)."""
+    args = [sys.executable, "-m", "daemon.cli", "generate", "--model", str(model),
+            "--dtype", "float64", "--prompt", prompt, "--max-tokens", str(max_tokens),
+            "--temperature", str(temperature), "--seed", str(seed), "--json"]
+    if chat:
+        args.append("--chat")
+    out = subprocess.run(args, capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(out.stdout)

@@ -1,0 +1,219 @@
+"""The whole service through real processes, sockets and HTTP, on a tiny float64 model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from gpu_worker.tiny_model import make_tiny_model
+from tests.integration.server import Server, alive, generate_alone
+
+MODEL_NAME = "tandem-test"  # served name set in Server's config
+PROMPTS = ["Write a function", "Explain the code below", "def reverse(s):", "import os\nimport"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("model"), "qwen3_next", seed=7, layers=4)
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("srv"), model).start()
+    yield srv
+    assert srv.stop() == 0
+
+
+async def chat(session, url, prompt, max_tokens=24, stream=True, **extra):
+    """Returns (text, finish_reason, usage) of one chat completion."""
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+            "stream_options": {"include_usage": True}, **extra}
+    if not stream:
+        body.pop("stream_options")
+    async with session.post(url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        if not stream:
+            data = await r.json()
+            return data["choices"][0]["message"]["content"], \
+                data["choices"][0]["finish_reason"], data["usage"]
+        text, finish, usage = [], None, None
+        async for line in r.content:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk["choices"]:
+                text.append(choice["delta"].get("content") or "")
+                finish = choice["finish_reason"] or finish
+        return "".join(text), finish, usage
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_four_concurrent_streams_equal_generate_alone(server, model):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return await asyncio.gather(*(chat(s, server.url, p) for p in PROMPTS))
+
+    results = run(go())
+    for prompt, (text, finish, usage) in zip(PROMPTS, results, strict=True):
+        alone = generate_alone(model, prompt, 24)
+        assert text == alone["text"], prompt
+        assert usage["completion_tokens"] == len(alone["token_ids"])
+        assert finish in ("length", "stop")
+
+
+def test_cancel_one_of_four_leaves_the_others_unchanged(server, model):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            tasks = [asyncio.create_task(chat(s, server.url, p, max_tokens=40)) for p in PROMPTS]
+            await asyncio.sleep(0.3)
+            tasks[1].cancel()  # closes the connection mid-stream: the server cancels
+            done = await asyncio.gather(*tasks, return_exceptions=True)
+            return done
+
+    done = run(go())
+    assert isinstance(done[1], asyncio.CancelledError)
+    for i in (0, 2, 3):
+        assert done[i][0] == generate_alone(model, PROMPTS[i], 40)["text"]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        slots = server.get("/v1/slots")[1]["slots"]
+        if all(s["request_id"] is None for s in slots):
+            break
+        time.sleep(0.05)
+    assert all(s["request_id"] is None for s in slots), slots
+
+
+def test_prefix_reuse_prefills_only_the_rest(server, model):
+    shared = "You are a careful assistant. " * 12
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            first = await chat(s, server.url, shared + "Say one thing.", 12, stream=False)
+            second = await chat(s, server.url, shared + "Say another thing.", 12, stream=False)
+            return first, second
+
+    first, second = run(go())
+    assert second[2]["prompt_tokens_details"]["cached_tokens"] >= 32
+    assert second[2]["prompt_tokens_details"]["cached_tokens"] < second[2]["prompt_tokens"]
+    assert second[0] == generate_alone(model, shared + "Say another thing.", 12)["text"]
+    assert first[0] == generate_alone(model, shared + "Say one thing.", 12)["text"]
+
+
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
+    async def go():
+        out = []
+        async with aiohttp.ClientSession() as s:
+            url = server.url + "/v1/chat/completions"
+            cases = [b"{not json", json.dumps({"messages": "hi"}).encode(),
+                     json.dumps({"model": "nope", "messages": [
+                         {"role": "user", "content": "x"}]}).encode(),
+                     json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                 "temperature": -1}).encode(),
+                     json.dumps({"messages": [{"role": "user", "content": "x" * 6000}]}).encode(),
+                     b"x" * (2 << 20)]
+            for body in cases:
+                async with s.post(url, data=body,
+                                  headers={"Content-Type": "application/json"}) as r:
+                    out.append((r.status, (await r.json())["error"]["message"]))
+            out.append(await chat(s, server.url, "still there?", 4))
+        return out
+
+    *errors, ok = run(go())
+    statuses = [status for status, _ in errors]
+    assert statuses == [400, 400, 404, 400, 400, 413], errors
+    assert all(message for _, message in errors)
+    assert ok[1] in ("length", "stop")
+
+
+def test_zmq_client_and_malformed_frames(server):
+    import zmq
+
+    from protocol.client import TandemClient
+
+    with TandemClient(server.zmq_address, timeout=30) as client:
+        done = client.generate("hello there", max_tokens=6, temperature=0)
+        assert done.finish_reason in ("length", "stop") and done.token_ids
+        status = client.status()
+        assert status.max_slots == 4
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.connect(server.zmq_address)
+    raw.send_multipart([b"\x30", b"\xc1garbage"])  # SUBMIT kind with a broken body
+    assert raw.poll(5000)
+    frames = raw.recv_multipart()
+    raw.close(0)
+    from protocol.codec import decode
+    from protocol.messages import ErrorCode, ErrorReply
+
+    reply = decode(frames)
+    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.PROTOCOL
+    with TandemClient(server.zmq_address, timeout=30) as client:
+        assert client.generate("again", max_tokens=3, temperature=0).token_ids
+
+
+def test_preempted_request_resumes_with_identical_tokens(model, tmp_path):
+    srv = Server(tmp_path, model, scheduler={"max_slots": 1}).start()
+    try:
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                low = asyncio.create_task(chat(s, srv.url, PROMPTS[0], 200, priority=0))
+                while srv.get("/v1/slots")[1]["slots"][0]["generated"] < 3:
+                    await asyncio.sleep(0.02)
+                high = asyncio.create_task(chat(s, srv.url, PROMPTS[2], 8, priority=5))
+                high_result = await high
+                low_done_first = low.done()
+                return await low, high_result, low_done_first
+
+        low, high, low_done_first = run(go())
+        assert not low_done_first  # the high-priority request overtook it
+        assert low[0] == generate_alone(model, PROMPTS[0], 200)["text"]
+        assert high[0] == generate_alone(model, PROMPTS[2], 8)["text"]
+        assert "preempted" in srv.log.read_text()
+    finally:
+        assert srv.stop() == 0
+
+
+def test_killed_worker_errors_in_flight_and_restarts(model, tmp_path):
+    srv = Server(tmp_path, model).start()
+    try:
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 400,
+                        "temperature": 0, "stream": True}
+                got_error = False
+                async with s.post(srv.url + "/v1/chat/completions", json=body) as r:
+                    first = await r.content.readline()
+                    assert first.startswith(b"data: ")
+                    os.kill(srv.worker_pid(), signal.SIGKILL)
+                    async for line in r.content:
+                        if b'"error"' in line:
+                            got_error = True
+                return got_error
+
+        assert run(go())
+        srv.wait_ready(60)
+        text = run(_one(srv.url))
+        assert text[1] in ("length", "stop")
+        assert "restarting the gpu worker" in srv.log.read_text()
+    finally:
+        pid_tree = srv.proc.pid
+        assert srv.stop() == 0
+        assert not alive(pid_tree)
+
+
+async def _one(url):
+    async with aiohttp.ClientSession() as s:
+        return await chat(s, url, "after restart", 4)
