@@ -59,6 +59,7 @@ def make_app(scheduler: Any, tokenizer: Any, config: Config, metrics: Metrics, *
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)
     app.router.add_get("/v1/models", api.models)
+    app.router.add_get("/v1/models/{model:.+}", api.model)
     app.router.add_get("/v1/slots", api.slots)
     app.router.add_get("/health", api.health)
     app.router.add_get("/ready", api.ready)
@@ -145,9 +146,18 @@ class HttpApi:
 
     async def models(self, request: web.Request) -> web.Response:
         names = [self.model_name, *sorted(self.model_names - {self.model_name})]
-        return web.json_response({"object": "list", "data": [
-            {"id": name, "object": "model", "created": self.created, "owned_by": "tandem",
-             "root": self.model_name, "max_model_len": self._max_context()} for name in names]})
+        return web.json_response({"object": "list",
+                                  "data": [self._model_card(name) for name in names]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name not in self.model_names:
+            raise _model_not_found(name, self.model_name)
+        return web.json_response(self._model_card(name))
+
+    def _model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "tandem",
+                "root": self.model_name, "max_model_len": self._max_context()}
 
     async def slots(self, request: web.Request) -> web.Response:
         snap = self._snapshot()
@@ -182,10 +192,9 @@ class HttpApi:
 
     async def _generate(self, request: web.Request, req: ParsedRequest) -> web.StreamResponse:
         if req.model is not None and req.model not in self.model_names:
-            raise ApiError(404, f"the model '{req.model}' does not exist; this server serves "
-                           f"'{self.model_name}'", param="model", code="model_not_found",
-                           reason="model_not_found")
-        prompt_ids = self._prompt_ids(req)
+            raise _model_not_found(req.model, self.model_name)
+        # tokenizing a long prompt takes milliseconds: keep the event loop streaming meanwhile
+        prompt_ids = await asyncio.get_running_loop().run_in_executor(None, self._prompt_ids, req)
         gen = GenerationRequest(request_id=request[REQUEST_ID], prompt_ids=prompt_ids,
                                 sampling=self._sampling(req),
                                 max_tokens=self._max_tokens(len(prompt_ids), req.max_tokens),
@@ -278,6 +287,11 @@ class HttpApi:
             raise ApiError(400, str(exc), reason="rejected") from None
         except EngineUnavailable as exc:
             raise _unavailable(str(exc)) from None
+
+
+def _model_not_found(name: str, served: str) -> ApiError:
+    return ApiError(404, f"the model '{name}' does not exist; this server serves '{served}'",
+                    param="model", code="model_not_found", reason="model_not_found")
 
 
 def _unavailable(message: str) -> ApiError:

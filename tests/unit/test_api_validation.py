@@ -112,6 +112,7 @@ async def test_oversized_body_is_413(client):
     ({"priority": 5000}, "priority", "must be in"),
     ({"model": 3}, "model", "must be a string"),
     ({"user": 3}, "user", "must be a string"),
+    ({"ignore_eos": 1}, "ignore_eos", "true or false"),
 ])
 async def test_wrong_types_and_ranges_are_400(client, fields, param, words):
     err = await _error(await client.post(CHAT, json=_chat(**fields)), 400)
@@ -227,6 +228,10 @@ async def test_alias_is_accepted(tokenizer):
         assert resp.status == 503  # validated, then the absent engine
         models = await (await c.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["tandem-tiny", "tiny"]
+        card = await (await c.get("/v1/models/tiny")).json()
+        assert card["id"] == "tiny" and card["root"] == "tandem-tiny"
+        err = await _error(await c.get("/v1/models/Qwen/Qwen3-8B"), 404)
+        assert err["code"] == "model_not_found" and "Qwen/Qwen3-8B" in err["message"]
     finally:
         await c.close()
 
@@ -258,7 +263,8 @@ async def test_max_tokens_over_limit_is_400(client):
 @pytest.mark.parametrize("path, body", [
     (COMPLETIONS, {"prompt": "Hello there", "max_tokens": 8, "temperature": 0, "seed": 3,
                    "stop": ["\n"], "user": "u1", "n": 1, "priority": 2,
-                   "presence_penalty": 0, "logprobs": None, "echo": False}),
+                   "presence_penalty": 0, "logprobs": None, "echo": False,
+                   "ignore_eos": True}),
     (COMPLETIONS, {"prompt": [1, 2, 3], "stream": True,
                    "stream_options": {"include_usage": True}}),
     (CHAT, _chat(max_completion_tokens=8, top_k=-1, min_p=0.1, stop="x", logprobs=False,
