@@ -207,8 +207,9 @@ class HttpApi:
         try:
             if req.stream:
                 return await http_answer.stream(request, handle, fmt, len(prompt_ids), timeout,
-                                                req.include_usage)
-            return await http_answer.collect(request, handle, fmt, len(prompt_ids), timeout)
+                                                req.include_usage, tools=bool(req.tools))
+            return await http_answer.collect(request, handle, fmt, len(prompt_ids), timeout,
+                                             tools=bool(req.tools))
         except asyncio.CancelledError:
             log.info("client_disconnected")
             raise

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from daemon.openai_format import Formatter
 from daemon.openai_schema import ApiError
+from daemon.openai_tools import ToolCallStream, parse_tool_calls
 from daemon.requests import RequestEvent, RequestHandle
 
 log = structlog.stdlib.get_logger(__name__)
@@ -80,8 +81,9 @@ def _finished(start: float, finish_reason: str | None, usage: dict[str, Any]) ->
 
 
 async def collect(request: web.Request, handle: RequestHandle, fmt: Formatter, n_prompt: int,
-                  timeout_s: float) -> web.Response:
-    """The whole answer as one JSON object (ApiError when the request failed)."""
+                  timeout_s: float, tools: bool = False) -> web.Response:
+    """The whole answer as one JSON object (ApiError when the request failed). With `tools`,
+    tool-call blocks of a completed answer become `tool_calls`."""
     start, texts, count, last = time.monotonic(), [], 0, None
     try:
         async with contextlib.aclosing(events(request, handle, timeout_s)) as stream:
@@ -97,12 +99,18 @@ async def collect(request: web.Request, handle: RequestHandle, fmt: Formatter, n
         raise failed(last)
     usage = fmt.usage(last.usage, n_prompt, count)
     _finished(start, last.finish_reason, usage)
-    return web.json_response(fmt.response("".join(texts), last.finish_reason, usage))
+    text, calls, finish = "".join(texts), [], last.finish_reason
+    if tools and finish == "stop":
+        text, calls = parse_tool_calls(text)
+        finish = "tool_calls" if calls else finish
+    return web.json_response(fmt.response(text, finish, usage, calls))
 
 
 async def stream(request: web.Request, handle: RequestHandle, fmt: Formatter, n_prompt: int,
-                 timeout_s: float, include_usage: bool) -> web.StreamResponse:
-    """Server-sent events. Errors after the headers went out become an error event."""
+                 timeout_s: float, include_usage: bool,
+                 tools: bool = False) -> web.StreamResponse:
+    """Server-sent events. Errors after the headers went out become an error event. With
+    `tools`, text from a `<tool_call>` tag on is held back and sent as `tool_calls`."""
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
         "X-Accel-Buffering": "no", "X-Request-Id": fmt.request_id})
@@ -112,17 +120,26 @@ async def stream(request: web.Request, handle: RequestHandle, fmt: Formatter, n_
         await response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
 
     start, count = time.monotonic(), 0
+    calls = ToolCallStream() if tools else None
     try:
         if fmt.kind == "chat":
             await send(fmt.chunk(role=True, include_usage=include_usage))
         async with contextlib.aclosing(events(request, handle, timeout_s)) as stream_:
             async for event in stream_:
                 count += len(event.token_ids)
-                if event.text:
-                    await send(fmt.chunk(text=event.text, include_usage=include_usage))
+                text = calls.feed(event.text) if calls else event.text
+                if text:
+                    await send(fmt.chunk(text=text, include_usage=include_usage))
                 if event.finish_reason in DONE:
-                    await send(fmt.chunk(finish_reason=event.finish_reason,
-                                         include_usage=include_usage))
+                    finish = event.finish_reason
+                    if calls is not None:
+                        rest, found = calls.finish(parse=finish == "stop")
+                        if rest:
+                            await send(fmt.chunk(text=rest, include_usage=include_usage))
+                        if found:
+                            await send(fmt.chunk(tool_calls=found, include_usage=include_usage))
+                            finish = "tool_calls"
+                    await send(fmt.chunk(finish_reason=finish, include_usage=include_usage))
                     usage = fmt.usage(event.usage, n_prompt, count)
                     if include_usage:
                         await send(fmt.usage_chunk(usage))

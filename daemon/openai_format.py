@@ -31,25 +31,35 @@ class Formatter:
                 "total_tokens": prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    def response(self, text: str, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+    def response(self, text: str, finish_reason: str, usage: dict[str, Any],
+                 tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The whole (non-streamed) answer."""
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message = {"role": "assistant", "content": text or None,
+                           "tool_calls": tool_calls}
+            choice = {"index": 0, "message": message, "logprobs": None,
+                      "finish_reason": finish_reason}
             return {**self._head("chat.completion"), "choices": [choice], "usage": usage}
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice], "usage": usage}
 
     def chunk(self, *, text: str = "", role: bool = False, finish_reason: str | None = None,
+              tool_calls: list[dict[str, Any]] | None = None,
               include_usage: bool = False) -> dict[str, Any]:
-        """One stream chunk: the assistant role (chat's first chunk), a piece of text, or the
-        finish reason. With stream_options.include_usage every chunk has "usage": null."""
+        """One stream chunk: the assistant role (chat's first chunk), a piece of text, tool
+        calls, or the finish reason. With stream_options.include_usage every chunk has
+        "usage": null."""
         if self.kind == "chat":
             delta: dict[str, Any] = {}
             if role:
                 delta = {"role": "assistant", "content": ""}
             elif text:
                 delta = {"content": text}
+            elif tool_calls:
+                delta = {"tool_calls": [{"index": i, **call}
+                                        for i, call in enumerate(tool_calls)]}
             choice = {"index": 0, "delta": delta, "logprobs": None,
                       "finish_reason": finish_reason}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}

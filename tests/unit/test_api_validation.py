@@ -17,6 +17,7 @@ from daemon.cli import DEFAULT_MODEL
 from daemon.config import load_config
 from daemon.logs import configure_logging, get_logger
 from daemon.metrics import Metrics
+from daemon.openai_tools import ToolCallStream, parse_tool_calls
 from daemon.tokenizer import Tokenizer
 
 KEY = "sk-test-0123456789"
@@ -415,3 +416,49 @@ async def test_logs_carry_request_ids_but_no_prompt_text(tokenizer, restore_logg
     configure_logging("info", True, log_prompts=True, stream=stream)
     get_logger("test").info("probe", prompt=secret)
     assert secret in stream.getvalue()
+
+
+# ---- tool calls in the output --------------------------------------------------------------------
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_tool_calls_are_parsed_out_of_the_text():
+    content, calls = parse_tool_calls(f"Let me check.\n{CALL}\n{CALL.replace('Paris', 'Oslo')}")
+    assert content == "Let me check."
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_weather"]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"city": "Oslo"}
+    assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    assert calls[0]["id"] != calls[1]["id"]
+
+
+@pytest.mark.parametrize("text", [
+    "no tools here",
+    "<tool_call>\nnot json\n</tool_call>",
+    '<tool_call>\n{"arguments": {}}\n</tool_call>',  # no name
+    '<tool_call>\n{"name": "f", "arguments": {}}',  # never closed
+])
+def test_text_without_valid_tool_calls_is_left_alone(text):
+    assert parse_tool_calls(text) == (text, [])
+
+
+def test_streamed_tool_calls_are_held_back_until_the_end():
+    text = f"Sure. {CALL} done"
+    stream = ToolCallStream()
+    sent = "".join(stream.feed(ch) for ch in text)  # one character at a time
+    assert sent == "Sure. "  # nothing of "<tool_call>" leaked, not even "<"
+    rest, calls = stream.finish()
+    assert rest == "done" and calls[0]["function"]["name"] == "get_weather"
+
+
+def test_streamed_lookalike_tags_are_released():
+    stream = ToolCallStream()
+    sent = "".join(stream.feed(ch) for ch in "a <tool b <tool_cal")
+    assert sent == "a <tool b "  # "<tool_cal" may still become a tag
+    assert stream.feed("l c") == "<tool_call c"  # it did not
+    assert stream.finish() == ("", [])
+
+
+def test_streamed_answer_cut_short_sends_the_held_text_verbatim():
+    stream = ToolCallStream()
+    assert stream.feed(f"x {CALL}") == "x "
+    assert stream.finish(parse=False) == (CALL, [])
