@@ -38,9 +38,10 @@ def f16_value(bits) -> np.float32:
     """float32 value of an IEEE half given as its uint16 bits."""
     e = (np.int64(bits) >> 10) & 31
     m = np.int64(bits) & 1023
+    sign = -1.0 if np.int64(bits) & 0x8000 else 1.0
     if e == 0:
-        return np.float32(m * 2.0**-24)
-    return np.float32(math.ldexp(1024.0 + m, int(e) - 25))
+        return np.float32(sign * (m * 2.0**-24))
+    return np.float32(sign * math.ldexp(1024.0 + m, int(e) - 25))
 
 
 @njit(cache=True, nogil=True)

@@ -101,11 +101,13 @@ def tile_into(q: np.ndarray, s: np.ndarray, w_out: np.ndarray, s_out: np.ndarray
     s_out[...] = s.astype(np.float32).reshape(E, U // tu, tu, n // BLOCK).transpose(0, 1, 3, 2)
 
 
-def plan_shard(layers: dict[int, QuantizedLayer], lo_hi: tuple[int, int]) -> tuple[list, int]:
-    """Manifest ``[(layer, name, shape, dtype, offset), ...]`` and byte size of one shard."""
-    lo, hi = lo_hi
+def plan_shard(layers: dict[int, QuantizedLayer],
+               bounds: dict[int, tuple[int, int]]) -> tuple[list, int]:
+    """Manifest ``[(layer, name, shape, dtype, offset), ...]`` and byte size of one worker's
+    shard, which holds the intermediate range ``bounds[layer]`` of every layer."""
     manifest, off = [], 0
     for layer, ql in sorted(layers.items()):
+        lo, hi = bounds[layer]
         E, H, Is = ql.num_experts, ql.hidden, hi - lo
         gw, gs = tiled_shapes(E, 2, Is, H)
         dw, ds = tiled_shapes(E, 1, H, Is)
@@ -126,11 +128,11 @@ def views(buf, manifest: list) -> dict[int, tuple[np.ndarray, ...]]:
 
 
 def write_shard(buf, manifest: list, layers: dict[int, QuantizedLayer],
-                lo_hi: tuple[int, int]) -> None:
-    """Tile the shard ``lo_hi`` of every layer into ``buf`` as laid out by ``manifest``."""
+                bounds: dict[int, tuple[int, int]]) -> None:
+    """Tile range ``bounds[layer]`` of every layer into ``buf`` as laid out by ``manifest``."""
     dst = views(buf, manifest)
     for layer, ql in layers.items():
-        gq, gs, uq, us, dq, ds = ql.shard(*lo_hi)
+        gq, gs, uq, us, dq, ds = ql.shard(*bounds[layer])
         gu_w, gu_s, down_w, down_s = dst[layer]
         tile_into(gq, gs, gu_w[:, 0], gu_s[:, 0])
         tile_into(uq, us, gu_w[:, 1], gu_s[:, 1])

@@ -1,0 +1,334 @@
+"""CpuExpertPool: the GPU worker's handle on its cpu_experts processes.
+
+It quantizes and shards the CPU-resident experts (by intermediate dimension, one shard per
+worker), writes each shard into shared memory, starts one pinned worker process per shard,
+and dispatches one MoE layer for all rows at once: activations are quantized straight into
+the shared ring, every worker computes its partial ``sum_k w * expert_k(x)``, and the
+partials are summed here in worker order.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+import weakref
+
+import numpy as np
+
+from cpu_experts import rings, shard
+from cpu_experts.kernels import ERR_EXPERT_ID, ERR_NON_FINITE, ERR_OK
+from cpu_experts.quant import BLOCK, quantize_ref, quantize_rows_into, raise_non_finite
+from cpu_experts.shard import QuantizedLayer
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHECK_EVERY_NS = 5_000_000
+
+
+class CpuWorkerDied(RuntimeError):
+    """A cpu_experts worker process exited; names the worker."""
+
+    def __init__(self, index: int, pid: int, returncode: int | None, detail: str = "") -> None:
+        self.index, self.pid, self.returncode = index, pid, returncode
+        super().__init__(f"cpu_experts worker {index} (pid {pid}) died with exit code "
+                         f"{returncode}{': ' + detail if detail else ''}")
+
+
+class CpuExpertError(RuntimeError):
+    """A worker rejected a dispatch (bad expert id, unknown layer, non-finite activations...)."""
+
+
+def numa_core_groups() -> list[list[int]]:
+    """Usable cores of each NUMA node (one group if the machine reports no nodes)."""
+    usable = os.sched_getaffinity(0)
+    groups = []
+    for path in sorted(glob.glob("/sys/devices/system/node/node[0-9]*/cpulist")):
+        cores: list[int] = []
+        for part in open(path).read().strip().split(","):
+            if part:
+                lo, _, hi = part.partition("-")
+                cores.extend(range(int(lo), int(hi or lo) + 1))
+        if usable.intersection(cores):
+            groups.append(sorted(usable.intersection(cores)))
+    return groups or [sorted(usable)]
+
+
+def default_core_groups(num_workers: int | None) -> list[list[int]]:
+    """One group per NUMA node when num_workers is None or equals the node count; otherwise the
+    usable cores split into ``num_workers`` contiguous groups of near-equal size."""
+    nodes = numa_core_groups()
+    if num_workers is None or num_workers == len(nodes):
+        return nodes
+    usable = sorted(os.sched_getaffinity(0))
+    if num_workers > len(usable):  # more workers than cores: share them all
+        return [usable] * num_workers
+    return [list(chunk) for chunk in np.array_split(usable, num_workers)]
+
+
+class _Resources:
+    """Everything that must be released, held apart from the pool so a finalizer can run."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.files: list[rings.SharedFile] = []
+        self.doorbells: list[rings.Doorbell] = []
+
+    def release(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            if p.stdout:
+                p.stdout.close()
+        for f in self.files:
+            f.unlink()
+            f.close()
+        for d in self.doorbells:
+            d.close()
+        self.procs, self.files, self.doorbells = [], [], []
+
+
+class CpuExpertPool:
+    """Worker processes computing the CPU-resident experts of every MoE layer.
+
+    ``layers``: ``{layer: (gate [E, I, H], up [E, I, H], down [E, H, I])}`` float arrays, or a
+    :class:`QuantizedLayer` per layer. ``num_workers``: processes (None: one per NUMA node);
+    ``cores``: one core list per worker (None: :func:`default_core_groups`). ``qfuse``: quantize
+    activations with the Numba canonical quantizer straight into the ring (True) or with the
+    standalone NumPy reference (False); both are byte-identical, so results are too.
+    """
+
+    def __init__(self, layers: dict, *, num_workers: int | None = None,
+                 cores: list[list[int]] | None = None, qfuse: bool = True, max_rows: int = 256,
+                 max_k: int = 16, spin_us: float = 2000.0, start_timeout: float = 600.0) -> None:
+        self._res = _Resources()
+        self._finalizer = weakref.finalize(self, self._res.release)
+        self.layers: dict[int, QuantizedLayer] = {
+            int(k): v if isinstance(v, QuantizedLayer) else shard.quantize_layer(*v)
+            for k, v in layers.items()}
+        if not self.layers:
+            raise ValueError("no layers given")
+        hidden = {ql.hidden for ql in self.layers.values()}
+        if len(hidden) != 1:
+            raise ValueError(f"layers disagree on the hidden size: {sorted(hidden)}")
+        self.hidden = hidden.pop()
+        if cores is None:
+            cores = default_core_groups(num_workers)
+        if num_workers is not None and len(cores) != num_workers:
+            raise ValueError(f"num_workers={num_workers} but {len(cores)} core groups given")
+        self.cores = [sorted(int(c) for c in group) for group in cores]
+        self.num_workers = len(self.cores)
+        self.qfuse, self.max_rows, self.max_k = qfuse, max_rows, max_k
+        self.bounds = [{layer: shard.shard_bounds(ql.intermediate, self.num_workers)[w]
+                        for layer, ql in self.layers.items()} for w in range(self.num_workers)]
+        self._seq = 0
+        self.last_kernel_ns = np.zeros(self.num_workers, np.int64)
+        self.ready_info: list[dict] = []
+        try:
+            self._start(spin_us, start_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def _start(self, spin_us: float, start_timeout: float) -> None:
+        W = self.num_workers
+        ring_file = rings.SharedFile.create(
+            rings.Ring.size(W, self.max_rows, self.hidden, self.max_k), "ring")
+        self._res.files.append(ring_file)
+        self.ring = rings.Ring(ring_file.buf, W, self.max_rows, self.hidden, self.max_k)
+        specs = []
+        for w in range(W):
+            manifest, size = shard.plan_shard(self.layers, self.bounds[w])
+            wfile = rings.SharedFile.create(size, f"experts{w}")
+            self._res.files.append(wfile)
+            shard.write_shard(wfile.buf, manifest, self.layers, self.bounds[w])
+            bell = rings.Doorbell()
+            self._res.doorbells.append(bell)
+            specs.append({"index": w, "parent_pid": os.getpid(), "cores": self.cores[w],
+                          "ring_path": ring_file.path, "weights_path": wfile.path,
+                          "manifest": manifest, "num_workers": W, "max_rows": self.max_rows,
+                          "hidden": self.hidden, "max_k": self.max_k,
+                          "doorbell_fd": bell.fd, "spin_us": spin_us})
+        # Worker 0 first: it compiles the kernels into Numba's cache; the rest load them.
+        self._spawn(specs[0])
+        self.ready_info.append(self._await_ready(0, start_timeout))
+        for spec in specs[1:]:
+            self._spawn(spec)
+        for w in range(1, W):
+            self.ready_info.append(self._await_ready(w, start_timeout))
+        for f in self._res.files[1:]:  # workers hold the weights now: drop our mapping and name
+            f.unlink()
+            f.close()
+        ring_file.unlink()  # nothing leaks in /dev/shm even if this process is killed
+        self._res.files = [ring_file]
+
+    def _spawn(self, spec: dict) -> None:
+        env = dict(os.environ, NUMBA_NUM_THREADS=str(max(1, len(spec["cores"]))),
+                   PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT,
+                                                            os.environ.get("PYTHONPATH")])))
+        proc = subprocess.Popen([sys.executable, "-m", "cpu_experts.worker"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, pass_fds=(spec["doorbell_fd"],), env=env)
+        self._res.procs.append(proc)
+        proc.stdin.write((json.dumps(spec) + "\n").encode())
+        proc.stdin.close()
+
+    def _await_ready(self, w: int, timeout: float) -> dict:
+        proc = self._res.procs[w]
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        line = proc.stdout.readline() if ready else b""
+        if not line:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+                raise CpuWorkerDied(w, proc.pid, None, f"no READY within {timeout:.0f} s")
+            raise CpuWorkerDied(w, proc.pid, proc.returncode, "exited before READY")
+        info = json.loads(line)
+        if info.get("kind") != "ready":
+            raise CpuWorkerDied(w, proc.pid, proc.poll(), f"unexpected first message {info}")
+        return info
+
+    def check_alive(self) -> None:
+        """Raise :class:`CpuWorkerDied` naming the first worker that has exited."""
+        for w, proc in enumerate(self._res.procs):
+            if proc.poll() is not None:
+                raise CpuWorkerDied(w, proc.pid, proc.returncode)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._res.procs]
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the workers (politely, then by force) and release shared memory. Idempotent."""
+        procs = self._res.procs
+        if procs and all(p.poll() is None for p in procs) and hasattr(self, "ring"):
+            self.ring.header[rings.CMD] = rings.CMD_STOP
+            self._ring_all()
+            deadline = time.monotonic() + timeout
+            for p in procs:
+                try:
+                    p.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        self._finalizer()
+
+    def __enter__(self) -> CpuExpertPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- dispatch ---------------------------------------------------------------------------
+
+    def dispatch(self, layer: int, x: np.ndarray, expert_ids: np.ndarray,
+                 weights: np.ndarray) -> np.ndarray:
+        """``x [R, H]`` float -> ``[R, H] float32`` = sum_k weights[r, k] * expert_{ids[r, k]}(x[r])
+        over the pairs with ``expert_ids >= 0`` (-1: not on the CPU, skipped)."""
+        x = np.asarray(x)
+        if x.ndim != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"x must be [rows, {self.hidden}], got {x.shape}")
+        ids, w = self._check_pairs(layer, x.shape[0], expert_ids, weights)
+        x32 = np.ascontiguousarray(x, dtype=np.float32)   # [R, H]
+        out = np.empty(x.shape, np.float32)                # [R, H]
+        ring = self.ring
+        for r0 in range(0, x.shape[0], self.max_rows):
+            r1 = min(x.shape[0], r0 + self.max_rows)
+            if self.qfuse:
+                bad = quantize_rows_into(x32[r0:r1], ring.xq, ring.xd, r1 - r0)
+                if bad >= 0:
+                    raise_non_finite(x32[r0:r1], bad)
+            else:
+                q, d = quantize_ref(x32[r0:r1])
+                ring.xq[:r1 - r0] = q
+                ring.xd[:r1 - r0] = d.view(np.uint16)
+            self._run(layer, ids[r0:r1], w[r0:r1], out[r0:r1])
+        return out
+
+    def dispatch_quantized(self, layer: int, q: np.ndarray, scales: np.ndarray,
+                           expert_ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """Like :meth:`dispatch` for activations already quantized by the canonical rule
+        (e.g. by the fused GPU kernel): ``q [R, H] int8``, ``scales [R, H/32]`` float16 (or
+        their uint16 bits)."""
+        R = q.shape[0]
+        if q.shape != (R, self.hidden) or q.dtype != np.int8:
+            raise ValueError(f"q must be int8 [rows, {self.hidden}], got {q.dtype} {q.shape}")
+        if scales.shape != (R, self.hidden // BLOCK) or scales.dtype.itemsize != 2:
+            raise ValueError(f"scales must be float16 [rows, {self.hidden // BLOCK}], got "
+                             f"{scales.dtype} {scales.shape}")
+        ids, w = self._check_pairs(layer, R, expert_ids, weights)
+        bits = scales.view(np.uint16)
+        out = np.empty((R, self.hidden), np.float32)
+        for r0 in range(0, R, self.max_rows):
+            r1 = min(R, r0 + self.max_rows)
+            self.ring.xq[:r1 - r0] = q[r0:r1]
+            self.ring.xd[:r1 - r0] = bits[r0:r1]
+            self._run(layer, ids[r0:r1], w[r0:r1], out[r0:r1])
+        return out
+
+    def _check_pairs(self, layer: int, rows: int, expert_ids: np.ndarray,
+                     weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ql = self.layers.get(layer)
+        if ql is None:
+            raise KeyError(f"layer {layer} has no CPU experts (have {sorted(self.layers)})")
+        ids = np.asarray(expert_ids)
+        if ids.ndim != 2 or ids.shape[0] != rows or np.asarray(weights).shape != ids.shape:
+            raise ValueError(f"expert_ids {ids.shape} and weights {np.shape(weights)} must both "
+                             f"be [{rows}, k]")
+        if ids.shape[1] > self.max_k:
+            raise ValueError(f"top-k {ids.shape[1]} exceeds the pool's max_k={self.max_k}")
+        if ids.size and (ids.min() < -1 or ids.max() >= ql.num_experts):
+            raise ValueError(f"expert ids must lie in [-1, {ql.num_experts}) for layer {layer}")
+        return ids.astype(np.int32, copy=False), np.asarray(weights, dtype=np.float32)
+
+    def _ring_all(self) -> None:
+        self._seq += 1
+        ctrl = self.ring.ctrl
+        for w, bell in enumerate(self._res.doorbells):
+            ctrl[w, rings.SEQ_IN] = self._seq
+            bell.ring()
+
+    def _run(self, layer: int, ids: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        """One dispatch of ``out.shape[0]`` rows whose activations are already in the ring."""
+        ring = self.ring
+        rows, k = ids.shape
+        ids_v, w_v = ring.pairs(rows, k)
+        ids_v[...] = ids
+        w_v[...] = w
+        ring.header[:4] = (rings.CMD_RUN, layer, rows, k)
+        self._ring_all()
+        self._await(self._seq)
+        status = ring.ctrl[:, rings.STATUS]
+        if (status != ERR_OK).any():
+            code = int(status[status != ERR_OK][0])
+            reason = {ERR_EXPERT_ID: "expert id out of range",
+                      ERR_NON_FINITE: "non-finite intermediate activation"}.get(code, "error")
+            raise CpuExpertError(f"layer {layer}: worker status {code} ({reason})")
+        self.last_kernel_ns = ring.ctrl[:, rings.KERNEL_NS].copy()
+        np.copyto(out, ring.out[0, :rows])
+        for wk in range(1, self.num_workers):
+            out += ring.out[wk, :rows]
+
+    def _await(self, seq: int) -> None:
+        ctrl = self.ring.ctrl
+        W = self.num_workers
+        next_check = time.perf_counter_ns() + CHECK_EVERY_NS
+        spins = 0
+        while True:
+            done = 0
+            for w in range(W):
+                if ctrl[w, rings.SEQ_OUT] == seq:
+                    done += 1
+            if done == W:
+                return
+            spins += 1
+            if spins > 2000:  # long layer (prefill): stop hogging a core the workers may share
+                time.sleep(50e-6)
+            now = time.perf_counter_ns()
+            if now > next_check:
+                self.check_alive()
+                next_check = now + CHECK_EVERY_NS

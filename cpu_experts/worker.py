@@ -1,0 +1,129 @@
+"""The cpu_experts worker process: pin to cores, map its weight shard and the ring, serve layers.
+
+Started by :class:`cpu_experts.pool.CpuExpertPool` as ``python -m cpu_experts.worker`` with a
+JSON spec on stdin (no pickle); prints one READY line (JSON) on stdout once its kernels are
+compiled and warm, then serves dispatches from the ring until told to stop or its parent dies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import select
+import signal
+import sys
+import time
+import traceback
+
+from cpu_experts import rings, shard
+
+PROTOCOL_VERSION = 1
+ERR_NO_LAYER = 100
+ERR_INTERNAL = 101
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux: the poll loop below still notices a dead parent
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+class ExpertWorker:
+    """One worker: its shard's layers, the shared ring, the doorbell; :meth:`serve` is the loop."""
+
+    def __init__(self, spec: dict) -> None:
+        from cpu_experts import kernels  # numba: imported after affinity and thread count are set
+
+        self.kernels = kernels
+        self.index = spec["index"]
+        self.parent_pid = spec["parent_pid"]
+        self.spin_ns = int(spec["spin_us"] * 1000)
+        self.ring_file = rings.SharedFile(spec["ring_path"])
+        self.ring = rings.Ring(self.ring_file.buf, spec["num_workers"], spec["max_rows"],
+                               spec["hidden"], spec["max_k"])
+        self.weights_file = rings.SharedFile(spec["weights_path"])
+        self.layers = shard.views(self.weights_file.buf, spec["manifest"])
+        self.doorbell = rings.Doorbell(spec["doorbell_fd"])
+        self.poller = select.poll()
+        self.poller.register(self.doorbell.fd, select.POLLIN)
+
+    def warm_up(self) -> None:
+        """Compile (or load from cache) and run every kernel once on real weights."""
+        import numpy as np
+
+        layer = next(iter(self.layers.values()))
+        H = self.ring.hidden
+        xq = np.ones((1, H), np.int8)
+        xd = np.full((1, H // 32), 0x2000, np.uint16)  # fp16 2**-7
+        out = np.empty((1, H), np.float32)
+        ids = np.zeros((1, 1), np.int32)
+        self.kernels.moe_layer(*layer, xq, xd, ids, np.ones((1, 1), np.float32), out)
+
+    def _wait(self, last: int) -> int:
+        ctrl = self.ring.ctrl[self.index]
+        deadline = time.perf_counter_ns() + self.spin_ns
+        while time.perf_counter_ns() < deadline:
+            seq = int(ctrl[rings.SEQ_IN])
+            if seq != last:
+                return seq
+        while True:
+            self.doorbell.drain()
+            seq = int(ctrl[rings.SEQ_IN])
+            if seq != last:
+                return seq
+            if not self.poller.poll(200) and os.getppid() != self.parent_pid:
+                os._exit(1)
+
+    def serve(self) -> None:
+        ring, ctrl = self.ring, self.ring.ctrl[self.index]
+        out = ring.out[self.index]
+        last = int(ctrl[rings.SEQ_IN])
+        while True:
+            seq = self._wait(last)
+            last = seq
+            cmd, layer, rows, k = (int(v) for v in ring.header[:4])
+            if cmd == rings.CMD_STOP:
+                ctrl[rings.SEQ_OUT] = seq
+                return
+            t0 = time.perf_counter_ns()
+            weights = self.layers.get(layer)
+            if weights is None:
+                status = ERR_NO_LAYER
+            else:
+                ids, w = ring.pairs(rows, k)
+                try:
+                    status = self.kernels.moe_layer(*weights, ring.xq, ring.xd, ids, w, out)
+                except Exception:  # a bug, not bad input: report it and keep serving
+                    traceback.print_exc()
+                    status = ERR_INTERNAL
+            ctrl[rings.KERNEL_NS] = time.perf_counter_ns() - t0
+            ctrl[rings.STATUS] = status
+            ctrl[rings.SEQ_OUT] = seq
+
+
+def main() -> int:
+    spec = json.loads(sys.stdin.readline())
+    _die_with_parent(spec["parent_pid"])
+    if spec["cores"]:
+        os.sched_setaffinity(0, spec["cores"])
+    worker = ExpertWorker(spec)
+    import numba
+
+    numba.set_num_threads(min(len(os.sched_getaffinity(0)), numba.config.NUMBA_NUM_THREADS))
+    worker.warm_up()
+    ready = {"kind": "ready", "index": worker.index, "pid": os.getpid(),
+             "protocol": PROTOCOL_VERSION, "threads": numba.get_num_threads(),
+             "threading_layer": numba.threading_layer(), "cores": sorted(os.sched_getaffinity(0))}
+    sys.stdout.write(json.dumps(ready) + "\n")
+    sys.stdout.flush()
+    worker.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Numba expert kernels against the slow NumPy reference of the same int8 math: bit for bit."""
+
+import numpy as np
+import pytest
+
+from cpu_experts import kernels, reference, shard
+from cpu_experts.quant import quantize
+
+E, I, H = 6, 128, 256
+
+
+@pytest.fixture(scope="module")
+def layer() -> tuple[tuple[np.ndarray, ...], shard.QuantizedLayer]:
+    rng = np.random.default_rng(1)
+    gate = (rng.standard_normal((E, I, H)) * 0.06).astype(np.float32)
+    up = (rng.standard_normal((E, I, H)) * 0.06).astype(np.float32)
+    down = (rng.standard_normal((E, H, I)) * 0.06).astype(np.float32)
+    return (gate, up, down), shard.quantize_layer(gate, up, down)
+
+
+def run_shards(ql: shard.QuantizedLayer, num_shards: int, xq, xs, ids, w) -> np.ndarray:
+    """What a pool of ``num_shards`` workers computes: each shard's kernel, partials summed."""
+    total = None
+    for lo_hi in shard.shard_bounds(ql.intermediate, num_shards):
+        bounds = {0: lo_hi}
+        manifest, size = shard.plan_shard({0: ql}, bounds)
+        buf = bytearray(size)
+        shard.write_shard(buf, manifest, {0: ql}, bounds)
+        out = np.full((xq.shape[0], H), np.nan, np.float32)  # poisoned: every row must be written
+        rc = kernels.moe_layer(*shard.views(buf, manifest)[0], xq, xs.view(np.uint16),
+                               ids.astype(np.int32), w.astype(np.float32), out)
+        assert rc == kernels.ERR_OK
+        total = out if total is None else total + out
+    return total
+
+
+def routing(rng: np.random.Generator, rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    ids = rng.integers(-1, E, (rows, k))
+    ids[0, :2] = [2, 2]   # the same expert twice in one row
+    ids[1, :] = -1        # a row with nothing on the CPU
+    return ids, rng.random((rows, k)).astype(np.float32)
+
+
+def test_exp64_numba_matches_numpy_bitwise() -> None:
+    x = np.concatenate([np.linspace(-750, 750, 20001), [-708.0, -707.9, 709.0, 709.1, 0.0, -0.0],
+                        np.random.default_rng(0).standard_normal(5000) * 30])
+    want = reference.exp64(x)
+    got = np.array([kernels.exp64(float(v)) for v in x])
+    assert got.tobytes() == want.tobytes()
+    inside = (x > -700) & (x < 700)
+    assert np.allclose(want[inside], np.exp(x[inside]), rtol=4e-16, atol=0)
+
+
+def test_f16_value_all_finite_halves() -> None:
+    bits = np.arange(0x10000, dtype=np.uint16)
+    halves = bits.view(np.float16)
+    finite = np.isfinite(halves)
+    got = np.array([kernels.f16_value(b) for b in bits[finite]], np.float32)
+    assert got.tobytes() == halves[finite].astype(np.float32).tobytes()
+
+
+@pytest.mark.parametrize("num_shards", [1, 2])
+def test_kernel_equals_reference_bitwise(layer, num_shards: int) -> None:
+    _, ql = layer
+    rng = np.random.default_rng(num_shards)
+    x = rng.standard_normal((16, H)).astype(np.float32)
+    ids, w = routing(rng, 16, 4)
+    xq, xs = quantize(x)
+    got = run_shards(ql, num_shards, xq, xs, ids, w)
+    bounds = shard.shard_bounds(I, num_shards)
+    want = reference.moe_reference([ql.shard(*b) for b in bounds], xq, xs, ids, w)
+    assert got.tobytes() == want.tobytes()
+    assert not got[1].any() and np.abs(got).max() > 0
+
+
+@pytest.mark.parametrize("num_shards", [1, 2])
+def test_rows_independent_of_batch(layer, num_shards: int) -> None:
+    _, ql = layer
+    rng = np.random.default_rng(10 + num_shards)
+    x = rng.standard_normal((16, H)).astype(np.float32)
+    ids, w = routing(rng, 16, 3)
+    ids[4:8] = 5               # 4 rows share one expert
+    ids[8:, 0] = np.arange(8) % E  # one row per expert in column 0
+    xq, xs = quantize(x)
+    batch = run_shards(ql, num_shards, xq, xs, ids, w)
+    for r in range(16):  # alone
+        alone = run_shards(ql, num_shards, xq[r:r + 1], xs[r:r + 1], ids[r:r + 1], w[r:r + 1])
+        assert alone.tobytes() == batch[r:r + 1].tobytes(), f"row {r}"
+    for seed in range(3):  # random splits of the batch into sub-batches, rows reordered
+        order = np.random.default_rng(seed).permutation(16)
+        for part in np.array_split(order, seed + 2):
+            sub = run_shards(ql, num_shards, xq[part], xs[part], ids[part], w[part])
+            assert sub.tobytes() == batch[part].tobytes()
+
+
+def test_close_to_unquantized_float_expert(layer) -> None:
+    (gate, up, down), ql = layer
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8, H)).astype(np.float32)
+    ids = rng.integers(0, E, (8, 2))
+    w = rng.random((8, 2)).astype(np.float32)
+    xq, xs = quantize(x)
+    got = run_shards(ql, 2, xq, xs, ids, w)
+    want = np.zeros((8, H))
+    for r in range(8):
+        for k in range(2):
+            e = ids[r, k]
+            want[r] += w[r, k] * reference.expert_float(gate[e], up[e], down[e], x[r])
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    print(f"relative error vs float expert: {rel:.2e}")
+    assert rel < 2e-2, rel  # int8 weights and activations (twice): about 1% relative error
+
+
+def test_bad_expert_id_is_reported(layer) -> None:
+    _, ql = layer
+    manifest, size = shard.plan_shard({0: ql}, {0: (0, I)})
+    buf = bytearray(size)
+    shard.write_shard(buf, manifest, {0: ql}, {0: (0, I)})
+    xq, xs = quantize(np.ones((2, H), np.float32))
+    out = np.empty((2, H), np.float32)
+    ids = np.array([[0], [E]], np.int32)
+    rc = kernels.moe_layer(*shard.views(buf, manifest)[0], xq, xs.view(np.uint16), ids,
+                           np.ones((2, 1), np.float32), out)
+    assert rc == kernels.ERR_EXPERT_ID
+
+
+def test_shard_bounds_whole_blocks() -> None:
+    assert shard.shard_bounds(768, 2) == [(0, 384), (384, 768)]
+    assert shard.shard_bounds(96, 2) == [(0, 64), (64, 96)]
+    with pytest.raises(ValueError):
+        shard.shard_bounds(64, 3)
