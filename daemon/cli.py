@@ -35,6 +35,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="Hugging Face model directory (default: the embedded tandem-tiny)")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--backend", choices=("numpy", "cupy", "auto"), default="numpy")
+    p.add_argument("--placement", choices=("gpu", "cpu", "split"), default="gpu",
+                   help="where routed experts run: the backend, CPU workers, or split")
+    p.add_argument("--cpu-experts-per-layer", type=int, default=0)
+    p.add_argument("--cpu-workers", type=int, default=1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,7 +105,9 @@ def _engine(args: argparse.Namespace, max_len: int):
     if not path.is_dir():
         raise CliError(f"model directory {path} does not exist")
     return Engine.from_dir(path, dtype=args.dtype, backend=args.backend, max_slots=1,
-                           max_len=max_len)
+                           max_len=max_len, placement=args.placement,
+                           cpu_experts_per_layer=args.cpu_experts_per_layer,
+                           cpu_workers=args.cpu_workers)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -137,7 +143,10 @@ def _generate(args: argparse.Namespace) -> int:
                             top_p=pick(args.top_p, "top_p", 1.0),
                             top_k=pick(args.top_k, "top_k", 0), min_p=args.min_p, seed=args.seed)
     engine = _engine(args, len(ids) + args.max_tokens)
-    out = engine.generate(ids, params=params, max_tokens=args.max_tokens, eos_ids=eos)
+    try:
+        out = engine.generate(ids, params=params, max_tokens=args.max_tokens, eos_ids=eos)
+    finally:
+        engine.close()
     text = tokenizer.decode(out) if tokenizer else None
     if args.json:
         print(json.dumps({"token_ids": out, "text": text}, ensure_ascii=False))
@@ -151,7 +160,10 @@ def _score(args: argparse.Namespace) -> int:
 
     ids = _parse_ids(args.prompt_ids)
     engine = _engine(args, len(ids))
-    logits = engine.score(ids)
+    try:
+        logits = engine.score(ids)
+    finally:
+        engine.close()
     np.save(args.out, logits)
     print(f"wrote {args.out} {logits.shape[0]}x{logits.shape[1]} float32")
     return 0

@@ -20,8 +20,9 @@ DTYPES = {"float32": np.float32, "float64": np.float64}
 
 class Engine:
     def __init__(self, model: Model, *, max_slots: int = 4, max_len: int = 4096,
-                 block_size: int = 16, prefill_chunk: int = 512) -> None:
+                 block_size: int = 16, prefill_chunk: int = 512, placement=None) -> None:
         self.model = model
+        self.placement = placement  # ExpertPlacement when some experts run on CPU workers
         self.max_slots = max_slots
         self.max_len = max_len
         self.prefill_chunk = prefill_chunk
@@ -29,21 +30,35 @@ class Engine:
 
     @classmethod
     def from_dir(cls, path: str | Path, *, dtype: str = "float32", backend: str = "numpy",
-                 exact: bool | None = None, **kwargs) -> Engine:
+                 exact: bool | None = None, placement: str = "gpu",
+                 cpu_experts_per_layer: int = 0, cpu_workers: int = 1, **kwargs) -> Engine:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         ckpt = load_checkpoint(path, dtype=DTYPES[dtype])
         exact = (dtype == "float64") if exact is None else exact
         model = Model(ckpt.config, ckpt.tensors, xp=get_xp(backend), dtype=DTYPES[dtype],
                       exact=exact)
-        return cls(model, **kwargs)
+        experts = None
+        if placement != "gpu":
+            from gpu_worker.moe_dispatch import ExpertPlacement  # noqa: PLC0415
+
+            experts = ExpertPlacement.start(model, ckpt.tensors, placement=placement,
+                                            cpu_per_layer=cpu_experts_per_layer,
+                                            num_workers=cpu_workers)
+        return cls(model, placement=experts, **kwargs)
+
+    def close(self) -> None:
+        if self.placement is not None:
+            self.placement.close()
+            self.placement = None
 
     @property
     def vocab_size(self) -> int:
         return self.model.cfg.vocab_size
 
     def forward(self, parts: list[tuple[int, int, np.ndarray]], logit_rows=None) -> ForwardOut:
-        return self.model.forward(RaggedBatch.build(parts), self.caches, logit_rows)
+        experts = self.placement.experts if self.placement is not None else None
+        return self.model.forward(RaggedBatch.build(parts), self.caches, logit_rows, experts)
 
     def prefill(self, slot: int, ids: np.ndarray, *, all_logits: bool = False) -> np.ndarray:
         """Reset ``slot`` and run the prompt in chunks; logits [n, V] of the last row, or of

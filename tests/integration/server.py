@@ -138,12 +138,14 @@ def _toml(cfg: dict) -> str:
 
 
 def generate_alone(model: Path, prompt: str, max_tokens: int, *, chat: bool = True,
-                   temperature: float = 0.0, seed: int = 0) -> dict:
+                   temperature: float = 0.0, seed: int = 0, experts: dict | None = None) -> dict:
     """What ``tandem generate`` prints for one request (float64, the reference path)."""
     args = [sys.executable, "-m", "daemon.cli", "generate", "--model", str(model),
             "--dtype", "float64", "--prompt", prompt, "--max-tokens", str(max_tokens),
             "--temperature", str(temperature), "--seed", str(seed), "--json"]
     if chat:
         args.append("--chat")
+    for key, value in (experts or {}).items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
     out = subprocess.run(args, capture_output=True, text=True, timeout=120, check=True)
     return json.loads(out.stdout)

@@ -20,7 +20,8 @@ PROMPTS = ["Write a function", "Explain the code below", "def reverse(s):", "imp
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("model"), "qwen3_next", seed=7, layers=4)
+    return make_tiny_model(tmp_path_factory.mktemp("model"), "qwen3_next", seed=7, layers=4,
+                           moe_intermediate=64)
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +62,27 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def test_four_concurrent_streams_equal_generate_alone(server, model):
-    async def go():
-        async with aiohttp.ClientSession() as s:
-            return await asyncio.gather(*(chat(s, server.url, p) for p in PROMPTS))
+PLACEMENTS = {
+    "gpu": {"placement": "gpu"},
+    "cpu-2-workers": {"placement": "cpu", "cpu_workers": 2},
+    "split": {"placement": "split", "cpu_experts_per_layer": 3, "cpu_workers": 1},
+}
 
-    results = run(go())
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_four_concurrent_streams_equal_generate_alone(placement, model, tmp_path):
+    experts = PLACEMENTS[placement]
+    srv = Server(tmp_path, model, experts=experts).start()
+    try:
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                return await asyncio.gather(*(chat(s, srv.url, p) for p in PROMPTS))
+
+        results = run(go())
+    finally:
+        assert srv.stop() == 0
     for prompt, (text, finish, usage) in zip(PROMPTS, results, strict=True):
-        alone = generate_alone(model, prompt, 24)
+        alone = generate_alone(model, prompt, 24, experts=experts)
         assert text == alone["text"], prompt
         assert usage["completion_tokens"] == len(alone["token_ids"])
         assert finish in ("length", "stop")

@@ -1,0 +1,79 @@
+"""Expert placement: which routed experts run on the worker's backend and which on the
+cpu_experts processes, and the per-layer split of (row, expert, weight) pairs between them.
+
+One dispatch per MoE layer per step carries every CPU pair of every row; the CPU partial
+sums come back and are added on the backend (ARCHITECTURE.md §5).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpu_worker.backend import to_numpy
+from gpu_worker.model.model import Model
+from gpu_worker.model.moe import experts_local
+
+PLACEMENTS = ("gpu", "cpu", "split")
+
+
+class ExpertPlacement:
+    def __init__(self, model: Model, on_cpu: dict[int, np.ndarray], pool) -> None:
+        self.model = model
+        self.on_cpu = on_cpu  # layer -> bool [E]
+        self.pool = pool
+
+    @classmethod
+    def start(cls, model: Model, tensors: dict[str, np.ndarray], *, placement: str,
+              cpu_per_layer: int = 0, num_workers: int | None = None,
+              cores: list[list[int]] | None = None) -> ExpertPlacement:
+        """Quantize the CPU-resident experts and start their worker processes.
+
+        ``split`` puts the last ``cpu_per_layer`` expert ids of each MoE layer on the CPU.
+        """
+        from cpu_experts.pool import CpuExpertPool  # noqa: PLC0415 (numba, only when used)
+
+        if placement not in PLACEMENTS[1:]:
+            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}")
+        cfg = model.cfg
+        E = cfg.num_experts
+        n_cpu = E if placement == "cpu" else cpu_per_layer
+        if not 0 < n_cpu <= E:
+            raise ValueError(f"experts.cpu_experts_per_layer must be in 1..{E} for 'split'")
+        on_cpu, layers = {}, {}
+        for i in range(cfg.num_hidden_layers):
+            if not cfg.is_sparse(i):
+                continue
+            mask = np.zeros(E, dtype=bool)
+            mask[E - n_cpu:] = True
+            on_cpu[i] = mask
+            p = f"model.layers.{i}.mlp.experts."
+            layers[i] = tuple(np.ascontiguousarray(tensors[p + k][E - n_cpu:], np.float32)
+                              for k in ("gate_proj", "up_proj", "down_proj"))
+        pool = CpuExpertPool(layers, num_workers=num_workers, cores=cores)
+        return cls(model, on_cpu, pool)
+
+    def experts(self, layer: int, x, ids, weights):
+        """sum_k w * expert_k(x) per row: backend experts here, CPU experts in the pool."""
+        xp, ops = self.model.xp, self.model.ops
+        mask = self.on_cpu[layer]
+        ids_host = to_numpy(ids)
+        cpu = mask[ids_host]  # [R, k]
+        E = mask.size
+        first_cpu = E - int(mask.sum())
+        cpu_ids = np.where(cpu, ids_host - first_cpu, -1)  # ids local to the pool's layer
+        out = xp.zeros_like(x)
+        if (~cpu).any():
+            p = self.model.layers[layer].mlp
+            gpu_ids = xp.asarray(np.where(cpu, -1, ids_host))
+            out = experts_local(ops, p["experts.gate_proj"], p["experts.up_proj"],
+                                p["experts.down_proj"], x, gpu_ids, weights)
+        if cpu.any():
+            part = self.pool.dispatch(layer, to_numpy(x), cpu_ids, to_numpy(weights))
+            out = out + xp.asarray(part, dtype=ops.dtype)
+        return out
+
+    def check_alive(self) -> None:
+        self.pool.check_alive()
+
+    def close(self) -> None:
+        self.pool.close()

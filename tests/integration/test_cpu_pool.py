@@ -1,0 +1,137 @@
+"""CpuExpertPool through real worker processes, shared memory and doorbells."""
+
+import glob
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from cpu_experts import reference, shard
+from cpu_experts.pool import CpuExpertError, CpuExpertPool, CpuWorkerDied
+from cpu_experts.quant import NonFiniteActivation, quantize, quantize_ref
+
+E, I, H = 5, 96, 128
+CORES = sorted(os.sched_getaffinity(0))
+
+
+def core_groups(n: int) -> list[list[int]]:
+    return [CORES[i % len(CORES):i % len(CORES) + 1] for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def layers() -> dict[int, tuple[np.ndarray, ...]]:
+    rng = np.random.default_rng(7)
+    out = {}
+    for layer in (2, 5):
+        out[layer] = ((rng.standard_normal((E, I, H)) * 0.08).astype(np.float32),
+                      (rng.standard_normal((E, I, H)) * 0.08).astype(np.float32),
+                      (rng.standard_normal((E, H, I)) * 0.08).astype(np.float32))
+    return out
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1worker", "2workers"])
+def pool(request, layers):
+    with CpuExpertPool(layers, num_workers=request.param, cores=core_groups(request.param),
+                       max_rows=8, spin_us=200) as p:
+        yield p
+
+
+def expected(pool: CpuExpertPool, layer: int, x, ids, w) -> np.ndarray:
+    ql = pool.layers[layer]
+    xq, xs = quantize_ref(x)
+    bounds = shard.shard_bounds(ql.intermediate, pool.num_workers)
+    return reference.moe_reference([ql.shard(*b) for b in bounds], xq, xs, ids, w)
+
+
+def routing(seed: int, rows: int, k: int = 3) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(-1, E, (rows, k))
+    return rng.standard_normal((rows, H)), ids, rng.random((rows, k))
+
+
+def test_dispatch_equals_reference_bitwise(pool) -> None:
+    for layer in (2, 5):
+        x, ids, w = routing(layer, 20)  # 20 rows > max_rows=8: three ring loads
+        got = pool.dispatch(layer, x, ids, w)
+        assert got.dtype == np.float32 and got.shape == (20, H)
+        assert got.tobytes() == expected(pool, layer, x, ids, w).tobytes()
+
+
+def test_rows_independent_of_batch(pool) -> None:
+    x, ids, w = routing(11, 16)
+    ids[:8, 0] = 3
+    batch = pool.dispatch(5, x, ids, w)
+    for r in range(16):
+        alone = pool.dispatch(5, x[r:r + 1], ids[r:r + 1], w[r:r + 1])
+        assert alone.tobytes() == batch[r:r + 1].tobytes(), f"row {r}"
+    order = np.random.default_rng(0).permutation(16)
+    for part in np.array_split(order, 3):
+        assert pool.dispatch(5, x[part], ids[part], w[part]).tobytes() == batch[part].tobytes()
+
+
+def test_quantized_dispatch_and_qfuse_off_agree(pool, layers) -> None:
+    x, ids, w = routing(3, 6)
+    q, d = quantize(x)
+    a = pool.dispatch(2, x, ids, w)
+    assert pool.dispatch_quantized(2, q, d, ids, w).tobytes() == a.tobytes()
+    assert pool.dispatch_quantized(2, q, d.view(np.uint16), ids, w).tobytes() == a.tobytes()
+
+
+def test_bad_inputs_raise_and_pool_keeps_serving(pool) -> None:
+    x, ids, w = routing(4, 4)
+    with pytest.raises(ValueError, match="expert ids"):
+        pool.dispatch(2, x, np.full_like(ids, E), w)
+    with pytest.raises(KeyError):
+        pool.dispatch(9, x, ids, w)
+    bad = x.copy()
+    bad[1, 3] = np.nan
+    with pytest.raises(NonFiniteActivation):
+        pool.dispatch(2, bad, ids, w)
+    with pytest.raises(ValueError, match="rows"):
+        pool.dispatch(2, x[:, :64], ids, w)
+    assert pool.dispatch(2, x, ids, w).tobytes() == expected(pool, 2, x, ids, w).tobytes()
+
+
+def test_non_finite_intermediate_is_a_typed_error(layers) -> None:
+    gate, up, down = (a.copy() for a in layers[2])
+    gate[0] *= 1e30  # gate overflows float32 for expert 0
+    up[0] *= 1e30
+    with CpuExpertPool({0: (gate, up, down)}, num_workers=1, cores=core_groups(1)) as p:
+        x, ids, w = routing(5, 2)
+        ids[:] = 0
+        with pytest.raises(CpuExpertError, match="non-finite"):
+            p.dispatch(0, x * 1e5, ids, w)
+
+
+def test_qfuse_off_matches_on(layers) -> None:
+    x, ids, w = routing(6, 5)
+    with CpuExpertPool(layers, num_workers=1, cores=core_groups(1), qfuse=False) as p:
+        off = p.dispatch(5, x, ids, w)
+        assert off.tobytes() == expected(p, 5, x, ids, w).tobytes()
+
+
+def test_worker_death_is_detected_and_close_cleans_up(layers) -> None:
+    before = set(glob.glob("/dev/shm/tandem-*"))
+    p = CpuExpertPool(layers, num_workers=2, cores=core_groups(2))
+    assert set(glob.glob("/dev/shm/tandem-*")) == before  # names unlinked once workers are up
+    x, ids, w = routing(8, 3)
+    p.dispatch(2, x, ids, w)
+    p.check_alive()
+    victim = p.pids[1]
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    with pytest.raises(CpuWorkerDied, match=f"worker 1 \\(pid {victim}\\)") as info:
+        while time.monotonic() < deadline:
+            p.check_alive()
+            time.sleep(0.01)
+    assert info.value.index == 1
+    with pytest.raises(CpuWorkerDied):
+        p.dispatch(2, x, ids, w)  # the survivor answers, the dead one never does
+    pids = p.pids
+    p.close()
+    p.close()  # idempotent
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
