@@ -103,8 +103,9 @@ class Server:
         except json.JSONDecodeError:
             return status, body
 
-    def worker_pid(self) -> int:
-        return next(p for p in descendants(self.proc.pid) if _cmdline(p).find("gpu_worker") >= 0)
+    def child_pid(self, module: str) -> int:
+        """The pid of the descendant process running ``python -m module``."""
+        return next(p for p in descendants(self.proc.pid) if f"-m {module}" in _cmdline(p))
 
     def stop(self) -> int:
         if self.proc is None or self.proc.poll() is not None:

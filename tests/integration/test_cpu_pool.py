@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cpu_experts import reference, shard
-from cpu_experts.pool import CpuExpertError, CpuExpertPool, CpuWorkerDied
+from cpu_experts.pool import CpuExpertPool, CpuWorkerDied
 from cpu_experts.quant import NonFiniteActivation, quantize, quantize_ref
 
 E, I, H = 5, 96, 128
@@ -71,7 +71,7 @@ def test_rows_independent_of_batch(pool) -> None:
         assert pool.dispatch(5, x[part], ids[part], w[part]).tobytes() == batch[part].tobytes()
 
 
-def test_quantized_dispatch_and_qfuse_off_agree(pool, layers) -> None:
+def test_quantized_dispatch_agrees(pool) -> None:
     x, ids, w = routing(3, 6)
     q, d = quantize(x)
     a = pool.dispatch(2, x, ids, w)
@@ -92,17 +92,6 @@ def test_bad_inputs_raise_and_pool_keeps_serving(pool) -> None:
     with pytest.raises(ValueError, match="rows"):
         pool.dispatch(2, x[:, :64], ids, w)
     assert pool.dispatch(2, x, ids, w).tobytes() == expected(pool, 2, x, ids, w).tobytes()
-
-
-def test_non_finite_intermediate_is_a_typed_error(layers) -> None:
-    gate, up, down = (a.copy() for a in layers[2])
-    gate[0] *= 1e30  # gate overflows float32 for expert 0
-    up[0] *= 1e30
-    with CpuExpertPool({0: (gate, up, down)}, num_workers=1, cores=core_groups(1)) as p:
-        x, ids, w = routing(5, 2)
-        ids[:] = 0
-        with pytest.raises(CpuExpertError, match="non-finite"):
-            p.dispatch(0, x * 1e5, ids, w)
 
 
 def test_qfuse_off_matches_on(layers) -> None:

@@ -200,8 +200,9 @@ def test_preempted_request_resumes_with_identical_tokens(model, tmp_path):
         assert srv.stop() == 0
 
 
-def test_killed_worker_errors_in_flight_and_restarts(model, tmp_path):
-    srv = Server(tmp_path, model).start()
+@pytest.mark.parametrize("victim", ["cpu_experts.worker", "gpu_worker.server"])
+def test_killed_worker_errors_in_flight_and_restarts(victim, model, tmp_path):
+    srv = Server(tmp_path, model, experts={"placement": "cpu", "cpu_workers": 1}).start()
     try:
         async def go():
             async with aiohttp.ClientSession() as s:
@@ -211,7 +212,7 @@ def test_killed_worker_errors_in_flight_and_restarts(model, tmp_path):
                 async with s.post(srv.url + "/v1/chat/completions", json=body) as r:
                     first = await r.content.readline()
                     assert first.startswith(b"data: ")
-                    os.kill(srv.worker_pid(), signal.SIGKILL)
+                    os.kill(srv.child_pid(victim), signal.SIGKILL)
                     async for line in r.content:
                         if b'"error"' in line:
                             got_error = True
