@@ -73,7 +73,8 @@ class Daemon:
             max_queue=config.limits.max_queue, prefill_chunk=sched.prefill_chunk,
             block_size=sched.kv_block_size, checkpoint_interval=sched.checkpoint_interval,
             prefix_blocks=self.extra_blocks, tokenizer=self.tokenizer, eos_ids=eos,
-            metrics=self.metrics, model_name=config.model.served_name)
+            metrics=self.metrics, model_name=config.model.served_name,
+            preemption=sched.preemption)
         self.stopping = asyncio.Event()
         self.worker: WorkerProcess | None = None
 

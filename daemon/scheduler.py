@@ -40,7 +40,11 @@ OP = CacheOpKind
 class Scheduler:
     def __init__(self, *, max_slots: int, max_context: int, max_queue: int, prefill_chunk: int,
                  block_size: int, checkpoint_interval: int, prefix_blocks: int,
-                 tokenizer=None, eos_ids=(), metrics=None, model_name: str = "") -> None:
+                 tokenizer=None, eos_ids=(), metrics=None, model_name: str = "",
+                 preemption: str = "swap") -> None:
+        if preemption not in ("swap", "recompute"):
+            raise ValueError(f"preemption must be swap or recompute, got {preemption!r}")
+        self.preemption = preemption
         self.max_slots = max_slots
         self.max_context = max_context
         self.max_queue = max_queue
@@ -210,16 +214,17 @@ class Scheduler:
             return SlotWork(kind=WorkKind.DECODE, start_pos=seq.processed, num_tokens=1,
                             input_ids=token_array([seq.token_at(seq.processed)]),
                             needs_logits=True, **common)
-        start, n_prompt = seq.processed, len(seq.prompt)
-        end = min(start + self.prefill_chunk, n_prompt)
+        start, target = seq.processed, seq.prefill_len
+        common["prompt_len"] = target
+        end = min(start + self.prefill_chunk, target)
         if self.prefix is not None:  # chunks end on checkpoint boundaries
             boundary = (start // self.checkpoint_interval + 1) * self.checkpoint_interval
             end = min(end, boundary)
-            if end % self.checkpoint_interval == 0 or end == n_prompt:
-                self._checkpoint(slot, seq.prompt[:end], after)
+            if end % self.checkpoint_interval == 0 or end == target:
+                self._checkpoint(slot, seq.tokens(0, end), after)
         return SlotWork(kind=WorkKind.PREFILL, start_pos=start, num_tokens=end - start,
-                        input_ids=token_array(seq.prompt[start:end]),
-                        needs_logits=end == n_prompt, **common)
+                        input_ids=token_array(seq.tokens(start, end)),
+                        needs_logits=end == target, **common)
 
     def _checkpoint(self, slot: int, tokens: list[int], after: list[CacheOp]) -> None:
         if self.prefix.contains(tokens) or not self.prefix.fits(len(tokens)):
@@ -244,11 +249,13 @@ class Scheduler:
                 seq.swapped_entry = None
                 continue
             ops.append(CacheOp(op=OP.ALLOCATE, slot=slot, num_tokens=len(seq.prompt)))
-            hit = self.prefix.lookup(seq.prompt) if self.prefix is not None else None
+            hit = (self.prefix.lookup(seq.tokens(0, seq.prefill_len))
+                   if self.prefix is not None else None)
             if hit is not None:
                 entry, n = hit
                 ops.append(CacheOp(op=OP.SHARE_PREFIX, slot=slot, entry_id=entry, num_tokens=n))
-                seq.processed = seq.cached = n
+                seq.processed = n
+                seq.cached = max(seq.cached, min(n, len(seq.prompt)))
 
     def _preempt_for_priority(self, ops: list[CacheOp]) -> None:
         """Swap out the lowest-priority running request when a higher one waits."""
@@ -259,12 +266,18 @@ class Scheduler:
             if prio >= top:
                 return
             victim = self.slots[victim_slot]
-            victim.swapped_entry = self._new_entry()
-            ops.append(CacheOp(op=OP.SWAP_OUT, slot=victim_slot, entry_id=victim.swapped_entry))
+            if self.preemption == "swap":
+                victim.swapped_entry = self._new_entry()
+                ops.append(CacheOp(op=OP.SWAP_OUT, slot=victim_slot,
+                                   entry_id=victim.swapped_entry))
+            else:  # drop its caches; it re-prefills everything it has when readmitted
+                victim.recompute, victim.processed = True, 0
+                ops.append(CacheOp(op=OP.FREE, slot=victim_slot))
             self.slots[victim_slot] = None
             victim.slot = None
             heapq.heappush(self.queue, (-victim.req.priority, victim.order, victim))
-            log.info("preempted", request_id=victim.req.request_id, slot=victim_slot)
+            log.info("preempted", request_id=victim.req.request_id, slot=victim_slot,
+                     mode=self.preemption)
 
     # ---- endings ---------------------------------------------------------------------------
     def _release(self, slot: int, ops: list[CacheOp]) -> None:

@@ -21,6 +21,7 @@ class Sequence:
     processed: int = 0  # tokens in the worker's cache for this request
     cached: int = 0  # prompt tokens reused from the prefix cache
     swapped_entry: int | None = None  # preempted: its state lives in this worker entry
+    recompute: bool = False  # preempted by dropping: re-prefill prompt + generated tokens
     text: str = ""
     sent: int = 0  # chars of ``text`` already emitted
     finished: str | None = None  # finish reason once done
@@ -33,8 +34,19 @@ class Sequence:
         return self.req.prompt_ids
 
     @property
+    def prefill_len(self) -> int:
+        """Tokens to prefill before decoding: the prompt, or after a recompute-preemption the
+        prompt plus everything generated so far (the next token is sampled at its end)."""
+        return len(self.prompt) + (len(self.generated) if self.recompute else 0)
+
+    @property
     def in_prefill(self) -> bool:
-        return self.processed < len(self.prompt)
+        return self.processed < self.prefill_len
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt)
+        return (self.prompt[start:end] if end <= n
+                else (self.prompt + self.generated)[start:end])
 
     @property
     def phase(self) -> str:

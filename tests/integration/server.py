@@ -59,6 +59,8 @@ class Server:
                "logging": {"json": True}}
         for name, values in sections.items():
             cfg.setdefault(name, {}).update(values)
+        keys = cfg["server"].get("api_keys") or [None]
+        self.api_key = keys[0]
         self.config = tmp / "tandem.toml"
         self.config.write_text(_toml(cfg))
         self.log = tmp / "serve.log"
@@ -92,8 +94,10 @@ class Server:
         raise TimeoutError(f"server not ready:\n{self.log.read_text()[-3000:]}")
 
     def get(self, path: str) -> tuple[int, dict | str]:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         try:
-            with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            req = urllib.request.Request(self.url + path, headers=headers)
+            with urllib.request.urlopen(req, timeout=10) as r:
                 body = r.read().decode()
                 status = r.status
         except urllib.error.HTTPError as e:

@@ -178,8 +178,9 @@ def test_zmq_client_and_malformed_frames(server):
         assert client.generate("again", max_tokens=3, temperature=0).token_ids
 
 
-def test_preempted_request_resumes_with_identical_tokens(model, tmp_path):
-    srv = Server(tmp_path, model, scheduler={"max_slots": 1}).start()
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preempted_request_resumes_with_identical_tokens(mode, model, tmp_path):
+    srv = Server(tmp_path, model, scheduler={"max_slots": 1, "preemption": mode}).start()
     try:
         async def go():
             async with aiohttp.ClientSession() as s:
