@@ -42,6 +42,7 @@ from gpu_worker.sampling import MAX_SEED, SamplingParams
 log = structlog.stdlib.get_logger(__name__)
 
 OPEN_PATHS = ("/health", "/ready")  # answered without an API key
+CANCEL_WAIT_S = 2.0  # at shutdown: time for cancelled requests' handlers to answer
 API: web.AppKey[HttpApi] = web.AppKey("tandem_api")
 REQUEST_ID = web.RequestKey("request_id", str)
 
@@ -56,6 +57,7 @@ def make_app(scheduler: Any, tokenizer: Any, config: Config, metrics: Metrics, *
     app = web.Application(client_max_size=config.server.max_body_bytes,
                           middlewares=[api.middleware])
     app[API] = api
+    app.on_shutdown.append(api.on_shutdown)
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)
     app.router.add_get("/v1/models", api.models)
@@ -68,8 +70,10 @@ def make_app(scheduler: Any, tokenizer: Any, config: Config, metrics: Metrics, *
 
 
 async def start_site(app: web.Application, config: Config) -> web.AppRunner:
-    """Listen on config.server.host:port; `await runner.cleanup()` stops it."""
-    runner = web.AppRunner(app, access_log_format='%a "%r" %s %b %Tfs "%{User-Agent}i"')
+    """Listen on config.server.host:port. `await runner.cleanup()` stops listening, drains
+    running requests (HttpApi.on_shutdown) and closes the connections."""
+    runner = web.AppRunner(app, access_log_format='%a "%r" %s %b %Tfs "%{User-Agent}i"',
+                           shutdown_timeout=CANCEL_WAIT_S)
     await runner.setup()
     site = web.TCPSite(runner, config.server.host, config.server.port, reuse_address=True)
     await site.start()
@@ -87,6 +91,25 @@ class HttpApi:
         self.defaults = (generation_defaults if generation_defaults is not None
                          else _generation_defaults(config))
         self._keys = [k.encode() for k in config.server.api_keys]
+        self.active: dict[str, RequestHandle] = {}  # generation requests being answered
+        self.draining = False
+
+    async def on_shutdown(self, app: web.Application) -> None:
+        """Graceful stop (the listening sockets are closed already): let running requests
+        finish for up to server.shutdown_grace_s, then cancel the rest, whose clients get an
+        error event (streams) or a 503, and give their handlers a moment to send it."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.server.shutdown_grace_s
+        while self.active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.active:
+            log.info("shutdown_cancelling_requests", count=len(self.active))
+        for handle in list(self.active.values()):
+            handle.cancel()
+        deadline = loop.time() + CANCEL_WAIT_S
+        while self.active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
 
     # ---- middleware: request id, auth, errors ------------------------------------------------
     @web.middleware
@@ -200,6 +223,7 @@ class HttpApi:
                                 max_tokens=self._max_tokens(len(prompt_ids), req.max_tokens),
                                 stop=req.stop, priority=req.priority, eos=not req.ignore_eos)
         handle = self._submit(gen)
+        self.active[gen.request_id] = handle
         fmt = Formatter(req.kind, request[REQUEST_ID], self.model_name, int(time.time()))
         log.info("request_submitted", kind=req.kind, prompt_tokens=len(prompt_ids),
                  max_tokens=gen.max_tokens, stream=req.stream, priority=req.priority)
@@ -214,6 +238,7 @@ class HttpApi:
             log.info("client_disconnected")
             raise
         finally:
+            self.active.pop(gen.request_id, None)
             if not handle.done:
                 handle.cancel()
 
@@ -277,6 +302,8 @@ class HttpApi:
     def _submit(self, gen: GenerationRequest) -> RequestHandle:
         if self.scheduler is None:
             raise _unavailable("the engine is starting")
+        if self.draining:
+            raise _unavailable("the server is shutting down")
         try:
             return self.scheduler.submit(gen)
         except QueueFull as exc:

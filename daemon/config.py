@@ -112,6 +112,7 @@ class ServerSection:
     api_keys_file: Path | None = None
     allow_insecure_public: bool = False
     max_body_bytes: int = 1 << 20
+    shutdown_grace_s: float = 5.0  # on SIGTERM: time running requests get to finish
     run_dir: Path = field(default_factory=default_run_dir)
     zmq_endpoint: str = ""  # client API; "" -> ipc://<run_dir>/client.sock
     zmq_curve_public_key: str = ""  # tcp:// only: the server's Z85 public key
@@ -129,6 +130,7 @@ class ServerSection:
             _path("server.api_keys_file", self.api_keys_file)
         _bool("server.allow_insecure_public", self.allow_insecure_public)
         _int("server.max_body_bytes", self.max_body_bytes, 1024, 1 << 30)
+        _num("server.shutdown_grace_s", self.shutdown_grace_s, 0)
         _path("server.run_dir", self.run_dir)
         _str("server.zmq_endpoint", self.zmq_endpoint, empty=True)
         if not self.zmq_endpoint:

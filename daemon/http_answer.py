@@ -65,7 +65,9 @@ def failed(event: RequestEvent | None) -> ApiError:
     if event is None:
         return ApiError(500, "the request ended without a result", type="server_error",
                         code="internal_error", reason=None)
-    message = event.error or f"the request was {event.finish_reason}"
+    message = event.error or ("the request was cancelled by the server (shutting down)"
+                              if event.finish_reason == "cancelled" else
+                              f"the request ended with {event.finish_reason}")
     return ApiError(503, message, type="server_error", code=f"request_{event.finish_reason}",
                     reason=None)
 

@@ -95,6 +95,7 @@ def test_qwen3_next_example_names_its_missing_model(tmp_path):
     ("[server]\napi_keys = \"k\"\n", "server.api_keys: must be a list of non-empty strings"),
     ("[server]\napi_keys = [\"short\"]\n", "server.api_keys: each key must be >= 8"),
     ("[server]\nmax_body_bytes = 10\n", "server.max_body_bytes: must be >= 1024"),
+    ("[server]\nshutdown_grace_s = -1\n", "server.shutdown_grace_s: must be >= 0"),
     ("[server]\nzmq_endpoint = \"udp://x\"\n", "server.zmq_endpoint: must start with ipc://"),
     ("[server]\nzmq_endpoint = \"tcp://0.0.0.0:5555\"\n", "server.zmq_curve_public_key: a "
      "tcp:// endpoint needs CURVE keys"),
