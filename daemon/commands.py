@@ -56,10 +56,20 @@ def run_check_config(args: argparse.Namespace) -> int:
 
 
 def _check_model(config: Config) -> None:
-    """The model directory must hold a config.json the loader accepts."""
+    """The model directory must hold a config.json the loader accepts, and the config must
+    fit that model."""
     from gpu_worker.loader import CheckpointError, load_config  # noqa: PLC0415
 
     try:
-        load_config(config.model.path)
+        model = load_config(config.model.path)
     except CheckpointError as exc:
         raise ConfigError(f"model.path: {exc}") from None
+    ctx, positions = config.scheduler.max_context, model.max_position_embeddings
+    if ctx > positions:
+        raise ConfigError(f"scheduler.max_context: must be <= the model's "
+                          f"max_position_embeddings ({positions}), got {ctx}")
+    cpu = config.experts.cpu_experts_per_layer
+    if config.experts.placement == "split" and cpu >= model.num_experts:
+        raise ConfigError(f"experts.cpu_experts_per_layer: must be < the model's "
+                          f"{model.num_experts} experts per layer with placement = 'split' "
+                          f"(use placement = 'cpu' for all), got {cpu}")

@@ -244,6 +244,20 @@ def test_check_config_checks_the_model_config(tmp_path, capsys):
     assert err.startswith("tandem: config error: model.path:") and "config.json" in err
 
 
+@pytest.mark.parametrize("text, message", [
+    ("[scheduler]\nmax_context = 8192\n", "scheduler.max_context: must be <= the model's "
+     "max_position_embeddings (4096), got 8192"),
+    ("[experts]\nplacement = \"split\"\ncpu_experts_per_layer = 8\n",
+     "experts.cpu_experts_per_layer: must be < the model's 8 experts per layer"),
+])
+def test_check_config_checks_the_config_against_the_model(tmp_path, capsys, text, message):
+    model = _model_dir(tmp_path)
+    file = _write(tmp_path, f'[model]\npath = "{model}"\n{text}')
+    args = _parser().parse_args(["check-config", str(file)])
+    assert args.func(args) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_serve_flags_override_the_file(tmp_path):
     model = _model_dir(tmp_path)
     file = _write(tmp_path, '[server]\nport = 9000\nhost = "127.0.0.1"\n')
