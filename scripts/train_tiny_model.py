@@ -532,7 +532,8 @@ def train(args: argparse.Namespace) -> None:
     autocast = dev.type == "cuda"
     impl = "eager"
     if dev.type == "cuda":
-        impl = pick_experts_impl(model, sampler, args.batch, dev, ["grouped_mm", "eager"])
+        cands = [args.experts_impl] if args.experts_impl else ["grouped_mm", "eager"]
+        impl = pick_experts_impl(model, sampler, args.batch, dev, cands)
     decay, no_decay = [], []
     for n, p in model.named_parameters():
         (no_decay if p.ndim < 2 or "norm" in n else decay).append(p)
@@ -643,7 +644,7 @@ def export(ckpt: Path, model_dir: Path) -> None:
 
 
 REF_LEN = 48
-REF_POSITIONS = (0, 7, 15, 23, 31, 39, 46)  # the MTP at t needs token t+1, so t <= REF_LEN - 2
+REF_POSITIONS = (0, 9, 19, 29, 39, 46)  # the MTP at t needs token t+1, so t <= REF_LEN - 2
 
 
 def reference(model_dir: Path, data: Path, out: Path) -> None:
@@ -727,6 +728,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--eval-every", type=float, default=120.0)
     t.add_argument("--eval-windows", type=int, default=128)
     t.add_argument("--final-eval", action="store_true")
+    t.add_argument("--experts-impl", default="", help="force grouped_mm or eager on CUDA")
     e = sub.add_parser("export")
     e.add_argument("--ckpt", type=Path, required=True)
     e.add_argument("--model-dir", type=Path, default=Path("models/tandem-tiny"))
