@@ -220,7 +220,8 @@ class HttpApi:
         prompt_ids = await asyncio.get_running_loop().run_in_executor(None, self._prompt_ids, req)
         gen = GenerationRequest(request_id=request[REQUEST_ID], prompt_ids=prompt_ids,
                                 sampling=self._sampling(req),
-                                max_tokens=self._max_tokens(len(prompt_ids), req.max_tokens),
+                                max_tokens=self._max_tokens(len(prompt_ids), req.max_tokens,
+                                                           _prompt_param(req)),
                                 stop=req.stop, priority=req.priority, eos=not req.ignore_eos)
         handle = self._submit(gen)
         self.active[gen.request_id] = handle
@@ -250,24 +251,24 @@ class HttpApi:
                           f"vocabulary has {vocab} tokens")
             return list(req.prompt)
         if self.tokenizer is None:
-            raise bad("prompt" if req.kind == "completion" else "messages",
-                      "this model has no tokenizer: send 'prompt' as a list of token ids")
+            raise bad(_prompt_param(req), "this model has no tokenizer: send 'prompt' as a "
+                      "list of token ids")
         try:
             text = req.prompt if req.kind == "completion" else self.tokenizer.apply_chat_template(
                 req.messages, add_generation_prompt=True, tools=req.tools,
                 enable_thinking=req.enable_thinking)
             ids = self.tokenizer.encode(text)
         except TokenizerError as exc:
-            raise bad("messages", str(exc)) from None
+            raise bad(_prompt_param(req), str(exc)) from None
         if not ids:
-            raise bad("prompt", "the prompt encodes to zero tokens")
+            raise bad(_prompt_param(req), "the prompt encodes to zero tokens")
         return ids
 
-    def _max_tokens(self, n_prompt: int, asked: int | None) -> int:
+    def _max_tokens(self, n_prompt: int, asked: int | None, param: str) -> int:
         limit, ctx = self.config.max_prompt_tokens, self._max_context()
         if n_prompt > limit:
             raise ApiError(400, f"the prompt has {n_prompt} tokens, more than the limit of "
-                           f"{limit}", param="messages", code="context_length_exceeded",
+                           f"{limit}", param=param, code="context_length_exceeded",
                            reason="prompt_too_long")
         cap = self.config.max_tokens
         if asked is not None and asked > cap:
@@ -280,7 +281,7 @@ class HttpApi:
         room = ctx - n_prompt
         if room < 1:
             raise ApiError(400, f"the prompt has {n_prompt} tokens and leaves no room in the "
-                           f"context limit of {ctx}", param="messages",
+                           f"context limit of {ctx}", param=param,
                            code="context_length_exceeded", reason="prompt_too_long")
         return asked if asked is not None else min(cap, room)
 
@@ -315,6 +316,10 @@ class HttpApi:
             raise ApiError(400, str(exc), reason="rejected") from None
         except EngineUnavailable as exc:
             raise _unavailable(str(exc)) from None
+
+
+def _prompt_param(req: ParsedRequest) -> str:
+    return "prompt" if req.kind == "completion" else "messages"
 
 
 def _model_not_found(name: str, served: str) -> ApiError:

@@ -242,8 +242,11 @@ async def test_prompt_over_max_prompt_tokens_is_400_with_counts(client, tokenize
     n = len(tokenizer.encode(text))
     assert n > 240
     err = await _error(await client.post(COMPLETIONS, json={"prompt": text}), 400)
-    assert err["code"] == "context_length_exceeded"
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
     assert f"{n} tokens" in err["message"] and "240" in err["message"]
+    chat = _chat(messages=[{"role": "user", "content": text}])
+    err = await _error(await client.post(CHAT, json=chat), 400)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
 
 
 async def test_prompt_plus_max_tokens_over_context_is_400_with_counts(client):
