@@ -148,15 +148,20 @@ async def stream(request: web.Request, handle: RequestHandle, fmt: Formatter, n_
                     _finished(start, event.finish_reason, usage)
                 elif event.finish_reason is not None:
                     await send(failed(event).body())
-    except RequestTimeout as exc:
-        await send(_timeout(exc).body())
     except (ClientGone, ConnectionError):
         log.info("client_disconnected", completion_tokens=count)
         return response
+    except RequestTimeout as exc:
+        error = _timeout(exc)
     except Exception:
         log.exception("internal_error_in_stream")
-        await send(ApiError(500, f"internal server error (request id {fmt.request_id})",
-                            type="server_error", code="internal_error").body())
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
+        error = ApiError(500, f"internal server error (request id {fmt.request_id})",
+                         type="server_error", code="internal_error")
+    else:
+        error = None
+    with contextlib.suppress(ConnectionError):  # the client may be gone by now
+        if error is not None:
+            await send(error.body())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
     return response
