@@ -222,11 +222,17 @@ def from_hf_state(model: TinyModel, state: dict[str, torch.Tensor]) -> None:
     model.mtp.load_state_dict(new_mtp)
 
 
+CONFIG_DROP = {"transformers_version", "output_router_logits", "output_hidden_states",
+               "output_attentions", "return_dict", "chunk_size_feed_forward",
+               "is_encoder_decoder", "id2label", "label2id", "problem_type"}
+
+
+def clean_config(d: dict) -> dict:
+    return {k: v for k, v in d.items() if not k.startswith("_") and k not in CONFIG_DROP}
+
+
 def config_dict(cfg: Qwen3NextConfig) -> dict:
-    d = cfg.to_dict()
-    for k in list(d):
-        if k.startswith("_") or k in ("transformers_version", "output_router_logits"):
-            d.pop(k, None)
+    d = clean_config(cfg.to_dict())
     d["architectures"] = ["Qwen3NextForCausalLM"]
     d["model_type"] = "qwen3_next"
     d["torch_dtype"] = "bfloat16"
@@ -632,7 +638,7 @@ def export(ckpt: Path, model_dir: Path) -> None:
     state = load_state_dir(ckpt)
     save_file({k: state[k].contiguous() for k in sorted(state)},
               str(model_dir / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg = clean_config(json.loads((ckpt / "config.json").read_text()))
     (model_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     gen = {"bos_token_id": cfg["bos_token_id"], "pad_token_id": cfg["pad_token_id"],
            "eos_token_id": [cfg["eos_token_id"], cfg["bos_token_id"]],
