@@ -6,8 +6,12 @@ from __future__ import annotations
 import asyncio
 import configparser
 import os
+import shutil
 import socket
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -133,3 +137,16 @@ def test_unit_file():
     assert set(service["RestrictAddressFamilies"].split()) == {"AF_UNIX", "AF_INET", "AF_INET6"}
     assert "MemoryDenyWriteExecute" not in service  # JIT compilers need W+X pages
     assert parser["Install"]["WantedBy"] == "multi-user.target"
+
+
+def test_unit_file_passes_systemd_analyze_verify(tmp_path):
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed")
+    tandem = Path(sys.executable).parent / "tandem"  # the console script of this install
+    unit = (REPO_ROOT / "configs" / "tandem.service").read_text()
+    (tmp_path / "tandem.service").write_text(unit.replace("ExecStart=tandem ",
+                                                          f"ExecStart={tandem} "))
+    proc = subprocess.run([analyze, "verify", "--man=no", str(tmp_path / "tandem.service")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "tandem.service" not in proc.stderr, proc.stderr
