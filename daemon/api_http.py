@@ -212,6 +212,8 @@ class HttpApi:
             return json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise bad(None, f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise bad(None, "the request body is nested too deeply") from None
 
     async def _generate(self, request: web.Request, req: ParsedRequest) -> web.StreamResponse:
         if req.model is not None and req.model not in self.model_names:

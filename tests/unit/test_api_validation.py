@@ -79,6 +79,11 @@ async def test_malformed_json_is_400(client):
     assert err["type"] == "invalid_request_error"
 
 
+async def test_deeply_nested_json_is_400(client):
+    err = await _error(await client.post(CHAT, data=b"[" * 2000 + b"]" * 2000), 400)
+    assert "nested too deeply" in err["message"]
+
+
 async def test_body_must_be_an_object(client):
     err = await _error(await client.post(CHAT, json=[1, 2]), 400)
     assert "JSON object" in err["message"]
