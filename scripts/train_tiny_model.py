@@ -701,6 +701,70 @@ def sample(model_dir: Path, prompt: str, max_new: int) -> str:
     return tok.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=False)
 
 
+def select_functions(path: Path, n: int) -> list[dict]:
+    """n held-out functions, round-robin over top-level packages (deterministic)."""
+    groups: dict[str, list[dict]] = {}
+    for line in path.read_text().splitlines():
+        f = json.loads(line)
+        groups.setdefault(f["module"].split(".")[0], []).append(f)
+    for g in groups.values():
+        g.sort(key=lambda f: (f["module"], f["name"], f["prompt"]))
+    out: list[dict] = []
+    while len(out) < n and any(groups.values()):
+        for key in sorted(groups):
+            if groups[key] and len(out) < n:
+                out.append(groups[key].pop(0))
+    return out
+
+
+def body_of(completion: str) -> str:
+    """The generated body: everything before the first non-blank line at column 0."""
+    lines = []
+    for line in completion.split("\n"):
+        if line.strip() and not line[0].isspace():
+            break
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def compile_rate(model_dir: Path, funcs: list[dict], max_new: int) -> dict:
+    """Greedy body completions (transformers, float32, CPU) and the share that compiles."""
+    from tokenizers import Tokenizer
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    lm = Qwen3NextForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    gen = json.loads((model_dir / "generation_config.json").read_text())
+
+    class EndOfBody(StoppingCriteria):
+        def __init__(self, start: int) -> None:
+            self.start = start
+
+        def __call__(self, ids: torch.Tensor, scores: torch.Tensor, **kw: object) -> bool:
+            text = tok.decode(ids[0, self.start:].tolist())
+            return body_of(text) != text.rstrip(" ") and "\n" in text
+
+    ok, results = 0, []
+    for f in funcs:
+        ids = torch.tensor([tok.encode(f["prompt"], add_special_tokens=False).ids])
+        with torch.no_grad():
+            out = lm.generate(ids, max_new_tokens=max_new, do_sample=False,
+                              eos_token_id=gen["eos_token_id"], pad_token_id=gen["pad_token_id"],
+                              stopping_criteria=StoppingCriteriaList([EndOfBody(ids.shape[1])]))
+        body = body_of(tok.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True))
+        good = bool(body.strip())
+        if good:
+            try:
+                compile(f["prompt"] + body + "\n", "<heldout>", "exec")
+            except (SyntaxError, ValueError):
+                good = False
+        ok += good
+        results.append({"module": f["module"], "name": f["name"], "compiles": good,
+                        "body": body})
+    return {"functions": len(funcs), "compiles": ok, "rate": ok / max(len(funcs), 1),
+            "max_new_tokens": max_new, "results": results}
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -751,6 +815,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--model-dir", type=Path, default=Path("models/tandem-tiny"))
     s.add_argument("--prompt", default="Write a Python function that reverses a string")
     s.add_argument("--max-new", type=int, default=80)
+    c = sub.add_parser("compile-rate")
+    c.add_argument("--model-dir", type=Path, default=Path("models/tandem-tiny"))
+    c.add_argument("--functions", type=Path, default=Path(".corpus/heldout_functions.jsonl"))
+    c.add_argument("--n", type=int, default=100)
+    c.add_argument("--max-new", type=int, default=160)
+    c.add_argument("--write-selection", type=Path, default=None)
+    c.add_argument("--out", type=Path, default=None, help="JSON with every completion")
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
         print(json.dumps(prepare(args.corpus, args.tokenizer, args.out), indent=1))
@@ -765,6 +836,15 @@ def main(argv: list[str] | None = None) -> int:
         ev = evaluate(model, load_streams(args.data, "heldout", torch.device("cpu")),
                       args.seq, args.windows, 4)
         print(json.dumps(ev, indent=1))
+    elif args.cmd == "compile-rate":
+        funcs = select_functions(args.functions, args.n)
+        if args.write_selection:
+            args.write_selection.parent.mkdir(parents=True, exist_ok=True)
+            args.write_selection.write_text("".join(json.dumps(f) + "\n" for f in funcs))
+        res = compile_rate(args.model_dir, funcs, args.max_new)
+        if args.out:
+            args.out.write_text(json.dumps(res, indent=1) + "\n")
+        print(json.dumps({k: v for k, v in res.items() if k != "results"}))
     elif args.cmd == "sample":
         print(sample(args.model_dir, args.prompt, args.max_new))
     return 0

@@ -185,6 +185,16 @@ def test_tokenizer_and_generation_config_agree() -> None:
     assert tok.decode(tok.encode(text, add_special_tokens=False).ids) == text
 
 
+def test_heldout_function_selection() -> None:
+    lines = (MODEL_DIR / "eval" / "heldout_functions_100.jsonl").read_text().splitlines()
+    funcs = [json.loads(x) for x in lines]
+    assert len(funcs) == 100
+    for f in funcs:
+        assert bc.is_heldout(bc.split_key(f["module"]))
+        compile(f["prompt"], f["name"], "exec")  # signature + docstring alone is valid
+        assert f["source"].lstrip().startswith(("def ", "async def ", "@"))
+
+
 def test_reference_logits_layout() -> None:
     z = np.load(MODEL_DIR / "reference_logits.npz")
     ids, pos = z["input_ids"], z["positions"]
