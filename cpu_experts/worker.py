@@ -8,6 +8,7 @@ compiled and warm, then serves dispatches from the ring until told to stop or it
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import json
 import os
 import select
@@ -51,6 +52,8 @@ class ExpertWorker:
         self.doorbell = rings.Doorbell(spec["doorbell_fd"])
         self.poller = select.poll()
         self.poller.register(self.doorbell.fd, select.POLLIN)
+        # NOTE: read before READY is sent: the first dispatch may arrive right after READY.
+        self.last_seq = int(self.ring.ctrl[self.index, rings.SEQ_IN])
 
     def warm_up(self) -> None:
         """Compile (or load from cache) and run every kernel once on real weights."""
@@ -82,7 +85,7 @@ class ExpertWorker:
     def serve(self) -> None:
         ring, ctrl = self.ring, self.ring.ctrl[self.index]
         out = ring.out[self.index]
-        last = int(ctrl[rings.SEQ_IN])
+        last = self.last_seq
         while True:
             seq = self._wait(last)
             last = seq
@@ -109,6 +112,7 @@ class ExpertWorker:
 def main() -> int:
     spec = json.loads(sys.stdin.readline())
     _die_with_parent(spec["parent_pid"])
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid> prints where a worker is stuck
     if spec["cores"]:
         os.sched_setaffinity(0, spec["cores"])
     worker = ExpertWorker(spec)
