@@ -49,7 +49,7 @@ class ZmqApi:
         if server.zmq_endpoint.startswith("tcp://"):
             secret = server.zmq_curve_secret_key_file.read_text().strip()
             keys = CurveServerKeys(server.zmq_curve_public_key.encode(), secret.encode(),
-                                   tuple(k.encode() for k in server.zmq_curve_client_keys))
+                                   frozenset(k.encode() for k in server.zmq_curve_client_keys))
         server.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.sock = AsyncDaemonToClients(server.zmq_endpoint, server_keys=keys)
         self.address = self.sock.address

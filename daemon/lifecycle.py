@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import signal
+import sys
 
 from daemon import systemd
 from daemon.api_http import make_app, start_site
@@ -44,13 +46,23 @@ def worker_spec(config: Config, extra_blocks: int) -> WorkerSpec:
                       max_context=config.scheduler.max_context,
                       block_size=config.scheduler.kv_block_size, extra_blocks=extra_blocks,
                       placement=e.placement, cpu_experts_per_layer=e.cpu_experts_per_layer,
-                      cpu_workers=e.num_cpu_workers)
+                      cpu_workers=e.num_cpu_workers,
+                      cpu_cores=";".join(",".join(map(str, g)) for g in e.cpu_cores))
 
 
 def serve(config: Config) -> int:
     configure_logging(config.logging.level, config.logging.json,
                       log_prompts=config.logging.log_prompts)
-    return asyncio.run(Daemon(config).main())
+    run_dir = config.server.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with open(run_dir / "daemon.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"tandem: error: another tandem daemon uses run_dir {run_dir} "
+                  f"(set [server] run_dir to serve a second one)", file=sys.stderr)
+            return 2
+        return asyncio.run(Daemon(config).main())
 
 
 class Daemon:
@@ -90,7 +102,9 @@ class Daemon:
                  port=self.config.server.port)
         log.info("zmq api listening", endpoint=zmq_api.address)
         supervisor = asyncio.create_task(self.supervise())
-        watchdog = asyncio.create_task(systemd.watchdog_loop(lambda: not supervisor.done()))
+        healthy = (lambda: not supervisor.done()) if self.config.systemd.watchdog else None
+        watchdog = asyncio.create_task(systemd.watchdog_loop(healthy) if healthy
+                                       else asyncio.sleep(0))
         stop = asyncio.create_task(self.stopping.wait())
         await asyncio.wait({supervisor, stop}, return_when=asyncio.FIRST_COMPLETED)
         status = 0 if self.stopping.is_set() else 1

@@ -49,7 +49,8 @@ class WorkerSpec:
     extra_blocks: int = 0
     placement: str = "gpu"
     cpu_experts_per_layer: int = 0
-    cpu_workers: int = 1
+    cpu_workers: int = 0  # 0: one per NUMA node
+    cpu_cores: str = ""  # "0,1,2;3,4,5": one core list per CPU expert worker
 
     def argv(self) -> list[str]:
         args = [sys.executable, "-m", "gpu_worker.server"]

@@ -49,7 +49,7 @@ class ExpertPlacement:
             p = f"model.layers.{i}.mlp.experts."
             layers[i] = tuple(np.ascontiguousarray(tensors[p + k][E - n_cpu:], np.float32)
                               for k in ("gate_proj", "up_proj", "down_proj"))
-        pool = CpuExpertPool(layers, num_workers=num_workers, cores=cores)
+        pool = CpuExpertPool(layers, num_workers=num_workers or None, cores=cores or None)
         return cls(model, on_cpu, pool)
 
     def experts(self, layer: int, x, ids, weights):

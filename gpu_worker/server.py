@@ -61,7 +61,8 @@ def build_runner(args: argparse.Namespace):
 
         pool = ExpertPlacement.start(model, ckpt.tensors, placement=args.placement,
                                      cpu_per_layer=args.cpu_experts_per_layer,
-                                     num_workers=args.cpu_workers)
+                                     num_workers=args.cpu_workers,
+                                     cores=parse_core_groups(args.cpu_cores))
     blocks_per_slot = -(-args.max_context // args.block_size)
     runner = Runner(model, max_slots=args.max_slots, max_context=args.max_context,
                     block_size=args.block_size, extra_blocks=args.extra_blocks,
@@ -149,8 +150,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--extra-blocks", type=int, default=0)
     p.add_argument("--placement", choices=("gpu", "cpu", "split"), default="gpu")
     p.add_argument("--cpu-experts-per-layer", type=int, default=0)
-    p.add_argument("--cpu-workers", type=int, default=1)
+    p.add_argument("--cpu-workers", type=int, default=0, help="0: one per NUMA node")
+    p.add_argument("--cpu-cores", default="", help='per worker core lists: "0,1,2;3,4,5"')
     return p.parse_args(argv)
+
+
+def parse_core_groups(text: str) -> list[list[int]] | None:
+    """"0,1;2,3" -> [[0, 1], [2, 3]]; "" -> None (derive from NUMA nodes)."""
+    if not text:
+        return None
+    return [[int(c) for c in group.split(",") if c] for group in text.split(";")]
 
 
 def main(argv: list[str] | None = None) -> int:
