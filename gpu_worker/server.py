@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import signal
 import sys
@@ -51,6 +52,12 @@ def _die_with_parent() -> None:
         sys.exit(1)
 
 
+def _log(event: str, **fields) -> None:
+    """A JSON log line on stderr, shaped like the daemon's structlog lines."""
+    print(json.dumps({"event": event, "logger": "tandem.gpu_worker", "level": "info",
+                      **fields}), file=sys.stderr, flush=True)
+
+
 def build_runner(args: argparse.Namespace):
     ckpt = load_checkpoint(args.model, dtype=DTYPES[args.dtype])
     model = Model(ckpt.config, ckpt.tensors, xp=get_xp(args.backend), dtype=DTYPES[args.dtype],
@@ -63,6 +70,9 @@ def build_runner(args: argparse.Namespace):
                                      cpu_per_layer=args.cpu_experts_per_layer,
                                      num_workers=args.cpu_workers,
                                      cores=parse_core_groups(args.cpu_cores))
+        for info in pool.pool.ready_info:  # one line per CPU expert worker, what it holds
+            _log("cpu expert worker ready", placement=args.placement, **info,
+                 cpu_experts_per_layer=int(next(iter(pool.on_cpu.values())).sum()))
     blocks_per_slot = -(-args.max_context // args.block_size)
     runner = Runner(model, max_slots=args.max_slots, max_context=args.max_context,
                     block_size=args.block_size, extra_blocks=args.extra_blocks,
