@@ -50,6 +50,10 @@ class ExpertPlacement:
             layers[i] = tuple(np.ascontiguousarray(tensors[p + k][E - n_cpu:], np.float32)
                               for k in ("gate_proj", "up_proj", "down_proj"))
         pool = CpuExpertPool(layers, num_workers=num_workers or None, cores=cores or None)
+        for i in on_cpu:  # the backend keeps only its own experts (ids below E - n_cpu)
+            mlp = model.layers[i].mlp
+            for k in ("gate_proj", "up_proj", "down_proj"):
+                mlp["experts." + k] = mlp["experts." + k][: E - n_cpu].copy()
         return cls(model, on_cpu, pool)
 
     def experts(self, layer: int, x, ids, weights):
