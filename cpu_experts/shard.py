@@ -79,8 +79,12 @@ def shard_bounds(intermediate: int, num_shards: int) -> list[tuple[int, int]]:
 
 
 def unit_tile(units: int) -> int:
-    """Output units per tile: 64 where it divides, else 32 (units is a multiple of 32)."""
-    return 64 if units % 64 == 0 else BLOCK
+    """Output units per tile: the widest of 128/64/32 that divides ``units`` into >= 8 tiles
+    (wide tiles amortize loop overhead; enough tiles keep every thread busy on one expert)."""
+    for tu in (128, 64):
+        if units % tu == 0 and units // tu >= 8:
+            return tu
+    return BLOCK
 
 
 def tiled_shapes(E: int, mats: int, units: int, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

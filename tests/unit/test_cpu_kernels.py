@@ -26,7 +26,7 @@ def run_shards(ql: shard.QuantizedLayer, num_shards: int, xq, xs, ids, w) -> np.
         manifest, size = shard.plan_shard({0: ql}, bounds)
         buf = bytearray(size)
         shard.write_shard(buf, manifest, {0: ql}, bounds)
-        out = np.full((xq.shape[0], H), np.nan, np.float32)  # poisoned: every row must be written
+        out = np.full(xq.shape, np.nan, np.float32)  # poisoned: every row must be written
         rc = kernels.moe_layer(*shard.views(buf, manifest)[0], xq, xs.view(np.uint16),
                                ids.astype(np.int32), w.astype(np.float32), out)
         assert rc == kernels.ERR_OK
@@ -91,6 +91,19 @@ def test_rows_independent_of_batch(layer, num_shards: int) -> None:
         for part in np.array_split(order, seed + 2):
             sub = run_shards(ql, num_shards, xq[part], xs[part], ids[part], w[part])
             assert sub.tobytes() == batch[part].tobytes()
+
+
+def test_wide_tiles_equal_reference_bitwise() -> None:
+    rng = np.random.default_rng(4)
+    e, i, h = 2, 512, 1024  # unit tiles of 64 (gate/up) and 128 (down)
+    assert (shard.unit_tile(i), shard.unit_tile(h)) == (64, 128)
+    ql = shard.quantize_layer(*(rng.standard_normal(s).astype(np.float32) * 0.03
+                                for s in ((e, i, h), (e, i, h), (e, h, i))))
+    x = rng.standard_normal((3, h)).astype(np.float32)
+    ids, w = np.array([[0, 1], [1, -1], [1, 0]]), np.ones((3, 2), np.float32)
+    xq, xs = quantize(x)
+    got = run_shards(ql, 1, xq, xs, ids, w)
+    assert got.tobytes() == reference.moe_reference([ql.shard(0, i)], xq, xs, ids, w).tobytes()
 
 
 def test_close_to_unquantized_float_expert(layer) -> None:

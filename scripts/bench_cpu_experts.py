@@ -1,0 +1,175 @@
+"""Benchmark the CPU experts: one MoE layer through CpuExpertPool, per routing and row count.
+
+Measures the machine's DRAM read bandwidth itself (a Numba parallel sum over 2 GiB with the
+workers' thread count), then for H=2048, I in {512, 768}, E in {128, 512}, top-k in {8, 10},
+rows in {1, 4, 8, 12, 16}, routing random and skewed, times ``dispatch_quantized`` (the QFUSE
+path: activations arrive quantized) and reports per layer: distinct experts, weight bytes
+read, wall time, worker kernel time, effective GB/s and dispatch overhead (wall - kernel).
+Extra records: ``one_expert`` (every row on one expert: the cost of rows) and ``none`` (no
+pair on the CPU: pure dispatch overhead). Weights are random int8 with small fp16 scales;
+enough layers are cycled that the working set is several times the L3.
+
+    python scripts/bench_cpu_experts.py --out docs/bench/cpu_experts_h200.json
+    python scripts/bench_cpu_experts.py --quick   # small sizes, for a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import numpy as np
+from numba import get_num_threads, njit, prange, set_num_threads
+
+from cpu_experts.pool import CpuExpertPool
+from cpu_experts.quant import quantize
+from cpu_experts.shard import QuantizedLayer
+
+H = 2048
+ROWS = (1, 4, 8, 12, 16)
+
+
+@njit(parallel=True, cache=True)
+def _parallel_sum(a):
+    s = 0
+    for i in prange(a.shape[0]):
+        s += a[i]
+    return s
+
+
+def dram_read_gbps(threads: int, nbytes: int = 2 << 30) -> float:
+    """Best of 5 parallel sums over ``nbytes`` of uint64 (read bandwidth, cold caches)."""
+    set_num_threads(threads)
+    a = np.ones(nbytes // 8, np.uint64)
+    _parallel_sum(a[:1024])
+    best = min(_timed(_parallel_sum, a) for _ in range(5))
+    return nbytes / best / 1e9
+
+
+def _timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def random_layers(E: int, I: int, n_layers: int, seed: int) -> dict[int, QuantizedLayer]:
+    rng = np.random.default_rng(seed)
+
+    def q(shape):
+        return np.frombuffer(rng.bytes(int(np.prod(shape))), np.int8).reshape(shape)
+
+    def s(shape):
+        return (rng.random(shape, np.float32) * 1e-3 + 1e-4).astype(np.float16)
+
+    return {l: QuantizedLayer(q((E, I, H)), s((E, I, H // 32)), q((E, I, H)), s((E, I, H // 32)),
+                              q((E, H, I)), s((E, H, I // 32))) for l in range(n_layers)}
+
+
+def routings(kind: str, E: int, topk: int, rows: int, n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    if kind == "none":
+        return [np.full((rows, topk), -1, np.int32) for _ in range(n)]
+    if kind == "one_expert":
+        return [np.full((rows, 1), rng.integers(E), np.int32) for _ in range(n)]
+    p = None
+    if kind == "skewed":  # Zipf-like popularity, a fresh ranking per layer
+        p = 1.0 / np.arange(1, E + 1) ** 1.2
+        p /= p.sum()
+    out = []
+    for _ in range(n):
+        perm = rng.permutation(E)
+        ids = np.stack([perm[rng.choice(E, topk, replace=False, p=p)] for _ in range(rows)])
+        out.append(ids.astype(np.int32))
+    return out
+
+
+def measure(pool: CpuExpertPool, n_layers: int, ids_list: list[np.ndarray], I: int,
+            warmup: int) -> dict:
+    rows = ids_list[0].shape[0]
+    x = np.random.default_rng(rows).standard_normal((rows, H)).astype(np.float32)
+    q, d = quantize(x)
+    walls, kernels, distinct = [], [], []
+    for i, ids in enumerate(ids_list):
+        w = np.full(ids.shape, 1.0 / ids.shape[1], np.float32)
+        t0 = time.perf_counter_ns()
+        pool.dispatch_quantized(i % n_layers, q, d, ids, w)
+        wall = time.perf_counter_ns() - t0
+        if i >= warmup:
+            walls.append(wall)
+            kernels.append(int(pool.last_kernel_ns.max()))
+            distinct.append(len(np.unique(ids[ids >= 0])))
+    expert_bytes = 3 * I * H * (1 + 4 / 32)  # int8 weights + float32 block scales, as stored
+    wall_us = float(np.median(walls)) / 1e3
+    kernel_us = float(np.median(kernels)) / 1e3
+    wbytes = float(np.mean(distinct)) * expert_bytes
+    return {"distinct_experts": float(np.mean(distinct)), "weight_bytes": wbytes,
+            "us_per_layer": wall_us, "kernel_us": kernel_us,
+            "effective_gbps": wbytes / wall_us / 1e3 if wbytes else 0.0,
+            "kernel_gbps": wbytes / kernel_us / 1e3 if wbytes else 0.0,
+            "dispatch_us": float(np.median(np.subtract(walls, kernels))) / 1e3}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="")
+    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--client-core", type=int, default=0)
+    ap.add_argument("--iters", type=int, default=24)
+    args = ap.parse_args()
+
+    usable = sorted(os.sched_getaffinity(0))
+    worker_cores = [c for c in usable if c != args.client_core] or usable
+    groups = [list(g) for g in np.array_split(worker_cores, args.workers)]
+    dram = dram_read_gbps(len(worker_cores), (256 << 20) if args.quick else (2 << 30))
+    os.sched_setaffinity(0, [args.client_core])  # the dispatching thread gets its own core
+    set_num_threads(1)
+    machine = {"machine": platform.node(), "cpu": _cpu_model(), "threads": len(worker_cores),
+               "workers": args.workers, "dram_read_gbps": round(dram, 1)}
+    print(json.dumps(machine), flush=True)
+    combos = [(512, 16)] if args.quick else [(512, 128), (768, 128), (512, 512), (768, 512)]
+    topks = (8,) if args.quick else (8, 10)
+    budget = (64 << 20) if args.quick else (1600 << 20)
+    records = []
+    for I, E in combos:
+        layer_bytes = 3 * E * I * H
+        n_layers = max(1, -(-budget // layer_bytes))
+        t0 = time.perf_counter()
+        with CpuExpertPool(random_layers(E, I, n_layers, seed=E + I), cores=groups,
+                           max_rows=64, max_k=16) as pool:
+            print(f"# I={I} E={E}: {n_layers} layers, pool up in "
+                  f"{time.perf_counter() - t0:.1f} s", flush=True)
+            cases = [(k, r, kind) for k in topks for kind in ("random", "skewed") for r in ROWS]
+            cases += [(1, r, "one_expert") for r in ROWS] + [(8, 16, "none")]
+            for topk, rows, kind in cases:
+                ids = routings(kind, E, topk, rows, args.iters + 4, seed=rows * 100 + topk)
+                rec = dict(machine, H=H, I=I, E=E, topk=topk, rows=rows, routing=kind,
+                           **measure(pool, n_layers, ids, I, warmup=4))
+                records.append(rec)
+                print(f"I={I:4d} E={E:4d} k={topk:2d} rows={rows:2d} {kind:10s} "
+                      f"distinct={rec['distinct_experts']:6.1f} "
+                      f"layer={rec['us_per_layer']:8.1f} us kernel={rec['kernel_us']:8.1f} us "
+                      f"eff={rec['effective_gbps']:5.1f} GB/s "
+                      f"dispatch={rec['dispatch_us']:5.1f} us",
+                      flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(records, f, indent=1)
+    print(f"# threads={get_num_threads()} (client); done")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    main()
