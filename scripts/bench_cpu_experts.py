@@ -157,9 +157,9 @@ def main() -> None:
                       f"eff={rec['effective_gbps']:5.1f} GB/s "
                       f"dispatch={rec['dispatch_us']:5.1f} us",
                       flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(records, f, indent=1)
+        if args.out:  # after every pool: a run cut short still leaves its records
+            with open(args.out, "w") as f:
+                json.dump(records, f, indent=1)
     print(f"# threads={get_num_threads()} (client); done")
 
 
