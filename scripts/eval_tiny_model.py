@@ -1,0 +1,398 @@
+#!/usr/bin/env python3
+"""Held-out figures of tandem-tiny measured by Tandem's own NumPy backend (issue 5).
+
+Computes, with ``gpu_worker.engine.Engine`` (no torch, no transformers):
+
+1. held-out perplexity per kind (code, prose, chat): the same evenly spaced windows as
+   ``scripts/train_tiny_model.py evaluate`` / ``train --final-eval`` (128 windows of 512
+   tokens = 65,536 tokens per kind, each window a fresh sequence starting at position 0),
+   plus next-token top-1, the MTP head's CE / top-1 against token t+2, and
+2. MTP agreement: the share of positions t where argmax MTP(token_{t+1}, h_t) equals the main
+   model's argmax at position t+1 (the MTP head runs causally over the window, positions
+   0..seq-2, as in training),
+3. compile rate: for the held-out functions in ``models/tandem-tiny/eval/
+   heldout_functions_100.jsonl``, the greedy completion of ``signature + docstring`` (at most
+   160 new tokens), cut at the first non-blank line at column 0, is non-empty and
+   ``compile(prompt + body + "\\n")`` succeeds. The stopping rule is exactly the one of
+   ``train_tiny_model.py compile-rate`` (``"transformers rule"``: stop once the decoded
+   completion contains a newline and differs from its cut body after stripping trailing
+   spaces, which in practice fires at the first indentation token of the second line). The
+   same greedy run continues until a column-0 line, EOS or the token limit
+   (``"full-body rule"``) and that figure is reported alongside.
+
+The held-out token streams are ``DATA/heldout_{code,prose,chat}.npy`` as written by
+``train_tiny_model.py prepare``; when they are missing they are rebuilt here from
+``CORPUS/heldout.jsonl`` with Tandem's tokenizer (and the corpus from
+``scripts/build_corpus.py`` when that is missing too).
+
+    .venv/bin/python scripts/eval_tiny_model.py                    # full run, ~15 min, 2 cores
+    .venv/bin/python scripts/eval_tiny_model.py --max-tokens 2048 --limit 5 --out /tmp/e.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # runnable as a plain script from any directory
+    sys.path.insert(0, str(REPO))
+
+from daemon.tokenizer import Tokenizer  # noqa: E402
+from gpu_worker.backend import to_numpy  # noqa: E402
+from gpu_worker.engine import Engine  # noqa: E402
+from gpu_worker.model.batch import RaggedBatch  # noqa: E402
+from gpu_worker.sampling import SamplingParams, sample  # noqa: E402
+
+KINDS = ("code", "prose", "chat")
+EOT = "<|endoftext|>"
+GREEDY = SamplingParams(temperature=0)
+
+# The model card's transformers figures (float32, 128 windows x 512 per kind; compile-rate on
+# CPU), for the comparison written next to Tandem's.
+TRANSFORMERS_FIGURES: dict[str, Any] = {
+    "code": {"ce": 2.904, "ppl": 18.2, "top1": 0.483, "mtp_ce": 2.890, "mtp_top1": 0.478,
+             "mtp_agreement": 0.634},
+    "prose": {"ce": 4.134, "ppl": 62.4, "top1": 0.334, "mtp_ce": 3.927, "mtp_top1": 0.334,
+              "mtp_agreement": 0.473},
+    "chat": {"ce": 2.109, "ppl": 8.2, "top1": 0.640, "mtp_ce": 2.001, "mtp_top1": 0.643,
+             "mtp_agreement": 0.714},
+    "compile_rate": {"functions": 100, "compiles": 42, "rate": 0.42, "max_new_tokens": 160},
+}
+
+
+# --------------------------------------------------------------------------- data
+
+
+def eval_offsets(n_tokens: int, seq: int, windows: int) -> np.ndarray:
+    """Start offsets of ``train_tiny_model.eval_windows``: n evenly spaced (seq+1)-token
+    windows, ``torch.linspace(0, n_tokens - seq - 2, n).long()`` reproduced bit for bit
+    (float32 linspace, computed from both ends, fused multiply-add, truncation)."""
+    n = max(1, min(windows, (n_tokens - 1) // (seq + 1)))
+    end = np.float32(n_tokens - seq - 2)
+    if n == 1:
+        return np.zeros(1, dtype=np.int64)
+    step = np.float64(end / np.float32(n - 1))
+    i = np.arange(n)
+    vals = np.where(i < n // 2, step * i, np.float64(end) - step * (n - 1 - i))
+    return vals.astype(np.float32).astype(np.int64)
+
+
+def ensure_streams(data: Path, corpus: Path, tok: Tokenizer, kinds: list[str]) -> None:
+    """Write DATA/heldout_<kind>.npy (uint16, documents separated by <|endoftext|>) if absent,
+    exactly as ``train_tiny_model.py prepare`` does, from CORPUS/heldout.jsonl."""
+    if all((data / f"heldout_{k}.npy").exists() for k in kinds):
+        return
+    if not (corpus / "heldout.jsonl").exists():
+        print(f"building the corpus in {corpus} (scripts/build_corpus.py)", file=sys.stderr)
+        subprocess.run([sys.executable, str(REPO / "scripts" / "build_corpus.py"),
+                        "--out", str(corpus)], check=True)
+    manifest = corpus / "manifest.json"
+    if manifest.exists():
+        built_by = json.loads(manifest.read_text()).get("python")
+        if built_by and built_by != platform.python_version():
+            print(f"warning: corpus built by Python {built_by}; the shipped model's held-out "
+                  "split came from CPython 3.11.7", file=sys.stderr)
+    eot = tok.token_to_id(EOT)
+    texts: dict[str, list[str]] = {k: [] for k in KINDS}
+    with open(corpus / "heldout.jsonl", encoding="utf-8") as fh:
+        for line in fh:
+            d = json.loads(line)
+            texts[d["kind"]].append(d["text"])
+    data.mkdir(parents=True, exist_ok=True)
+    for kind, docs in texts.items():
+        ids: list[int] = []
+        for doc in docs:
+            ids.extend(tok.encode(doc))
+            ids.append(eot)
+        np.save(data / f"heldout_{kind}.npy", np.asarray(ids, dtype=np.uint16))
+
+
+# --------------------------------------------------------------------------- perplexity, MTP
+
+
+def _log_softmax_at(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """log p(target) per row, in float64."""
+    z = logits.astype(np.float64)
+    m = z.max(-1, keepdims=True)
+    lse = m[:, 0] + np.log(np.exp(z - m).sum(-1))
+    return z[np.arange(len(targets)), targets] - lse
+
+
+def eval_window(engine: Engine, window: np.ndarray, mtp: bool) -> dict[str, float]:
+    """Sums over one (seq+1)-token window: main NLL / top-1 over seq positions; MTP NLL /
+    top-1 / agreement over seq-1 positions."""
+    model, caches = engine.model, engine.caches
+    inp, seq = window[:-1], len(window) - 1
+    caches.reset_slot(0)
+    out = model.forward(RaggedBatch.build([(0, 0, inp)]), caches, np.arange(seq))
+    logits = to_numpy(out.logits)
+    main_pred = logits.argmax(-1)  # main_pred[t] predicts window[t+1]
+    res = {"nll": float(-_log_softmax_at(logits, window[1:]).sum()),
+           "top1": float((main_pred == window[1:]).sum()), "n": seq}
+    if mtp:
+        # row t: token_{t+1} at position t with h_t; predicts window[t+2]
+        m = model.mtp_forward(RaggedBatch.build([(0, 0, inp[1:])]), out.hidden[: seq - 1],
+                              caches)
+        mlogits = to_numpy(m.logits)
+        mtp_pred = mlogits.argmax(-1)
+        res.update({"mtp_nll": float(-_log_softmax_at(mlogits, window[2:]).sum()),
+                    "mtp_top1": float((mtp_pred == window[2:]).sum()),
+                    "agree": float((mtp_pred == main_pred[1:]).sum()), "mtp_n": seq - 1})
+    return res
+
+
+def eval_kind(engine: Engine, stream: np.ndarray, seq: int, windows: int, mtp: bool,
+              kind: str) -> dict[str, Any]:
+    offs = eval_offsets(stream.size, seq, windows)
+    tot: dict[str, float] = {}
+    t0 = time.time()
+    for i, off in enumerate(offs):
+        r = eval_window(engine, stream[off: off + seq + 1], mtp)
+        for k, v in r.items():
+            tot[k] = tot.get(k, 0.0) + v
+        if (i + 1) % 16 == 0 or i + 1 == len(offs):
+            el = time.time() - t0
+            print(f"  {kind}: {i + 1}/{len(offs)} windows, CE {tot['nll'] / tot['n']:.4f}, "
+                  f"{el:.0f}s ({tot['n'] / el:.0f} tok/s)", file=sys.stderr, flush=True)
+    n = int(tot["n"])
+    ce = tot["nll"] / n
+    res: dict[str, Any] = {"windows": len(offs), "seq": seq, "tokens": n,
+                           "stream_tokens": int(stream.size), "ce": ce, "ppl": math.exp(ce),
+                           "top1": tot["top1"] / n}
+    if mtp:
+        mn = int(tot["mtp_n"])
+        res.update({"mtp_positions": mn, "mtp_ce": tot["mtp_nll"] / mn,
+                    "mtp_top1": tot["mtp_top1"] / mn, "mtp_agreement": tot["agree"] / mn})
+    res["seconds"] = round(time.time() - t0, 1)
+    return res
+
+
+# --------------------------------------------------------------------------- compile rate
+
+
+def body_of(completion: str) -> str:
+    """The generated body: everything before the first non-blank line at column 0."""
+    lines = []
+    for line in completion.split("\n"):
+        if line.strip() and not line[0].isspace():
+            break
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def transformers_rule(text: str) -> bool:
+    """``train_tiny_model.compile_rate``'s stopping criterion, verbatim."""
+    return body_of(text) != text.rstrip(" ") and "\n" in text
+
+
+def full_body_rule(text: str) -> bool:
+    """Stop once a non-blank line starts at column 0 (the body can no longer change)."""
+    return any(line.strip() and not line[0].isspace() for line in text.split("\n"))
+
+
+def compiles(prompt: str, body: str) -> bool:
+    if not body.strip():
+        return False
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compile(prompt + body + "\n", "<heldout>", "exec")
+    except (SyntaxError, ValueError):
+        return False
+    return True
+
+
+def greedy_completion(engine: Engine, tok: Tokenizer, prompt_ids: list[int], max_new: int,
+                      eos_ids: tuple[int, ...]) -> tuple[list[int], int | None]:
+    """Greedy decoding (the same steps as ``Engine.generate``) until the full-body rule, EOS
+    or ``max_new`` tokens. Returns the tokens (EOS excluded) and the number of them at which
+    the transformers rule stopped (None: it did not fire before EOS / the limit)."""
+    ids = np.asarray(prompt_ids, dtype=np.int64)
+    logits = engine.prefill(0, ids)[0]
+    out: list[int] = []
+    hf_stop: int | None = None
+    pos = len(ids)
+    while True:
+        token = sample(logits, GREEDY, pos)
+        if token in eos_ids:
+            break
+        out.append(token)
+        text = tok.decode(out)
+        if hf_stop is None and transformers_rule(text):
+            hf_stop = len(out)
+        if len(out) == max_new or full_body_rule(text):
+            break
+        logits = to_numpy(engine.forward([(0, pos, np.array([token]))]).logits)[0]
+        pos += 1
+    return out, hf_stop
+
+
+def compile_rate(engine: Engine, tok: Tokenizer, funcs: list[dict], max_new: int,
+                 eos_ids: tuple[int, ...]) -> dict[str, Any]:
+    results = []
+    t0 = time.time()
+    generated = 0
+    for i, f in enumerate(funcs):
+        gen, hf_stop = greedy_completion(engine, tok, tok.encode(f["prompt"]), max_new, eos_ids)
+        generated += len(gen)
+        body_hf = body_of(tok.decode(gen[:hf_stop], skip_special_tokens=True))
+        body_full = body_of(tok.decode(gen, skip_special_tokens=True))
+        results.append({"module": f["module"], "name": f["name"],
+                        "compiles": compiles(f["prompt"], body_hf),
+                        "compiles_full_body": compiles(f["prompt"], body_full),
+                        "tokens_transformers_rule": len(gen) if hf_stop is None else hf_stop,
+                        "tokens_full_body": len(gen), "body": body_hf, "full_body": body_full})
+        if (i + 1) % 10 == 0 or i + 1 == len(funcs):
+            ok = sum(r["compiles"] for r in results)
+            okf = sum(r["compiles_full_body"] for r in results)
+            print(f"  compile: {i + 1}/{len(funcs)}, {ok} compile (transformers rule), "
+                  f"{okf} (full body), {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+    n = len(funcs)
+    ok = sum(r["compiles"] for r in results)
+    okf = sum(r["compiles_full_body"] for r in results)
+    capped = sum(r["tokens_full_body"] == max_new for r in results)
+    return {"functions": n, "max_new_tokens": max_new, "compiles": ok, "rate": ok / max(n, 1),
+            "full_body": {"compiles": okf, "rate": okf / max(n, 1),
+                          "hit_token_limit": capped},
+            "generated_tokens": generated, "seconds": round(time.time() - t0, 1),
+            "results": results}
+
+
+# --------------------------------------------------------------------------- report
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "numpy": np.__version__, "platform": platform.platform(),
+            "backend": "numpy, float32"}
+
+
+def command_line() -> str:
+    argv = list(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
+    cwd = Path.cwd()
+    for i, a in enumerate(argv):
+        p = Path(a)
+        if p.is_absolute() and p.is_relative_to(cwd):
+            argv[i] = str(p.relative_to(cwd))
+    return shlex.join(argv)
+
+
+def comparison(res: dict[str, Any]) -> dict[str, Any]:
+    """Tandem minus transformers, per figure the model card lists."""
+    out: dict[str, Any] = {}
+    for kind, figs in res.get("heldout", {}).items():
+        ref = TRANSFORMERS_FIGURES.get(kind, {})
+        out[kind] = {k: round(figs[k] - ref[k], 4) for k in ref if k in figs}
+    if "compile_rate" in res:
+        out["compile_rate"] = {"compiles": res["compile_rate"]["compiles"]
+                               - TRANSFORMERS_FIGURES["compile_rate"]["compiles"]}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-dir", type=Path, default=REPO / "models" / "tandem-tiny")
+    ap.add_argument("--data", type=Path, default=REPO / ".corpus" / "tokens",
+                    help="held-out token streams (train_tiny_model.py prepare's output)")
+    ap.add_argument("--corpus", type=Path, default=REPO / ".corpus",
+                    help="build_corpus.py output, used only when --data lacks the streams")
+    ap.add_argument("--functions", type=Path,
+                    default=REPO / "models" / "tandem-tiny" / "eval" /
+                    "heldout_functions_100.jsonl")
+    ap.add_argument("--kinds", default="code,prose,chat",
+                    help="comma-separated held-out kinds for perplexity ('' for none)")
+    ap.add_argument("--seq", type=int, default=512, help="window length (training eval: 512)")
+    ap.add_argument("--windows", type=int, default=128, help="windows per kind (128)")
+    ap.add_argument("--max-tokens", type=int, default=0,
+                    help="cap tokens per kind (windows = max_tokens // seq), for quick tests")
+    ap.add_argument("--limit", type=int, default=0, help="only the first N functions")
+    ap.add_argument("--max-new", type=int, default=160, help="new tokens per function (160)")
+    ap.add_argument("--skip-compile", action="store_true")
+    ap.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "tandem_tiny_eval.json")
+    args = ap.parse_args(argv)
+    t_start = time.time()
+    kinds = [k for k in args.kinds.split(",") if k]
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        ap.error(f"unknown kinds {sorted(unknown)}")
+    windows = args.windows
+    if args.max_tokens:
+        windows = max(1, min(windows, args.max_tokens // args.seq))
+
+    tok = Tokenizer.from_dir(args.model_dir)
+    eos_ids = tuple(tok.eos_token_ids)
+    funcs: list[dict] = []
+    if not args.skip_compile:
+        funcs = [json.loads(x) for x in args.functions.read_text().splitlines() if x.strip()]
+        if args.limit:
+            funcs = funcs[: args.limit]
+    longest = max((len(tok.encode(f["prompt"])) for f in funcs), default=0)
+    max_len = max(args.seq + 1, longest + args.max_new + 1)
+    engine = Engine.from_dir(args.model_dir, dtype="float32", max_slots=1, max_len=max_len)
+
+    res: dict[str, Any] = {
+        "what": "tandem-tiny held-out figures measured by Tandem's NumPy backend (issue 5)",
+        "model_dir": os.path.relpath(args.model_dir, REPO),
+        "command": command_line(), "machine": machine(),
+        "protocol": {
+            "perplexity": f"{windows} evenly spaced windows of {args.seq} tokens per kind "
+                          "(train_tiny_model.eval_windows offsets), each a fresh sequence at "
+                          "position 0; CE over all positions, MTP over positions 0..seq-2",
+            "mtp_agreement": "share of positions t where argmax MTP(token_{t+1}, h_t) equals "
+                             "the main model's argmax at position t+1",
+            "compile_rate": "greedy completion of signature + docstring, at most "
+                            f"{args.max_new} new tokens, EOS {list(eos_ids)}, body cut at the "
+                            "first non-blank column-0 line, non-empty and "
+                            "compile(prompt + body + '\\n') succeeds; 'compiles' uses "
+                            "train_tiny_model.py compile-rate's stopping rule, 'full_body' "
+                            "decodes until a column-0 line, EOS or the limit",
+        },
+        "full_protocol": windows == 128 and args.seq == 512 and not args.limit
+        and args.max_new == 160,
+    }
+    if kinds:
+        ensure_streams(args.data, args.corpus, tok, kinds)
+        res["heldout"] = {}
+        for kind in kinds:
+            stream = np.load(args.data / f"heldout_{kind}.npy").astype(np.int64)
+            print(f"{kind}: {stream.size} held-out tokens", file=sys.stderr, flush=True)
+            res["heldout"][kind] = eval_kind(engine, stream, args.seq, windows, True, kind)
+    if funcs:
+        print(f"compile rate: {len(funcs)} functions", file=sys.stderr, flush=True)
+        res["compile_rate"] = compile_rate(engine, tok, funcs, args.max_new, eos_ids)
+    res["transformers"] = TRANSFORMERS_FIGURES
+    res["tandem_minus_transformers"] = comparison(res)
+    res["wall_seconds"] = round(time.time() - t_start, 1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=1) + "\n")
+    summary = {k: {kk: vv for kk, vv in v.items() if kk != "results"} if isinstance(v, dict)
+               else v for k, v in res.items() if k in ("heldout", "compile_rate",
+                                                       "tandem_minus_transformers",
+                                                       "wall_seconds")}
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
