@@ -60,6 +60,39 @@ def exp64(x: float) -> float:
 
 
 @njit(cache=True, nogil=True, fastmath=FM_EXACT)
+def _block_dots_direct(wblk, xf, rows, xo, acc):
+    """_block_dots for one or two rows: convert each weight where it is used (no staging)."""
+    tu = wblk.shape[1]
+    for j in range(rows.shape[0]):
+        a = acc[j]
+        for u in range(tu):
+            a[u] = 0.0
+        for t0 in range(0, BLOCK, GROUP):
+            xr = xf[rows[j], xo + t0:xo + t0 + GROUP]
+            x0 = xr[0]
+            x1 = xr[1]
+            x2 = xr[2]
+            x3 = xr[3]
+            x4 = xr[4]
+            x5 = xr[5]
+            x6 = xr[6]
+            x7 = xr[7]
+            w0 = wblk[t0]
+            w1 = wblk[t0 + 1]
+            w2 = wblk[t0 + 2]
+            w3 = wblk[t0 + 3]
+            w4 = wblk[t0 + 4]
+            w5 = wblk[t0 + 5]
+            w6 = wblk[t0 + 6]
+            w7 = wblk[t0 + 7]
+            for u in range(tu):
+                a[u] += ((np.float32(w0[u]) * x0 + np.float32(w1[u]) * x1)
+                         + (np.float32(w2[u]) * x2 + np.float32(w3[u]) * x3)) + (
+                    (np.float32(w4[u]) * x4 + np.float32(w5[u]) * x5)
+                    + (np.float32(w6[u]) * x6 + np.float32(w7[u]) * x7))
+
+
+@njit(cache=True, nogil=True, fastmath=FM_EXACT)
 def _block_dots(wblk, xf, rows, xo, acc, wf):
     """acc[j, :tu] = exact sum_t wblk[t, :] * xf[rows[j], xo + t] for one block (32 positions).
 
@@ -114,8 +147,12 @@ def tile_matmul(wt, st, xf, xs, rows, out, acc, wf):
         o = out[j]
         for u in range(tu):
             o[u] = 0.0
+    direct = n <= 2  # few rows: converting weights in place beats staging them as floats
     for b in range(wt.shape[0]):
-        _block_dots(wt[b], xf, rows, b * BLOCK, acc, wf)
+        if direct:
+            _block_dots_direct(wt[b], xf, rows, b * BLOCK, acc)
+        else:
+            _block_dots(wt[b], xf, rows, b * BLOCK, acc, wf)
         sb = st[b]
         for j in range(n):
             sx = xs[rows[j], b]
@@ -282,6 +319,9 @@ def moe_layer(gu_w, gu_s, down_w, down_s, xq, xd_bits, expert_ids, weights, out)
     if R > 0 and pair_of[0, 0] == -2:
         return ERR_EXPERT_ID
     P = pair_row.shape[0]
+    if P == 0:  # nothing on the CPU this layer
+        out[:R] = 0.0
+        return ERR_OK
     xf, xs = _decode_activations(xq, xd_bits, R)
     rows_of = pair_row[members]            # [P] activation row of each slot (slot = grouped order)
     slot_of_pair = np.empty(P, np.int64)   # [P] pair id -> slot

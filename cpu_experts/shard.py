@@ -79,10 +79,10 @@ def shard_bounds(intermediate: int, num_shards: int) -> list[tuple[int, int]]:
 
 
 def unit_tile(units: int) -> int:
-    """Output units per tile: the widest of 128/64/32 that divides ``units`` into >= 8 tiles
-    (wide tiles amortize loop overhead; enough tiles keep every thread busy on one expert)."""
+    """Output units per tile: the widest of 128/64/32 that divides ``units`` into >= 4 tiles
+    (wide tiles amortize loop overhead; enough tiles spread one expert over threads)."""
     for tu in (128, 64):
-        if units % tu == 0 and units // tu >= 8:
+        if units % tu == 0 and units // tu >= 4:
             return tu
     return BLOCK
 
