@@ -9,7 +9,6 @@ partials are summed here in worker order.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import select
@@ -21,9 +20,11 @@ import weakref
 import numpy as np
 
 from cpu_experts import rings, shard
+from cpu_experts.cores import default_core_groups
 from cpu_experts.kernels import ERR_EXPERT_ID, ERR_NON_FINITE, ERR_OK
 from cpu_experts.quant import BLOCK, quantize_ref, quantize_rows_into, raise_non_finite
 from cpu_experts.shard import QuantizedLayer
+from cpu_experts.worker import ERR_INTERNAL, ERR_NO_LAYER
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECK_EVERY_NS = 5_000_000
@@ -40,33 +41,6 @@ class CpuWorkerDied(RuntimeError):
 
 class CpuExpertError(RuntimeError):
     """A worker rejected a dispatch (bad expert id, unknown layer, non-finite activations...)."""
-
-
-def numa_core_groups() -> list[list[int]]:
-    """Usable cores of each NUMA node (one group if the machine reports no nodes)."""
-    usable = os.sched_getaffinity(0)
-    groups = []
-    for path in sorted(glob.glob("/sys/devices/system/node/node[0-9]*/cpulist")):
-        cores: list[int] = []
-        for part in open(path).read().strip().split(","):
-            if part:
-                lo, _, hi = part.partition("-")
-                cores.extend(range(int(lo), int(hi or lo) + 1))
-        if usable.intersection(cores):
-            groups.append(sorted(usable.intersection(cores)))
-    return groups or [sorted(usable)]
-
-
-def default_core_groups(num_workers: int | None) -> list[list[int]]:
-    """One group per NUMA node when num_workers is None or equals the node count; otherwise the
-    usable cores split into ``num_workers`` contiguous groups of near-equal size."""
-    nodes = numa_core_groups()
-    if num_workers is None or num_workers == len(nodes):
-        return nodes
-    usable = sorted(os.sched_getaffinity(0))
-    if num_workers > len(usable):  # more workers than cores: share them all
-        return [usable] * num_workers
-    return [list(chunk) for chunk in np.array_split(usable, num_workers)]
 
 
 class _Resources:
@@ -308,7 +282,9 @@ class CpuExpertPool:
         if (status != ERR_OK).any():
             code = int(status[status != ERR_OK][0])
             reason = {ERR_EXPERT_ID: "expert id out of range",
-                      ERR_NON_FINITE: "non-finite intermediate activation"}.get(code, "error")
+                      ERR_NON_FINITE: "non-finite intermediate activation",
+                      ERR_NO_LAYER: "layer missing from the worker's shard",
+                      ERR_INTERNAL: "worker bug, traceback on its stderr"}.get(code, "error")
             raise CpuExpertError(f"layer {layer}: worker status {code} ({reason})")
         self.last_kernel_ns = ring.ctrl[:, rings.KERNEL_NS].copy()
         np.copyto(out, ring.out[0, :rows])
