@@ -101,6 +101,7 @@ class CpuExpertPool:
                         for layer, ql in self.layers.items()} for w in range(self.num_workers)]
         self._seq = 0
         self.last_kernel_ns = np.zeros(self.num_workers, np.int64)
+        self.last_wake_ns = self.last_notice_ns = self.last_client_ns = 0
         self.ready_info: list[dict] = []
         try:
             self._start(spin_us, start_timeout)
@@ -270,14 +271,17 @@ class CpuExpertPool:
 
     def _run(self, layer: int, ids: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
         """One dispatch of ``out.shape[0]`` rows whose activations are already in the ring."""
+        t_enter = time.perf_counter_ns()
         ring = self.ring
         rows, k = ids.shape
         ids_v, w_v = ring.pairs(rows, k)
         ids_v[...] = ids
         w_v[...] = w
         ring.header[:4] = (rings.CMD_RUN, layer, rows, k)
+        t_ring = time.perf_counter_ns()
         self._ring_all()
         self._await(self._seq)
+        t_seen = time.perf_counter_ns()
         status = ring.ctrl[:, rings.STATUS]
         if (status != ERR_OK).any():
             code = int(status[status != ERR_OK][0])
@@ -287,9 +291,13 @@ class CpuExpertPool:
                       ERR_INTERNAL: "worker bug, traceback on its stderr"}.get(code, "error")
             raise CpuExpertError(f"layer {layer}: worker status {code} ({reason})")
         self.last_kernel_ns = ring.ctrl[:, rings.KERNEL_NS].copy()
+        # wake-up (ring -> first worker starts) and notice (last worker ends -> seen here), ns
+        self.last_wake_ns = int(ring.ctrl[:, rings.T_START].min()) - t_ring
+        self.last_notice_ns = t_seen - int(ring.ctrl[:, rings.T_END].max())
         np.copyto(out, ring.out[0, :rows])
         for wk in range(1, self.num_workers):
             out += ring.out[wk, :rows]
+        self.last_client_ns = (t_ring - t_enter) + (time.perf_counter_ns() - t_seen)
 
     def _await(self, seq: int) -> None:
         ctrl = self.ring.ctrl

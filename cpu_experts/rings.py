@@ -5,7 +5,8 @@
 sequential), so the ring has a single slot, laid out as
 
 * ``ctrl [W, 16] int64``: one 128-byte row per worker; ``SEQ_IN`` (written by the client) and
-  ``SEQ_OUT``/``STATUS``/``KERNEL_NS`` (written by the worker) sit on different cache lines.
+  ``SEQ_OUT``/``STATUS``/``KERNEL_NS``/``T_START``/``T_END`` (written by the worker; the
+  times are CLOCK_MONOTONIC ns, comparable across processes) sit on different cache lines.
 * ``header [8] int64``: command, layer, rows, top-k of the dispatch in flight.
 * inputs shared by all workers, written once per layer: ``xq [Rmax, H] int8``,
   ``xd [Rmax, H/32] uint16`` (fp16 scale bits), ``ids [Rmax*Kmax] int32``, ``w [Rmax*Kmax] f32``.
@@ -28,7 +29,7 @@ import numpy as np
 
 from cpu_experts.quant import BLOCK
 
-SEQ_IN, SEQ_OUT, STATUS, KERNEL_NS = 0, 8, 9, 10
+SEQ_IN, SEQ_OUT, STATUS, KERNEL_NS, T_START, T_END = 0, 8, 9, 10, 11, 12
 CTRL_COLS = 16
 CMD, LAYER, ROWS, TOPK = 0, 1, 2, 3
 CMD_RUN, CMD_STOP = 1, 2

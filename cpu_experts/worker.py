@@ -104,7 +104,10 @@ class ExpertWorker:
                 except Exception:  # a bug, not bad input: report it and keep serving
                     traceback.print_exc()
                     status = ERR_INTERNAL
-            ctrl[rings.KERNEL_NS] = time.perf_counter_ns() - t0
+            t1 = time.perf_counter_ns()
+            ctrl[rings.KERNEL_NS] = t1 - t0
+            ctrl[rings.T_START] = t0
+            ctrl[rings.T_END] = t1
             ctrl[rings.STATUS] = status
             ctrl[rings.SEQ_OUT] = seq
 

@@ -93,7 +93,7 @@ def measure(pool: CpuExpertPool, n_layers: int, ids_list: list[np.ndarray], I: i
     rows = ids_list[0].shape[0]
     x = np.random.default_rng(rows).standard_normal((rows, H)).astype(np.float32)
     q, d = quantize(x)
-    walls, kernels, distinct = [], [], []
+    walls, kernels, distinct, parts = [], [], [], []
     for i, ids in enumerate(ids_list):
         w = np.full(ids.shape, 1.0 / ids.shape[1], np.float32)
         t0 = time.perf_counter_ns()
@@ -102,6 +102,7 @@ def measure(pool: CpuExpertPool, n_layers: int, ids_list: list[np.ndarray], I: i
         if i >= warmup:
             walls.append(wall)
             kernels.append(int(pool.last_kernel_ns.max()))
+            parts.append((pool.last_wake_ns, pool.last_notice_ns, pool.last_client_ns))
             distinct.append(len(np.unique(ids[ids >= 0])))
     expert_bytes = 3 * I * H * (1 + 4 / 32)  # int8 weights + float32 block scales, as stored
     wall_us = float(np.median(walls)) / 1e3
@@ -111,7 +112,10 @@ def measure(pool: CpuExpertPool, n_layers: int, ids_list: list[np.ndarray], I: i
             "us_per_layer": wall_us, "kernel_us": kernel_us,
             "effective_gbps": wbytes / wall_us / 1e3 if wbytes else 0.0,
             "kernel_gbps": wbytes / kernel_us / 1e3 if wbytes else 0.0,
-            "dispatch_us": float(np.median(np.subtract(walls, kernels))) / 1e3}
+            "dispatch_us": float(np.median(np.subtract(walls, kernels))) / 1e3,
+            # where dispatch time goes: ring -> worker starts, worker ends -> seen, client work
+            **{f"{name}_us": float(np.median([p[i] for p in parts])) / 1e3
+               for i, name in enumerate(("wake", "notice", "client"))}}
 
 
 def main() -> None:
