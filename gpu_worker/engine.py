@@ -31,7 +31,8 @@ class Engine:
     @classmethod
     def from_dir(cls, path: str | Path, *, dtype: str = "float32", backend: str = "numpy",
                  exact: bool | None = None, placement: str = "gpu",
-                 cpu_experts_per_layer: int = 0, cpu_workers: int = 1, **kwargs) -> Engine:
+                 cpu_experts_per_layer: int = 0, cpu_workers: int = 1,
+                 qfuse: str | None = None, **kwargs) -> Engine:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         ckpt = load_checkpoint(path, dtype=DTYPES[dtype])
@@ -44,7 +45,7 @@ class Engine:
 
             experts = ExpertPlacement.start(model, ckpt.tensors, placement=placement,
                                             cpu_per_layer=cpu_experts_per_layer,
-                                            num_workers=cpu_workers)
+                                            num_workers=cpu_workers, qfuse=qfuse)
         return cls(model, placement=experts, **kwargs)
 
     def close(self) -> None:

@@ -14,6 +14,11 @@ from gpu_worker.model.model import Model
 from gpu_worker.model.moe import experts_local
 
 PLACEMENTS = ("gpu", "cpu", "split")
+# Where the CPU experts' activations are quantized (CuPy backend only):
+#   "fused": in the GPU kernel of the RMSNorm before the MoE block (QFUSE);
+#   "standalone": the same GPU norm kernel without quantization, then the Numba quantizer.
+# Both apply the one canonical rule, so they give the same tokens (tests/gpu).
+QFUSE_MODES = ("fused", "standalone")
 
 
 class ExpertPlacement:
@@ -25,7 +30,8 @@ class ExpertPlacement:
     @classmethod
     def start(cls, model: Model, tensors: dict[str, np.ndarray], *, placement: str,
               cpu_per_layer: int = 0, num_workers: int | None = None,
-              cores: list[list[int]] | None = None) -> ExpertPlacement:
+              cores: list[list[int]] | None = None,
+              qfuse: str | None = None) -> ExpertPlacement:
         """Quantize the CPU-resident experts and start their worker processes.
 
         ``split`` puts the last ``cpu_per_layer`` expert ids of each MoE layer on the CPU.
@@ -54,9 +60,28 @@ class ExpertPlacement:
             mlp = model.layers[i].mlp
             for k in ("gate_proj", "up_proj", "down_proj"):
                 mlp["experts." + k] = mlp["experts." + k][: E - n_cpu].copy()
-        return cls(model, on_cpu, pool)
+        placement_ = cls(model, on_cpu, pool)
+        if qfuse is None and model.xp.__name__ == "cupy" and model.ops.dtype == np.float32:
+            qfuse = "fused"
+        if qfuse is not None:
+            placement_.install_gpu_norm(qfuse)
+        return placement_
 
-    def experts(self, layer: int, x, ids, weights):
+    def install_gpu_norm(self, mode: str) -> None:
+        """Route the pre-MoE RMSNorm through the CuPy kernel, quantizing in it or not."""
+        from gpu_worker.kernels.qfuse import rmsnorm_qfuse  # noqa: PLC0415 (cupy)
+
+        if mode not in QFUSE_MODES:
+            raise ValueError(f"qfuse must be one of {', '.join(QFUSE_MODES)}, got {mode!r}")
+        fused = mode == "fused"
+
+        def moe_norm(x, w, eps, zero_centered):
+            y, q, d16 = rmsnorm_qfuse(x, w, eps, zero_centered=zero_centered, quantize=fused)
+            return y, ((q, d16) if fused else None)
+
+        self.model.moe_norm = moe_norm
+
+    def experts(self, layer: int, x, ids, weights, quant=None):
         """sum_k w * expert_k(x) per row: backend experts here, CPU experts in the pool."""
         xp, ops = self.model.xp, self.model.ops
         mask = self.on_cpu[layer]
@@ -72,7 +97,12 @@ class ExpertPlacement:
             out = experts_local(ops, p["experts.gate_proj"], p["experts.up_proj"],
                                 p["experts.down_proj"], x, gpu_ids, weights)
         if cpu.any():
-            part = self.pool.dispatch(layer, to_numpy(x), cpu_ids, to_numpy(weights))
+            if quant is not None:  # activations already quantized on the GPU (QFUSE)
+                part = self.pool.dispatch_quantized(layer, to_numpy(quant[0]),
+                                                    to_numpy(quant[1]), cpu_ids,
+                                                    to_numpy(weights))
+            else:
+                part = self.pool.dispatch(layer, to_numpy(x), cpu_ids, to_numpy(weights))
             out = out + xp.asarray(part, dtype=ops.dtype)
         return out
 

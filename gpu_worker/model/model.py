@@ -71,6 +71,9 @@ class Model:
             self.layers.append(self._make_layer(w, f"model.layers.{i}.", full,
                                                 config.is_sparse(i), full_i if full else linear_i))
             full_i, linear_i = full_i + full, linear_i + (not full)
+        # (x, w, eps, zero_centered) -> (normed, quantized or None) for the norm before each
+        # MoE block; set by ExpertPlacement to fuse the CPU experts' quantizer into it (QFUSE)
+        self.moe_norm = None
         self.mtp: dict[str, Array] | None = None
         self.mtp_layer: _Layer | None = None
         if config.num_mtp_layers and "mtp.fc.weight" in w:
@@ -114,7 +117,8 @@ class Model:
         positions = xp.asarray(batch.positions)
         cos, sin = ops.rope_tables(positions, cfg.rotary_dim, cfg.rope_theta)  # [R, rot]
         for i, layer in enumerate(self.layers):
-            fn = None if experts is None else (lambda h, ids, wts, i=i: experts(i, h, ids, wts))
+            fn = None if experts is None else (
+                lambda h, ids, wts, i=i, **kw: experts(i, h, ids, wts, **kw))
             x = self._layer(layer, x, batch, cos, sin, caches.kv, caches.states, fn)
         hidden = ops.rms_norm(x, self.final_norm, cfg.rms_norm_eps,
                               zero_centered=cfg.zero_centered_norms)  # [R, H]
@@ -132,6 +136,10 @@ class Model:
                                    layer.cache_index)
         else:
             x = x + gated_deltanet(ops, cfg, layer.attn, h, batch, states, layer.cache_index)
+        if layer.sparse and self.moe_norm is not None and experts is not None:
+            h, quant = self.moe_norm(x, layer.post_norm, eps, zc)  # [R, H], (q, scales)
+            return x + sparse_moe(ops, cfg, layer.mlp, h,
+                                  lambda h, ids, w: experts(h, ids, w, quant=quant))
         h = ops.rms_norm(x, layer.post_norm, eps, zero_centered=zc)
         if layer.sparse:
             return x + sparse_moe(ops, cfg, layer.mlp, h, experts)
