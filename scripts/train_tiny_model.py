@@ -727,31 +727,52 @@ def body_of(completion: str) -> str:
     return "\n".join(lines)
 
 
+def body_ended(text: str) -> bool:
+    """A non-blank line starts at column 0 (a dedent to module level): the body has ended."""
+    return any(line.strip() and not line[0].isspace() for line in text.split("\n"))
+
+
 def compile_rate(model_dir: Path, funcs: list[dict], max_new: int) -> dict:
-    """Greedy body completions (transformers, float32, CPU) and the share that compiles."""
+    """Greedy body completions (transformers, float32, CPU) and the share that compiles.
+
+    Decoding runs until the body has ended: a non-blank column-0 line, EOS or ``max_new``
+    tokens. The body is everything before the column-0 line; a completion that hits the limit
+    is cut: its trailing partial line is dropped and it is counted in ``cut`` (still
+    compile-checked). The same rule as ``scripts/eval_tiny_model.py`` (Tandem's NumPy engine).
+    """
     from tokenizers import Tokenizer
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     lm = Qwen3NextForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     gen = json.loads((model_dir / "generation_config.json").read_text())
+    eos = gen["eos_token_id"] if isinstance(gen["eos_token_id"], list) else [gen["eos_token_id"]]
 
     class EndOfBody(StoppingCriteria):
         def __init__(self, start: int) -> None:
             self.start = start
 
         def __call__(self, ids: torch.Tensor, scores: torch.Tensor, **kw: object) -> bool:
-            text = tok.decode(ids[0, self.start:].tolist())
-            return body_of(text) != text.rstrip(" ") and "\n" in text
+            return body_ended(tok.decode(ids[0, self.start:].tolist(), skip_special_tokens=True))
 
     ok, results = 0, []
     for f in funcs:
         ids = torch.tensor([tok.encode(f["prompt"], add_special_tokens=False).ids])
         with torch.no_grad():
             out = lm.generate(ids, max_new_tokens=max_new, do_sample=False,
-                              eos_token_id=gen["eos_token_id"], pad_token_id=gen["pad_token_id"],
+                              eos_token_id=eos, pad_token_id=gen["pad_token_id"],
                               stopping_criteria=StoppingCriteriaList([EndOfBody(ids.shape[1])]))
-        body = body_of(tok.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True))
+        new = out[0, ids.shape[1]:].tolist()
+        text = tok.decode(new, skip_special_tokens=True)
+        if new and new[-1] in eos:
+            stop = "eos"
+        elif body_ended(text):
+            stop = "dedent"
+        else:
+            stop = "limit"
+        body = body_of(text)
+        if stop == "limit":  # cut: drop the trailing partial line
+            body = body[: body.rfind("\n") + 1]
         good = bool(body.strip())
         if good:
             try:
@@ -760,8 +781,14 @@ def compile_rate(model_dir: Path, funcs: list[dict], max_new: int) -> dict:
                 good = False
         ok += good
         results.append({"module": f["module"], "name": f["name"], "compiles": good,
+                        "stop": stop, "cut": stop == "limit", "tokens": len(new),
                         "body": body})
+    cut = [r for r in results if r["cut"]]
+    ok_cut = sum(r["compiles"] for r in cut)
+    uncut = len(results) - len(cut)
     return {"functions": len(funcs), "compiles": ok, "rate": ok / max(len(funcs), 1),
+            "cut": len(cut), "cut_compiles": ok_cut, "uncut": uncut,
+            "uncut_compiles": ok - ok_cut, "uncut_rate": (ok - ok_cut) / max(uncut, 1),
             "max_new_tokens": max_new, "results": results}
 
 

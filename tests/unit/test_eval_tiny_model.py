@@ -52,17 +52,102 @@ def test_offsets_short_stream() -> None:
     assert ev.eval_offsets(1000, 512, 128).tolist() == [0]
 
 
-def test_stopping_rules() -> None:
-    # the training script's rule stops at trailing indentation of the second line
-    assert ev.transformers_rule("    x = 1\n   ")
-    assert not ev.transformers_rule("    x = 1\n")
-    assert not ev.transformers_rule("    x = 1")
-    assert not ev.full_body_rule("    x = 1\n   ")
-    assert ev.full_body_rule("    x = 1\n\ndef")
+def test_body_rules() -> None:
+    # the body ends at the first non-blank line at column 0, not at the second line's indent
+    assert not ev.body_ended("    x = 1\n   ")
+    assert not ev.body_ended("    if x:\n        y = 1\n\n    return y\n")
+    assert ev.body_ended("    x = 1\n\ndef")
     assert ev.body_of("    x = 1\n\ndef f():\n    pass") == "    x = 1\n"
+    assert ev.extract_body("    x = 1\n\ndef f():\n    pass", "dedent") == "    x = 1\n"
+    assert ev.extract_body("    x = 1\n    return x", "eos") == "    x = 1\n    return x"
+    # cut by the token limit: the trailing partial line goes, complete lines stay
+    assert ev.extract_body("    x = 1\n    return (x", "limit") == "    x = 1\n"
+    assert ev.extract_body("    x = 1\n    y = 2\n", "limit") == "    x = 1\n    y = 2\n"
+    assert ev.extract_body("    return (x", "limit") == ""
+    # the old rule fired at the indentation of the second line
+    assert ev.first_line_rule("    x = 1\n   ")
+    assert not ev.first_line_rule("    x = 1\n")
+
+
+def test_compiles() -> None:
     assert ev.compiles("def f():\n", "    return 1")
+    assert ev.compiles("def f(x):\n", "    if x:\n        return 1\n    return 2\n")
+    assert not ev.compiles("def f(x):\n", "    if x:\n")  # a block header cut off
     assert not ev.compiles("def f():\n", "    return (1")
     assert not ev.compiles("def f():\n", "  \n")
+
+
+class _FakeTok:
+    """Token i decodes to PIECES[i]; ids >= len(PIECES) are special (EOS)."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(self.pieces[i] for i in ids if i < len(self.pieces))
+
+
+class _FakeEngine:
+    """Emits a scripted token sequence greedily (one-hot logits)."""
+
+    def __init__(self, script: list[int], vocab: int) -> None:
+        self.script, self.vocab, self.step = script, vocab, 0
+        self.forwards = 0
+
+    def _row(self) -> np.ndarray:
+        row = np.zeros((1, self.vocab), dtype=np.float32)
+        row[0, self.script[self.step]] = 1.0
+        self.step += 1
+        return row
+
+    def prefill(self, slot: int, ids: np.ndarray) -> np.ndarray:
+        self.step = 0
+        return self._row()
+
+    def forward(self, parts: list) -> object:
+        self.forwards += 1
+        return type("Out", (), {"logits": self._row()})()
+
+
+PIECES = ["    ", "if x", ":", "\n", "        ", "return 1", "return 2", "def", " g", "(", "\n\n",
+          "x = ["]
+EOS = 12
+
+
+def _run(script: list[int], max_new: int = 160) -> tuple[list[int], str, str]:
+    tok, eng = _FakeTok(PIECES), _FakeEngine(script, 13)
+    out, stop, _ = ev.greedy_completion(eng, tok, [1, 2], max_new, (EOS,))  # type: ignore[arg-type]
+    return out, stop, ev.extract_body(tok.decode(out, skip_special_tokens=True), stop)
+
+
+def test_greedy_completion_stops_at_dedent() -> None:
+    # "    if x:\n        return 1\n    return 2\n\ndef g(" -> stops at "def", a 2-line
+    # indentation does not stop it (the old rule would have stopped after "\n        ")
+    script = [0, 1, 2, 3, 4, 5, 3, 0, 6, 10, 7, 8, 9, 3]
+    out, stop, body = _run(script)
+    assert stop == "dedent" and out == script[:11]
+    assert body == "    if x:\n        return 1\n    return 2\n"
+    assert ev.compiles("def f(x):\n", body)
+
+
+def test_greedy_completion_stops_at_eos() -> None:
+    script = [0, 1, 2, 3, 4, 5, EOS, 3]
+    out, stop, body = _run(script)
+    assert stop == "eos" and out == script[:6]  # EOS excluded
+    assert body == "    if x:\n        return 1"
+    assert ev.compiles("def f(x):\n", body)
+
+
+def test_greedy_completion_cut_by_limit() -> None:
+    script = [0, 1, 2, 3, 4, 5, 3, 0, 11, 0]
+    out, stop, body = _run(script, max_new=9)
+    assert stop == "limit" and out == script[:9]
+    # "    x = [" is the partial last line: dropped
+    assert body == "    if x:\n        return 1\n"
+    assert ev.compiles("def f(x):\n", body)
+    # a column-0 line exactly at the limit ends the body (not cut)
+    out, stop, body = _run([0, 5, 3, 7, 0], max_new=4)
+    assert stop == "dedent" and body == "    return 1"
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +185,10 @@ def test_greedy_completion_matches_engine_generate(engine) -> None:  # noqa: ANN
     tok = Tokenizer.from_dir(MODEL)
     eos = tuple(tok.eos_token_ids)
     prompt = tok.encode('def add(a, b):\n    """Return the sum of a and b."""\n')
-    out, hf_stop = ev.greedy_completion(engine, tok, prompt, 24, eos)
+    out, stop, old_stop = ev.greedy_completion(engine, tok, prompt, 24, eos)
     ref = engine.generate(prompt, params=SamplingParams(temperature=0), max_tokens=24,
                           eos_ids=eos)
     assert out == ref[: len(out)]
-    assert hf_stop is None or 1 <= hf_stop <= len(out)
+    assert stop in ("dedent", "eos", "limit")
+    assert (stop == "limit") == (len(out) == 24 and not ev.body_ended(tok.decode(out)))
+    assert old_stop is None or 1 <= old_stop <= len(out)
