@@ -16,6 +16,7 @@ from daemon.requests import (
 )
 from daemon.scheduler import Scheduler
 from gpu_worker.sampling import MAX_SEED, SamplingParams
+from protocol.codec import Limits
 from protocol.curve import CurveServerKeys
 from protocol.errors import ProtocolError
 from protocol.messages import (
@@ -51,7 +52,12 @@ class ZmqApi:
             keys = CurveServerKeys(server.zmq_curve_public_key.encode(), secret.encode(),
                                    frozenset(k.encode() for k in server.zmq_curve_client_keys))
         server.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.sock = AsyncDaemonToClients(server.zmq_endpoint, server_keys=keys)
+        # Bodies over max_body_bytes get a typed TOO_LARGE; parts over 4x that are dropped by
+        # libzmq before they are buffered (zmq.MAXMSGSIZE = max_part_bytes).
+        limit = server.max_body_bytes
+        limits = Limits(max_body_bytes=limit, max_frame_bytes=4 * limit,
+                        max_total_bytes=8 * limit)
+        self.sock = AsyncDaemonToClients(server.zmq_endpoint, server_keys=keys, limits=limits)
         self.address = self.sock.address
         self._streams: dict[tuple[bytes, str], asyncio.Task] = {}
 

@@ -165,15 +165,17 @@ def test_zmq_client_and_malformed_frames(server):
     ctx = zmq.Context.instance()
     raw = ctx.socket(zmq.DEALER)
     raw.connect(server.zmq_address)
-    raw.send_multipart([b"\x30", b"\xc1garbage"])  # SUBMIT kind with a broken body
-    assert raw.poll(5000)
-    frames = raw.recv_multipart()
-    raw.close(0)
     from protocol.codec import decode
     from protocol.messages import ErrorCode, ErrorReply
 
-    reply = decode(frames)
-    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.PROTOCOL
+    # a SUBMIT with a broken body, then one over the 1 MiB body limit
+    for body, needle in ((b"\xc1garbage", "MALFORMED"), (b"\x80" + b"x" * (3 << 19), "TOO_LARGE")):
+        raw.send_multipart([b"\x30", body])
+        assert raw.poll(5000)
+        reply = decode(raw.recv_multipart())
+        assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.PROTOCOL
+        assert needle in reply.message
+    raw.close(0)
     with TandemClient(server.zmq_address, timeout=30) as client:
         assert client.generate("again", max_tokens=3, temperature=0).token_ids
 
