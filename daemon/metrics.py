@@ -27,6 +27,8 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12,
                 10.24)
 ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+CPU_LAYER_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 0.0016, 0.0032, 0.0064,
+                     0.0128, 0.0256, 0.0512)
 
 
 class _PromptThroughput(Collector):
@@ -87,6 +89,15 @@ class Metrics:
                                     "Prompt tokens processed by engine steps", registry=r)
         self._step_decode = Counter(f"{p}_step_decode_tokens",
                                     "Decode rows processed by engine steps", registry=r)
+        self._experts = Gauge(f"{p}_distinct_experts_per_step",
+                              "Distinct routed experts touched by the last step, summed over "
+                              "MoE layers, by where they ran", ["device"], registry=r)
+        self._cpu_expert_time = Histogram(f"{p}_cpu_experts_seconds_per_layer",
+                                          "CPU expert wall time per MoE layer of a step",
+                                          buckets=CPU_LAYER_BUCKETS, registry=r)
+        self._cpu_expert_bytes = Counter(f"{p}_cpu_expert_weight_bytes",
+                                         "Bytes of CPU expert weights read (each distinct "
+                                         "expert once per layer per step)", registry=r)
         self._restarts = Counter(f"{p}_worker_restarts", "Child processes restarted, by component",
                                  ["component"], registry=r)
         self._throughput = _PromptThroughput()
@@ -131,6 +142,15 @@ class Metrics:
         self._rows.observe(rows)
         self._step_prompt.inc(prompt_tokens)
         self._step_decode.inc(decode_tokens)
+
+    def observe_experts(self, gpu_distinct: int, cpu_distinct: int, moe_layers: int,
+                        cpu_seconds: float, cpu_bytes: int) -> None:
+        """The hybrid figures of one step (ARCHITECTURE.md §8)."""
+        self._experts.labels(device="gpu").set(gpu_distinct)
+        self._experts.labels(device="cpu").set(cpu_distinct)
+        if moe_layers:
+            self._cpu_expert_time.observe(cpu_seconds / moe_layers)
+        self._cpu_expert_bytes.inc(cpu_bytes)
 
     def set_prompt_throughput(self, tokens_per_s: float | None) -> None:
         """None marks it stale: no recent step did prompt work, so the gauge is absent."""

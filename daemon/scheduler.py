@@ -202,6 +202,11 @@ class Scheduler:
             used = result.counters.get("kv_total_blocks", 0) - result.counters.get(
                 "kv_free_blocks", 0)
             self.metrics.set_kv_usage(used, result.counters.get("kv_total_blocks", 0))
+            c = result.counters
+            if c.get("moe_layers"):  # a step that ran MoE layers (not cache ops alone)
+                self.metrics.observe_experts(c["gpu_experts"], c["cpu_experts"], c["moe_layers"],
+                                             result.timings_ms.get("cpu_experts", 0.0) / 1e3,
+                                             c["cpu_expert_bytes"])
 
     # ---- planning pieces -----------------------------------------------------------------
     def _work_for(self, slot: int, seq: Sequence, after: list[CacheOp]) -> SlotWork:

@@ -7,6 +7,8 @@ sums come back and are added on the backend (ARCHITECTURE.md §5).
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from gpu_worker.backend import to_numpy
@@ -26,6 +28,21 @@ class ExpertPlacement:
         self.model = model
         self.on_cpu = on_cpu  # layer -> bool [E]
         self.pool = pool
+        cfg = model.cfg
+        # int8 weights plus one fp16 scale per 32 values, gate + up + down
+        self.bytes_per_expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * (1 + 2 / 32)
+        self._stats = self._zero_stats()
+
+    @staticmethod
+    def _zero_stats() -> dict:
+        return {"moe_layers": 0, "gpu_experts": 0, "cpu_experts": 0, "cpu_expert_bytes": 0,
+                "cpu_experts_ms": 0.0}
+
+    def take_stats(self) -> dict:
+        """Counters since the last call (one step): distinct experts per layer summed over
+        MoE layers, CPU expert weight bytes read, CPU expert wall time."""
+        stats, self._stats = self._stats, self._zero_stats()
+        return stats
 
     @classmethod
     def start(cls, model: Model, tensors: dict[str, np.ndarray], *, placement: str,
@@ -91,18 +108,26 @@ class ExpertPlacement:
         first_cpu = E - int(mask.sum())
         cpu_ids = np.where(cpu, ids_host - first_cpu, -1)  # ids local to the pool's layer
         out = xp.zeros_like(x)
+        n_cpu = len(np.unique(cpu_ids[cpu]))
+        st = self._stats
+        st["moe_layers"] += 1
+        st["gpu_experts"] += len(np.unique(ids_host[~cpu]))
+        st["cpu_experts"] += n_cpu
+        st["cpu_expert_bytes"] += int(n_cpu * self.bytes_per_expert)
         if (~cpu).any():
             p = self.model.layers[layer].mlp
             gpu_ids = xp.asarray(np.where(cpu, -1, ids_host))
             out = experts_local(ops, p["experts.gate_proj"], p["experts.up_proj"],
                                 p["experts.down_proj"], x, gpu_ids, weights)
         if cpu.any():
+            t0 = time.perf_counter()
             if quant is not None:  # activations already quantized on the GPU (QFUSE)
                 part = self.pool.dispatch_quantized(layer, to_numpy(quant[0]),
                                                     to_numpy(quant[1]), cpu_ids,
                                                     to_numpy(weights))
             else:
                 part = self.pool.dispatch(layer, to_numpy(x), cpu_ids, to_numpy(weights))
+            st["cpu_experts_ms"] += (time.perf_counter() - t0) * 1e3
             out = out + xp.asarray(part, dtype=ops.dtype)
         return out
 

@@ -42,13 +42,14 @@ class Entry:
 
 class Runner:
     def __init__(self, model: Model, *, max_slots: int, max_context: int, block_size: int = 16,
-                 extra_blocks: int = 0, experts=None) -> None:
+                 extra_blocks: int = 0, experts=None, expert_stats=None) -> None:
         self.model = model
         self.max_slots = max_slots
         self.max_context = max_context
         # extra_blocks: room for prefix checkpoints beyond every slot's own blocks
         self.caches = model.new_caches(max_slots, max_context, block_size, extra_blocks)
         self.experts = experts
+        self.expert_stats = expert_stats  # () -> counters of the CPU expert path, per step
         self.entries: dict[int, Entry] = {}
         self.lengths: dict[int, int] = {}  # tokens in each allocated slot's cache
 
@@ -72,6 +73,10 @@ class Runner:
                    "forward": (t2 - t1) * 1e3}
         counters = {"rows": plan.num_rows, "kv_free_blocks": self.kv.allocator.num_free,
                     "kv_total_blocks": self.kv.num_blocks}
+        if self.expert_stats is not None:
+            stats = self.expert_stats()
+            timings["cpu_experts"] = stats.pop("cpu_experts_ms")
+            counters.update(stats)
         return StepResult(step_id=plan.step_id, slots=results, timings_ms=timings,
                           counters=counters)
 

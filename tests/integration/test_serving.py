@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 
@@ -79,8 +80,16 @@ def test_four_concurrent_streams_equal_generate_alone(placement, model, tmp_path
                 return await asyncio.gather(*(chat(s, srv.url, p) for p in PROMPTS))
 
         results = run(go())
+        metrics = srv.get("/metrics")[1]
     finally:
         assert srv.stop() == 0
+    cpu_bytes = re.search(r"^tandem_cpu_expert_weight_bytes_total (\S+)$", metrics, re.M)
+    if placement == "gpu":
+        assert cpu_bytes is None or float(cpu_bytes.group(1)) == 0
+    else:  # the hybrid figures are reported
+        assert float(cpu_bytes.group(1)) > 0
+        assert re.search(r'^tandem_distinct_experts_per_step\{device="cpu"\} [1-9]', metrics,
+                         re.M)
     for prompt, (text, finish, usage) in zip(PROMPTS, results, strict=True):
         alone = generate_alone(model, prompt, 24, experts=experts)
         assert text == alone["text"], prompt
