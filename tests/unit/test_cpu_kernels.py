@@ -106,6 +106,24 @@ def test_wide_tiles_equal_reference_bitwise() -> None:
     assert got.tobytes() == reference.moe_reference([ql.shard(0, i)], xq, xs, ids, w).tobytes()
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 13, 16, 21])
+def test_row_counts_equal_reference_bitwise(rows: int) -> None:
+    """Every row-count path of the tile products (the 1-2 row direct path, the staged path,
+    odd counts) on one expert holding every row, and on a mix of experts."""
+    rng = np.random.default_rng(40 + rows)
+    e, i, h = 3, 96, 320  # unit tiles of 32 (gate/up) and 64 (down)
+    assert (shard.unit_tile(i), shard.unit_tile(h)) == (32, 64)
+    ql = shard.quantize_layer(*(rng.standard_normal(s).astype(np.float32) * 0.03
+                                for s in ((e, i, h), (e, i, h), (e, h, i))))
+    x = rng.standard_normal((rows, h)).astype(np.float32)
+    xq, xs = quantize(x)
+    for ids in (np.zeros((rows, 1), np.int64), rng.integers(-1, e, (rows, 3))):
+        w = rng.random(ids.shape).astype(np.float32)
+        got = run_shards(ql, 1, xq, xs, ids, w)
+        want = reference.moe_reference([ql.shard(0, i)], xq, xs, ids, w)
+        assert got.tobytes() == want.tobytes()
+
+
 def test_close_to_unquantized_float_expert(layer) -> None:
     (gate, up, down), ql = layer
     rng = np.random.default_rng(3)
