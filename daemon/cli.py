@@ -38,7 +38,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", choices=("gpu", "cpu", "split"), default="gpu",
                    help="where routed experts run: the backend, CPU workers, or split")
     p.add_argument("--cpu-experts-per-layer", type=int, default=0)
-    p.add_argument("--cpu-workers", type=int, default=1)
+    p.add_argument("--cpu-workers", type=int, default=0, help="0: one per NUMA node")
 
 
 def build_parser() -> argparse.ArgumentParser:

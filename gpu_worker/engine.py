@@ -18,6 +18,28 @@ from gpu_worker.sampling import SamplingParams, sample
 DTYPES = {"float32": np.float32, "float64": np.float64}
 
 
+def load_model(path: str | Path, *, dtype: str = "float32", backend: str = "numpy",
+               exact: bool | None = None, placement: str = "gpu",
+               cpu_experts_per_layer: int = 0, cpu_workers: int = 0,
+               cpu_cores: list[list[int]] | None = None, qfuse: str | None = None):
+    """The model on its backend plus, unless ``placement`` is "gpu", the started CPU expert
+    workers (an ExpertPlacement, to be closed by the caller). ``exact`` defaults to float64."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    ckpt = load_checkpoint(path, dtype=DTYPES[dtype])
+    exact = (dtype == "float64") if exact is None else exact
+    model = Model(ckpt.config, ckpt.tensors, xp=get_xp(backend), dtype=DTYPES[dtype],
+                  exact=exact)
+    experts = None
+    if placement != "gpu":
+        from gpu_worker.moe_dispatch import ExpertPlacement  # noqa: PLC0415 (numba)
+
+        experts = ExpertPlacement.start(model, ckpt.tensors, placement=placement,
+                                        cpu_per_layer=cpu_experts_per_layer,
+                                        num_workers=cpu_workers, cores=cpu_cores, qfuse=qfuse)
+    return model, experts
+
+
 class Engine:
     def __init__(self, model: Model, *, max_slots: int = 4, max_len: int = 4096,
                  block_size: int = 16, prefill_chunk: int = 512, placement=None) -> None:
@@ -31,21 +53,12 @@ class Engine:
     @classmethod
     def from_dir(cls, path: str | Path, *, dtype: str = "float32", backend: str = "numpy",
                  exact: bool | None = None, placement: str = "gpu",
-                 cpu_experts_per_layer: int = 0, cpu_workers: int = 1,
+                 cpu_experts_per_layer: int = 0, cpu_workers: int = 0,
                  qfuse: str | None = None, **kwargs) -> Engine:
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        ckpt = load_checkpoint(path, dtype=DTYPES[dtype])
-        exact = (dtype == "float64") if exact is None else exact
-        model = Model(ckpt.config, ckpt.tensors, xp=get_xp(backend), dtype=DTYPES[dtype],
-                      exact=exact)
-        experts = None
-        if placement != "gpu":
-            from gpu_worker.moe_dispatch import ExpertPlacement  # noqa: PLC0415
-
-            experts = ExpertPlacement.start(model, ckpt.tensors, placement=placement,
-                                            cpu_per_layer=cpu_experts_per_layer,
-                                            num_workers=cpu_workers, qfuse=qfuse)
+        model, experts = load_model(path, dtype=dtype, backend=backend, exact=exact,
+                                    placement=placement,
+                                    cpu_experts_per_layer=cpu_experts_per_layer,
+                                    cpu_workers=cpu_workers, qfuse=qfuse)
         return cls(model, placement=experts, **kwargs)
 
     def close(self) -> None:

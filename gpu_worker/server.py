@@ -17,11 +17,8 @@ import signal
 import sys
 import traceback
 
-import numpy as np
-
-from gpu_worker.backend import get_xp
-from gpu_worker.loader import CheckpointError, load_checkpoint, load_generation_config
-from gpu_worker.model.model import Model
+from gpu_worker.engine import DTYPES, load_model
+from gpu_worker.loader import CheckpointError, load_generation_config
 from gpu_worker.runner import PlanError, Runner
 from protocol.errors import ProtocolError
 from protocol.messages import (
@@ -37,8 +34,6 @@ from protocol.messages import (
     WorkerErrorCode,
 )
 from protocol.sockets import WorkerToDaemon
-
-DTYPES = {"float32": np.float32, "float64": np.float64}
 
 
 def _die_with_parent() -> None:
@@ -59,17 +54,12 @@ def _log(event: str, **fields) -> None:
 
 
 def build_runner(args: argparse.Namespace):
-    ckpt = load_checkpoint(args.model, dtype=DTYPES[args.dtype])
-    model = Model(ckpt.config, ckpt.tensors, xp=get_xp(args.backend), dtype=DTYPES[args.dtype],
-                  exact=args.dtype == "float64")
-    pool = None
-    if args.placement != "gpu":
-        from gpu_worker.moe_dispatch import ExpertPlacement  # noqa: PLC0415
-
-        pool = ExpertPlacement.start(model, ckpt.tensors, placement=args.placement,
-                                     cpu_per_layer=args.cpu_experts_per_layer,
-                                     num_workers=args.cpu_workers,
-                                     cores=parse_core_groups(args.cpu_cores))
+    model, pool = load_model(args.model, dtype=args.dtype, backend=args.backend,
+                             placement=args.placement,
+                             cpu_experts_per_layer=args.cpu_experts_per_layer,
+                             cpu_workers=args.cpu_workers,
+                             cpu_cores=parse_core_groups(args.cpu_cores))
+    if pool is not None:
         for info in pool.pool.ready_info:  # one line per CPU expert worker, what it holds
             _log("cpu expert worker ready", placement=args.placement, **info,
                  cpu_experts_per_layer=int(next(iter(pool.on_cpu.values())).sum()))
@@ -81,7 +71,7 @@ def build_runner(args: argparse.Namespace):
     capacity = (args.max_slots * blocks_per_slot + args.extra_blocks) * args.block_size
     eos = load_generation_config(args.model).get("eos_token_ids", [])
     info = ModelInfo(name=args.name or os.path.basename(os.path.normpath(args.model)),
-                     vocab_size=ckpt.config.vocab_size, max_slots=args.max_slots,
+                     vocab_size=model.cfg.vocab_size, max_slots=args.max_slots,
                      kv_capacity_tokens=capacity, max_seq_len=args.max_context,
                      eos_token_ids=list(eos))
     return runner, pool, info
