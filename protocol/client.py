@@ -10,6 +10,7 @@ A client object is not thread-safe: use it from one thread (or one event loop).
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import os
@@ -79,7 +80,7 @@ def build_submit(prompt: str | None = None, *, prompt_ids: Sequence[int] | None 
         priority=priority, include_usage=include_usage)
 
 
-class _Core:
+class _Core(abc.ABC):
     """Routing shared by both clients: events and errors by request id, replies by query id."""
 
     def __init__(self, address: str | None, run_dir: str | os.PathLike | None):
@@ -88,14 +89,17 @@ class _Core:
         self.address = address or client_address(run_dir)
         self._fresh: set[str] = set()  # submitted, no event yet
 
+    @abc.abstractmethod
     def _deliver(self, request_id: str, item: TokenEvent | TandemError) -> None:
-        raise NotImplementedError
+        """Hand an event or error to the waiter of ``request_id``."""
 
+    @abc.abstractmethod
     def _deliver_status(self, query_id: str, item: StatusReply | TandemError) -> None:
-        raise NotImplementedError
+        """Hand a status reply or error to the waiter of ``query_id``."""
 
+    @abc.abstractmethod
     def _open_ids(self) -> tuple[list[str], list[str]]:
-        raise NotImplementedError
+        """(request ids, query ids) still waiting for an answer."""
 
     def _route(self, msg: Message) -> None:
         if isinstance(msg, TokenEvent):
