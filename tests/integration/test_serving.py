@@ -100,8 +100,11 @@ def test_four_concurrent_streams_equal_generate_alone(placement, model, tmp_path
 def test_cancel_one_of_four_leaves_the_others_unchanged(server, model):
     async def go():
         async with aiohttp.ClientSession() as s:
-            tasks = [asyncio.create_task(chat(s, server.url, p, max_tokens=40)) for p in PROMPTS]
-            await asyncio.sleep(0.3)
+            tasks = [asyncio.create_task(chat(s, server.url, p, max_tokens=60)) for p in PROMPTS]
+            deadline = time.monotonic() + 30
+            while not all(slot["generated"] >= 2 for slot in server.get("/v1/slots")[1]["slots"]):
+                assert time.monotonic() < deadline, "the four streams never all generated"
+                await asyncio.sleep(0.01)  # all four are generating
             tasks[1].cancel()  # closes the connection mid-stream: the server cancels
             done = await asyncio.gather(*tasks, return_exceptions=True)
             return done
@@ -109,7 +112,7 @@ def test_cancel_one_of_four_leaves_the_others_unchanged(server, model):
     done = run(go())
     assert isinstance(done[1], asyncio.CancelledError)
     for i in (0, 2, 3):
-        assert done[i][0] == generate_alone(model, PROMPTS[i], 40)["text"]
+        assert done[i][0] == generate_alone(model, PROMPTS[i], 60)["text"]
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         slots = server.get("/v1/slots")[1]["slots"]
