@@ -105,10 +105,10 @@ def load_generation_config(path: str | Path) -> dict[str, Any]:
     config.json's.
     """
     root = Path(path)
-    gen = _read_json_object(root / "generation_config.json", required=False)
+    gen = read_json_object(root / "generation_config.json", required=False)
     eos = gen.get("eos_token_id")
     if eos is None:
-        eos = _read_json_object(root / "config.json", required=False).get("eos_token_id")
+        eos = read_json_object(root / "config.json", required=False).get("eos_token_id")
     ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
     if not isinstance(ids, list) or not all(
             isinstance(i, int) and not isinstance(i, bool) for i in ids):
@@ -118,17 +118,19 @@ def load_generation_config(path: str | Path) -> dict[str, Any]:
 
 
 # ---- files ---------------------------------------------------------------------------------
-def _read_json_object(file: Path, *, required: bool) -> dict[str, Any]:
+def read_json_object(file: Path, *, required: bool = False,
+                     error: type[Exception] = CheckpointError) -> dict[str, Any]:
+    """A JSON object file ({} when absent and not required); problems raise ``error``."""
     if not file.is_file():
         if required:
-            raise CheckpointError(f"{file}: missing")
+            raise error(f"{file}: missing")
         return {}
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{file}: cannot parse JSON: {exc}") from None
+        raise error(f"{file}: cannot parse JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise CheckpointError(f"{file}: expected a JSON object")
+        raise error(f"{file}: expected a JSON object")
     return data
 
 
@@ -156,7 +158,7 @@ def _open_files(root: Path) -> list[SafetensorsFile]:
 
 
 def _index_files(root: Path, index_file: Path) -> list[str]:
-    index = _read_json_object(index_file, required=True)
+    index = read_json_object(index_file, required=True)
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index_file}: bad index: 'weight_map' must be a non-empty object")

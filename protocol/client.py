@@ -83,10 +83,17 @@ def build_submit(prompt: str | None = None, *, prompt_ids: Sequence[int] | None 
 class _Core(abc.ABC):
     """Routing shared by both clients: events and errors by request id, replies by query id."""
 
-    def __init__(self, address: str | None, run_dir: str | os.PathLike | None):
+    _socket_cls: type  # ClientToDaemon or AsyncClientToDaemon
+
+    def __init__(self, address: str | None = None, *, run_dir: str | os.PathLike | None = None,
+                 timeout: float = DEFAULT_TIMEOUT_S, client_keys: CurveClientKeys | None = None,
+                 limits: Limits = DEFAULT_LIMITS, context: Any = None):
         if (address is None) == (run_dir is None):
             raise ValueError("give exactly one of address, run_dir")
         self.address = address or client_address(run_dir)
+        self.timeout = timeout
+        self._conn = self._socket_cls(self.address, client_keys=client_keys, limits=limits,
+                                      context=context)
         self._fresh: set[str] = set()  # submitted, no event yet
 
     @abc.abstractmethod
@@ -130,13 +137,10 @@ def _garbled(exc: ProtocolError) -> TandemError:
 class TandemClient(_Core):
     """Blocking client. `timeout` bounds every wait for the daemon (seconds between events)."""
 
-    def __init__(self, address: str | None = None, *, run_dir: str | os.PathLike | None = None,
-                 timeout: float = DEFAULT_TIMEOUT_S, client_keys: CurveClientKeys | None = None,
-                 limits: Limits = DEFAULT_LIMITS, context: Any = None):
-        super().__init__(address, run_dir)
-        self.timeout = timeout
-        self._conn = ClientToDaemon(self.address, client_keys=client_keys, limits=limits,
-                                    context=context)
+    _socket_cls = ClientToDaemon
+
+    def __init__(self, address: str | None = None, **kwargs: Any):
+        super().__init__(address, **kwargs)
         self._inbox: dict[str, deque[TokenEvent | TandemError]] = {}
         self._replies: dict[str, StatusReply | TandemError | None] = {}
 
@@ -245,13 +249,10 @@ class TandemClient(_Core):
 class AsyncTandemClient(_Core):
     """asyncio client; a background task reads the socket and routes events to waiters."""
 
-    def __init__(self, address: str | None = None, *, run_dir: str | os.PathLike | None = None,
-                 timeout: float = DEFAULT_TIMEOUT_S, client_keys: CurveClientKeys | None = None,
-                 limits: Limits = DEFAULT_LIMITS, context: Any = None):
-        super().__init__(address, run_dir)
-        self.timeout = timeout
-        self._conn = AsyncClientToDaemon(self.address, client_keys=client_keys, limits=limits,
-                                         context=context)
+    _socket_cls = AsyncClientToDaemon
+
+    def __init__(self, address: str | None = None, **kwargs: Any):
+        super().__init__(address, **kwargs)
         self._queues: dict[str, asyncio.Queue[TokenEvent | TandemError]] = {}
         self._replies: dict[str, asyncio.Future[StatusReply]] = {}
         self._reader: asyncio.Task | None = None
