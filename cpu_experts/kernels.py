@@ -1,25 +1,36 @@
 """Numba kernels of one MoE layer on one worker's shard (the math of reference.py, bit for bit).
 
-``moe_layer`` groups the (row, expert) pairs by expert, then runs parallel loops over
-(expert, matrix, unit tile) work items -- so threads stay busy whether one expert has 16 rows
-or 16 experts have one row each -- for gate/up (tiles.py), SiLU * up with the re-quantization
-of h, down, and the per-row weighted sum in slot order.
+``moe_layer`` groups the (row, expert) pairs by expert, then runs three parallel loops:
+
+1. gate/up: items = (expert, matrix, 16-unit micro-tile); each item streams its weights once,
+   block by block, and applies every block to all of the expert's rows (tiles.py), so 16 rows
+   cost little more DRAM traffic than one, and threads stay busy whether one expert has 16
+   rows or 16 experts have one row each;
+2. SiLU * up and the re-quantization of h, per (row, expert) pair;
+3. down and the per-row weighted sum: items = 16-unit micro-tiles of H; each item runs down
+   for every expert, then sums the row's experts in slot order for its 16 outputs.
+
+The instruction set (isa.py) is a compile-time literal: ``moe_layer`` is compiled once per
+instruction set; :func:`layer_kernel` returns the entry point for one.
 """
 
 from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 from numba import njit, prange
 
+from cpu_experts.isa import ISA_AVX2, ISA_AVX512VNNI, ISA_PORTABLE
 from cpu_experts.quant import BLOCK, quantize_block
 from cpu_experts.reference import EXP_COEF, EXP_MAX, EXP_MIN, INV_LN2, LN2_HI, LN2_LO
-from cpu_experts.tiles import GROUP, tile_matmul
+from cpu_experts.tiles import TILE_BYTES, TU, block_prologue, row_block
 
 ERR_OK = 0
 ERR_EXPERT_ID = 1
 ERR_NON_FINITE = 2
+PREFETCH_AHEAD = 4 * TILE_BYTES  # bytes ahead of the block being read (default)
 
 
 @njit(cache=True, nogil=True)
@@ -103,39 +114,42 @@ def group_pairs(expert_ids, num_experts):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _matmul_stage(w, s, xf, xs, active, offsets, rows_of, out):
-    """out[m, slot, units] for every matrix m: items = (active expert, matrix, unit tile).
+def _gate_up_stage(isa, w, s, xk, xs, active, offsets, rows_of, out, ahead):
+    """out[m, slot, :] = matrix m of each slot's expert applied to its activation row.
 
-    w [E, M, tiles, nb, 32, tu] int8, s [E, M, tiles, nb, tu] f32, out [M, P, tiles * tu];
-    slot j of active expert a is row ``offsets[a] + j`` of out[m] and reads activation row
-    ``rows_of[offsets[a] + j]`` of xf/xs.
+    w [E, M, T, nb, 512] int8, s [E, M, T, nb, 16] f32 (shard.py); xk [R, n] int8 (tiles.py
+    form), xs [R, nb] f32; slots ``offsets[a]:offsets[a+1]`` belong to expert ``active[a]`` and
+    read activation row ``rows_of[slot]``; out [M, P, T * 16] f32.
     """
-    n_mats = w.shape[1]
-    tiles = w.shape[2]
-    tu = w.shape[5]
-    n_items = active.shape[0] * n_mats * tiles
-    for it in prange(n_items):
-        a = it // (n_mats * tiles)
-        m = (it // tiles) % n_mats
-        tile = it % tiles
-        e = active[a]
-        rows = rows_of[offsets[a]:offsets[a + 1]]
-        n = rows.shape[0]
-        res = np.empty((n, tu), np.float32)
-        acc = np.empty((n, tu), np.float32)
-        wf = np.empty((GROUP, tu), np.float32)
-        tile_matmul(w[e, m, tile], s[e, m, tile], xf, xs, rows, res, acc, wf)
-        dst = out[m]
-        for j in range(n):
-            dst[offsets[a] + j, tile * tu:(tile + 1) * tu] = res[j]
+    numba.literally(isa)
+    M, T, nb = w.shape[1], w.shape[2], w.shape[3]
+    n = xk.shape[1]
+    P = out.shape[1]
+    units = T * TU
+    wf, sf = w.reshape(w.size), s.reshape(s.size)
+    xf, of = xk.reshape(xk.size), out.reshape(out.size)
+    for it in prange(active.shape[0] * M * T):
+        a = it // (M * T)
+        m = (it // T) % M
+        t = it % T
+        lo, hi = offsets[a], offsets[a + 1]
+        base = ((active[a] * M + m) * T + t) * nb
+        ws = np.empty(TU, np.int32)
+        for j in range(lo, hi):
+            of[(m * P + j) * units + t * TU:(m * P + j) * units + (t + 1) * TU] = 0.0
+        for b in range(nb):
+            blk = base + b
+            block_prologue(isa, wf, blk * TILE_BYTES, ws, ahead)
+            for j in range(lo, hi):
+                r = rows_of[j]
+                row_block(isa, wf, blk * TILE_BYTES, sf, blk * TU, xf, r * n + b * BLOCK,
+                          xs[r, b], of, (m * P + j) * units + t * TU, ws)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _act_stage(g, u, hf, hs) -> bool:
-    """h = float32(silu64(g)) * u, re-quantized per block of 32.
-
-    hf [P, Is] receives the int8 values as float32, hs [P, Is/32] the scale values.
-    """
+def _act_stage(g, u, flip, hk, hs) -> bool:
+    """h = float32(silu64(g)) * u, re-quantized per block of 32 into hk (int8, tiles.py form:
+    ``^ 0x80`` when ``flip``) and hs [P, Is/32] (scale values as float32)."""
     P, Is = g.shape
     nb = Is // BLOCK
     ok = np.ones(P, np.bool_)
@@ -144,63 +158,91 @@ def _act_stage(g, u, hf, hs) -> bool:
         q = np.empty(Is, np.int8)
         for i in range(Is):
             gv = np.float64(g[p, i])
-            s = np.float32(gv / (1.0 + exp64(-gv)))
-            h[i] = s * u[p, i]
+            sg = np.float32(gv / (1.0 + exp64(-gv)))
+            h[i] = sg * u[p, i]
         for b in range(nb):
             sc, fine = quantize_block(h, q, b * BLOCK)
             if not fine:
                 ok[p] = False
             hs[p, b] = np.float32(sc)
         for i in range(Is):
-            hf[p, i] = np.float32(q[i])
+            hk[p, i] = q[i] ^ np.int8(-128) if flip else q[i]
     return ok.all()
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _combine_stage(pair_of, slot_of_pair, weights, y, out):
-    """out[r] = 0; out[r] += w[r, k] * y[pair(r, k)] for k in increasing order."""
+def _down_combine_stage(isa, w, s, hk, hs, active, offsets, pair_of, slot_of_pair, weights,
+                        y, out, ahead):
+    """y[slot] = down of the slot's expert (hk/hs rows in slot order), then per row
+    ``out[r] = 0; out[r] += weights[r, k] * y[pair(r, k)]`` for k in increasing order.
+
+    Items are the 16-unit micro-tiles of H: each computes its 16 outputs for every expert and
+    every row. w [E, 1, T, nb, 512], s [E, 1, T, nb, 16]; y [P, H] scratch; out [R, H].
+    """
+    numba.literally(isa)
+    T, nb = w.shape[2], w.shape[3]
+    Is = hk.shape[1]
+    H = T * TU
     R, K = pair_of.shape
-    H = y.shape[1]
-    for r in prange(R):
-        o = out[r]
-        for i in range(H):
-            o[i] = 0.0
-        for k in range(K):
-            p = pair_of[r, k]
-            if p >= 0:
-                wk = np.float32(weights[r, k])
-                yr = y[slot_of_pair[p]]
-                for i in range(H):
-                    o[i] += wk * yr[i]
+    wf, sf, hf, yf = w.reshape(w.size), s.reshape(s.size), hk.reshape(hk.size), y.reshape(y.size)
+    for t in prange(T):
+        ws = np.empty(TU, np.int32)
+        c0 = t * TU
+        for a in range(active.shape[0]):
+            lo, hi = offsets[a], offsets[a + 1]
+            base = (active[a] * T + t) * nb
+            for j in range(lo, hi):
+                yf[j * H + c0:j * H + c0 + TU] = 0.0
+            for b in range(nb):
+                blk = base + b
+                block_prologue(isa, wf, blk * TILE_BYTES, ws, ahead)
+                for j in range(lo, hi):
+                    row_block(isa, wf, blk * TILE_BYTES, sf, blk * TU, hf, j * Is + b * BLOCK,
+                              hs[j, b], yf, j * H + c0, ws)
+        for r in range(R):
+            o = out[r]
+            for i in range(c0, c0 + TU):
+                o[i] = 0.0
+            for k in range(K):
+                p = pair_of[r, k]
+                if p >= 0:
+                    wk = np.float32(weights[r, k])
+                    yr = y[slot_of_pair[p]]
+                    for i in range(c0, c0 + TU):
+                        o[i] += wk * yr[i]
 
 
 @njit(cache=True, nogil=True)
-def _decode_activations(xq, xd_bits, rows):
-    """int8 activations, fp16-bit scales -> float32 values (exact) for the first ``rows`` rows."""
+def _decode_activations(xq, xd_bits, rows, flip):
+    """The first ``rows`` rows: int8 activations in tiles.py form, fp16-bit scales -> float32."""
     H = xq.shape[1]
     nb = H // BLOCK
-    xf = np.empty((rows, H), np.float32)
+    xk = np.empty((rows, H), np.int8)
     xs = np.empty((rows, nb), np.float32)
     for r in range(rows):
         for i in range(H):
-            xf[r, i] = np.float32(xq[r, i])
+            xk[r, i] = xq[r, i] ^ np.int8(-128) if flip else xq[r, i]
         for b in range(nb):
             xs[r, b] = f16_value(xd_bits[r, b])
-    return xf, xs
+    return xk, xs
 
 
 @njit(cache=True, nogil=True)
-def moe_layer(gu_w, gu_s, down_w, down_s, xq, xd_bits, expert_ids, weights, out) -> int:
+def moe_layer(isa, gu_w, gu_s, down_w, down_s, xq, xd_bits, expert_ids, weights, out,
+              ahead) -> int:
     """One MoE layer on one shard for ``R = expert_ids.shape[0]`` rows; writes ``out[:R]``.
 
-    gu_w/gu_s: gate and up tiled together ([E, 2, ...], shard.py); down_w/down_s: [E, 1, ...].
-    xq [>=R, H] int8, xd_bits [>=R, H/32] uint16 (fp16 bits), expert_ids [R, K] (-1 = skip),
-    weights [R, K] float32, out [>=R, H] float32. Returns an ERR_* code.
+    isa: a literal ISA_* (isa.py). gu_w/gu_s: gate and up tiled together ([E, 2, ...],
+    shard.py); down_w/down_s: [E, 1, ...]. xq [>=R, H] int8, xd_bits [>=R, H/32] uint16
+    (fp16 bits), expert_ids [R, K] (-1 = skip), weights [R, K] float32, out [>=R, H] float32,
+    ahead: prefetch distance in bytes. Returns an ERR_* code.
     """
+    numba.literally(isa)
     R = expert_ids.shape[0]
     E = gu_w.shape[0]
-    Is = gu_w.shape[2] * gu_w.shape[5]
+    Is = gu_w.shape[2] * TU
     H = xq.shape[1]
+    flip = isa == ISA_AVX512VNNI
     pair_of, pair_row, active, offsets, members = group_pairs(expert_ids, E)
     if R > 0 and pair_of[0, 0] == -2:
         return ERR_EXPERT_ID
@@ -208,20 +250,49 @@ def moe_layer(gu_w, gu_s, down_w, down_s, xq, xd_bits, expert_ids, weights, out)
     if P == 0:  # nothing on the CPU this layer
         out[:R] = 0.0
         return ERR_OK
-    xf, xs = _decode_activations(xq, xd_bits, R)
+    xk, xs = _decode_activations(xq, xd_bits, R, flip)
     rows_of = pair_row[members]            # [P] activation row of each slot (slot = grouped order)
     slot_of_pair = np.empty(P, np.int64)   # [P] pair id -> slot
     for s in range(P):
         slot_of_pair[members[s]] = s
     gu = np.empty((2, P, Is), np.float32)
-    _matmul_stage(gu_w, gu_s, xf, xs, active, offsets, rows_of, gu)
-    hf = np.empty((P, Is), np.float32)
+    _gate_up_stage(isa, gu_w, gu_s, xk, xs, active, offsets, rows_of, gu, ahead)
+    hk = np.empty((P, Is), np.int8)
     hs = np.empty((P, Is // BLOCK), np.float32)
-    if not _act_stage(gu[0], gu[1], hf, hs):
+    if not _act_stage(gu[0], gu[1], flip, hk, hs):
         return ERR_NON_FINITE
-    y = np.empty((1, P, H), np.float32)
-    slots = np.arange(P)  # hf/hs rows are already in slot order
-    _matmul_stage(down_w, down_s, hf, hs, active, offsets, slots, y)
-    _combine_stage(pair_of, slot_of_pair, weights, y[0], out[:R])
+    y = np.empty((P, H), np.float32)
+    _down_combine_stage(isa, down_w, down_s, hk, hs, active, offsets, pair_of, slot_of_pair,
+                        weights, y, out[:R], ahead)
     return ERR_OK
 
+
+@njit(cache=True, nogil=True)
+def _moe_layer_portable(gu_w, gu_s, down_w, down_s, xq, xd_bits, expert_ids, weights, out,
+                        ahead) -> int:
+    return moe_layer(ISA_PORTABLE, gu_w, gu_s, down_w, down_s, xq, xd_bits, expert_ids,
+                     weights, out, ahead)
+
+
+@njit(cache=True, nogil=True)
+def _moe_layer_avx2(gu_w, gu_s, down_w, down_s, xq, xd_bits, expert_ids, weights, out,
+                    ahead) -> int:
+    return moe_layer(ISA_AVX2, gu_w, gu_s, down_w, down_s, xq, xd_bits, expert_ids, weights,
+                     out, ahead)
+
+
+@njit(cache=True, nogil=True)
+def _moe_layer_avx512vnni(gu_w, gu_s, down_w, down_s, xq, xd_bits, expert_ids, weights, out,
+                          ahead) -> int:
+    return moe_layer(ISA_AVX512VNNI, gu_w, gu_s, down_w, down_s, xq, xd_bits, expert_ids,
+                     weights, out, ahead)
+
+
+_ENTRIES = {ISA_PORTABLE: _moe_layer_portable, ISA_AVX2: _moe_layer_avx2,
+            ISA_AVX512VNNI: _moe_layer_avx512vnni}
+
+
+def layer_kernel(isa: int):
+    """``moe_layer`` compiled for one instruction set, called without the ``isa`` argument:
+    ``layer_kernel(isa)(gu_w, gu_s, down_w, down_s, xq, xd_bits, ids, weights, out, ahead)``."""
+    return _ENTRIES[isa]

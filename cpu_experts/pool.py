@@ -19,6 +19,7 @@ import weakref
 
 import numpy as np
 
+from cpu_experts import isa as cpu_isa
 from cpu_experts import rings, shard
 from cpu_experts.cores import default_core_groups
 from cpu_experts.kernels import ERR_EXPERT_ID, ERR_NON_FINITE, ERR_OK
@@ -74,11 +75,19 @@ class CpuExpertPool:
     ``cores``: one core list per worker (None: :func:`default_core_groups`). ``qfuse``: quantize
     activations with the Numba canonical quantizer straight into the ring (True) or with the
     standalone NumPy reference (False); both are byte-identical, so results are too.
+    ``isa``: the kernels' instruction set (cpu_experts/isa.py: ``portable``, ``avx2``,
+    ``avx512vnni``; None: ``$TANDEM_CPU_ISA`` or the best this CPU has); every choice gives the
+    same bits. ``prefetch_bytes``: how far ahead the kernels prefetch weights (None: default).
     """
 
     def __init__(self, layers: dict, *, num_workers: int | None = None,
                  cores: list[list[int]] | None = None, qfuse: bool = True, max_rows: int = 256,
-                 max_k: int = 16, spin_us: float = 2000.0, start_timeout: float = 600.0) -> None:
+                 max_k: int = 16, spin_us: float = 2000.0, start_timeout: float = 600.0,
+                 isa: str | None = None, prefetch_bytes: int | None = None) -> None:
+        self.isa = cpu_isa.NAMES[cpu_isa.select(isa)]  # a ValueError here, before any process
+        if prefetch_bytes is not None and not 0 <= prefetch_bytes <= 1 << 20:
+            raise ValueError(f"prefetch_bytes={prefetch_bytes}: want 0..1 MiB")
+        self.prefetch_bytes = prefetch_bytes
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.release)
         self.layers: dict[int, QuantizedLayer] = {
@@ -129,7 +138,9 @@ class CpuExpertPool:
                           "ring_path": ring_file.path, "weights_path": wfile.path,
                           "manifest": manifest, "num_workers": W, "max_rows": self.max_rows,
                           "hidden": self.hidden, "max_k": self.max_k,
-                          "doorbell_fd": bell.fd, "spin_us": spin_us})
+                          "doorbell_fd": bell.fd, "spin_us": spin_us, "isa": self.isa})
+            if self.prefetch_bytes is not None:
+                specs[-1]["prefetch_bytes"] = self.prefetch_bytes
         # Worker 0 first: it compiles the kernels into Numba's cache; the rest load them.
         self._spawn(specs[0])
         self.ready_info.append(self._await_ready(0, start_timeout))

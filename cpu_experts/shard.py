@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cpu_experts.quant import BLOCK, quantize
+from cpu_experts.tiles import GROUPS, TILE_BYTES, TU
 
 ALIGN = 64
 NAMES = ("gu_w", "gu_s", "down_w", "down_s")
@@ -78,31 +79,25 @@ def shard_bounds(intermediate: int, num_shards: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def unit_tile(units: int) -> int:
-    """Output units per tile: the widest of 128/64/32 that divides ``units`` into >= 4 tiles
-    (wide tiles amortize loop overhead; enough tiles spread one expert over threads)."""
-    for tu in (128, 64):
-        if units % tu == 0 and units // tu >= 4:
-            return tu
-    return BLOCK
-
-
 def tiled_shapes(E: int, mats: int, units: int, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Kernel shapes of ``mats`` matrices per expert, each ``[units, n]`` reduced along n."""
-    tu = unit_tile(units)
-    return (E, mats, units // tu, n // BLOCK, BLOCK, tu), (E, mats, units // tu, n // BLOCK, tu)
+    """Kernel shapes of ``mats`` matrices per expert, each ``[units, n]`` reduced along n:
+    micro-tiles of 16 units, per block of 32 positions 512 int8 bytes and 16 float32 scales."""
+    return (E, mats, units // TU, n // BLOCK, TILE_BYTES), (E, mats, units // TU, n // BLOCK, TU)
 
 
 def tile_into(q: np.ndarray, s: np.ndarray, w_out: np.ndarray, s_out: np.ndarray) -> None:
-    """``q [E, U, n] int8, s [E, U, n/32] f16`` -> ``w_out [E, U/tu, n/32, 32, tu]`` int8,
-    ``s_out [E, U/tu, n/32, tu]`` float32.
-
-    (w_out/s_out are one matrix's slice ``[:, m]`` of the kernel arrays.)
+    """``q [E, U, n] int8, s [E, U, n/32] f16`` -> ``w_out [E, U/16, n/32, 512]`` int8 laid out
+    ``[8 groups][16 units][4 positions]`` per block (tiles.py), ``s_out [E, U/16, n/32, 16]``
+    float32. (w_out/s_out are one matrix's slice ``[:, m]`` of the kernel arrays.)
     """
     E, U, n = q.shape
-    tu = w_out.shape[-1]
-    w_out[...] = q.reshape(E, U // tu, tu, n // BLOCK, BLOCK).transpose(0, 1, 3, 4, 2)
-    s_out[...] = s.astype(np.float32).reshape(E, U // tu, tu, n // BLOCK).transpose(0, 1, 3, 2)
+    nb = n // BLOCK
+    if q.size and int(q.min()) == -128:  # the AVX2 kernel's |x| * sign(w, x) needs w != -128
+        raise ValueError("int8 expert weights must lie in [-127, 127] (the canonical "
+                         "quantizer's range); -128 found")
+    w_out[...] = (q.reshape(E, U // TU, TU, nb, GROUPS, 4).transpose(0, 1, 3, 4, 2, 5)
+                  .reshape(E, U // TU, nb, TILE_BYTES))
+    s_out[...] = s.astype(np.float32).reshape(E, U // TU, TU, nb).transpose(0, 1, 3, 2)
 
 
 def plan_shard(layers: dict[int, QuantizedLayer],

@@ -1,126 +1,219 @@
-"""Exact int8 block-32 tile products (the inner loops of kernels.py).
+"""Exact int8 block-32 micro-kernels: one block of 32 positions x 16 output units x one row.
 
-A tile is ``tu`` output units of one expert matrix, stored ``[n/32, 32, tu]`` int8 with
-``[n/32, tu]`` float32 scales (shard.py), so for a fixed block position t the ``tu`` units sit
-side by side: the inner loops run across units (SIMD lanes), and each loaded weight row serves
-every activation row routed to the expert ("wide" rows).
+Layout (shard.py): a matrix ``[units, n]`` reduced along ``n`` is stored as micro-tiles of
+:data:`TU` = 16 units; micro-tile ``t`` holds, per block ``b`` of 32 positions, 512 bytes
+``[8 groups][16 units][4 positions]`` (int8) and 16 float32 scales. So the 4 consecutive
+positions of one unit fill one 32-bit lane, and 64 bytes (one cache line, one zmm register)
+hold one group of 4 positions for all 16 units: the layout that int8 dot-product
+instructions consume, with lanes = units and no horizontal sums.
 
-Exactness: a block's int8 x int8 products (|p| <= 16129) and their partial sums
-(<= 516128 < 2**24) are integers exactly representable in float32, so the block dot is
-computed in float32 lanes with reassociation/contraction allowed (:data:`FM_EXACT`) and
-equals the int32 sum bit for bit, whatever order LLVM picks. The per-block scaling and the
-sum over blocks (:func:`tile_matmul`) are fastmath-free, in block order.
+The arithmetic, for each row ``x`` (int8 values, scale ``sx``) and unit ``u``::
+
+    dot[u] = sum_{t < 32} w[u, t] * x[t]            exact integer (|dot| <= 32 * 127 * 127)
+    out[u] += float32(dot[u]) * (s[u] * sx)         float32: two multiplies, one add, no FMA
+
+which is reference.py's step 2 for one block. Every instruction set below computes the same
+``dot`` exactly, so all of them give the same bits:
+
+* ``ISA_AVX512VNNI``: ``vpdpbusd`` (unsigned x signed bytes, 4 per 32-bit lane, summed into
+  int32). The activation enters as ``x + 128`` (unsigned; the kernels store ``x ^ 0x80``),
+  and the accumulator starts at ``-128 * sum_t w[u, t]``, computed once per block and micro-
+  tile by :func:`block_prologue` and shared by every row: ``sum (x+128) w - 128 sum w = sum
+  x w``, all in int32.
+* ``ISA_AVX2``: ``vpmaddubsw(|x|, sign(w, x))`` then ``vpmaddwd`` by ones. ``|x| * w * sign(x)
+  = x * w``; a pair sum is at most ``2 * 127 * 127 = 32258``, inside int16, so the saturating
+  instruction never saturates (the quantizer clamps to [-127, 127]: no -128 anywhere).
+* ``ISA_PORTABLE``: generic LLVM vector IR (sign-extend, multiply, add), any CPU.
+
+The kernels pick one by :func:`cpu_experts.isa.select`; tests run every one this CPU can
+execute against the slow NumPy reference.
 """
 
 from __future__ import annotations
 
-import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.core.errors import TypingError
+from numba.extending import intrinsic
 
-from cpu_experts.quant import BLOCK
+from cpu_experts.isa import ISA_AVX2, ISA_AVX512VNNI, ISA_PORTABLE
 
-FM_EXACT = {"reassoc", "contract", "nsz"}
-GROUP = 8  # block positions per pass: each accumulator load/store serves 8 multiply-adds
+TU = 16          # output units per micro-tile (32-bit lanes of a zmm register)
+GROUPS = 8       # groups of 4 positions in a block of 32
+TILE_BYTES = GROUPS * TU * 4  # int8 weights of one block of one micro-tile
 
-
-@njit(cache=True, nogil=True, fastmath=FM_EXACT)
-def _block_dots_direct(wblk, xf, rows, xo, acc):
-    """_block_dots for one or two rows: convert each weight where it is used (no staging)."""
-    tu = wblk.shape[1]
-    for j in range(rows.shape[0]):
-        a = acc[j]
-        for u in range(tu):
-            a[u] = 0.0
-        for t0 in range(0, BLOCK, GROUP):
-            xr = xf[rows[j], xo + t0:xo + t0 + GROUP]
-            x0 = xr[0]
-            x1 = xr[1]
-            x2 = xr[2]
-            x3 = xr[3]
-            x4 = xr[4]
-            x5 = xr[5]
-            x6 = xr[6]
-            x7 = xr[7]
-            w0 = wblk[t0]
-            w1 = wblk[t0 + 1]
-            w2 = wblk[t0 + 2]
-            w3 = wblk[t0 + 3]
-            w4 = wblk[t0 + 4]
-            w5 = wblk[t0 + 5]
-            w6 = wblk[t0 + 6]
-            w7 = wblk[t0 + 7]
-            for u in range(tu):
-                a[u] += ((np.float32(w0[u]) * x0 + np.float32(w1[u]) * x1)
-                         + (np.float32(w2[u]) * x2 + np.float32(w3[u]) * x3)) + (
-                    (np.float32(w4[u]) * x4 + np.float32(w5[u]) * x5)
-                    + (np.float32(w6[u]) * x6 + np.float32(w7[u]) * x7))
+_I1 = ir.IntType(1)
+_I8 = ir.IntType(8)
+_I16 = ir.IntType(16)
+_I32 = ir.IntType(32)
+_F32 = ir.FloatType()
 
 
-@njit(cache=True, nogil=True, fastmath=FM_EXACT)
-def _block_dots(wblk, xf, rows, xo, acc, wf):
-    """acc[j, :tu] = exact sum_t wblk[t, :] * xf[rows[j], xo + t] for one block (32 positions).
+def _isa_of(isa) -> int:
+    if not isinstance(isa, types.IntegerLiteral):
+        raise TypingError(f"the instruction set must be a literal int, got {isa}")
+    value = isa.literal_value
+    if value not in (ISA_PORTABLE, ISA_AVX2, ISA_AVX512VNNI):
+        raise TypingError(f"unknown instruction set {value}")
+    return value
 
-    wblk [32, tu] int8, xf [*, n] float32 holding int8 values, acc [n_rows, tu], wf [GROUP, tu].
+
+def _check_array(ty, dtype, name: str) -> None:
+    if not isinstance(ty, types.Array) or ty.dtype != dtype or ty.layout != "C":
+        raise TypingError(f"{name} must be a C-contiguous {dtype} array, got {ty}")
+
+
+def _ptr(context, builder, aryty, ary, offset, vecty):
+    """Pointer to element ``offset`` of a C-contiguous array, as a pointer to ``vecty``."""
+    data = context.make_array(aryty)(context, builder, ary).data
+    off = context.cast(builder, offset, types.int64, types.intp) if offset is not None else None
+    ptr = builder.gep(data, [off]) if off is not None else data
+    return builder.bitcast(ptr, vecty.as_pointer())
+
+
+def _splat(builder, value, vecty):
+    """Broadcast a scalar to every lane of ``vecty``."""
+    undef = ir.Constant(vecty, ir.Undefined)
+    one = builder.insert_element(undef, value, ir.Constant(_I32, 0))
+    mask = ir.Constant(ir.VectorType(_I32, vecty.count), [0] * vecty.count)
+    return builder.shuffle_vector(one, undef, mask)
+
+
+def _fn(builder, name: str, ret, args):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+
+def _x_words(builder, xp):
+    """The 8 groups of 4 activation bytes of a block, each as one int32."""
+    return [builder.load(builder.gep(xp, [ir.Constant(_I32, g)]), align=1) for g in range(GROUPS)]
+
+
+def _dot_vnni(builder, wp, xp, start):
+    """``start + sum_g vpdpbusd(x_g (unsigned), w_g)``: one <16 x i32>."""
+    v16 = ir.VectorType(_I32, 16)
+    dp = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16, v16, v16])
+    acc = [start, ir.Constant(v16, [0] * 16)]  # two chains: half the dependent latency
+    for g, word in enumerate(_x_words(builder, xp)):
+        wv = builder.load(builder.gep(wp, [ir.Constant(_I32, g)]), align=1)
+        acc[g % 2] = builder.call(dp, [acc[g % 2], _splat(builder, word, v16), wv])
+    return [builder.add(acc[0], acc[1])]
+
+
+def _dot_avx2(builder, wp, xp):
+    """Two <8 x i32> (units 0-7, 8-15): ``maddwd(maddubs(|x|, sign(w, x)), 1)`` summed."""
+    v32b, v16h, v8 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
+    psign = _fn(builder, "llvm.x86.avx2.psign.b", v32b, [v32b, v32b])
+    maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16h, [v32b, v32b])
+    maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [v16h, v16h])
+    absb = _fn(builder, "llvm.abs.v32i8", v32b, [v32b, _I1])
+    ones = ir.Constant(v16h, [1] * 16)
+    acc = [ir.Constant(v8, [0] * 8), ir.Constant(v8, [0] * 8)]
+    wp32 = builder.bitcast(wp, v32b.as_pointer())
+    for g, word in enumerate(_x_words(builder, xp)):
+        xv = builder.bitcast(_splat(builder, word, v8), v32b)
+        ax = builder.call(absb, [xv, ir.Constant(_I1, 0)])
+        for h in range(2):
+            wv = builder.load(builder.gep(wp32, [ir.Constant(_I32, 2 * g + h)]), align=1)
+            p16 = builder.call(maddubs, [ax, builder.call(psign, [wv, xv])])
+            acc[h] = builder.add(acc[h], builder.call(maddwd, [p16, ones]))
+    return acc
+
+
+def _dot_portable(builder, wp, xp):
+    """One <16 x i32> from generic vector IR: widen, multiply, add the 4 positions of a lane."""
+    v64b, v64, v16 = ir.VectorType(_I8, 64), ir.VectorType(_I32, 64), ir.VectorType(_I32, 16)
+    wp64 = builder.bitcast(wp, v64b.as_pointer())
+    acc = ir.Constant(v16, [0] * 16)
+    for g, word in enumerate(_x_words(builder, xp)):
+        wv = builder.sext(builder.load(builder.gep(wp64, [ir.Constant(_I32, g)]), align=1), v64)
+        x4 = builder.sext(builder.bitcast(word, ir.VectorType(_I8, 4)), ir.VectorType(_I32, 4))
+        xv = builder.shuffle_vector(x4, ir.Constant(ir.VectorType(_I32, 4), ir.Undefined),
+                                    ir.Constant(ir.VectorType(_I32, 64), list(range(4)) * 16))
+        prod = builder.mul(wv, xv)
+        for c in range(4):
+            lane = ir.Constant(ir.VectorType(_I32, 16), [4 * u + c for u in range(16)])
+            acc = builder.add(acc, builder.shuffle_vector(prod, prod, lane))
+    return [acc]
+
+
+@intrinsic
+def row_block(typingctx, isa, w, woff, s, soff, x, xoff, sx, o, ooff, ws):
+    """``o[ooff:ooff+16] += float32(dot) * (s[soff:soff+16] * sx)`` for one block and one row.
+
+    w int8 (the micro-tile's block at ``woff``, 512 bytes), s float32 scales, x int8
+    activations (32 at ``xoff``; for VNNI stored as ``x ^ 0x80``), sx float32, o float32,
+    ws int32[16] from :func:`block_prologue` (read by VNNI only).
     """
-    tu = wblk.shape[1]
-    n = rows.shape[0]
-    for j in range(n):
-        a = acc[j]
-        for u in range(tu):
-            a[u] = 0.0
-    for t0 in range(0, BLOCK, GROUP):
-        for q in range(GROUP):
-            src = wblk[t0 + q]
-            dst = wf[q]
-            for u in range(tu):
-                dst[u] = np.float32(src[u])
-        w0 = wf[0]
-        w1 = wf[1]
-        w2 = wf[2]
-        w3 = wf[3]
-        w4 = wf[4]
-        w5 = wf[5]
-        w6 = wf[6]
-        w7 = wf[7]
-        for j in range(n):
-            xr = xf[rows[j], xo + t0:xo + t0 + GROUP]
-            x0 = xr[0]
-            x1 = xr[1]
-            x2 = xr[2]
-            x3 = xr[3]
-            x4 = xr[4]
-            x5 = xr[5]
-            x6 = xr[6]
-            x7 = xr[7]
-            a = acc[j]
-            for u in range(tu):
-                a[u] += ((w0[u] * x0 + w1[u] * x1) + (w2[u] * x2 + w3[u] * x3)) + (
-                    (w4[u] * x4 + w5[u] * x5) + (w6[u] * x6 + w7[u] * x7))
+    which = _isa_of(isa)
+    _check_array(w, types.int8, "w")
+    _check_array(s, types.float32, "s")
+    _check_array(x, types.int8, "x")
+    _check_array(o, types.float32, "o")
+    _check_array(ws, types.int32, "ws")
+    sig = types.void(isa, w, types.int64, s, types.int64, x, types.int64, types.float32,
+                     o, types.int64, ws)
 
-
-@njit(cache=True, nogil=True)
-def tile_matmul(wt, st, xf, xs, rows, out, acc, wf):
-    """One unit tile for the rows of one expert: ``out[j, :tu] = sum_b dot_b * (s_b * xs[row, b])``.
-
-    wt [nb, 32, tu] int8, st [nb, tu] f32, xf [*, n] f32, xs [*, nb] f32, rows [n_rows] int,
-    out/acc [n_rows, tu] f32, wf [GROUP, tu] f32 scratch.
-    """
-    tu = wt.shape[2]
-    n = rows.shape[0]
-    for j in range(n):
-        o = out[j]
-        for u in range(tu):
-            o[u] = 0.0
-    direct = n <= 2  # few rows: converting weights in place beats staging them as floats
-    for b in range(wt.shape[0]):
-        if direct:
-            _block_dots_direct(wt[b], xf, rows, b * BLOCK, acc)
+    def codegen(context, builder, signature, args):
+        _, wv, woffv, sv, soffv, xv, xoffv, sxv, ov, ooffv, wsv = args
+        aty = signature.args
+        wp = _ptr(context, builder, aty[1], wv, woffv, ir.VectorType(_I32, 16))
+        xp = _ptr(context, builder, aty[5], xv, xoffv, _I32)
+        if which == ISA_AVX512VNNI:
+            start = builder.load(_ptr(context, builder, aty[10], wsv, None,
+                                      ir.VectorType(_I32, 16)), align=4)
+            dots = _dot_vnni(builder, wp, xp, start)
+        elif which == ISA_AVX2:
+            dots = _dot_avx2(builder, wp, xp)
         else:
-            _block_dots(wt[b], xf, rows, b * BLOCK, acc, wf)
-        sb = st[b]
-        for j in range(n):
-            sx = xs[rows[j], b]
-            o = out[j]
-            a = acc[j]
-            for u in range(tu):
-                o[u] += a[u] * (sb[u] * sx)
+            dots = _dot_portable(builder, wp, xp)
+        lanes = TU // len(dots)
+        vf = ir.VectorType(_F32, lanes)
+        sp = _ptr(context, builder, aty[3], sv, soffv, vf)
+        op = _ptr(context, builder, aty[8], ov, ooffv, vf)
+        sxs = _splat(builder, sxv, vf)
+        for h, dot in enumerate(dots):
+            idx = [ir.Constant(_I32, h)]
+            scale = builder.fmul(builder.load(builder.gep(sp, idx), align=4), sxs)
+            prod = builder.fmul(builder.sitofp(dot, vf), scale)
+            opp = builder.gep(op, idx)
+            builder.store(builder.fadd(builder.load(opp, align=4), prod), opp, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def block_prologue(typingctx, isa, w, woff, ws, ahead):
+    """Before the rows of one block: prefetch the weights ``ahead`` bytes on, and for VNNI
+    write ``ws[:16] = -128 * sum_t w[u, t]`` (the unsigned-activation correction)."""
+    which = _isa_of(isa)
+    _check_array(w, types.int8, "w")
+    _check_array(ws, types.int32, "ws")
+    sig = types.void(isa, w, types.int64, ws, types.int64)
+
+    def codegen(context, builder, signature, args):
+        _, wv, woffv, wsv, aheadv = args
+        aty = signature.args
+        v16 = ir.VectorType(_I32, 16)
+        wp = _ptr(context, builder, aty[1], wv, woffv, v16)
+        byte_ptr = builder.bitcast(wp, _I8.as_pointer())
+        far = builder.gep(byte_ptr, [context.cast(builder, aheadv, types.int64, types.intp)])
+        prefetch = _fn(builder, "llvm.prefetch.p0", ir.VoidType(),
+                       [_I8.as_pointer(), _I32, _I32, _I32])
+        for line in range(0, TILE_BYTES, 64):
+            addr = builder.gep(far, [ir.Constant(_I32, line)])
+            builder.call(prefetch, [addr, ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                                    ir.Constant(_I32, 1)])
+        if which == ISA_AVX512VNNI:
+            bias = _splat(builder, ir.Constant(_I32, -0x7F7F7F80), v16)  # every byte 0x80
+            dp = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16, v16, v16])
+            acc = ir.Constant(v16, [0] * 16)
+            for g in range(GROUPS):
+                wg = builder.load(builder.gep(wp, [ir.Constant(_I32, g)]), align=1)
+                acc = builder.call(dp, [acc, bias, wg])
+            wsp = _ptr(context, builder, aty[3], wsv, None, v16)
+            builder.store(builder.sub(ir.Constant(v16, [0] * 16), acc), wsp, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen

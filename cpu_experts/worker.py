@@ -38,9 +38,11 @@ class ExpertWorker:
     """One worker: its shard's layers, the shared ring, the doorbell; :meth:`serve` is the loop."""
 
     def __init__(self, spec: dict) -> None:
-        from cpu_experts import kernels  # numba: imported after affinity and thread count are set
+        from cpu_experts import isa, kernels  # numba: imported after affinity, thread count
 
-        self.kernels = kernels
+        self.isa = isa.select(spec.get("isa"))
+        self.moe_layer = kernels.layer_kernel(self.isa)
+        self.ahead = int(spec.get("prefetch_bytes", kernels.PREFETCH_AHEAD))
         self.index = spec["index"]
         self.parent_pid = spec["parent_pid"]
         self.spin_ns = int(spec["spin_us"] * 1000)
@@ -65,7 +67,7 @@ class ExpertWorker:
         xd = np.full((1, H // 32), 0x2000, np.uint16)  # fp16 2**-7
         out = np.empty((1, H), np.float32)
         ids = np.zeros((1, 1), np.int32)
-        self.kernels.moe_layer(*layer, xq, xd, ids, np.ones((1, 1), np.float32), out)
+        self.moe_layer(*layer, xq, xd, ids, np.ones((1, 1), np.float32), out, self.ahead)
 
     def _wait(self, last: int) -> int:
         ctrl = self.ring.ctrl[self.index]
@@ -100,7 +102,8 @@ class ExpertWorker:
             else:
                 ids, w = ring.pairs(rows, k)
                 try:
-                    status = self.kernels.moe_layer(*weights, ring.xq, ring.xd, ids, w, out)
+                    status = self.moe_layer(*weights, ring.xq, ring.xd, ids, w, out,
+                                            self.ahead)
                 except Exception:  # a bug, not bad input: report it and keep serving
                     traceback.print_exc()
                     status = ERR_INTERNAL
@@ -121,10 +124,13 @@ def main() -> int:
     worker = ExpertWorker(spec)
     import numba
 
+    from cpu_experts import isa
+
     numba.set_num_threads(min(len(os.sched_getaffinity(0)), numba.config.NUMBA_NUM_THREADS))
     worker.warm_up()
     ready = {"kind": "ready", "index": worker.index, "pid": os.getpid(),
              "protocol": PROTOCOL_VERSION, "threads": numba.get_num_threads(),
+             "isa": isa.NAMES[worker.isa], "prefetch_bytes": worker.ahead,
              "threading_layer": numba.threading_layer(), "cores": sorted(os.sched_getaffinity(0))}
     sys.stdout.write(json.dumps(ready) + "\n")
     sys.stdout.flush()

@@ -58,8 +58,9 @@ def _timed(fn, *args) -> float:
 def random_layers(E: int, I: int, n_layers: int, seed: int) -> dict[int, QuantizedLayer]:
     rng = np.random.default_rng(seed)
 
-    def q(shape):
-        return np.frombuffer(rng.bytes(int(np.prod(shape))), np.int8).reshape(shape)
+    def q(shape):  # the canonical quantizer's range: [-127, 127]
+        return np.maximum(np.frombuffer(rng.bytes(int(np.prod(shape))), np.int8),
+                          np.int8(-127)).reshape(shape)
 
     table = (rng.random(4099, np.float32) * 1e-3 + 1e-4).astype(np.float16)
 
@@ -125,6 +126,9 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--client-core", type=int, default=0)
     ap.add_argument("--iters", type=int, default=24)
+    ap.add_argument("--isa", default=None, help="portable | avx2 | avx512vnni (default: best)")
+    ap.add_argument("--prefetch", type=int, default=None, help="prefetch distance, bytes")
+    ap.add_argument("--combos", default="", help="I:E pairs, e.g. 512:128,768:512")
     args = ap.parse_args()
 
     usable = sorted(os.sched_getaffinity(0))
@@ -137,6 +141,8 @@ def main() -> None:
                "workers": args.workers, "dram_read_gbps": round(dram, 1)}
     print(json.dumps(machine), flush=True)
     combos = [(512, 16)] if args.quick else [(512, 128), (768, 128), (512, 512), (768, 512)]
+    if args.combos:
+        combos = [tuple(int(v) for v in c.split(":")) for c in args.combos.split(",")]
     topks = (8,) if args.quick else (8, 10)
     budget = (64 << 20) if args.quick else (1600 << 20)
     records = []
@@ -145,7 +151,10 @@ def main() -> None:
         n_layers = max(1, -(-budget // layer_bytes))
         t0 = time.perf_counter()
         with CpuExpertPool(random_layers(E, I, n_layers, seed=E + I), cores=groups,
-                           max_rows=64, max_k=16) as pool:
+                           max_rows=64, max_k=16, isa=args.isa,
+                           prefetch_bytes=args.prefetch) as pool:
+            machine.update(isa=pool.ready_info[0]["isa"],
+                           prefetch_bytes=pool.ready_info[0]["prefetch_bytes"])
             print(f"# I={I} E={E}: {n_layers} layers, pool up in "
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
             cases = [(k, r, kind) for k in topks for kind in ("random", "skewed") for r in ROWS]

@@ -124,3 +124,23 @@ def test_worker_death_is_detected_and_close_cleans_up(layers) -> None:
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_instruction_set_option(layers) -> None:
+    """A pool forced onto the portable kernels reports it and gives the same bits; an unknown
+    or unavailable instruction set is refused before any process starts."""
+    from cpu_experts import isa as cpu_isa
+
+    x, ids, w = routing(11, 6)
+    with CpuExpertPool(layers, num_workers=1, cores=core_groups(1), isa="portable",
+                       prefetch_bytes=0) as p:
+        assert p.ready_info[0]["isa"] == "portable" and p.ready_info[0]["prefetch_bytes"] == 0
+        got = p.dispatch(5, x, ids, w)
+        assert got.tobytes() == expected(p, 5, x, ids, w).tobytes()
+    with pytest.raises(ValueError, match="expected one of"):
+        CpuExpertPool(layers, num_workers=1, isa="sse9")
+    with pytest.raises(ValueError, match="prefetch_bytes"):
+        CpuExpertPool(layers, num_workers=1, prefetch_bytes=-1)
+    for name in (n for i, n in cpu_isa.NAMES.items() if i not in cpu_isa.available()):
+        with pytest.raises(ValueError, match="cannot run"):
+            CpuExpertPool(layers, num_workers=1, isa=name)

@@ -1,12 +1,25 @@
-"""Numba expert kernels against the slow NumPy reference of the same int8 math: bit for bit."""
+"""Numba expert kernels against the slow NumPy reference of the same int8 math: bit for bit,
+for every instruction set of the micro-kernels (tiles.py) that this CPU can run; the others
+are skipped here (the AVX-512 VNNI one runs on the GPU machine, see docs/cpu_experts.md)."""
 
 import numpy as np
 import pytest
 
+from cpu_experts import isa as cpu_isa
 from cpu_experts import kernels, reference, shard
 from cpu_experts.quant import quantize
 
 E, I, H = 6, 128, 256
+BEST = cpu_isa.select()
+
+
+def isa_param(which: int):
+    runs = which in cpu_isa.available()
+    return pytest.param(which, id=cpu_isa.NAMES[which], marks=pytest.mark.skipif(
+        not runs, reason=f"this CPU cannot run {cpu_isa.NAMES[which]}"))
+
+
+ALL_ISAS = [isa_param(i) for i in cpu_isa.NAMES]
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +31,10 @@ def layer() -> tuple[tuple[np.ndarray, ...], shard.QuantizedLayer]:
     return (gate, up, down), shard.quantize_layer(gate, up, down)
 
 
-def run_shards(ql: shard.QuantizedLayer, num_shards: int, xq, xs, ids, w) -> np.ndarray:
+def run_shards(ql: shard.QuantizedLayer, num_shards: int, xq, xs, ids, w,
+               isa: int = BEST) -> np.ndarray:
     """What a pool of ``num_shards`` workers computes: each shard's kernel, partials summed."""
+    kernel = kernels.layer_kernel(isa)
     total = None
     for lo_hi in shard.shard_bounds(ql.intermediate, num_shards):
         bounds = {0: lo_hi}
@@ -27,8 +42,8 @@ def run_shards(ql: shard.QuantizedLayer, num_shards: int, xq, xs, ids, w) -> np.
         buf = bytearray(size)
         shard.write_shard(buf, manifest, {0: ql}, bounds)
         out = np.full(xq.shape, np.nan, np.float32)  # poisoned: every row must be written
-        rc = kernels.moe_layer(*shard.views(buf, manifest)[0], xq, xs.view(np.uint16),
-                               ids.astype(np.int32), w.astype(np.float32), out)
+        rc = kernel(*shard.views(buf, manifest)[0], xq, xs.view(np.uint16),
+                    ids.astype(np.int32), w.astype(np.float32), out, kernels.PREFETCH_AHEAD)
         assert rc == kernels.ERR_OK
         total = out if total is None else total + out
     return total
@@ -59,14 +74,15 @@ def test_f16_value_all_finite_halves() -> None:
     assert got.tobytes() == halves[finite].astype(np.float32).tobytes()
 
 
+@pytest.mark.parametrize("isa", ALL_ISAS)
 @pytest.mark.parametrize("num_shards", [1, 2])
-def test_kernel_equals_reference_bitwise(layer, num_shards: int) -> None:
+def test_kernel_equals_reference_bitwise(layer, num_shards: int, isa: int) -> None:
     _, ql = layer
     rng = np.random.default_rng(num_shards)
     x = rng.standard_normal((16, H)).astype(np.float32)
     ids, w = routing(rng, 16, 4)
     xq, xs = quantize(x)
-    got = run_shards(ql, num_shards, xq, xs, ids, w)
+    got = run_shards(ql, num_shards, xq, xs, ids, w, isa)
     bounds = shard.shard_bounds(I, num_shards)
     want = reference.moe_reference([ql.shard(*b) for b in bounds], xq, xs, ids, w)
     assert got.tobytes() == want.tobytes()
@@ -93,35 +109,78 @@ def test_rows_independent_of_batch(layer, num_shards: int) -> None:
             assert sub.tobytes() == batch[part].tobytes()
 
 
-def test_wide_tiles_equal_reference_bitwise() -> None:
-    rng = np.random.default_rng(4)
-    e, i, h = 2, 256, 1024  # unit tiles of 64 (gate/up) and 128 (down)
-    assert (shard.unit_tile(i), shard.unit_tile(h)) == (64, 128)
-    ql = shard.quantize_layer(*(rng.standard_normal(s).astype(np.float32) * 0.03
-                                for s in ((e, i, h), (e, i, h), (e, h, i))))
-    x = rng.standard_normal((3, h)).astype(np.float32)
-    ids, w = np.array([[0, 1], [1, -1], [1, 0]]), np.ones((3, 2), np.float32)
+def test_extreme_values_equal_reference_bitwise() -> None:
+    """Weights and activations at +-127 everywhere (the largest block dots, both signs), zero
+    blocks and mixed signs: every instruction set equals the reference."""
+    rng = np.random.default_rng(5)
+    e, i, h = 2, 64, 128
+    ql = shard.quantize_layer(*(rng.standard_normal(sz).astype(np.float32) * 0.03
+                                for sz in ((e, i, h), (e, i, h), (e, h, i))))
+    sign = np.where(rng.random((e, i, h)) < 0.5, -1, 1).astype(np.int8)
+    gate_q = np.full((e, i, h), 127, np.int8)
+    gate_q[1] = -127
+    up_q = (127 * sign).astype(np.int8)
+    up_q[:, :, :32] = 0
+    ql = shard.QuantizedLayer(gate_q, ql.gate_s, up_q, ql.up_s, ql.down_q, ql.down_s)
+    x = np.zeros((4, h), np.float32)
+    x[0] = 1.0                                   # all +127 after quantization
+    x[1] = -1.0                                  # all -127
+    x[2] = np.where(np.arange(h) % 2, 1.0, -1.0)
+    x[3, 32:] = rng.standard_normal(h - 32)      # a zero block, then random
     xq, xs = quantize(x)
-    got = run_shards(ql, 1, xq, xs, ids, w)
-    assert got.tobytes() == reference.moe_reference([ql.shard(0, i)], xq, xs, ids, w).tobytes()
+    assert np.abs(xq).max() == 127
+    ids, w = np.array([[0, 1], [1, 0], [0, -1], [1, 1]]), np.ones((4, 2), np.float32)
+    want = reference.moe_reference([ql.shard(0, i)], xq, xs, ids, w)
+    for which in cpu_isa.available():
+        got = run_shards(ql, 1, xq, xs, ids, w, which)
+        assert got.tobytes() == want.tobytes(), cpu_isa.NAMES[which]
 
 
+@pytest.mark.parametrize("isa", ALL_ISAS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 13, 16, 21])
-def test_row_counts_equal_reference_bitwise(rows: int) -> None:
-    """Every row-count path of the tile products (the 1-2 row direct path, the staged path,
-    odd counts) on one expert holding every row, and on a mix of experts."""
+def test_row_counts_equal_reference_bitwise(rows: int, isa: int) -> None:
+    """Any number of rows on one expert holding every row, and on a mix of experts."""
     rng = np.random.default_rng(40 + rows)
-    e, i, h = 3, 96, 320  # unit tiles of 32 (gate/up) and 64 (down)
-    assert (shard.unit_tile(i), shard.unit_tile(h)) == (32, 64)
+    e, i, h = 3, 96, 320  # 6 micro-tiles of gate/up, 20 of down; odd block counts
     ql = shard.quantize_layer(*(rng.standard_normal(s).astype(np.float32) * 0.03
                                 for s in ((e, i, h), (e, i, h), (e, h, i))))
     x = rng.standard_normal((rows, h)).astype(np.float32)
     xq, xs = quantize(x)
     for ids in (np.zeros((rows, 1), np.int64), rng.integers(-1, e, (rows, 3))):
         w = rng.random(ids.shape).astype(np.float32)
-        got = run_shards(ql, 1, xq, xs, ids, w)
+        got = run_shards(ql, 1, xq, xs, ids, w, isa)
         want = reference.moe_reference([ql.shard(0, i)], xq, xs, ids, w)
         assert got.tobytes() == want.tobytes()
+
+
+def test_tile_layout() -> None:
+    """Micro-tile t, block b holds w[16t + u, 32b + 4g + c] at byte (g * 16 + u) * 4 + c."""
+    rng = np.random.default_rng(6)
+    E_, U, n = 2, 48, 96
+    q = rng.integers(-127, 128, (E_, U, n)).astype(np.int8)
+    s = rng.random((E_, U, n // 32)).astype(np.float16)
+    (w_shape, s_shape) = shard.tiled_shapes(E_, 1, U, n)
+    w_out, s_out = np.empty(w_shape, np.int8), np.empty(s_shape, np.float32)
+    shard.tile_into(q, s, w_out[:, 0], s_out[:, 0])
+    for e, t, b, g, u, c in [(0, 0, 0, 0, 0, 0), (1, 2, 1, 7, 15, 3), (1, 1, 2, 3, 9, 2)]:
+        assert w_out[e, 0, t, b, (g * 16 + u) * 4 + c] == q[e, 16 * t + u, 32 * b + 4 * g + c]
+        assert s_out[e, 0, t, b, u] == np.float32(s[e, 16 * t + u, b])
+    q[0, 5, 7] = -128
+    with pytest.raises(ValueError, match=r"\[-127, 127\]"):
+        shard.tile_into(q, s, w_out[:, 0], s_out[:, 0])
+
+
+def test_isa_selection(monkeypatch) -> None:
+    assert cpu_isa.ISA_PORTABLE in cpu_isa.available()
+    assert cpu_isa.select("portable") == cpu_isa.ISA_PORTABLE
+    monkeypatch.setenv(cpu_isa.ENV, "portable")
+    assert cpu_isa.select() == cpu_isa.ISA_PORTABLE
+    with pytest.raises(ValueError, match="expected one of"):
+        cpu_isa.select("sse9")
+    missing = [n for i, n in cpu_isa.NAMES.items() if i not in cpu_isa.available()]
+    for name in missing:
+        with pytest.raises(ValueError, match="cannot run"):
+            cpu_isa.select(name)
 
 
 def test_close_to_unquantized_float_expert(layer) -> None:
@@ -150,8 +209,8 @@ def test_bad_expert_id_is_reported(layer) -> None:
     xq, xs = quantize(np.ones((2, H), np.float32))
     out = np.empty((2, H), np.float32)
     ids = np.array([[0], [E]], np.int32)
-    rc = kernels.moe_layer(*shard.views(buf, manifest)[0], xq, xs.view(np.uint16), ids,
-                           np.ones((2, 1), np.float32), out)
+    rc = kernels.layer_kernel(BEST)(*shard.views(buf, manifest)[0], xq, xs.view(np.uint16), ids,
+                                    np.ones((2, 1), np.float32), out, kernels.PREFETCH_AHEAD)
     assert rc == kernels.ERR_EXPERT_ID
 
 
