@@ -129,7 +129,12 @@ def main() -> None:
     ap.add_argument("--isa", default=None, help="portable | avx2 | avx512vnni (default: best)")
     ap.add_argument("--prefetch", type=int, default=None, help="prefetch distance, bytes")
     ap.add_argument("--combos", default="", help="I:E pairs, e.g. 512:128,768:512")
+    ap.add_argument("--table", default="", help="print markdown tables of a result JSON, exit")
     args = ap.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            print(markdown_tables(json.load(f)))
+        return
 
     usable = sorted(os.sched_getaffinity(0))
     worker_cores = [c for c in usable if c != args.client_core] or usable
@@ -174,6 +179,37 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(records, f, indent=1)
     print(f"# threads={get_num_threads()} (client); done")
+
+
+def markdown_tables(records: list[dict]) -> str:
+    """The tables of docs/cpu_experts.md: layers at top-k 8, the cost of rows on one expert,
+    and the dispatch overhead with no CPU work."""
+    lines = ["| I | E | routing | rows | distinct experts | weight MB | us/layer | kernel us | "
+             "eff. GB/s | dispatch us (wake / notice / client) |", "|" + "---|" * 10]
+    for r in records:
+        if r["topk"] == 8 and r["routing"] in ("random", "skewed") and r["rows"] in (1, 4, 16):
+            lines.append(
+                f"| {r['I']} | {r['E']} | {r['routing']} | {r['rows']} | "
+                f"{r['distinct_experts']:.1f} | {r['weight_bytes'] / 1e6:.0f} | "
+                f"{r['us_per_layer']:.0f} | {r['kernel_us']:.0f} | {r['effective_gbps']:.1f} | "
+                f"{r['dispatch_us']:.0f} ({r.get('wake_us', 0):.0f} / "
+                f"{r.get('notice_us', 0):.0f} / {r.get('client_us', 0):.0f}) |")
+    lines += ["", "| I | E | " + " | ".join(f"{n} row{'s' * (n > 1)}" for n in ROWS)
+              + " | 16 / 1 |", "|" + "---|" * (len(ROWS) + 3)]
+    one: dict[tuple[int, int], dict[int, float]] = {}
+    for r in records:
+        if r["routing"] == "one_expert":
+            one.setdefault((r["I"], r["E"]), {})[r["rows"]] = r["us_per_layer"]
+    for (i, e), by_rows in one.items():
+        cells = " | ".join(f"{by_rows.get(n, float('nan')):.0f}" for n in ROWS)
+        lines.append(f"| {i} | {e} | {cells} | {by_rows[16] / by_rows[1]:.2f} |")
+    lines += ["", "| I | E | no CPU pair, 16 rows: us/layer | kernel us | dispatch us |",
+              "|---|---|---|---|---|"]
+    for r in records:
+        if r["routing"] == "none":
+            lines.append(f"| {r['I']} | {r['E']} | {r['us_per_layer']:.0f} | "
+                         f"{r['kernel_us']:.0f} | {r['dispatch_us']:.0f} |")
+    return "\n".join(lines)
 
 
 def _cpu_model() -> str:
