@@ -25,12 +25,12 @@ from numba import njit, prange
 from cpu_experts.isa import ISA_AVX2, ISA_AVX512VNNI, ISA_PORTABLE
 from cpu_experts.quant import BLOCK, quantize_block
 from cpu_experts.reference import EXP_COEF, EXP_MAX, EXP_MIN, INV_LN2, LN2_HI, LN2_LO
-from cpu_experts.tiles import TILE_BYTES, TU, block_prologue, row_block
+from cpu_experts.tiles import BLOCK_BYTES, TU, block_prologue, row_block
 
 ERR_OK = 0
 ERR_EXPERT_ID = 1
 ERR_NON_FINITE = 2
-PREFETCH_AHEAD = 4 * TILE_BYTES  # bytes ahead of the block being read (default)
+PREFETCH_AHEAD = 8192  # bytes ahead of the block being read (default; 0 = the block itself)
 
 
 @njit(cache=True, nogil=True)
@@ -114,20 +114,20 @@ def group_pairs(expert_ids, num_experts):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _gate_up_stage(isa, w, s, xk, xs, active, offsets, rows_of, out, ahead):
+def _gate_up_stage(isa, w, xk, xs, active, offsets, rows_of, out, ahead):
     """out[m, slot, :] = matrix m of each slot's expert applied to its activation row.
 
-    w [E, M, T, nb, 512] int8, s [E, M, T, nb, 16] f32 (shard.py); xk [R, n] int8 (tiles.py
-    form), xs [R, nb] f32; slots ``offsets[a]:offsets[a+1]`` belong to expert ``active[a]`` and
-    read activation row ``rows_of[slot]``; out [M, P, T * 16] f32.
+    w [E, M, T, nb, 576] int8 (shard.py); xk [R, n] int8 (tiles.py form), xs [R, nb] f32;
+    slots ``offsets[a]:offsets[a+1]`` belong to expert ``active[a]`` and read activation row
+    ``rows_of[slot]``; out [M, P, T * 16] f32. Consecutive items are contiguous in memory (per
+    expert), so the prefetch ``ahead`` bytes on runs into the thread's next item.
     """
     numba.literally(isa)
     M, T, nb = w.shape[1], w.shape[2], w.shape[3]
     n = xk.shape[1]
     P = out.shape[1]
     units = T * TU
-    wf, sf = w.reshape(w.size), s.reshape(s.size)
-    xf, of = xk.reshape(xk.size), out.reshape(out.size)
+    wf, xf, of = w.reshape(w.size), xk.reshape(xk.size), out.reshape(out.size)
     for it in prange(active.shape[0] * M * T):
         a = it // (M * T)
         m = (it // T) % M
@@ -138,67 +138,78 @@ def _gate_up_stage(isa, w, s, xk, xs, active, offsets, rows_of, out, ahead):
         for j in range(lo, hi):
             of[(m * P + j) * units + t * TU:(m * P + j) * units + (t + 1) * TU] = 0.0
         for b in range(nb):
-            blk = base + b
-            block_prologue(isa, wf, blk * TILE_BYTES, ws, ahead)
+            at = (base + b) * BLOCK_BYTES
+            block_prologue(isa, wf, at, ws, at + ahead)
             for j in range(lo, hi):
                 r = rows_of[j]
-                row_block(isa, wf, blk * TILE_BYTES, sf, blk * TU, xf, r * n + b * BLOCK,
-                          xs[r, b], of, (m * P + j) * units + t * TU, ws)
+                row_block(isa, wf, at, xf, r * n + b * BLOCK, xs[r, b], of,
+                          (m * P + j) * units + t * TU, ws)
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def _act_stage(g, u, flip, hk, hs) -> bool:
     """h = float32(silu64(g)) * u, re-quantized per block of 32 into hk (int8, tiles.py form:
-    ``^ 0x80`` when ``flip``) and hs [P, Is/32] (scale values as float32)."""
+    ``^ 0x80`` when ``flip``) and hs [P, Is/32] (scale values as float32). Items are
+    (pair, block): even one pair spreads over every thread."""
     P, Is = g.shape
     nb = Is // BLOCK
-    ok = np.ones(P, np.bool_)
-    for p in prange(P):
-        h = np.empty(Is, np.float32)
-        q = np.empty(Is, np.int8)
-        for i in range(Is):
-            gv = np.float64(g[p, i])
+    ok = np.ones(P * nb, np.bool_)
+    for it in prange(P * nb):
+        p = it // nb
+        o = (it % nb) * BLOCK
+        h = np.empty(BLOCK, np.float32)
+        q = np.empty(BLOCK, np.int8)
+        for i in range(BLOCK):
+            gv = np.float64(g[p, o + i])
             sg = np.float32(gv / (1.0 + exp64(-gv)))
-            h[i] = sg * u[p, i]
-        for b in range(nb):
-            sc, fine = quantize_block(h, q, b * BLOCK)
-            if not fine:
-                ok[p] = False
-            hs[p, b] = np.float32(sc)
-        for i in range(Is):
-            hk[p, i] = q[i] ^ np.int8(-128) if flip else q[i]
+            h[i] = sg * u[p, o + i]
+        sc, fine = quantize_block(h, q, 0)
+        ok[it] = fine
+        hs[p, it % nb] = np.float32(sc)
+        for i in range(BLOCK):
+            hk[p, o + i] = q[i] ^ np.int8(-128) if flip else q[i]
     return ok.all()
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _down_combine_stage(isa, w, s, hk, hs, active, offsets, pair_of, slot_of_pair, weights,
+def _down_combine_stage(isa, w, hk, hs, active, offsets, pair_of, slot_of_pair, weights,
                         y, out, ahead):
     """y[slot] = down of the slot's expert (hk/hs rows in slot order), then per row
     ``out[r] = 0; out[r] += weights[r, k] * y[pair(r, k)]`` for k in increasing order.
 
     Items are the 16-unit micro-tiles of H: each computes its 16 outputs for every expert and
-    every row. w [E, 1, T, nb, 512], s [E, 1, T, nb, 16]; y [P, H] scratch; out [R, H].
+    every row. w [E, 1, T, nb, 576]; y [P, H] scratch; out [R, H]. An item reads one run of
+    ``nb`` blocks per expert; the prefetch follows that sequence across experts (then into the
+    thread's next item).
     """
     numba.literally(isa)
     T, nb = w.shape[2], w.shape[3]
     Is = hk.shape[1]
     H = T * TU
     R, K = pair_of.shape
-    wf, sf, hf, yf = w.reshape(w.size), s.reshape(s.size), hk.reshape(hk.size), y.reshape(y.size)
+    A = active.shape[0]
+    step = ahead // BLOCK_BYTES
+    wf, hf, yf = w.reshape(w.size), hk.reshape(hk.size), y.reshape(y.size)
     for t in prange(T):
         ws = np.empty(TU, np.int32)
         c0 = t * TU
-        for a in range(active.shape[0]):
+        for a in range(A):
             lo, hi = offsets[a], offsets[a + 1]
             base = (active[a] * T + t) * nb
             for j in range(lo, hi):
                 yf[j * H + c0:j * H + c0 + TU] = 0.0
             for b in range(nb):
-                blk = base + b
-                block_prologue(isa, wf, blk * TILE_BYTES, ws, ahead)
+                at = (base + b) * BLOCK_BYTES
+                ahead_b = b + step
+                if ahead_b < nb:
+                    pf = at + step * BLOCK_BYTES
+                elif a + 1 < A:
+                    pf = ((active[a + 1] * T + t) * nb + min(ahead_b - nb, nb - 1)) * BLOCK_BYTES
+                else:
+                    pf = ((active[0] * T + t + 1) * nb + min(ahead_b - nb, nb - 1)) * BLOCK_BYTES
+                block_prologue(isa, wf, at, ws, pf)
                 for j in range(lo, hi):
-                    row_block(isa, wf, blk * TILE_BYTES, sf, blk * TU, hf, j * Is + b * BLOCK,
-                              hs[j, b], yf, j * H + c0, ws)
+                    row_block(isa, wf, at, hf, j * Is + b * BLOCK, hs[j, b], yf, j * H + c0, ws)
         for r in range(R):
             o = out[r]
             for i in range(c0, c0 + TU):
@@ -228,19 +239,18 @@ def _decode_activations(xq, xd_bits, rows, flip):
 
 
 @njit(cache=True, nogil=True)
-def moe_layer(isa, gu_w, gu_s, down_w, down_s, xq, xd_bits, expert_ids, weights, out,
-              ahead) -> int:
+def moe_layer(isa, gu, down, xq, xd_bits, expert_ids, weights, out, ahead) -> int:
     """One MoE layer on one shard for ``R = expert_ids.shape[0]`` rows; writes ``out[:R]``.
 
-    isa: a literal ISA_* (isa.py). gu_w/gu_s: gate and up tiled together ([E, 2, ...],
-    shard.py); down_w/down_s: [E, 1, ...]. xq [>=R, H] int8, xd_bits [>=R, H/32] uint16
-    (fp16 bits), expert_ids [R, K] (-1 = skip), weights [R, K] float32, out [>=R, H] float32,
-    ahead: prefetch distance in bytes. Returns an ERR_* code.
+    isa: a literal ISA_* (isa.py). gu: gate and up tiled together ([E, 2, ...], shard.py);
+    down: [E, 1, ...]. xq [>=R, H] int8, xd_bits [>=R, H/32] uint16 (fp16 bits), expert_ids
+    [R, K] (-1 = skip), weights [R, K] float32, out [>=R, H] float32, ahead: prefetch distance
+    in bytes. Returns an ERR_* code.
     """
     numba.literally(isa)
     R = expert_ids.shape[0]
-    E = gu_w.shape[0]
-    Is = gu_w.shape[2] * TU
+    E = gu.shape[0]
+    Is = gu.shape[2] * TU
     H = xq.shape[1]
     flip = isa == ISA_AVX512VNNI
     pair_of, pair_row, active, offsets, members = group_pairs(expert_ids, E)
@@ -255,37 +265,31 @@ def moe_layer(isa, gu_w, gu_s, down_w, down_s, xq, xd_bits, expert_ids, weights,
     slot_of_pair = np.empty(P, np.int64)   # [P] pair id -> slot
     for s in range(P):
         slot_of_pair[members[s]] = s
-    gu = np.empty((2, P, Is), np.float32)
-    _gate_up_stage(isa, gu_w, gu_s, xk, xs, active, offsets, rows_of, gu, ahead)
+    g_u = np.empty((2, P, Is), np.float32)
+    _gate_up_stage(isa, gu, xk, xs, active, offsets, rows_of, g_u, ahead)
     hk = np.empty((P, Is), np.int8)
     hs = np.empty((P, Is // BLOCK), np.float32)
-    if not _act_stage(gu[0], gu[1], flip, hk, hs):
+    if not _act_stage(g_u[0], g_u[1], flip, hk, hs):
         return ERR_NON_FINITE
     y = np.empty((P, H), np.float32)
-    _down_combine_stage(isa, down_w, down_s, hk, hs, active, offsets, pair_of, slot_of_pair,
-                        weights, y, out[:R], ahead)
+    _down_combine_stage(isa, down, hk, hs, active, offsets, pair_of, slot_of_pair, weights, y,
+                        out[:R], ahead)
     return ERR_OK
 
 
 @njit(cache=True, nogil=True)
-def _moe_layer_portable(gu_w, gu_s, down_w, down_s, xq, xd_bits, expert_ids, weights, out,
-                        ahead) -> int:
-    return moe_layer(ISA_PORTABLE, gu_w, gu_s, down_w, down_s, xq, xd_bits, expert_ids,
-                     weights, out, ahead)
+def _moe_layer_portable(gu, down, xq, xd_bits, expert_ids, weights, out, ahead) -> int:
+    return moe_layer(ISA_PORTABLE, gu, down, xq, xd_bits, expert_ids, weights, out, ahead)
 
 
 @njit(cache=True, nogil=True)
-def _moe_layer_avx2(gu_w, gu_s, down_w, down_s, xq, xd_bits, expert_ids, weights, out,
-                    ahead) -> int:
-    return moe_layer(ISA_AVX2, gu_w, gu_s, down_w, down_s, xq, xd_bits, expert_ids, weights,
-                     out, ahead)
+def _moe_layer_avx2(gu, down, xq, xd_bits, expert_ids, weights, out, ahead) -> int:
+    return moe_layer(ISA_AVX2, gu, down, xq, xd_bits, expert_ids, weights, out, ahead)
 
 
 @njit(cache=True, nogil=True)
-def _moe_layer_avx512vnni(gu_w, gu_s, down_w, down_s, xq, xd_bits, expert_ids, weights, out,
-                          ahead) -> int:
-    return moe_layer(ISA_AVX512VNNI, gu_w, gu_s, down_w, down_s, xq, xd_bits, expert_ids,
-                     weights, out, ahead)
+def _moe_layer_avx512vnni(gu, down, xq, xd_bits, expert_ids, weights, out, ahead) -> int:
+    return moe_layer(ISA_AVX512VNNI, gu, down, xq, xd_bits, expert_ids, weights, out, ahead)
 
 
 _ENTRIES = {ISA_PORTABLE: _moe_layer_portable, ISA_AVX2: _moe_layer_avx2,
@@ -294,5 +298,5 @@ _ENTRIES = {ISA_PORTABLE: _moe_layer_portable, ISA_AVX2: _moe_layer_avx2,
 
 def layer_kernel(isa: int):
     """``moe_layer`` compiled for one instruction set, called without the ``isa`` argument:
-    ``layer_kernel(isa)(gu_w, gu_s, down_w, down_s, xq, xd_bits, ids, weights, out, ahead)``."""
+    ``layer_kernel(isa)(gu, down, xq, xd_bits, ids, weights, out, ahead)``."""
     return _ENTRIES[isa]

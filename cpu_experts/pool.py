@@ -214,15 +214,17 @@ class CpuExpertPool:
     # -- dispatch ---------------------------------------------------------------------------
 
     def dispatch(self, layer: int, x: np.ndarray, expert_ids: np.ndarray,
-                 weights: np.ndarray) -> np.ndarray:
+                 weights: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """``x [R, H]`` float -> ``[R, H] float32`` = sum_k weights[r, k] * expert_{ids[r, k]}(x[r])
-        over the pairs with ``expert_ids >= 0`` (-1: not on the CPU, skipped)."""
+        over the pairs with ``expert_ids >= 0`` (-1: not on the CPU, skipped). ``out``: an
+        optional C-contiguous float32 ``[R, H]`` array to write (and return) instead of a new
+        one (a reused buffer saves the page faults of a fresh one per layer)."""
         x = np.asarray(x)
         if x.ndim != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"x must be [rows, {self.hidden}], got {x.shape}")
         ids, w = self._check_pairs(layer, x.shape[0], expert_ids, weights)
         x32 = np.ascontiguousarray(x, dtype=np.float32)   # [R, H]
-        out = np.empty(x.shape, np.float32)                # [R, H]
+        out = self._out_array(out, x.shape[0])             # [R, H]
         ring = self.ring
         for r0 in range(0, x.shape[0], self.max_rows):
             r1 = min(x.shape[0], r0 + self.max_rows)
@@ -238,7 +240,8 @@ class CpuExpertPool:
         return out
 
     def dispatch_quantized(self, layer: int, q: np.ndarray, scales: np.ndarray,
-                           expert_ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+                           expert_ids: np.ndarray, weights: np.ndarray,
+                           out: np.ndarray | None = None) -> np.ndarray:
         """Like :meth:`dispatch` for activations already quantized by the canonical rule
         (e.g. by the fused GPU kernel): ``q [R, H] int8``, ``scales [R, H/32]`` float16 (or
         their uint16 bits)."""
@@ -250,12 +253,21 @@ class CpuExpertPool:
                              f"{scales.dtype} {scales.shape}")
         ids, w = self._check_pairs(layer, R, expert_ids, weights)
         bits = scales.view(np.uint16)
-        out = np.empty((R, self.hidden), np.float32)
+        out = self._out_array(out, R)
         for r0 in range(0, R, self.max_rows):
             r1 = min(R, r0 + self.max_rows)
             self.ring.xq[:r1 - r0] = q[r0:r1]
             self.ring.xd[:r1 - r0] = bits[r0:r1]
             self._run(layer, ids[r0:r1], w[r0:r1], out[r0:r1])
+        return out
+
+    def _out_array(self, out: np.ndarray | None, rows: int) -> np.ndarray:
+        if out is None:
+            return np.empty((rows, self.hidden), np.float32)
+        if (out.shape != (rows, self.hidden) or out.dtype != np.float32
+                or not out.flags.c_contiguous or not out.flags.writeable):
+            raise ValueError(f"out must be a writeable C-contiguous float32 [{rows}, "
+                             f"{self.hidden}] array, got {out.dtype} {out.shape}")
         return out
 
     def _check_pairs(self, layer: int, rows: int, expert_ids: np.ndarray,
@@ -293,22 +305,28 @@ class CpuExpertPool:
         self._ring_all()
         self._await(self._seq)
         t_seen = time.perf_counter_ns()
-        status = ring.ctrl[:, rings.STATUS]
-        if (status != ERR_OK).any():
-            code = int(status[status != ERR_OK][0])
+        ctrl = ring.ctrl
+        W = self.num_workers
+        code = ERR_OK
+        for wk in range(W):
+            if ctrl[wk, rings.STATUS] != ERR_OK:
+                code = int(ctrl[wk, rings.STATUS])
+                break
+        if code != ERR_OK:
             reason = {ERR_EXPERT_ID: "expert id out of range",
                       ERR_NON_FINITE: "non-finite intermediate activation",
                       ERR_NO_LAYER: "layer missing from the worker's shard",
                       ERR_INTERNAL: "worker bug, traceback on its stderr"}.get(code, "error")
             raise CpuExpertError(f"layer {layer}: worker status {code} ({reason})")
-        self.last_kernel_ns = ring.ctrl[:, rings.KERNEL_NS].copy()
-        # wake-up (ring -> first worker starts) and notice (last worker ends -> seen here), ns
-        self.last_wake_ns = int(ring.ctrl[:, rings.T_START].min()) - t_ring
-        self.last_notice_ns = t_seen - int(ring.ctrl[:, rings.T_END].max())
         np.copyto(out, ring.out[0, :rows])
-        for wk in range(1, self.num_workers):
+        for wk in range(1, W):
             out += ring.out[wk, :rows]
-        self.last_client_ns = (t_ring - t_enter) + (time.perf_counter_ns() - t_seen)
+        t_out = time.perf_counter_ns()
+        self.last_kernel_ns = ctrl[:, rings.KERNEL_NS].copy()
+        # wake-up (ring -> first worker starts) and notice (last worker ends -> seen here), ns
+        self.last_wake_ns = int(ctrl[:, rings.T_START].min()) - t_ring
+        self.last_notice_ns = t_seen - int(ctrl[:, rings.T_END].max())
+        self.last_client_ns = (t_ring - t_enter) + (t_out - t_seen)
 
     def _await(self, seq: int) -> None:
         ctrl = self.ring.ctrl

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from cpu_experts.quant import BLOCK, quantize
-from cpu_experts.tiles import GROUPS, TILE_BYTES, TU
+from cpu_experts.tiles import BLOCK_BYTES, GROUPS, TILE_BYTES, TU
 
 ALIGN = 64
-NAMES = ("gu_w", "gu_s", "down_w", "down_s")
+NAMES = ("gu", "down")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,25 +79,28 @@ def shard_bounds(intermediate: int, num_shards: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def tiled_shapes(E: int, mats: int, units: int, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Kernel shapes of ``mats`` matrices per expert, each ``[units, n]`` reduced along n:
-    micro-tiles of 16 units, per block of 32 positions 512 int8 bytes and 16 float32 scales."""
-    return (E, mats, units // TU, n // BLOCK, TILE_BYTES), (E, mats, units // TU, n // BLOCK, TU)
+def tiled_shape(E: int, mats: int, units: int, n: int) -> tuple[int, ...]:
+    """Kernel shape of ``mats`` matrices per expert, each ``[units, n]`` reduced along n:
+    micro-tiles of 16 units; per block of 32 positions, 512 int8 weight bytes then 16 float32
+    scales (tiles.py)."""
+    return (E, mats, units // TU, n // BLOCK, BLOCK_BYTES)
 
 
-def tile_into(q: np.ndarray, s: np.ndarray, w_out: np.ndarray, s_out: np.ndarray) -> None:
-    """``q [E, U, n] int8, s [E, U, n/32] f16`` -> ``w_out [E, U/16, n/32, 512]`` int8 laid out
-    ``[8 groups][16 units][4 positions]`` per block (tiles.py), ``s_out [E, U/16, n/32, 16]``
-    float32. (w_out/s_out are one matrix's slice ``[:, m]`` of the kernel arrays.)
+def tile_into(q: np.ndarray, s: np.ndarray, out: np.ndarray) -> None:
+    """``q [E, U, n] int8, s [E, U, n/32] f16`` -> ``out [E, U/16, n/32, 576]`` int8: per block,
+    the weights ``[8 groups][16 units][4 positions]`` then the 16 scales as float32 bytes.
+    (``out`` is one matrix's slice ``[:, m]`` of the kernel array.)
     """
     E, U, n = q.shape
     nb = n // BLOCK
     if q.size and int(q.min()) == -128:  # the AVX2 kernel's |x| * sign(w, x) needs w != -128
         raise ValueError("int8 expert weights must lie in [-127, 127] (the canonical "
                          "quantizer's range); -128 found")
-    w_out[...] = (q.reshape(E, U // TU, TU, nb, GROUPS, 4).transpose(0, 1, 3, 4, 2, 5)
-                  .reshape(E, U // TU, nb, TILE_BYTES))
-    s_out[...] = s.astype(np.float32).reshape(E, U // TU, TU, nb).transpose(0, 1, 3, 2)
+    out[..., :TILE_BYTES] = (q.reshape(E, U // TU, TU, nb, GROUPS, 4).transpose(0, 1, 3, 4, 2, 5)
+                             .reshape(E, U // TU, nb, TILE_BYTES))
+    scales = s.astype(np.float32).reshape(E, U // TU, TU, nb).transpose(0, 1, 3, 2)
+    out[..., TILE_BYTES:] = np.ascontiguousarray(scales).view(np.int8).reshape(
+        E, U // TU, nb, BLOCK_BYTES - TILE_BYTES)
 
 
 def plan_shard(layers: dict[int, QuantizedLayer],
@@ -108,16 +111,16 @@ def plan_shard(layers: dict[int, QuantizedLayer],
     for layer, ql in sorted(layers.items()):
         lo, hi = bounds[layer]
         E, H, Is = ql.num_experts, ql.hidden, hi - lo
-        gw, gs = tiled_shapes(E, 2, Is, H)
-        dw, ds = tiled_shapes(E, 1, H, Is)
-        for name, shape, dt in zip(NAMES, (gw, gs, dw, ds), ("int8", "float32") * 2, strict=True):
+        for name, shape in zip(NAMES, (tiled_shape(E, 2, Is, H), tiled_shape(E, 1, H, Is)),
+                               strict=True):
+            dt = "int8"
             manifest.append((layer, name, shape, dt, off))
             off += -(-int(np.prod(shape)) * np.dtype(dt).itemsize // ALIGN) * ALIGN
     return manifest, off
 
 
 def views(buf, manifest: list) -> dict[int, tuple[np.ndarray, ...]]:
-    """Arrays of a manifest over a flat buffer: ``{layer: (gu_w, gu_s, down_w, down_s)}``."""
+    """Arrays of a manifest over a flat buffer: ``{layer: (gu, down)}``."""
     out: dict[int, list[np.ndarray]] = {}
     for layer, _name, shape, dt, off in manifest:
         count = int(np.prod(shape))
@@ -132,7 +135,7 @@ def write_shard(buf, manifest: list, layers: dict[int, QuantizedLayer],
     dst = views(buf, manifest)
     for layer, ql in layers.items():
         gq, gs, uq, us, dq, ds = ql.shard(*bounds[layer])
-        gu_w, gu_s, down_w, down_s = dst[layer]
-        tile_into(gq, gs, gu_w[:, 0], gu_s[:, 0])
-        tile_into(uq, us, gu_w[:, 1], gu_s[:, 1])
-        tile_into(dq, ds, down_w[:, 0], down_s[:, 0])
+        gu, down = dst[layer]
+        tile_into(gq, gs, gu[:, 0])
+        tile_into(uq, us, gu[:, 1])
+        tile_into(dq, ds, down[:, 0])

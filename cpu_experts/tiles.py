@@ -1,11 +1,12 @@
 """Exact int8 block-32 micro-kernels: one block of 32 positions x 16 output units x one row.
 
 Layout (shard.py): a matrix ``[units, n]`` reduced along ``n`` is stored as micro-tiles of
-:data:`TU` = 16 units; micro-tile ``t`` holds, per block ``b`` of 32 positions, 512 bytes
-``[8 groups][16 units][4 positions]`` (int8) and 16 float32 scales. So the 4 consecutive
-positions of one unit fill one 32-bit lane, and 64 bytes (one cache line, one zmm register)
-hold one group of 4 positions for all 16 units: the layout that int8 dot-product
-instructions consume, with lanes = units and no horizontal sums.
+:data:`TU` = 16 units; micro-tile ``t`` holds, per block ``b`` of 32 positions, 576 bytes
+(:data:`BLOCK_BYTES`): 512 bytes ``[8 groups][16 units][4 positions]`` (int8) then the 16
+units' float32 scales. So the 4 consecutive positions of one unit fill one 32-bit lane, 64
+bytes (one cache line, one zmm register) hold one group of 4 positions for all 16 units -- the
+layout that int8 dot-product instructions consume, with lanes = units and no horizontal sums
+-- and weights and scales are one stream.
 
 The arithmetic, for each row ``x`` (int8 values, scale ``sx``) and unit ``u``::
 
@@ -42,6 +43,7 @@ from cpu_experts.isa import ISA_AVX2, ISA_AVX512VNNI, ISA_PORTABLE
 TU = 16          # output units per micro-tile (32-bit lanes of a zmm register)
 GROUPS = 8       # groups of 4 positions in a block of 32
 TILE_BYTES = GROUPS * TU * 4  # int8 weights of one block of one micro-tile
+BLOCK_BYTES = TILE_BYTES + TU * 4  # ... followed by its 16 float32 scales
 
 _I1 = ir.IntType(1)
 _I8 = ir.IntType(8)
@@ -138,29 +140,27 @@ def _dot_portable(builder, wp, xp):
 
 
 @intrinsic
-def row_block(typingctx, isa, w, woff, s, soff, x, xoff, sx, o, ooff, ws):
-    """``o[ooff:ooff+16] += float32(dot) * (s[soff:soff+16] * sx)`` for one block and one row.
+def row_block(typingctx, isa, w, woff, x, xoff, sx, o, ooff, ws):
+    """``o[ooff:ooff+16] += float32(dot) * (scales * sx)`` for one block and one row.
 
-    w int8 (the micro-tile's block at ``woff``, 512 bytes), s float32 scales, x int8
-    activations (32 at ``xoff``; for VNNI stored as ``x ^ 0x80``), sx float32, o float32,
-    ws int32[16] from :func:`block_prologue` (read by VNNI only).
+    w int8: the micro-tile's block at byte ``woff`` (512 weight bytes, 16 float32 scales);
+    x int8 activations (32 at ``xoff``; for VNNI stored as ``x ^ 0x80``), sx float32, o
+    float32, ws int32[16] from :func:`block_prologue` (read by VNNI only).
     """
     which = _isa_of(isa)
     _check_array(w, types.int8, "w")
-    _check_array(s, types.float32, "s")
     _check_array(x, types.int8, "x")
     _check_array(o, types.float32, "o")
     _check_array(ws, types.int32, "ws")
-    sig = types.void(isa, w, types.int64, s, types.int64, x, types.int64, types.float32,
-                     o, types.int64, ws)
+    sig = types.void(isa, w, types.int64, x, types.int64, types.float32, o, types.int64, ws)
 
     def codegen(context, builder, signature, args):
-        _, wv, woffv, sv, soffv, xv, xoffv, sxv, ov, ooffv, wsv = args
+        _, wv, woffv, xv, xoffv, sxv, ov, ooffv, wsv = args
         aty = signature.args
         wp = _ptr(context, builder, aty[1], wv, woffv, ir.VectorType(_I32, 16))
-        xp = _ptr(context, builder, aty[5], xv, xoffv, _I32)
+        xp = _ptr(context, builder, aty[3], xv, xoffv, _I32)
         if which == ISA_AVX512VNNI:
-            start = builder.load(_ptr(context, builder, aty[10], wsv, None,
+            start = builder.load(_ptr(context, builder, aty[8], wsv, None,
                                       ir.VectorType(_I32, 16)), align=4)
             dots = _dot_vnni(builder, wp, xp, start)
         elif which == ISA_AVX2:
@@ -169,8 +169,9 @@ def row_block(typingctx, isa, w, woff, s, soff, x, xoff, sx, o, ooff, ws):
             dots = _dot_portable(builder, wp, xp)
         lanes = TU // len(dots)
         vf = ir.VectorType(_F32, lanes)
-        sp = _ptr(context, builder, aty[3], sv, soffv, vf)
-        op = _ptr(context, builder, aty[8], ov, ooffv, vf)
+        scales = builder.gep(builder.bitcast(wp, _I8.as_pointer()), [ir.Constant(_I32, TILE_BYTES)])
+        sp = builder.bitcast(scales, vf.as_pointer())
+        op = _ptr(context, builder, aty[6], ov, ooffv, vf)
         sxs = _splat(builder, sxv, vf)
         for h, dot in enumerate(dots):
             idx = [ir.Constant(_I32, h)]
@@ -184,28 +185,29 @@ def row_block(typingctx, isa, w, woff, s, soff, x, xoff, sx, o, ooff, ws):
 
 
 @intrinsic
-def block_prologue(typingctx, isa, w, woff, ws, ahead):
-    """Before the rows of one block: prefetch the weights ``ahead`` bytes on, and for VNNI
-    write ``ws[:16] = -128 * sum_t w[u, t]`` (the unsigned-activation correction)."""
+def block_prologue(typingctx, isa, w, woff, ws, pf):
+    """Before the rows of one block: prefetch the 576 bytes at byte ``pf`` of w (a block read
+    later; any offset is safe: prefetches never fault), and for VNNI write
+    ``ws[:16] = -128 * sum_t w[u, t]`` of the block at ``woff`` (the unsigned-activation
+    correction)."""
     which = _isa_of(isa)
     _check_array(w, types.int8, "w")
     _check_array(ws, types.int32, "ws")
     sig = types.void(isa, w, types.int64, ws, types.int64)
 
     def codegen(context, builder, signature, args):
-        _, wv, woffv, wsv, aheadv = args
+        _, wv, woffv, wsv, pfv = args
         aty = signature.args
         v16 = ir.VectorType(_I32, 16)
-        wp = _ptr(context, builder, aty[1], wv, woffv, v16)
-        byte_ptr = builder.bitcast(wp, _I8.as_pointer())
-        far = builder.gep(byte_ptr, [context.cast(builder, aheadv, types.int64, types.intp)])
+        far = _ptr(context, builder, aty[1], wv, pfv, _I8)
         prefetch = _fn(builder, "llvm.prefetch.p0", ir.VoidType(),
                        [_I8.as_pointer(), _I32, _I32, _I32])
-        for line in range(0, TILE_BYTES, 64):
+        for line in range(0, BLOCK_BYTES, 64):
             addr = builder.gep(far, [ir.Constant(_I32, line)])
             builder.call(prefetch, [addr, ir.Constant(_I32, 0), ir.Constant(_I32, 3),
                                     ir.Constant(_I32, 1)])
         if which == ISA_AVX512VNNI:
+            wp = _ptr(context, builder, aty[1], wv, woffv, v16)
             bias = _splat(builder, ir.Constant(_I32, -0x7F7F7F80), v16)  # every byte 0x80
             dp = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16, v16, v16])
             acc = ir.Constant(v16, [0] * 16)

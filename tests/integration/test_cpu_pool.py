@@ -144,3 +144,20 @@ def test_instruction_set_option(layers) -> None:
     for name in (n for i, n in cpu_isa.NAMES.items() if i not in cpu_isa.available()):
         with pytest.raises(ValueError, match="cannot run"):
             CpuExpertPool(layers, num_workers=1, isa=name)
+
+
+def test_out_buffer(pool) -> None:
+    """``out=`` is written and returned (rows split over ring loads too); a wrong buffer is
+    refused before anything is sent, and the pool keeps serving."""
+    x, ids, w = routing(12, 20)
+    buf = np.full((20, H), np.nan, np.float32)
+    got = pool.dispatch(2, x, ids, w, out=buf)
+    assert got is buf and buf.tobytes() == expected(pool, 2, x, ids, w).tobytes()
+    q, d = quantize(np.asarray(x, np.float32))
+    got = pool.dispatch_quantized(5, q, d, ids, w, out=buf)
+    assert got is buf and buf.tobytes() == expected(pool, 5, x, ids, w).tobytes()
+    for bad in (np.empty((20, H), np.float64), np.empty((19, H), np.float32),
+                np.empty((H, 20), np.float32).T):
+        with pytest.raises(ValueError, match="out must be"):
+            pool.dispatch(2, x, ids, w, out=bad)
+    assert pool.dispatch(2, x, ids, w).tobytes() == expected(pool, 2, x, ids, w).tobytes()

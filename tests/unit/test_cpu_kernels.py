@@ -154,20 +154,22 @@ def test_row_counts_equal_reference_bitwise(rows: int, isa: int) -> None:
 
 
 def test_tile_layout() -> None:
-    """Micro-tile t, block b holds w[16t + u, 32b + 4g + c] at byte (g * 16 + u) * 4 + c."""
+    """Micro-tile t, block b holds w[16t + u, 32b + 4g + c] at byte (g * 16 + u) * 4 + c, then
+    the 16 scales as float32 from byte 512."""
     rng = np.random.default_rng(6)
     E_, U, n = 2, 48, 96
     q = rng.integers(-127, 128, (E_, U, n)).astype(np.int8)
     s = rng.random((E_, U, n // 32)).astype(np.float16)
-    (w_shape, s_shape) = shard.tiled_shapes(E_, 1, U, n)
-    w_out, s_out = np.empty(w_shape, np.int8), np.empty(s_shape, np.float32)
-    shard.tile_into(q, s, w_out[:, 0], s_out[:, 0])
+    out = np.empty(shard.tiled_shape(E_, 1, U, n), np.int8)
+    assert out.shape == (E_, 1, U // 16, n // 32, 576)
+    shard.tile_into(q, s, out[:, 0])
     for e, t, b, g, u, c in [(0, 0, 0, 0, 0, 0), (1, 2, 1, 7, 15, 3), (1, 1, 2, 3, 9, 2)]:
-        assert w_out[e, 0, t, b, (g * 16 + u) * 4 + c] == q[e, 16 * t + u, 32 * b + 4 * g + c]
-        assert s_out[e, 0, t, b, u] == np.float32(s[e, 16 * t + u, b])
+        blk = out[e, 0, t, b]
+        assert blk[(g * 16 + u) * 4 + c] == q[e, 16 * t + u, 32 * b + 4 * g + c]
+        assert blk[512:].copy().view(np.float32)[u] == np.float32(s[e, 16 * t + u, b])
     q[0, 5, 7] = -128
     with pytest.raises(ValueError, match=r"\[-127, 127\]"):
-        shard.tile_into(q, s, w_out[:, 0], s_out[:, 0])
+        shard.tile_into(q, s, out[:, 0])
 
 
 def test_isa_selection(monkeypatch) -> None:
