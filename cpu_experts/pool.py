@@ -110,7 +110,8 @@ class CpuExpertPool:
                         for layer, ql in self.layers.items()} for w in range(self.num_workers)]
         self._seq = 0
         self.last_kernel_ns = np.zeros(self.num_workers, np.int64)
-        self.last_wake_ns = self.last_notice_ns = self.last_client_ns = 0
+        self.last_wake_ns = self.last_notice_ns = self.last_client_ns = self.last_pre_ns = 0
+        self._t_call = 0
         self.ready_info: list[dict] = []
         try:
             self._start(spin_us, start_timeout)
@@ -129,7 +130,7 @@ class CpuExpertPool:
         specs = []
         for w in range(W):
             manifest, size = shard.plan_shard(self.layers, self.bounds[w])
-            wfile = rings.SharedFile.create(size, f"experts{w}")
+            wfile = rings.SharedFile.create(size, f"experts{w}", huge=True)
             self._res.files.append(wfile)
             shard.write_shard(wfile.buf, manifest, self.layers, self.bounds[w])
             bell = rings.Doorbell()
@@ -219,6 +220,7 @@ class CpuExpertPool:
         over the pairs with ``expert_ids >= 0`` (-1: not on the CPU, skipped). ``out``: an
         optional C-contiguous float32 ``[R, H]`` array to write (and return) instead of a new
         one (a reused buffer saves the page faults of a fresh one per layer)."""
+        self._t_call = time.perf_counter_ns()
         x = np.asarray(x)
         if x.ndim != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"x must be [rows, {self.hidden}], got {x.shape}")
@@ -245,6 +247,7 @@ class CpuExpertPool:
         """Like :meth:`dispatch` for activations already quantized by the canonical rule
         (e.g. by the fused GPU kernel): ``q [R, H] int8``, ``scales [R, H/32]`` float16 (or
         their uint16 bits)."""
+        self._t_call = time.perf_counter_ns()
         R = q.shape[0]
         if q.shape != (R, self.hidden) or q.dtype != np.int8:
             raise ValueError(f"q must be int8 [rows, {self.hidden}], got {q.dtype} {q.shape}")
@@ -327,6 +330,8 @@ class CpuExpertPool:
         self.last_wake_ns = int(ctrl[:, rings.T_START].min()) - t_ring
         self.last_notice_ns = t_seen - int(ctrl[:, rings.T_END].max())
         self.last_client_ns = (t_ring - t_enter) + (t_out - t_seen)
+        self.last_pre_ns = t_enter - self._t_call  # checks and input copies before this load
+        self._t_call = time.perf_counter_ns()
 
     def _await(self, seq: int) -> None:
         ctrl = self.ring.ctrl

@@ -49,7 +49,7 @@ class ExpertWorker:
         self.ring_file = rings.SharedFile(spec["ring_path"])
         self.ring = rings.Ring(self.ring_file.buf, spec["num_workers"], spec["max_rows"],
                                spec["hidden"], spec["max_k"])
-        self.weights_file = rings.SharedFile(spec["weights_path"])
+        self.weights_file = rings.SharedFile(spec["weights_path"], huge=True)
         self.layers = shard.views(self.weights_file.buf, spec["manifest"])
         self.doorbell = rings.Doorbell(spec["doorbell_fd"])
         self.poller = select.poll()
@@ -91,7 +91,7 @@ class ExpertWorker:
         while True:
             seq = self._wait(last)
             last = seq
-            cmd, layer, rows, k = (int(v) for v in ring.header[:4])
+            cmd, layer, rows, k = ring.header[:4].tolist()
             if cmd == rings.CMD_STOP:
                 ctrl[rings.SEQ_OUT] = seq
                 return
@@ -131,6 +131,8 @@ def main() -> int:
     ready = {"kind": "ready", "index": worker.index, "pid": os.getpid(),
              "protocol": PROTOCOL_VERSION, "threads": numba.get_num_threads(),
              "isa": isa.NAMES[worker.isa], "prefetch_bytes": worker.ahead,
+             "weights_mib": worker.weights_file.size >> 20,
+             "weights_huge_mib": rings.huge_kib(worker.weights_file.path) >> 10,
              "threading_layer": numba.threading_layer(), "cores": sorted(os.sched_getaffinity(0))}
     sys.stdout.write(json.dumps(ready) + "\n")
     sys.stdout.flush()

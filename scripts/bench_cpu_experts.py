@@ -104,7 +104,8 @@ def measure(pool: CpuExpertPool, n_layers: int, ids_list: list[np.ndarray], I: i
         if i >= warmup:
             walls.append(wall)
             kernels.append(int(pool.last_kernel_ns.max()))
-            parts.append((pool.last_wake_ns, pool.last_notice_ns, pool.last_client_ns))
+            parts.append((pool.last_wake_ns, pool.last_notice_ns, pool.last_client_ns,
+                          pool.last_pre_ns))
             distinct.append(len(np.unique(ids[ids >= 0])))
     expert_bytes = 3 * I * H * (1 + 4 / 32)  # int8 weights + float32 block scales, as stored
     wall_us = float(np.median(walls)) / 1e3
@@ -117,7 +118,7 @@ def measure(pool: CpuExpertPool, n_layers: int, ids_list: list[np.ndarray], I: i
             "dispatch_us": float(np.median(np.subtract(walls, kernels))) / 1e3,
             # where dispatch time goes: ring -> worker starts, worker ends -> seen, client work
             **{f"{name}_us": float(np.median([p[i] for p in parts])) / 1e3
-               for i, name in enumerate(("wake", "notice", "client"))}}
+               for i, name in enumerate(("wake", "notice", "client", "pre"))}}
 
 
 def main() -> None:
@@ -130,7 +131,12 @@ def main() -> None:
     ap.add_argument("--isa", default=None, help="portable | avx2 | avx512vnni (default: best)")
     ap.add_argument("--prefetch", type=int, default=None, help="prefetch distance, bytes")
     ap.add_argument("--combos", default="", help="I:E pairs, e.g. 512:128,768:512")
+    ap.add_argument("--kinds", default="random,skewed,one_expert,none",
+                    help="routings to run (comma-separated)")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts to run")
+    ap.add_argument("--topks", default="", help="top-k values (default 8,10)")
     ap.add_argument("--table", default="", help="print markdown tables of a result JSON, exit")
+    ap.add_argument("--pages", default="", help="write a 4 KiB vs 2 MiB page experiment here")
     args = ap.parse_args()
     if args.table:
         with open(args.table) as f:
@@ -141,6 +147,9 @@ def main() -> None:
     worker_cores = [c for c in usable if c != args.client_core] or usable
     groups = [list(g) for g in np.array_split(worker_cores, args.workers)]
     dram = dram_read_gbps(len(worker_cores), (256 << 20) if args.quick else (2 << 30))
+    if args.pages:
+        with open(args.pages, "w") as f:
+            json.dump(page_experiment(len(worker_cores), args.iters), f, indent=1)
     os.sched_setaffinity(0, [args.client_core])  # the dispatching thread gets its own core
     set_num_threads(1)
     machine = {"machine": platform.node(), "cpu": _cpu_model(), "threads": len(worker_cores),
@@ -150,6 +159,10 @@ def main() -> None:
     if args.combos:
         combos = [tuple(int(v) for v in c.split(":")) for c in args.combos.split(",")]
     topks = (8,) if args.quick else (8, 10)
+    if args.topks:
+        topks = tuple(int(v) for v in args.topks.split(","))
+    kinds = args.kinds.split(",")
+    rows_run = [int(v) for v in args.rows.split(",")]
     budget = (64 << 20) if args.quick else (1600 << 20)
     records = []
     for I, E in combos:
@@ -159,12 +172,18 @@ def main() -> None:
         with CpuExpertPool(random_layers(E, I, n_layers, seed=E + I), cores=groups,
                            max_rows=64, max_k=16, isa=args.isa,
                            prefetch_bytes=args.prefetch) as pool:
-            machine.update(isa=pool.ready_info[0]["isa"],
-                           prefetch_bytes=pool.ready_info[0]["prefetch_bytes"])
+            info = pool.ready_info[0]
+            machine.update(isa=info["isa"], prefetch_bytes=info["prefetch_bytes"],
+                           thp_shmem=_sysfs("transparent_hugepage/shmem_enabled"))
+            print(f"# isa={info['isa']} weights {info['weights_mib']} MiB, in huge pages "
+                  f"{info['weights_huge_mib']} MiB (shmem THP: {machine['thp_shmem']})",
+                  flush=True)
             print(f"# I={I} E={E}: {n_layers} layers, pool up in "
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
-            cases = [(k, r, kind) for k in topks for kind in ("random", "skewed") for r in ROWS]
-            cases += [(1, r, "one_expert") for r in ROWS] + [(8, 16, "none")]
+            cases = [(k, r, kind) for k in topks for kind in ("random", "skewed") for r in rows_run
+                     if kind in kinds]
+            cases += [(1, r, "one_expert") for r in rows_run if "one_expert" in kinds]
+            cases += [(8, 16, "none")] if "none" in kinds else []
             for topk, rows, kind in cases:
                 ids = routings(kind, E, topk, rows, args.iters + 4, seed=rows * 100 + topk)
                 rec = dict(machine, H=H, I=I, E=E, topk=topk, rows=rows, routing=kind,
@@ -182,11 +201,67 @@ def main() -> None:
     print(f"# threads={get_num_threads()} (client); done")
 
 
+def page_experiment(threads: int, iters: int, I: int = 768, E: int = 128) -> list[dict]:
+    """The layer kernel called in-process (no pool) on the same tiled weights in 4 KiB pages
+    and in anonymous memory advised for 2 MiB pages: does the page size change the streaming
+    rate? 1 row, top-8 random routing, enough layers to exceed the L3."""
+    import mmap
+
+    from cpu_experts import isa as cpu_isa
+    from cpu_experts import kernels, shard
+
+    set_num_threads(threads)
+    layers = random_layers(E, I, 3, seed=1)
+    manifest, size = shard.plan_shard(layers, {k: (0, I) for k in layers})
+    kernel = kernels.layer_kernel(cpu_isa.select())
+    x = np.random.default_rng(0).standard_normal((1, H)).astype(np.float32)
+    q, d = quantize(x)
+    out = np.empty((1, H), np.float32)
+    results = []
+    for pages in ("4k", "2m"):
+        buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if pages == "4k":
+            buf.madvise(mmap.MADV_NOHUGEPAGE)
+        else:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        shard.write_shard(buf, manifest, layers, {k: (0, I) for k in layers})
+        views = shard.views(buf, manifest)
+        ids_list = routings("random", E, 8, 1, iters + 4, seed=3)
+        times = []
+        for i, ids in enumerate(ids_list):
+            t0 = time.perf_counter_ns()
+            kernel(*views[i % len(views)], q, d.view(np.uint16), ids,
+                   np.ones(ids.shape, np.float32), out, kernels.PREFETCH_AHEAD)
+            if i >= 4:
+                times.append(time.perf_counter_ns() - t0)
+        us = float(np.median(times)) / 1e3
+        wbytes = 8 * 3 * I * H * (1 + 4 / 32)
+        rec = {"pages": pages, "I": I, "E": E, "rows": 1, "topk": 8, "threads": threads,
+               "kernel_us": us, "kernel_gbps": wbytes / us / 1e3,
+               "huge_kib": _smaps_anon_huge_kib()}
+        print("# pages", json.dumps(rec), flush=True)
+        results.append(rec)
+        del views
+        buf.close()
+    return results
+
+
+def _smaps_anon_huge_kib() -> int:
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
 def markdown_tables(records: list[dict]) -> str:
     """The tables of docs/cpu_experts.md: layers at top-k 8, the cost of rows on one expert,
     and the dispatch overhead with no CPU work."""
     lines = ["| I | E | routing | rows | distinct experts | weight MB | us/layer | kernel us | "
-             "eff. GB/s | dispatch us (wake / notice / client) |", "|" + "---|" * 10]
+             "eff. GB/s | dispatch us (wake / notice / client / pre) |", "|" + "---|" * 10]
     for r in records:
         if r["topk"] == 8 and r["routing"] in ("random", "skewed") and r["rows"] in (1, 4, 16):
             lines.append(
@@ -194,7 +269,8 @@ def markdown_tables(records: list[dict]) -> str:
                 f"{r['distinct_experts']:.1f} | {r['weight_bytes'] / 1e6:.0f} | "
                 f"{r['us_per_layer']:.0f} | {r['kernel_us']:.0f} | {r['effective_gbps']:.1f} | "
                 f"{r['dispatch_us']:.0f} ({r.get('wake_us', 0):.0f} / "
-                f"{r.get('notice_us', 0):.0f} / {r.get('client_us', 0):.0f}) |")
+                f"{r.get('notice_us', 0):.0f} / {r.get('client_us', 0):.0f} / "
+                f"{r.get('pre_us', 0):.0f}) |")
     lines += ["", "| I | E | " + " | ".join(f"{n} row{'s' * (n > 1)}" for n in ROWS)
               + " | 16 / 1 |", "|" + "---|" * (len(ROWS) + 3)]
     one: dict[tuple[int, int], dict[int, float]] = {}
@@ -211,6 +287,14 @@ def markdown_tables(records: list[dict]) -> str:
             lines.append(f"| {r['I']} | {r['E']} | {r['us_per_layer']:.0f} | "
                          f"{r['kernel_us']:.0f} | {r['dispatch_us']:.0f} |")
     return "\n".join(lines)
+
+
+def _sysfs(name: str) -> str:
+    try:
+        with open(f"/sys/kernel/mm/{name}") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
 
 
 def _cpu_model() -> str:
