@@ -30,7 +30,7 @@ from cpu_experts.tiles import BLOCK_BYTES, TU, block_prologue, row_block
 ERR_OK = 0
 ERR_EXPERT_ID = 1
 ERR_NON_FINITE = 2
-PREFETCH_AHEAD = 8192  # bytes ahead of the block being read (default; 0 = the block itself)
+PREFETCH_AHEAD = 16384  # bytes ahead of the block being read (default; 0 = the block itself)
 
 
 @njit(cache=True, nogil=True)

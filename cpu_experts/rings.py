@@ -50,15 +50,21 @@ class SharedFile:
     ``within_size``); elsewhere this is a no-op. :func:`huge_kib` says what was granted.
     """
 
-    def __init__(self, path: str, size: int | None = None, huge: bool = False) -> None:
+    def __init__(self, path: str, size: int | None = None, huge: bool = False,
+                 populate: bool = False) -> None:
         self.path = path
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if size is not None else 0)
         fd = os.open(path, flags, 0o600)
+        # NOTE: populate maps every page at once (MAP_POPULATE). Without it each page of a
+        # shard costs a minor fault the first time the worker touches it -- inside a layer's
+        # dispatch, ~0.5 us per 4 KiB: about half of the time of an expert used for the
+        # first time.
+        mflags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         try:
             if size is not None:
                 os.ftruncate(fd, max(size, 1))
             self.size = os.fstat(fd).st_size
-            self.buf = mmap.mmap(fd, self.size)
+            self.buf = mmap.mmap(fd, self.size, flags=mflags)
         finally:
             os.close(fd)
         if huge and hasattr(mmap, "MADV_HUGEPAGE"):

@@ -49,7 +49,7 @@ class ExpertWorker:
         self.ring_file = rings.SharedFile(spec["ring_path"])
         self.ring = rings.Ring(self.ring_file.buf, spec["num_workers"], spec["max_rows"],
                                spec["hidden"], spec["max_k"])
-        self.weights_file = rings.SharedFile(spec["weights_path"], huge=True)
+        self.weights_file = rings.SharedFile(spec["weights_path"], huge=True, populate=True)
         self.layers = shard.views(self.weights_file.buf, spec["manifest"])
         self.doorbell = rings.Doorbell(spec["doorbell_fd"])
         self.poller = select.poll()

@@ -241,8 +241,7 @@ def page_experiment(threads: int, iters: int, I: int = 768, E: int = 128) -> lis
                "huge_kib": _smaps_anon_huge_kib()}
         print("# pages", json.dumps(rec), flush=True)
         results.append(rec)
-        del views
-        buf.close()
+        del views  # the mapping goes with its last view
     return results
 
 
