@@ -130,7 +130,7 @@ class CpuExpertPool:
         specs = []
         for w in range(W):
             manifest, size = shard.plan_shard(self.layers, self.bounds[w])
-            wfile = rings.SharedFile.create(size, f"experts{w}", huge=True)
+            wfile = rings.SharedFile.create(size, f"experts{w}")
             self._res.files.append(wfile)
             shard.write_shard(wfile.buf, manifest, self.layers, self.bounds[w])
             bell = rings.Doorbell()

@@ -42,23 +42,15 @@ def shm_dir() -> str:
 
 class SharedFile:
     """A named shared-memory file mapped read-write; ``create`` sizes it, else it is attached.
+    ``populate=True`` maps every page at once (see the note in ``__init__``)."""
 
-    ``huge=True`` asks for transparent huge pages (``madvise(MADV_HUGEPAGE)``, before anything
-    is written): weights are streamed, and 2 MiB pages spare TLB misses and let hardware
-    prefetchers run past 4 KiB boundaries. The kernel grants them only where
-    ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` allows (``advise``, ``always``,
-    ``within_size``); elsewhere this is a no-op. :func:`huge_kib` says what was granted.
-    """
-
-    def __init__(self, path: str, size: int | None = None, huge: bool = False,
-                 populate: bool = False) -> None:
+    def __init__(self, path: str, size: int | None = None, populate: bool = False) -> None:
         self.path = path
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if size is not None else 0)
         fd = os.open(path, flags, 0o600)
-        # NOTE: populate maps every page at once (MAP_POPULATE). Without it each page of a
-        # shard costs a minor fault the first time the worker touches it -- inside a layer's
-        # dispatch, ~0.5 us per 4 KiB: about half of the time of an expert used for the
-        # first time.
+        # NOTE: populate maps every page at once (MAP_POPULATE). Without it each 4 KiB page of
+        # a shard costs a minor fault the first time the worker touches it, inside a layer's
+        # dispatch: a cold expert then takes far longer than DRAM speed.
         mflags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         try:
             if size is not None:
@@ -67,16 +59,11 @@ class SharedFile:
             self.buf = mmap.mmap(fd, self.size, flags=mflags)
         finally:
             os.close(fd)
-        if huge and hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
-                self.buf.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:
-                pass  # not supported here: 4 KiB pages
 
     @classmethod
-    def create(cls, size: int, tag: str, huge: bool = False) -> SharedFile:
+    def create(cls, size: int, tag: str) -> SharedFile:
         name = f"tandem-{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        return cls(os.path.join(shm_dir(), name), size, huge)
+        return cls(os.path.join(shm_dir(), name), size)
 
     def unlink(self) -> None:
         try:
@@ -89,23 +76,6 @@ class SharedFile:
             self.buf.close()
         except BufferError:
             pass  # numpy views still alive: the mapping goes when they do
-
-
-def huge_kib(path: str) -> int:
-    """KiB of this process's mappings of ``path`` held in huge pages (from /proc/self/smaps;
-    0 where unknown)."""
-    total, inside = 0, False
-    try:
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                head = line.split(maxsplit=1)[0]
-                if "-" in head and not head.endswith(":"):  # a mapping's header line
-                    inside = line.rstrip().endswith(path)
-                elif inside and head in ("ShmemPmdMapped:", "FilePmdMapped:"):
-                    total += int(line.split()[1])
-    except OSError:
-        return 0
-    return total
 
 
 def _aligned(n: int) -> int:

@@ -49,7 +49,7 @@ class ExpertWorker:
         self.ring_file = rings.SharedFile(spec["ring_path"])
         self.ring = rings.Ring(self.ring_file.buf, spec["num_workers"], spec["max_rows"],
                                spec["hidden"], spec["max_k"])
-        self.weights_file = rings.SharedFile(spec["weights_path"], huge=True, populate=True)
+        self.weights_file = rings.SharedFile(spec["weights_path"], populate=True)
         self.layers = shard.views(self.weights_file.buf, spec["manifest"])
         self.doorbell = rings.Doorbell(spec["doorbell_fd"])
         self.poller = select.poll()
@@ -132,7 +132,6 @@ def main() -> int:
              "protocol": PROTOCOL_VERSION, "threads": numba.get_num_threads(),
              "isa": isa.NAMES[worker.isa], "prefetch_bytes": worker.ahead,
              "weights_mib": worker.weights_file.size >> 20,
-             "weights_huge_mib": rings.huge_kib(worker.weights_file.path) >> 10,
              "threading_layer": numba.threading_layer(), "cores": sorted(os.sched_getaffinity(0))}
     sys.stdout.write(json.dumps(ready) + "\n")
     sys.stdout.flush()

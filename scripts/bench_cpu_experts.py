@@ -173,11 +173,8 @@ def main() -> None:
                            max_rows=64, max_k=16, isa=args.isa,
                            prefetch_bytes=args.prefetch) as pool:
             info = pool.ready_info[0]
-            machine.update(isa=info["isa"], prefetch_bytes=info["prefetch_bytes"],
-                           thp_shmem=_sysfs("transparent_hugepage/shmem_enabled"))
-            print(f"# isa={info['isa']} weights {info['weights_mib']} MiB, in huge pages "
-                  f"{info['weights_huge_mib']} MiB (shmem THP: {machine['thp_shmem']})",
-                  flush=True)
+            machine.update(isa=info["isa"], prefetch_bytes=info["prefetch_bytes"])
+            print(f"# isa={info['isa']} weights {info['weights_mib']} MiB", flush=True)
             print(f"# I={I} E={E}: {n_layers} layers, pool up in "
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
             cases = [(k, r, kind) for k in topks for kind in ("random", "skewed") for r in rows_run
@@ -286,14 +283,6 @@ def markdown_tables(records: list[dict]) -> str:
             lines.append(f"| {r['I']} | {r['E']} | {r['us_per_layer']:.0f} | "
                          f"{r['kernel_us']:.0f} | {r['dispatch_us']:.0f} |")
     return "\n".join(lines)
-
-
-def _sysfs(name: str) -> str:
-    try:
-        with open(f"/sys/kernel/mm/{name}") as f:
-            return f.read().strip()
-    except OSError:
-        return "unknown"
 
 
 def _cpu_model() -> str:
