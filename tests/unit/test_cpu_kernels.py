@@ -56,14 +56,27 @@ def routing(rng: np.random.Generator, rows: int, k: int) -> tuple[np.ndarray, np
     return ids, rng.random((rows, k)).astype(np.float32)
 
 
-def test_exp64_numba_matches_numpy_bitwise() -> None:
-    x = np.concatenate([np.linspace(-750, 750, 20001), [-708.0, -707.9, 709.0, 709.1, 0.0, -0.0],
-                        np.random.default_rng(0).standard_normal(5000) * 30])
-    want = reference.exp64(x)
-    got = np.array([kernels.exp64(float(v)) for v in x])
+def test_silu_mul_block_matches_numpy_bitwise() -> None:
+    """The kernels' vectorised SiLU * up equals reference.silu_mul bit for bit, across exp64's
+    whole range, its clamp edges, signed zeros, tiny values and infinities."""
+    edges = [-708.0, -707.9, 709.0, 709.1, 708.0, -709.0, 708.5, -708.5, 0.0, -0.0, 1e-30,
+             -1e-30, 1e-40, np.inf, -np.inf, 88.7, -88.7, 1e4, -1e4]
+    rng = np.random.default_rng(0)
+    g = np.concatenate([np.linspace(-750, 750, 20001), edges, rng.standard_normal(5000) * 30,
+                        rng.standard_normal(5000) * 3]).astype(np.float32)
+    g = g[:len(g) // 32 * 32]
+    u = rng.standard_normal(g.shape).astype(np.float32)
+    with np.errstate(all="ignore"):
+        want = reference.silu_mul(g, u)
+    got = np.empty_like(g)
+    h = np.empty(32, np.float32)
+    for o in range(0, g.size, 32):
+        kernels.silu_mul_block(g, u, o, h)
+        got[o:o + 32] = h
     assert got.tobytes() == want.tobytes()
-    inside = (x > -700) & (x < 700)
-    assert np.allclose(want[inside], np.exp(x[inside]), rtol=4e-16, atol=0)
+    inside = np.abs(g) < 700
+    g64 = g[inside].astype(np.float64)
+    assert np.allclose(want[inside], g64 / (1 + np.exp(-g64)) * u[inside], rtol=1e-6, atol=1e-30)
 
 
 def test_f16_value_all_finite_halves() -> None:
