@@ -6,7 +6,7 @@
    block by block, and applies every block to all of the expert's rows (tiles.py), so 16 rows
    cost little more DRAM traffic than one, and threads stay busy whether one expert has 16
    rows or 16 experts have one row each;
-2. SiLU * up and the re-quantization of h, per (row, expert) pair;
+2. SiLU * up and the re-quantization of h, items = (pair, block of 32);
 3. down and the per-row weighted sum: items = 16-unit micro-tiles of H; each item runs down
    for every expert, then sums the row's experts in slot order for its 16 outputs.
 
