@@ -3,8 +3,12 @@
 
 Sources (all from the running interpreter's standard library, PSF License):
 
-* ``code``  - the ``.py`` files of the standard library (tests included),
+* ``code``  - the ``.py`` files of the standard library (tests included), and those of the
+  pip and setuptools wheels the stdlib bundles for ``ensurepip`` (``ensurepip/_bundled/*.whl``,
+  pip's vendored libraries included; train split only, see :func:`iter_wheels`),
 * ``prose`` - module/class/function docstrings and the ``pydoc_data.topics`` texts,
+* ``func``  - (train split only) each documented function of the train split as a document of
+  its own: signature, cleaned docstring and body, the format of the compile-rate prompts,
 * ``chat``  - chat-formatted examples derived from the same material, rendered exactly as
   ``models/tandem-tiny/chat_template.jinja`` renders them (Qwen3 format): docstring -> code,
   explain-this-code, and tool-call conversations (read_file / write_file / check_python)
@@ -44,6 +48,14 @@ SKIP_DIRS = {"site-packages", "__pycache__", "dist-packages"}
 MAX_FILE_CHARS = 200_000
 MIN_FUNC_CHARS = 60
 MAX_FUNC_CHARS = 2_400
+# Bundled wheels: a file is skipped when it is mostly data (letters under this share of its
+# non-blank characters: chardet's frequency tables, idna's Unicode tables) or when this share
+# of its distinct lines (of at least WHEEL_LINE_CHARS characters) also occurs in held-out stdlib
+# code (setuptools._distutils is distutils, zipp is zipfile.Path, setuptools/glob.py is glob).
+WHEEL_MIN_LETTERS = 0.5
+WHEEL_MAX_HELDOUT_OVERLAP = 0.1
+WHEEL_LINE_CHARS = 30
+WHEEL_KEY_PREFIX = "wheel:"
 
 SYSTEM_DEFAULT = "You are a helpful assistant."
 
@@ -172,6 +184,11 @@ class SourceFile:
     rel: str  # e.g. "json/decoder.py"
     module: str  # e.g. "json.decoder"
     key: str  # split key
+    shown: str = ""  # the path chat examples show; default "Lib/" + rel
+
+    @property
+    def display_path(self) -> str:
+        return self.shown or f"Lib/{self.rel}"
 
 
 def split_key(module: str) -> str:
@@ -187,6 +204,9 @@ def split_key(module: str) -> str:
 
 
 def is_heldout(key: str) -> bool:
+    """The key's salted hash falls in the held-out buckets; bundled-wheel keys never do."""
+    if key.startswith(WHEEL_KEY_PREFIX):
+        return False
     digest = hashlib.sha256(f"{SPLIT_SALT}:{key}".encode()).digest()
     return int.from_bytes(digest[:8], "big") % HELDOUT_BUCKETS < HELDOUT_PERMILLE
 
@@ -206,14 +226,52 @@ def iter_stdlib(root: Path) -> Iterator[SourceFile]:
         yield SourceFile(p, rel, mod, split_key(mod))
 
 
-def read_source(path: Path) -> str | None:
+def decode_source(raw: bytes) -> str | None:
     try:
-        text = path.read_text(encoding="utf-8")
-    except (UnicodeDecodeError, OSError):
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
         return None
     if "\x00" in text or len(text) > MAX_FILE_CHARS or not text.strip():
         return None
     return text.replace("\r\n", "\n")
+
+
+def read_source(path: Path) -> str | None:
+    try:
+        return decode_source(path.read_bytes())
+    except OSError:
+        return None
+
+
+def long_lines(text: str) -> set[str]:
+    """Distinct stripped lines of at least WHEEL_LINE_CHARS characters (overlap checks)."""
+    return {s for s in (line.strip() for line in text.splitlines()) if len(s) >= WHEEL_LINE_CHARS}
+
+
+def is_mostly_data(text: str) -> bool:
+    chars = [c for c in text if not c.isspace()]
+    return sum(c.isalpha() for c in chars) < WHEEL_MIN_LETTERS * len(chars)
+
+
+def iter_wheels(root: Path) -> Iterator[tuple[SourceFile, str]]:
+    """(file, text) for the ``.py`` files of ``root/ensurepip/_bundled/*.whl`` (sorted).
+
+    Their split key is ``wheel:<distribution>:<top-level package>`` and they always go to the
+    train split: the held-out split stays the stdlib's own, unchanged by them. The caller drops
+    files that copy held-out stdlib code."""
+    import zipfile
+
+    for whl in sorted((root / "ensurepip" / "_bundled").glob("*.whl")):
+        dist = whl.name.split("-")[0]
+        with zipfile.ZipFile(whl) as zf:
+            names = sorted(n for n in zf.namelist() if n.endswith(".py"))
+            for rel in names:
+                text = decode_source(zf.read(rel))
+                if text is None:
+                    continue
+                mod = rel[:-3].replace("/", ".").removesuffix(".__init__")
+                key = f"{WHEEL_KEY_PREFIX}{dist}:{mod.split('.')[0]}"
+                yield SourceFile(whl, rel, mod, key, shown=rel), text
 
 
 # --------------------------------------------------------------------------- extraction
@@ -227,6 +285,7 @@ class Func:
     doc: str
     source: str  # dedented, decorators included
     body_without_doc: str  # dedented source with the docstring removed
+    after_doc: str = ""  # the body after the docstring, indented as in ``source``
 
 
 def _signature_line(src: str) -> str:
@@ -272,16 +331,30 @@ def extract_functions(text: str) -> tuple[str | None, list[Func], list[tuple[str
                 if doc and MIN_FUNC_CHARS <= len(src) <= MAX_FUNC_CHARS:
                     ds = child.body[0]
                     keep = lines[first - 1 : ds.lineno - 1]
+                    n_head = len(keep)
                     keep += lines[ds.end_lineno : child.end_lineno]
                     body = textwrap.dedent("\n".join(keep))
                     if body.strip() and len(child.body) > 1:
+                        after = "\n".join(body.split("\n")[n_head:])
                         funcs.append(
                             Func(child.name, prefix + child.name, _signature_line(src), doc, src,
-                                 body)
+                                 body, after)
                         )
 
     visit(tree, "")
     return ast.get_docstring(tree), funcs, classes
+
+
+def function_prompt(f: Func) -> str:
+    """Signature + cleaned docstring: the compile-rate prompt of a held-out function."""
+    doc = textwrap.indent('"""' + inspect.cleandoc(f.doc) + '\n"""', "    ")
+    return f.signature + "\n" + doc + "\n"
+
+
+def function_document(f: Func) -> str | None:
+    """A train function as a document of its own: its compile-rate prompt, then its body."""
+    body = f.after_doc.rstrip()
+    return function_prompt(f) + body.lstrip("\n") + "\n" if body.strip() else None
 
 
 def doc_summary(doc: str) -> str:
@@ -358,9 +431,10 @@ def chat_examples(sf: SourceFile, funcs: list[Func], rng: random.Random) -> Iter
         r = rng.random()
         if r < 0.15:
             msgs = [
-                {"role": "user", "content": f"What does `{f.qualname}` in `Lib/{sf.rel}` do?"},
+                {"role": "user", "content": f"What does `{f.qualname}` in `{sf.display_path}` do?"},
                 {"role": "assistant", "content": "",
-                 "tool_calls": [{"name": "read_file", "arguments": {"path": f"Lib/{sf.rel}"}}]},
+                 "tool_calls": [{"name": "read_file",
+                                 "arguments": {"path": sf.display_path}}]},
                 {"role": "tool", "content": f.source},
                 {"role": "assistant", "content": f"`{f.qualname}`: {summary}"},
             ]
@@ -405,8 +479,14 @@ def normalise(text: str) -> str:
     return " ".join(text.split())
 
 
-def build(out: Path, stdlib: Path | None = None, seed: int = 0) -> dict:
-    """Build the corpus into ``out``; returns the manifest."""
+def build(out: Path, stdlib: Path | None = None, seed: int = 0, wheels: bool = True,
+          functions: bool = True) -> dict:
+    """Build the corpus into ``out``; returns the manifest.
+
+    The stdlib part comes first and is byte-identical with or without ``wheels`` and
+    ``functions``; the bundled wheels' documents follow it in the train split, then (kind
+    ``func``, train split only) every documented train function as a document of its own, in
+    the held-out compile-rate prompt's format: signature, cleaned docstring, body."""
     root = stdlib or Path(sysconfig.get_paths()["stdlib"])
     rng = random.Random(seed)
     out.mkdir(parents=True, exist_ok=True)
@@ -415,12 +495,18 @@ def build(out: Path, stdlib: Path | None = None, seed: int = 0) -> dict:
     files = {s: open(out / f"{s}.jsonl", "w", encoding="utf-8") for s in counts}
     heldout_funcs = open(out / "heldout_functions.jsonl", "w", encoding="utf-8")
 
+    heldout_lines: set[str] = set()
+    func_docs: list[tuple[str, str]] = []
+    skipped: dict[str, int] = {"data": 0, "heldout_overlap": 0}
+
     def emit(kind: str, key: str, text: str) -> None:
         h = hashlib.sha256(normalise(text).encode()).hexdigest()
         if h in seen:
             return
         seen.add(h)
         split = "heldout" if is_heldout(key) else "train"
+        if split == "heldout" and kind == "code":
+            heldout_lines.update(long_lines(text))
         files[split].write(json.dumps({"kind": kind, "key": key, "text": text}) + "\n")
         c = counts[split].setdefault(kind, [0, 0])
         c[0] += 1
@@ -442,17 +528,36 @@ def build(out: Path, stdlib: Path | None = None, seed: int = 0) -> dict:
                 for f in funcs:
                     if f.name.startswith("_"):
                         continue
-                    doc = textwrap.indent('"""' + inspect.cleandoc(f.doc) + '\n"""', "    ")
                     heldout_funcs.write(json.dumps({
-                        "module": sf.module, "name": f.name,
-                        "prompt": f.signature + "\n" + doc + "\n",
+                        "module": sf.module, "name": f.name, "prompt": function_prompt(f),
                         "source": f.source}) + "\n")
+            if not is_heldout(sf.key):
+                func_docs += [(sf.key, d) for d in map(function_document, funcs) if d]
         try:
             from pydoc_data.topics import topics
         except ImportError:  # pragma: no cover - every CPython has it
             topics = {}
         for name in sorted(topics):
             emit("prose", f"pydoc:{name}", topics[name].strip())
+        for sf, text in iter_wheels(root) if wheels else ():
+            lines = long_lines(text)
+            if is_mostly_data(text):
+                skipped["data"] += 1
+                continue
+            if len(lines & heldout_lines) > WHEEL_MAX_HELDOUT_OVERLAP * len(lines):
+                skipped["heldout_overlap"] += 1
+                continue
+            emit("code", sf.key, text)
+            mod_doc, funcs, classes = extract_functions(text)
+            prose = prose_for_module(sf, mod_doc, funcs, classes)
+            if prose:
+                emit("prose", sf.key, prose)
+            for chat in chat_examples(sf, funcs, rng):
+                emit("chat", sf.key, chat)
+            func_docs += [(sf.key, d) for d in map(function_document, funcs) if d]
+        # Last, so that everything above is the same with or without them (train keys only).
+        for key, doc in func_docs if functions else ():
+            emit("func", key, doc)
     finally:
         for fh in files.values():
             fh.close()
@@ -463,6 +568,10 @@ def build(out: Path, stdlib: Path | None = None, seed: int = 0) -> dict:
         "split_salt": SPLIT_SALT,
         "heldout_permille": HELDOUT_PERMILLE,
         "seed": seed,
+        "functions": functions,
+        "wheels": sorted(p.name for p in (root / "ensurepip" / "_bundled").glob("*.whl"))
+        if wheels else [],
+        "wheel_files_skipped": skipped,
         "counts": {s: {k: {"docs": v[0], "chars": v[1]} for k, v in c.items()}
                    for s, c in counts.items()},
         "sha256": {
@@ -479,8 +588,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="output directory")
     ap.add_argument("--stdlib", type=Path, default=None, help="stdlib root (default: this one)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-wheels", action="store_true",
+                    help="no ensurepip wheels (with --no-functions: the first model's corpus)")
+    ap.add_argument("--no-functions", action="store_true", help="no 'func' documents")
     args = ap.parse_args(argv)
-    manifest = build(args.out, args.stdlib, args.seed)
+    manifest = build(args.out, args.stdlib, args.seed, wheels=not args.no_wheels,
+                     functions=not args.no_functions)
     print(json.dumps(manifest["counts"], indent=1))
     return 0
 

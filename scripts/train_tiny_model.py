@@ -38,8 +38,9 @@ from torch import nn
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 from transformers.models.qwen3_next import modeling_qwen3_next as qn
 
-KINDS = ("code", "prose", "chat")
-KIND_WEIGHTS = {"code": 1.0, "prose": 1.5, "chat": 2.5}  # sampling weight per token
+KINDS = ("code", "prose", "chat")  # held-out kinds; train may add "func" (build_corpus.py)
+TRAIN_KINDS = (*KINDS, "func")
+KIND_WEIGHTS = {"code": 1.0, "prose": 1.5, "chat": 2.5, "func": 1.0}  # sampling weight per token
 EOT = "<|endoftext|>"
 MAX_SHARD_BYTES = 12 * 1024 * 1024
 
@@ -303,7 +304,7 @@ def prepare(corpus: Path, tokenizer_path: Path, out: Path) -> dict:
         with open(corpus / f"{split}.jsonl", encoding="utf-8") as fh:
             for line in fh:
                 d = json.loads(line)
-                texts[d["kind"]].append(d["text"])
+                texts.setdefault(d["kind"], []).append(d["text"])
         for kind, docs in texts.items():
             ids: list[int] = []
             for enc in tok.encode_batch(docs, add_special_tokens=False):
@@ -316,25 +317,42 @@ def prepare(corpus: Path, tokenizer_path: Path, out: Path) -> dict:
     return meta
 
 
-def load_streams(data: Path, split: str, device: torch.device) -> dict[str, torch.Tensor]:
+def load_streams(data: Path, split: str, device: torch.device,
+                 kinds: tuple[str, ...] = KINDS) -> dict[str, torch.Tensor]:
+    """The ``split_<kind>.npy`` streams of ``kinds`` (those of TRAIN_KINDS beyond KINDS only
+    where present)."""
     return {k: torch.from_numpy(np.load(data / f"{split}_{k}.npy").astype(np.int64)).to(device)
-            for k in KINDS}
+            for k in kinds if k in KINDS or (data / f"{split}_{k}.npy").exists()}
+
+
+def parse_kind_weights(spec: str) -> dict[str, float]:
+    """'code=1,chat=1.5' -> KIND_WEIGHTS with those entries replaced."""
+    out = dict(KIND_WEIGHTS)
+    for item in filter(None, spec.split(",")):
+        kind, _, w = item.partition("=")
+        if kind not in out:
+            raise ValueError(f"unknown kind {kind!r} in --kind-weights")
+        out[kind] = float(w)
+    return out
 
 
 class Sampler:
-    """Random (T+1)-token windows from the train streams, kinds weighted by KIND_WEIGHTS."""
+    """Random (T+1)-token windows from the train streams, kinds weighted per token."""
 
-    def __init__(self, streams: dict[str, torch.Tensor], seq: int, seed: int) -> None:
+    def __init__(self, streams: dict[str, torch.Tensor], seq: int, seed: int,
+                 weights: dict[str, float] | None = None) -> None:
+        weights = weights or KIND_WEIGHTS
+        self.kinds = [k for k in streams if weights[k] > 0]
         self.streams, self.seq = streams, seq
         self.gen = torch.Generator(device="cpu").manual_seed(seed)
-        w = torch.tensor([KIND_WEIGHTS[k] * streams[k].numel() for k in KINDS], dtype=torch.float)
+        w = torch.tensor([weights[k] * streams[k].numel() for k in self.kinds], dtype=torch.float)
         self.probs = w / w.sum()
         self.ar = {k: torch.arange(seq + 1, device=s.device) for k, s in streams.items()}
 
     def batch(self, bsz: int) -> torch.Tensor:
         kinds = torch.multinomial(self.probs, bsz, replacement=True, generator=self.gen)
         rows = []
-        for i, k in enumerate(KINDS):
+        for i, k in enumerate(self.kinds):
             n = int((kinds == i).sum())
             if n == 0:
                 continue
@@ -530,11 +548,14 @@ def train(args: argparse.Namespace) -> None:
     model.to(dev)
     print("params", count_params(model), "gdn", fast_chunk_gated_delta_rule_installed(),
           flush=True)
-    train_streams = load_streams(args.data, "train", dev)
+    weights = parse_kind_weights(args.kind_weights)
+    train_streams = load_streams(args.data, "train", dev, TRAIN_KINDS)
     held_streams = load_streams(args.data, "heldout", dev)
     step0 = int(meta_prev.get("step", 0))
     tokens0 = int(meta_prev.get("tokens_seen", 0))
-    sampler = Sampler(train_streams, args.seq, args.seed * 1_000_003 + step0)
+    sampler = Sampler(train_streams, args.seq, args.seed * 1_000_003 + step0, weights)
+    print("train kinds", {k: (int(train_streams[k].numel()), weights[k]) for k in sampler.kinds},
+          flush=True)
     autocast = dev.type == "cuda"
     impl = "eager"
     if dev.type == "cuda":
@@ -557,10 +578,14 @@ def train(args: argparse.Namespace) -> None:
     speed_logged = False
     while True:
         elapsed = time.time() - t0
-        if elapsed >= budget or (args.max_steps and step >= args.max_steps):
+        # progress: the larger of the time and token fractions, so that the decay phase ends
+        # with the run whichever limit comes first
+        frac = elapsed / budget
+        if args.max_tokens:
+            frac = max(frac, tokens / args.max_tokens)
+        if frac >= 1 or (args.max_steps and step >= args.max_steps):
             break
         warm = min(1.0, (step + 1) / args.warmup)
-        frac = elapsed / budget
         lr_scale = warm
         if args.decay_frac > 0 and frac > 1 - args.decay_frac:
             into = (frac - (1 - args.decay_frac)) / args.decay_frac
@@ -612,11 +637,14 @@ def train(args: argparse.Namespace) -> None:
             "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
             "experts_impl": impl, "batch": args.batch, "seq": args.seq, "lr": args.lr,
             "warmup": args.warmup, "decay_frac": args.decay_frac,
+            "min_lr_ratio": args.min_lr_ratio, "max_tokens": args.max_tokens,
             "resumed_from_step": step0}],
         "history": history[-400:],
         "recipe": {"mtp_weight": args.mtp_weight, "aux_weight": args.aux_weight,
                    "weight_decay": args.weight_decay, "clip": args.clip,
-                   "kind_weights": KIND_WEIGHTS, "optimizer": "AdamW(0.9,0.95)"},
+                   "kind_weights": {k: weights[k] for k in sampler.kinds},
+                   "train_tokens": {k: int(train_streams[k].numel()) for k in sampler.kinds},
+                   "optimizer": "AdamW(0.9,0.95)"},
     }
     # Evaluate the weights as shipped: bf16-rounded, run in float32.
     save_checkpoint(model, args.out, meta)
@@ -786,7 +814,10 @@ def compile_rate(model_dir: Path, funcs: list[dict], max_new: int) -> dict:
     cut = [r for r in results if r["cut"]]
     ok_cut = sum(r["compiles"] for r in cut)
     uncut = len(results) - len(cut)
-    return {"functions": len(funcs), "compiles": ok, "rate": ok / max(len(funcs), 1),
+    # strict (the headline): bodies that ended by themselves (column-0 line or EOS) and compile
+    return {"functions": len(funcs), "strict_compiles": ok - ok_cut,
+            "strict_rate": (ok - ok_cut) / max(len(funcs), 1),
+            "compiles": ok, "rate": ok / max(len(funcs), 1),
             "cut": len(cut), "cut_compiles": ok_cut, "uncut": uncut,
             "uncut_compiles": ok - ok_cut, "uncut_rate": (ok - ok_cut) / max(uncut, 1),
             "max_new_tokens": max_new, "results": results}
@@ -809,12 +840,19 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--device", default=None)
     t.add_argument("--time-budget", type=float, default=420.0, help="seconds, whole command")
     t.add_argument("--max-steps", type=int, default=0)
+    t.add_argument("--max-tokens", type=int, default=0,
+                   help="token target: the run (and its decay phase) ends at this many tokens "
+                        "or at the time budget, whichever comes first")
+    t.add_argument("--kind-weights", default="",
+                   help="per-token sampling weights, e.g. 'chat=1.5,func=0' (default: "
+                        + ",".join(f"{k}={w}" for k, w in KIND_WEIGHTS.items()) + ")")
     t.add_argument("--batch", type=int, default=64)
     t.add_argument("--seq", type=int, default=512)
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--warmup", type=int, default=150)
     t.add_argument("--decay-frac", type=float, default=0.0,
-                   help="linear decay over this final fraction of the budget (WSD)")
+                   help="linear decay over this final fraction of the run (WSD); the run's "
+                        "progress is the larger of its time and --max-tokens fractions")
     t.add_argument("--min-lr-ratio", type=float, default=0.05)
     t.add_argument("--weight-decay", type=float, default=0.1)
     t.add_argument("--clip", type=float, default=1.0)

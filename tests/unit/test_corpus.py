@@ -135,6 +135,49 @@ def test_build_is_deterministic_and_deduplicated(tmp_path: Path) -> None:
                      (tmp_path / "a" / f"{split}.jsonl").read_text().splitlines()]
 
 
+def _fake_wheel(lib: Path, files: dict[str, str]) -> None:
+    import zipfile
+
+    bundled = lib / "ensurepip" / "_bundled"
+    bundled.mkdir(parents=True)
+    with zipfile.ZipFile(bundled / "fake-1.0-py3-none-any.whl", "w") as zf:
+        for name, text in files.items():
+            zf.writestr(name, text)
+
+
+def test_wheels_and_function_documents_go_to_train_only(tmp_path: Path) -> None:
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    _fake_stdlib(lib)
+    assert bc.is_heldout("logging") and not bc.is_heldout("alpha")
+    heldout_src = "".join(f"def handler_{i}(record):\n    return format_record_with_level(record, "
+                          f"level={i})\n\n" for i in range(20))
+    (lib / "logging.py").write_text(heldout_src)
+    fresh = ('def vendored(s):\n    """Return s twice, vendored."""\n'
+             '    doubled_value_for_the_test = s + s\n    return doubled_value_for_the_test\n')
+    _fake_wheel(lib, {"fake/__init__.py": fresh,
+                      "fake/_vendor/logcopy.py": heldout_src,  # copies held-out code: skipped
+                      "fake/table.py": "T = [" + "0x1f, 0x2e, 0x3d, " * 200 + "]\n"})
+    m0 = bc.build(tmp_path / "stdlib_only", lib, wheels=False, functions=False)
+    m1 = bc.build(tmp_path / "full", lib)
+    # the held-out split and the held-out functions do not change; the train split only grows
+    for name in ("heldout.jsonl", "heldout_functions.jsonl"):
+        assert m0["sha256"][name] == m1["sha256"][name]
+    before = (tmp_path / "stdlib_only" / "train.jsonl").read_bytes()
+    assert (tmp_path / "full" / "train.jsonl").read_bytes().startswith(before)
+    assert m1["wheel_files_skipped"] == {"data": 1, "heldout_overlap": 1}
+    docs = [json.loads(x) for x in (tmp_path / "full" / "train.jsonl").read_text().splitlines()]
+    wheel = [d for d in docs if d["key"].startswith(bc.WHEEL_KEY_PREFIX)]
+    assert {d["key"] for d in wheel} == {"wheel:fake:fake"}
+    assert any(d["kind"] == "code" and d["text"] == fresh for d in wheel)
+    # a function document is the compile-rate prompt followed by the body
+    funcs = [d["text"] for d in docs if d["kind"] == "func"]
+    doc_block = '"""Return s twice, vendored.\n    """'
+    assert fresh.replace('"""Return s twice, vendored."""', doc_block) in funcs
+    held = [json.loads(x) for x in (tmp_path / "full" / "heldout.jsonl").read_text().splitlines()]
+    assert held and not any(d["kind"] == "func" or "vendored" in d["text"] for d in held)
+
+
 # --------------------------------------------------------------------------- shipped model
 
 
