@@ -39,6 +39,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="where routed experts run: the backend, CPU workers, or split")
     p.add_argument("--cpu-experts-per-layer", type=int, default=0)
     p.add_argument("--cpu-workers", type=int, default=0, help="0: one per NUMA node")
+    p.add_argument("--cpu-isa", choices=("auto", "portable", "avx2", "avx512vnni"),
+                   default="auto", help="CPU expert kernels (same bits; auto: the best)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,7 +109,7 @@ def _engine(args: argparse.Namespace, max_len: int):
     return Engine.from_dir(path, dtype=args.dtype, backend=args.backend, max_slots=1,
                            max_len=max_len, placement=args.placement,
                            cpu_experts_per_layer=args.cpu_experts_per_layer,
-                           cpu_workers=args.cpu_workers)
+                           cpu_workers=args.cpu_workers, cpu_isa=args.cpu_isa)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -217,9 +217,11 @@ class ExpertsSection:
     cpu_experts_per_layer: int = 0  # split: experts per layer computed on the CPU
     cpu_workers: int = 0  # 0 -> one per NUMA node
     cpu_cores: tuple[tuple[int, ...], ...] = ()  # per worker; () -> derived from NUMA nodes
+    cpu_isa: str = "auto"  # CPU expert kernels: auto (the best the CPU has) or one by name
 
     def __post_init__(self) -> None:
         _str("experts.placement", self.placement, ("gpu", "cpu", "split"))
+        _str("experts.cpu_isa", self.cpu_isa, ("auto", "portable", "avx2", "avx512vnni"))
         _int("experts.cpu_experts_per_layer", self.cpu_experts_per_layer, 0)
         if self.placement == "split" and self.cpu_experts_per_layer < 1:
             _fail("experts.cpu_experts_per_layer", "must be >= 1 with placement = 'split'",

@@ -47,7 +47,8 @@ def worker_spec(config: Config, extra_blocks: int) -> WorkerSpec:
                       block_size=config.scheduler.kv_block_size, extra_blocks=extra_blocks,
                       placement=e.placement, cpu_experts_per_layer=e.cpu_experts_per_layer,
                       cpu_workers=e.num_cpu_workers,
-                      cpu_cores=";".join(",".join(map(str, g)) for g in e.cpu_cores))
+                      cpu_cores=";".join(",".join(map(str, g)) for g in e.cpu_cores),
+                      cpu_isa=e.cpu_isa)
 
 
 def serve(config: Config) -> int:

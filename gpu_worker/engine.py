@@ -21,9 +21,11 @@ DTYPES = {"float32": np.float32, "float64": np.float64}
 def load_model(path: str | Path, *, dtype: str = "float32", backend: str = "numpy",
                exact: bool | None = None, placement: str = "gpu",
                cpu_experts_per_layer: int = 0, cpu_workers: int = 0,
-               cpu_cores: list[list[int]] | None = None, qfuse: str | None = None):
+               cpu_cores: list[list[int]] | None = None, qfuse: str | None = None,
+               cpu_isa: str = "auto"):
     """The model on its backend plus, unless ``placement`` is "gpu", the started CPU expert
-    workers (an ExpertPlacement, to be closed by the caller). ``exact`` defaults to float64."""
+    workers (an ExpertPlacement, to be closed by the caller). ``exact`` defaults to float64;
+    ``cpu_isa`` picks the CPU expert kernels ("auto": ``$TANDEM_CPU_ISA`` or the best)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     ckpt = load_checkpoint(path, dtype=DTYPES[dtype])
@@ -36,7 +38,8 @@ def load_model(path: str | Path, *, dtype: str = "float32", backend: str = "nump
 
         experts = ExpertPlacement.start(model, ckpt.tensors, placement=placement,
                                         cpu_per_layer=cpu_experts_per_layer,
-                                        num_workers=cpu_workers, cores=cpu_cores, qfuse=qfuse)
+                                        num_workers=cpu_workers, cores=cpu_cores, qfuse=qfuse,
+                                        isa=None if cpu_isa == "auto" else cpu_isa)
     return model, experts
 
 
@@ -54,11 +57,11 @@ class Engine:
     def from_dir(cls, path: str | Path, *, dtype: str = "float32", backend: str = "numpy",
                  exact: bool | None = None, placement: str = "gpu",
                  cpu_experts_per_layer: int = 0, cpu_workers: int = 0,
-                 qfuse: str | None = None, **kwargs) -> Engine:
+                 qfuse: str | None = None, cpu_isa: str = "auto", **kwargs) -> Engine:
         model, experts = load_model(path, dtype=dtype, backend=backend, exact=exact,
                                     placement=placement,
                                     cpu_experts_per_layer=cpu_experts_per_layer,
-                                    cpu_workers=cpu_workers, qfuse=qfuse)
+                                    cpu_workers=cpu_workers, qfuse=qfuse, cpu_isa=cpu_isa)
         return cls(model, placement=experts, **kwargs)
 
     def close(self) -> None:

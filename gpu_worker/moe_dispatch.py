@@ -48,7 +48,7 @@ class ExpertPlacement:
     def start(cls, model: Model, tensors: dict[str, np.ndarray], *, placement: str,
               cpu_per_layer: int = 0, num_workers: int | None = None,
               cores: list[list[int]] | None = None,
-              qfuse: str | None = None) -> ExpertPlacement:
+              qfuse: str | None = None, isa: str | None = None) -> ExpertPlacement:
         """Quantize the CPU-resident experts and start their worker processes.
 
         ``split`` puts the last ``cpu_per_layer`` expert ids of each MoE layer on the CPU.
@@ -72,7 +72,8 @@ class ExpertPlacement:
             p = f"model.layers.{i}.mlp.experts."
             layers[i] = tuple(np.ascontiguousarray(tensors[p + k][E - n_cpu:], np.float32)
                               for k in ("gate_proj", "up_proj", "down_proj"))
-        pool = CpuExpertPool(layers, num_workers=num_workers or None, cores=cores or None)
+        pool = CpuExpertPool(layers, num_workers=num_workers or None, cores=cores or None,
+                             isa=isa)
         for i in on_cpu:  # the backend keeps only its own experts (ids below E - n_cpu)
             mlp = model.layers[i].mlp
             for k in ("gate_proj", "up_proj", "down_proj"):

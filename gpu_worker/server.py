@@ -58,7 +58,8 @@ def build_runner(args: argparse.Namespace):
                              placement=args.placement,
                              cpu_experts_per_layer=args.cpu_experts_per_layer,
                              cpu_workers=args.cpu_workers,
-                             cpu_cores=parse_core_groups(args.cpu_cores))
+                             cpu_cores=parse_core_groups(args.cpu_cores),
+                             cpu_isa=args.cpu_isa)
     if pool is not None:
         for info in pool.pool.ready_info:  # one line per CPU expert worker, what it holds
             _log("cpu expert worker ready", placement=args.placement, **info,
@@ -153,6 +154,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu-experts-per-layer", type=int, default=0)
     p.add_argument("--cpu-workers", type=int, default=0, help="0: one per NUMA node")
     p.add_argument("--cpu-cores", default="", help='per worker core lists: "0,1,2;3,4,5"')
+    p.add_argument("--cpu-isa", choices=("auto", "portable", "avx2", "avx512vnni"),
+                   default="auto", help="CPU expert kernels (auto: the best this CPU has)")
     return p.parse_args(argv)
 
 
