@@ -512,18 +512,23 @@ def build(out: Path, stdlib: Path | None = None, seed: int = 0, wheels: bool = T
         c[0] += 1
         c[1] += len(text)
 
+    def emit_module(sf, text: str) -> list:
+        """The code, prose and chat documents of one source file; returns its functions."""
+        emit("code", sf.key, text)
+        mod_doc, funcs, classes = extract_functions(text)
+        prose = prose_for_module(sf, mod_doc, funcs, classes)
+        if prose:
+            emit("prose", sf.key, prose)
+        for chat in chat_examples(sf, funcs, rng):
+            emit("chat", sf.key, chat)
+        return funcs
+
     try:
         for sf in iter_stdlib(root):
             text = read_source(sf.path)
             if text is None:
                 continue
-            emit("code", sf.key, text)
-            mod_doc, funcs, classes = extract_functions(text)
-            prose = prose_for_module(sf, mod_doc, funcs, classes)
-            if prose:
-                emit("prose", sf.key, prose)
-            for chat in chat_examples(sf, funcs, rng):
-                emit("chat", sf.key, chat)
+            funcs = emit_module(sf, text)
             if is_heldout(sf.key) and not sf.module.startswith(("test.", "idlelib.idle_test")):
                 for f in funcs:
                     if f.name.startswith("_"):
@@ -547,13 +552,7 @@ def build(out: Path, stdlib: Path | None = None, seed: int = 0, wheels: bool = T
             if len(lines & heldout_lines) > WHEEL_MAX_HELDOUT_OVERLAP * len(lines):
                 skipped["heldout_overlap"] += 1
                 continue
-            emit("code", sf.key, text)
-            mod_doc, funcs, classes = extract_functions(text)
-            prose = prose_for_module(sf, mod_doc, funcs, classes)
-            if prose:
-                emit("prose", sf.key, prose)
-            for chat in chat_examples(sf, funcs, rng):
-                emit("chat", sf.key, chat)
+            funcs = emit_module(sf, text)
             func_docs += [(sf.key, d) for d in map(function_document, funcs) if d]
         # Last, so that everything above is the same with or without them (train keys only).
         for key, doc in func_docs if functions else ():
