@@ -44,7 +44,7 @@ def f16_value(bits) -> np.float32:
     return np.float32(sign * math.ldexp(1024.0 + m, int(e) - 25))
 
 
-_C = EXP_COEF  # the Horner steps below spell out exp64's coefficients, highest first
+_C = EXP_COEF  # exp64's Taylor coefficients, a compile-time constant tuple
 
 
 @njit(cache=True, nogil=True)
@@ -60,19 +60,9 @@ def silu_mul_block(g, u, o: int, h) -> None:
         xc = min(max(x, EXP_MIN), EXP_MAX)
         k = np.rint(xc * INV_LN2)
         r = (xc - k * LN2_HI) - k * LN2_LO
-        q = _C[13] * r + _C[12]
-        q = q * r + _C[11]
-        q = q * r + _C[10]
-        q = q * r + _C[9]
-        q = q * r + _C[8]
-        q = q * r + _C[7]
-        q = q * r + _C[6]
-        q = q * r + _C[5]
-        q = q * r + _C[4]
-        q = q * r + _C[3]
-        q = q * r + _C[2]
-        q = q * r + _C[1]
-        q = q * r + _C[0]
+        q = _C[13]
+        for c in range(12, -1, -1):
+            q = q * r + _C[c]
         p[i] = q
         kbits[i] = (np.int64(k) + 1023) << 52
     two_k = kbits.view(np.float64)
