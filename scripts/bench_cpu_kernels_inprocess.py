@@ -1,0 +1,73 @@
+"""In-process timings of the CPU expert kernels, no pool and no DRAM-sized working set: one
+expert (H=2048, I=512, weights cached after the first call) at 1/4/16 rows for every
+instruction set this CPU runs, and the SiLU + re-quantization stage (16 x 768) on one thread.
+For comparing kernel changes on a development machine; DRAM figures come from
+bench_cpu_experts.py on the GPU machine.
+
+    python scripts/bench_cpu_kernels_inprocess.py [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numba
+import numpy as np
+
+from cpu_experts import isa as cpu_isa
+from cpu_experts import kernels, shard
+from cpu_experts.quant import quantize
+
+H, I = 2048, 512
+
+
+def best_us(fn, reps: int = 15) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - t0)
+    return min(times) / 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    ql = shard.quantize_layer(*(rng.standard_normal(s).astype(np.float32) * 0.03
+                                for s in ((1, I, H), (1, I, H), (1, H, I))))
+    manifest, size = shard.plan_shard({0: ql}, {0: (0, I)})
+    buf = bytearray(size)
+    shard.write_shard(buf, manifest, {0: ql}, {0: (0, I)})
+    weights = shard.views(buf, manifest)[0]
+    records = []
+    for which in cpu_isa.available():
+        kernel = kernels.layer_kernel(which)
+        for rows in (1, 4, 16):
+            q, d = quantize(rng.standard_normal((rows, H)).astype(np.float32))
+            ids, w = np.zeros((rows, 1), np.int32), np.ones((rows, 1), np.float32)
+            out = np.empty((rows, H), np.float32)
+            us = best_us(lambda: kernel(*weights, q, d.view(np.uint16), ids, w, out,  # noqa: B023
+                                        kernels.PREFETCH_AHEAD))
+            records.append({"what": "one_expert", "isa": cpu_isa.NAMES[which], "rows": rows,
+                            "threads": numba.get_num_threads(), "us": us,
+                            "gmac_per_s": 3 * I * H * rows / us / 1e3})
+    numba.set_num_threads(1)
+    g = rng.standard_normal((16, 768)).astype(np.float32) * 3
+    u = rng.standard_normal((16, 768)).astype(np.float32)
+    hk, hs = np.empty((16, 768), np.int8), np.empty((16, 24), np.float32)
+    records.append({"what": "silu_requant_16x768", "threads": 1,
+                    "us": best_us(lambda: kernels._act_stage(g, u, True, hk, hs), 50)})
+    for r in records:
+        print(json.dumps(r))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
