@@ -111,7 +111,8 @@ class CpuExpertPool:
         self._seq = 0
         self.last_kernel_ns = np.zeros(self.num_workers, np.int64)
         self.last_wake_ns = self.last_notice_ns = self.last_client_ns = self.last_pre_ns = 0
-        self._t_call = 0
+        self._t_call = self._t_enter = self._t_ring = self._t_seen = 0
+        self._in_flight: tuple[int, int] | None = None
         self.ready_info: list[dict] = []
         try:
             self._start(spin_us, start_timeout)
@@ -221,6 +222,7 @@ class CpuExpertPool:
         optional C-contiguous float32 ``[R, H]`` array to write (and return) instead of a new
         one (a reused buffer saves the page faults of a fresh one per layer)."""
         self._t_call = time.perf_counter_ns()
+        self._not_in_flight()
         x = np.asarray(x)
         if x.ndim != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"x must be [rows, {self.hidden}], got {x.shape}")
@@ -248,6 +250,7 @@ class CpuExpertPool:
         (e.g. by the fused GPU kernel): ``q [R, H] int8``, ``scales [R, H/32]`` float16 (or
         their uint16 bits)."""
         self._t_call = time.perf_counter_ns()
+        self._not_in_flight()
         R = q.shape[0]
         if q.shape != (R, self.hidden) or q.dtype != np.int8:
             raise ValueError(f"q must be int8 [rows, {self.hidden}], got {q.dtype} {q.shape}")
@@ -295,23 +298,60 @@ class CpuExpertPool:
             ctrl[w, rings.SEQ_IN] = self._seq
             bell.ring()
 
-    def _run(self, layer: int, ids: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-        """One dispatch of ``out.shape[0]`` rows whose activations are already in the ring."""
-        t_enter = time.perf_counter_ns()
-        ring = self.ring
-        rows, k = ids.shape
-        ids_v, w_v = ring.pairs(rows, k)
-        ids_v[...] = ids
-        w_v[...] = w
-        ring.header[:4] = (rings.CMD_RUN, layer, rows, k)
-        t_ring = time.perf_counter_ns()
+    # -- split dispatch: the caller fills the ring itself (a GPU by DMA), starts, finishes ---
+
+    def ring_region(self) -> tuple[int, int]:
+        """``(address, bytes)`` of the shared ring in this process, for a caller that pins it
+        (``cudaHostRegister``) so a GPU copies activations in and partials out by DMA."""
+        return self.ring.ctrl.ctypes.data, self.ring.nbytes
+
+    def inputs(self, rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Views of the ring's input regions for one load: ``xq [rows, H] int8``, ``xd [rows,
+        H/32] uint16`` (fp16 bits of the canonical quantizer's scales), ``ids [rows, k] int32``
+        (pool-local expert ids, -1 = skip) and ``w [rows, k] float32``; each one contiguous.
+        Write them, then :meth:`start`. Not while a load is in flight."""
+        self._not_in_flight()
+        if not 0 < rows <= self.max_rows or not 0 < k <= self.max_k:
+            raise ValueError(f"rows={rows}, k={k}: want 1..{self.max_rows} rows and "
+                             f"1..{self.max_k} experts per row")
+        ids, w = self.ring.pairs(rows, k)
+        return self.ring.xq[:rows], self.ring.xd[:rows], ids, w
+
+    def _not_in_flight(self) -> None:
+        if self._in_flight:
+            raise RuntimeError("a dispatch is in flight: finish() it first")
+
+    def start(self, layer: int, rows: int, k: int) -> None:
+        """Start the workers on the ``rows`` x ``k`` load already in :meth:`inputs`; returns
+        at once. Expert ids are checked by the workers (:meth:`finish` raises
+        :class:`CpuExpertError` on a bad one)."""
+        self._not_in_flight()
+        if layer not in self.layers:
+            raise KeyError(f"layer {layer} has no CPU experts (have {sorted(self.layers)})")
+        if not 0 < rows <= self.max_rows or not 0 < k <= self.max_k:
+            raise ValueError(f"rows={rows}, k={k}: want 1..{self.max_rows} rows and "
+                             f"1..{self.max_k} experts per row")
+        self._t_enter = time.perf_counter_ns()
+        self.ring.header[:4] = (rings.CMD_RUN, layer, rows, k)
+        self._t_ring = time.perf_counter_ns()
         self._ring_all()
-        self._await(self._seq)
-        t_seen = time.perf_counter_ns()
-        ctrl = ring.ctrl
-        W = self.num_workers
+        self._in_flight = (layer, rows)
+
+    def finish(self) -> np.ndarray:
+        """Wait for the load started by :meth:`start`; return the workers' partial outputs
+        ``[W, rows, H] float32``, a view of the ring valid until the next :meth:`start` (the
+        layer's output is their sum in worker order)."""
+        if not self._in_flight:
+            raise RuntimeError("no dispatch in flight")
+        layer, rows = self._in_flight
+        try:
+            self._await(self._seq)
+        finally:
+            self._in_flight = None
+        self._t_seen = time.perf_counter_ns()
+        ctrl = self.ring.ctrl
         code = ERR_OK
-        for wk in range(W):
+        for wk in range(self.num_workers):
             if ctrl[wk, rings.STATUS] != ERR_OK:
                 code = int(ctrl[wk, rings.STATUS])
                 break
@@ -321,16 +361,26 @@ class CpuExpertPool:
                       ERR_NO_LAYER: "layer missing from the worker's shard",
                       ERR_INTERNAL: "worker bug, traceback on its stderr"}.get(code, "error")
             raise CpuExpertError(f"layer {layer}: worker status {code} ({reason})")
-        np.copyto(out, ring.out[0, :rows])
-        for wk in range(1, W):
-            out += ring.out[wk, :rows]
-        t_out = time.perf_counter_ns()
         self.last_kernel_ns = ctrl[:, rings.KERNEL_NS].copy()
         # wake-up (ring -> first worker starts) and notice (last worker ends -> seen here), ns
-        self.last_wake_ns = int(ctrl[:, rings.T_START].min()) - t_ring
-        self.last_notice_ns = t_seen - int(ctrl[:, rings.T_END].max())
-        self.last_client_ns = (t_ring - t_enter) + (t_out - t_seen)
-        self.last_pre_ns = t_enter - self._t_call  # checks and input copies before this load
+        self.last_wake_ns = int(ctrl[:, rings.T_START].min()) - self._t_ring
+        self.last_notice_ns = self._t_seen - int(ctrl[:, rings.T_END].max())
+        return self.ring.out[:, :rows]
+
+    def _run(self, layer: int, ids: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        """One dispatch of ``out.shape[0]`` rows whose activations are already in the ring."""
+        rows, k = ids.shape
+        ids_v, w_v = self.ring.pairs(rows, k)
+        ids_v[...] = ids
+        w_v[...] = w
+        self.start(layer, rows, k)
+        parts = self.finish()
+        np.copyto(out, parts[0])
+        for wk in range(1, self.num_workers):
+            out += parts[wk]
+        t_out = time.perf_counter_ns()
+        self.last_client_ns = (self._t_ring - self._t_enter) + (t_out - self._t_seen)
+        self.last_pre_ns = self._t_enter - self._t_call  # checks and input copies before this load
         self._t_call = time.perf_counter_ns()
 
     def _await(self, seq: int) -> None:

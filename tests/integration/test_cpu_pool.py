@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cpu_experts import reference, shard
-from cpu_experts.pool import CpuExpertPool, CpuWorkerDied
+from cpu_experts.pool import CpuExpertError, CpuExpertPool, CpuWorkerDied
 from cpu_experts.quant import NonFiniteActivation, quantize, quantize_ref
 
 E, I, H = 5, 96, 128
@@ -162,3 +162,42 @@ def test_out_buffer(pool) -> None:
         with pytest.raises(ValueError, match="out must be"):
             pool.dispatch(2, x, ids, w, out=bad)
     assert pool.dispatch(2, x, ids, w).tobytes() == expected(pool, 2, x, ids, w).tobytes()
+
+
+def test_split_dispatch_through_ring_views(pool) -> None:
+    """inputs() / start() / finish(): the path a GPU takes when it writes the ring by DMA.
+    The partials' sum equals dispatch(); misuse and a bad expert id raise typed errors and the
+    pool keeps serving."""
+    x, ids, w = routing(13, 6)
+    q, d = quantize(np.asarray(x, np.float32))
+    xq, xd, ids_v, w_v = pool.inputs(6, 3)
+    assert ids_v.shape == w_v.shape == (6, 3) and all(
+        a.flags.c_contiguous for a in (xq, xd, ids_v, w_v))
+    xq[...], xd[...], ids_v[...], w_v[...] = q, d.view(np.uint16), ids, w
+    pool.start(5, 6, 3)
+    with pytest.raises(RuntimeError, match="in flight"):
+        pool.start(5, 6, 3)
+    with pytest.raises(RuntimeError, match="in flight"):
+        pool.dispatch(5, x, ids, w)
+    parts = pool.finish()
+    assert parts.shape == (pool.num_workers, 6, H)
+    total = parts[0].copy()
+    for part in parts[1:]:
+        total += part
+    assert total.tobytes() == expected(pool, 5, x, ids, w).tobytes()
+    with pytest.raises(RuntimeError, match="no dispatch"):
+        pool.finish()
+    with pytest.raises(ValueError, match="rows"):
+        pool.inputs(pool.max_rows + 1, 3)
+    with pytest.raises(KeyError):
+        pool.start(9, 6, 3)
+    _, _, ids_v, _ = pool.inputs(6, 3)
+    ids_v[2, 1] = E  # out of range: the workers refuse it
+    pool.start(5, 6, 3)
+    with pytest.raises(CpuExpertError, match="expert id"):
+        pool.finish()
+    addr, nbytes = pool.ring_region()
+    ring = pool.ring
+    for region in (ring.ctrl, ring.header, ring.xq, ring.xd, ring.ids, ring.w, ring.out):
+        assert addr <= region.ctypes.data and region.ctypes.data + region.nbytes <= addr + nbytes
+    assert pool.dispatch(5, x, ids, w).tobytes() == expected(pool, 5, x, ids, w).tobytes()
