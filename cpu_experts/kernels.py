@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 from cpu_experts.isa import ISA_AVX2, ISA_AVX512VNNI, ISA_PORTABLE
-from cpu_experts.quant import BLOCK, quantize_block
+from cpu_experts.quant import BLOCK, quantize_block_bits
 from cpu_experts.reference import EXP_COEF, EXP_MAX, EXP_MIN, INV_LN2, LN2_HI, LN2_LO
 from cpu_experts.tiles import BLOCK_BYTES, TU, block_prologue, row_block
 
@@ -48,13 +48,19 @@ _C = EXP_COEF  # exp64's Taylor coefficients, a compile-time constant tuple
 
 
 @njit(cache=True, nogil=True)
-def silu_mul_block(g, u, o: int, h) -> None:
-    """``h[:32] = float32(silu64(g[o:o+32])) * u[o:o+32]``: exp64's operations in the same
-    order, written as straight loops LLVM vectorises. exp64 ends with ``ldexp(p, k)``; over
-    the clamped range k lies in [-1021, 1023], where ``2**k`` is a normal double and
-    ``p * 2**k`` is exact, so building ``2**k`` from its exponent bits gives the same value."""
-    p = np.empty(BLOCK, np.float64)
-    kbits = np.empty(BLOCK, np.int64)
+def silu_mul_block(g, u, o: int, h, p, two_k, so: int) -> None:
+    """``h[so:so+32] = float32(silu64(g[o:o+32])) * u[o:o+32]``: exp64's operations in the
+    same order, written as straight loops LLVM vectorises. ``p`` and ``two_k`` (float64) are
+    scratch (``so:so+32`` is used), given by the caller: an allocation or a view per block
+    costs more than the block when many threads do it at once. exp64 ends with
+    ``ldexp(p, k)``; over the clamped range k lies in [-1021, 1023], where ``2**k`` is a normal
+    double and ``p * 2**k`` is exact, so ``2**k`` is built from its exponent bits (written
+    through ``two_k``'s int64 view, which the caller also passes: ``kbits``)."""
+    return _silu_mul_block(g, u, o, h, p, two_k, two_k.view(np.int64), so)
+
+
+@njit(cache=True, nogil=True)
+def _silu_mul_block(g, u, o: int, h, p, two_k, kbits, so: int) -> None:
     for i in range(BLOCK):
         x = -np.float64(g[o + i])
         xc = min(max(x, EXP_MIN), EXP_MAX)
@@ -63,15 +69,14 @@ def silu_mul_block(g, u, o: int, h) -> None:
         q = _C[13]
         for c in range(12, -1, -1):
             q = q * r + _C[c]
-        p[i] = q
-        kbits[i] = (np.int64(k) + 1023) << 52
-    two_k = kbits.view(np.float64)
+        p[so + i] = q
+        kbits[so + i] = (np.int64(k) + 1023) << 52
     for i in range(BLOCK):
         gv = np.float64(g[o + i])
-        e = p[i] * two_k[i]
+        e = p[so + i] * two_k[so + i]
         e = np.inf if -gv > EXP_MAX else e
         e = 0.0 if -gv < EXP_MIN else e
-        h[i] = np.float32(gv / (1.0 + e)) * u[o + i]
+        h[so + i] = np.float32(gv / (1.0 + e)) * u[o + i]
 
 
 @njit(cache=True, nogil=True)
@@ -161,25 +166,40 @@ def _gate_up_stage(isa, w, xk, xs, active, offsets, rows_of, out, ahead):
                           (m * P + j) * units + t * TU, ws)
 
 
+ACT_CHUNKS = 120  # items of the SiLU stage are dealt in this many chunks (or fewer)
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _act_stage(g, u, flip, hk, hs) -> bool:
     """h = float32(silu64(g)) * u, re-quantized per block of 32 into hk (int8, tiles.py form:
     ``^ 0x80`` when ``flip``) and hs [P, Is/32] (scale values as float32). Items are
-    (pair, block): even one pair spreads over every thread."""
+    (pair, block), dealt in contiguous chunks: even one pair spreads over every thread. Each
+    chunk has its own part of scratch arrays made here; no item allocates or takes a view
+    (either costs an atomic or a malloc that threads contend for)."""
     P, Is = g.shape
     nb = Is // BLOCK
-    ok = np.ones(P * nb, np.bool_)
-    for it in prange(P * nb):
-        p = it // nb
-        o = (it % nb) * BLOCK
-        h = np.empty(BLOCK, np.float32)
-        q = np.empty(BLOCK, np.int8)
-        silu_mul_block(g[p], u[p], o, h)
-        sc, fine = quantize_block(h, q, 0)
-        ok[it] = fine
-        hs[p, it % nb] = np.float32(sc)
-        for i in range(BLOCK):
-            hk[p, o + i] = q[i] ^ np.int8(-128) if flip else q[i]
+    n = P * nb
+    chunks = min(n, ACT_CHUNKS)
+    gf, uf = g.reshape(g.size), u.reshape(u.size)
+    hbuf = np.empty(chunks * BLOCK, np.float32)
+    hbits = hbuf.view(np.int32)
+    qbuf = np.empty(chunks * BLOCK, np.int8)
+    pbuf = np.empty(chunks * BLOCK, np.float64)
+    two_k = np.empty(chunks * BLOCK, np.float64)
+    kbits = two_k.view(np.int64)
+    ok = np.ones(chunks, np.bool_)
+    for c in prange(chunks):
+        so = c * BLOCK
+        for it in range(c * n // chunks, (c + 1) * n // chunks):
+            p = it // nb
+            o = (it % nb) * BLOCK
+            _silu_mul_block(gf, uf, p * Is + o, hbuf, pbuf, two_k, kbits, so)
+            sc, fine = quantize_block_bits(hbuf, hbits, qbuf, so)
+            if not fine:
+                ok[c] = False
+            hs[p, it % nb] = np.float32(sc)
+            for i in range(BLOCK):
+                hk[p, o + i] = qbuf[so + i] ^ np.int8(-128) if flip else qbuf[so + i]
     return ok.all()
 
 

@@ -115,7 +115,14 @@ def quantize_block(x, q, o: int) -> tuple[float, bool]:
     Indices are unsigned so Numba emits no wraparound checks and LLVM vectorizes the loops;
     inf/nan are the |x| bit patterns >= 0x7f800000, so an integer max finds them.
     """
-    if _max_abs_bits(x.view(np.int32), o) >= np.int32(0x7F800000):
+    return quantize_block_bits(x, x.view(np.int32), q, o)
+
+
+@njit(cache=True, nogil=True)
+def quantize_block_bits(x, xbits, q, o: int) -> tuple[float, bool]:
+    """:func:`quantize_block` given also ``xbits = x.view(np.int32)``, for callers in a
+    parallel loop that make the view once (a view per block is an atomic on x's refcount)."""
+    if _max_abs_bits(xbits, o) >= np.int32(0x7F800000):
         return 0.0, False
     amax = _max_abs_finite(x, o)
     d = amax / np.float32(QMAX)

@@ -32,6 +32,17 @@ class ExpertPlacement:
         # int8 weights plus one fp16 scale per 32 values, gate + up + down
         self.bytes_per_expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * (1 + 2 / 32)
         self._stats = self._zero_stats()
+        self.link = None  # PinnedRing on CuPy (pin_ring): DMA into and out of the pool's ring
+        self._mask_dev: dict[int, object] = {}
+
+    def pin_ring(self) -> None:
+        """CuPy backend: register the pool's ring as pinned host memory, so each layer's
+        quantized activations go in and the partials come out by DMA (gpu_worker/cpu_link.py)."""
+        from gpu_worker.cpu_link import PinnedRing  # noqa: PLC0415 (cupy)
+
+        xp = self.model.xp
+        self.link = PinnedRing(self.pool, xp)
+        self._mask_dev = {layer: xp.asarray(m) for layer, m in self.on_cpu.items()}
 
     @staticmethod
     def _zero_stats() -> dict:
@@ -83,6 +94,8 @@ class ExpertPlacement:
             qfuse = "fused"
         if qfuse is not None:
             placement_.install_gpu_norm(qfuse)
+        if model.xp.__name__ == "cupy":
+            placement_.pin_ring()
         return placement_
 
     def install_gpu_norm(self, mode: str) -> None:
@@ -101,6 +114,8 @@ class ExpertPlacement:
 
     def experts(self, layer: int, x, ids, weights, quant=None):
         """sum_k w * expert_k(x) per row: backend experts here, CPU experts in the pool."""
+        if self.link is not None and quant is not None and x.shape[0] <= self.pool.max_rows:
+            return self._experts_pinned(layer, x, ids, weights, quant)
         xp, ops = self.model.xp, self.model.ops
         mask = self.on_cpu[layer]
         ids_host = to_numpy(ids)
@@ -109,12 +124,8 @@ class ExpertPlacement:
         first_cpu = E - int(mask.sum())
         cpu_ids = np.where(cpu, ids_host - first_cpu, -1)  # ids local to the pool's layer
         out = xp.zeros_like(x)
-        n_cpu = len(np.unique(cpu_ids[cpu]))
+        self._count(ids_host, cpu)
         st = self._stats
-        st["moe_layers"] += 1
-        st["gpu_experts"] += len(np.unique(ids_host[~cpu]))
-        st["cpu_experts"] += n_cpu
-        st["cpu_expert_bytes"] += int(n_cpu * self.bytes_per_expert)
         if (~cpu).any():
             p = self.model.layers[layer].mlp
             gpu_ids = xp.asarray(np.where(cpu, -1, ids_host))
@@ -132,8 +143,47 @@ class ExpertPlacement:
             out = out + xp.asarray(part, dtype=ops.dtype)
         return out
 
+    def _experts_pinned(self, layer: int, x, ids, weights, quant):
+        """The CuPy path: the inputs go into the pinned ring by DMA, the workers start, the
+        GPU computes its own experts meanwhile, then the partials come back by DMA."""
+        xp, ops = self.model.xp, self.model.ops
+        mask = self.on_cpu[layer]
+        E = mask.size
+        first_cpu = E - int(mask.sum())
+        R, k = ids.shape
+        ids_v, _ = self.link.stage(quant[0], quant[1], ids, weights)  # host views, in the ring
+        cpu = mask[ids_v]  # [R, k]
+        n_cpu = self._count(ids_v, cpu)
+        t0 = time.perf_counter()
+        if n_cpu:
+            ids_v[...] = np.where(cpu, ids_v - first_cpu, -1)  # ids local to the pool's layer
+            self.link.start(layer, R, k)
+        out = xp.zeros_like(x)
+        if not cpu.all():  # the GPU's experts run while the CPU workers do theirs
+            p = self.model.layers[layer].mlp
+            gpu_ids = xp.where(self._mask_dev[layer][ids], -1, ids)
+            out = experts_local(ops, p["experts.gate_proj"], p["experts.up_proj"],
+                                p["experts.down_proj"], x, gpu_ids, weights)
+        if n_cpu:
+            out = out + self.link.collect().astype(ops.dtype, copy=False)
+            self._stats["cpu_experts_ms"] += (time.perf_counter() - t0) * 1e3
+        return out
+
+    def _count(self, ids_host: np.ndarray, cpu: np.ndarray) -> int:
+        """Add one MoE layer's distinct experts to the step counters; returns the CPU's."""
+        st = self._stats
+        n_cpu = len(np.unique(ids_host[cpu]))
+        st["moe_layers"] += 1
+        st["gpu_experts"] += len(np.unique(ids_host[~cpu]))
+        st["cpu_experts"] += n_cpu
+        st["cpu_expert_bytes"] += int(n_cpu * self.bytes_per_expert)
+        return n_cpu
+
     def check_alive(self) -> None:
         self.pool.check_alive()
 
     def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
+            self.link = None
         self.pool.close()

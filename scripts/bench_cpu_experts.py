@@ -121,6 +121,46 @@ def measure(pool: CpuExpertPool, n_layers: int, ids_list: list[np.ndarray], I: i
                for i, name in enumerate(("wake", "notice", "client", "pre"))}}
 
 
+def measure_gpu(pool: CpuExpertPool, link, n_layers: int, ids_list: list[np.ndarray], I: int,
+                warmup: int, pinned: bool) -> dict:
+    """The GPU worker's view of one layer: quantized activations, ids and weights in GPU
+    memory -> the summed CPU partials in GPU memory, stream synchronized. ``pinned``: through
+    the pinned ring (gpu_worker/cpu_link.py: DMA in, DMA out); else the host path (copies to
+    NumPy, ``dispatch_quantized``, copy back)."""
+    import cupy  # noqa: PLC0415
+
+    rows = ids_list[0].shape[0]
+    x = np.random.default_rng(rows).standard_normal((rows, H)).astype(np.float32)
+    q, d = quantize(x)
+    q_dev, d_dev = cupy.asarray(q), cupy.asarray(d)
+    stream = cupy.cuda.get_current_stream()
+    host_out = np.zeros((rows, H), np.float32)
+    walls, kernels = [], []
+    for i, ids in enumerate(ids_list):
+        ids_dev = cupy.asarray(ids)
+        w_dev = cupy.full(ids.shape, 1.0 / ids.shape[1], cupy.float32)
+        stream.synchronize()
+        t0 = time.perf_counter_ns()
+        if pinned:
+            link.stage(q_dev, d_dev, ids_dev, w_dev)
+            link.start(i % n_layers, *ids.shape)
+            out = link.collect()
+        else:
+            pool.dispatch_quantized(i % n_layers, q_dev.get(), d_dev.get(), ids_dev.get(),
+                                    w_dev.get(), out=host_out)
+            out = cupy.asarray(host_out)
+        stream.synchronize()
+        wall = time.perf_counter_ns() - t0
+        del out
+        if i >= warmup:
+            walls.append(wall)
+            kernels.append(int(pool.last_kernel_ns.max()))
+    return {"path": "gpu_pinned" if pinned else "gpu_host_copies",
+            "us_per_layer": float(np.median(walls)) / 1e3,
+            "kernel_us": float(np.median(kernels)) / 1e3,
+            "dispatch_us": float(np.median(np.subtract(walls, kernels))) / 1e3}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="")
@@ -135,6 +175,9 @@ def main() -> None:
                     help="routings to run (comma-separated)")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts to run")
     ap.add_argument("--topks", default="", help="top-k values (default 8,10)")
+    ap.add_argument("--gpu", action="store_true",
+                    help="also time the GPU worker's path (CuPy arrays in and out): through "
+                         "the pinned ring and through host copies")
     ap.add_argument("--table", default="", help="print markdown tables of a result JSON, exit")
     ap.add_argument("--pages", default="", help="write a 4 KiB vs 2 MiB page experiment here")
     args = ap.parse_args()
@@ -192,10 +235,36 @@ def main() -> None:
                       f"eff={rec['effective_gbps']:5.1f} GB/s "
                       f"dispatch={rec['dispatch_us']:5.1f} us",
                       flush=True)
+            if args.gpu:
+                records += gpu_cases(pool, machine, I, E, n_layers, args.iters, rows_run)
         if args.out:  # after every pool: a run cut short still leaves its records
             with open(args.out, "w") as f:
                 json.dump(records, f, indent=1)
     print(f"# threads={get_num_threads()} (client); done")
+
+
+def gpu_cases(pool: CpuExpertPool, machine: dict, I: int, E: int, n_layers: int, iters: int,
+              rows_run: list[int]) -> list[dict]:
+    """Top-8 random layers and the no-CPU-work case through both GPU paths (``--gpu``)."""
+    import cupy  # noqa: PLC0415
+
+    from gpu_worker.cpu_link import PinnedRing  # noqa: PLC0415
+
+    link = PinnedRing(pool, cupy)
+    out = []
+    try:
+        for rows, kind in [(r, "random") for r in rows_run] + [(16, "none")]:
+            ids = routings(kind, E, 8, rows, iters + 4, seed=rows * 100 + 8)
+            for pinned in (True, False):
+                rec = dict(machine, H=H, I=I, E=E, topk=8, rows=rows, routing=kind,
+                           **measure_gpu(pool, link, n_layers, ids, I, 4, pinned))
+                out.append(rec)
+                print(f"GPU {rec['path']:16s} I={I:4d} E={E:4d} rows={rows:2d} {kind:16s} "
+                      f"layer={rec['us_per_layer']:8.1f} us kernel={rec['kernel_us']:8.1f} us "
+                      f"dispatch={rec['dispatch_us']:5.1f} us", flush=True)
+    finally:
+        link.close()
+    return out
 
 
 def page_experiment(threads: int, iters: int, I: int = 768, E: int = 128) -> list[dict]:
@@ -256,6 +325,8 @@ def _smaps_anon_huge_kib() -> int:
 def markdown_tables(records: list[dict]) -> str:
     """The tables of docs/cpu_experts.md: layers at top-k 8, the cost of rows on one expert,
     and the dispatch overhead with no CPU work."""
+    gpu = [r for r in records if "path" in r]
+    records = [r for r in records if "path" not in r]
     lines = ["| I | E | routing | rows | distinct experts | weight MB | us/layer | kernel us | "
              "eff. GB/s | dispatch us (wake / notice / client / pre) |", "|" + "---|" * 10]
     for r in records:
@@ -282,6 +353,13 @@ def markdown_tables(records: list[dict]) -> str:
         if r["routing"] == "none":
             lines.append(f"| {r['I']} | {r['E']} | {r['us_per_layer']:.0f} | "
                          f"{r['kernel_us']:.0f} | {r['dispatch_us']:.0f} |")
+    if gpu:
+        lines += ["", "| I | E | routing | rows | path | us/layer | kernel us | dispatch + "
+                  "transfer us |", "|" + "---|" * 8]
+        for r in gpu:
+            lines.append(f"| {r['I']} | {r['E']} | {r['routing']} | {r['rows']} | {r['path']} | "
+                         f"{r['us_per_layer']:.0f} | {r['kernel_us']:.0f} | "
+                         f"{r['dispatch_us']:.0f} |")
     return "\n".join(lines)
 
 

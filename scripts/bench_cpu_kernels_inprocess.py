@@ -23,6 +23,54 @@ from cpu_experts.quant import quantize
 H, I = 2048, 512
 
 
+def stage_entries(isa: int):
+    """The kernel's three parallel stages compiled for one instruction set (the isa argument
+    must be a compile-time constant: a closure variable is one)."""
+
+    @numba.njit
+    def gate_up(gu, xk, xs, active, offsets, rows_of, g_u, ahead):
+        kernels._gate_up_stage(isa, gu, xk, xs, active, offsets, rows_of, g_u, ahead)
+
+    @numba.njit
+    def down(w, hk, hs, active, offsets, pair_of, slot_of_pair, weights, y, out, ahead):
+        kernels._down_combine_stage(isa, w, hk, hs, active, offsets, pair_of, slot_of_pair,
+                                    weights, y, out, ahead)
+
+    return gate_up, down
+
+
+def stage_times(which: int, weights, rng, rows_list=(1, 4, 16)) -> list[dict]:
+    """Per-stage times of one expert (every row on expert 0): where the cost of rows goes."""
+    gate_up, down = stage_entries(which)
+    gu, dn = weights
+    flip = which == cpu_isa.ISA_AVX512VNNI
+    records = []
+    for rows in rows_list:
+        q, d = quantize(rng.standard_normal((rows, H)).astype(np.float32))
+        ids, w = np.zeros((rows, 1), np.int32), np.ones((rows, 1), np.float32)
+        pair_of, pair_row, active, offsets, members = kernels.group_pairs(ids, 1)
+        xk, xs = kernels._decode_activations(q, d.view(np.uint16), rows, flip)
+        g_u = np.empty((2, rows, I), np.float32)
+        hk, hs = np.empty((rows, I), np.int8), np.empty((rows, I // 32), np.float32)
+        y, out = np.empty((rows, H), np.float32), np.empty((rows, H), np.float32)
+        slots = np.arange(rows)
+        rec = {"what": "stages_one_expert", "isa": cpu_isa.NAMES[which], "rows": rows,
+               "threads": numba.get_num_threads()}
+        rec["gate_up_us"] = best_us(lambda: gate_up(gu, xk, xs, active, offsets,  # noqa: B023
+                                                    pair_row[members], g_u,  # noqa: B023
+                                                    kernels.PREFETCH_AHEAD))
+        rec["act_us"] = best_us(lambda: kernels._act_stage(g_u[0], g_u[1], flip,  # noqa: B023
+                                                           hk, hs))  # noqa: B023
+        rec["down_us"] = best_us(lambda: down(dn, hk, hs, active, offsets,  # noqa: B023
+                                              pair_of, slots, w, y, out,  # noqa: B023
+                                              kernels.PREFETCH_AHEAD))
+        kernel = kernels.layer_kernel(which)
+        rec["layer_us"] = best_us(lambda: kernel(gu, dn, q, d.view(np.uint16), ids,  # noqa: B023
+                                                 w, out, kernels.PREFETCH_AHEAD))
+        records.append(rec)
+    return records
+
+
 def best_us(fn, reps: int = 15) -> float:
     fn()
     times = []
@@ -36,6 +84,8 @@ def best_us(fn, reps: int = 15) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="")
+    ap.add_argument("--stages", action="store_true",
+                    help="per-stage times of one expert (all threads, then one thread)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     ql = shard.quantize_layer(*(rng.standard_normal(s).astype(np.float32) * 0.03
@@ -56,6 +106,11 @@ def main() -> None:
             records.append({"what": "one_expert", "isa": cpu_isa.NAMES[which], "rows": rows,
                             "threads": numba.get_num_threads(), "us": us,
                             "gmac_per_s": 3 * I * H * rows / us / 1e3})
+        if args.stages:
+            for threads in (numba.get_num_threads(), 1):
+                numba.set_num_threads(threads)
+                records += stage_times(which, weights, rng)
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     numba.set_num_threads(1)
     g = rng.standard_normal((16, 768)).astype(np.float32) * 3
     u = rng.standard_normal((16, 768)).astype(np.float32)
