@@ -80,6 +80,17 @@ def _silu_mul_block(g, u, o: int, h, p, two_k, kbits, so: int) -> None:
 
 
 @njit(cache=True, nogil=True)
+def empty_f32_aligned(n: int):
+    """``np.empty(n, float32)`` starting on a 64-byte boundary. The stages' float32 scratch
+    is written by many threads in 64-byte pieces (16 units of one row); with Numba's 32-byte
+    alignment half of those pieces would straddle two cache lines shared with a neighbouring
+    item on another thread (false sharing)."""
+    buf = np.empty(n + 16, np.float32)
+    off = (-(buf.ctypes.data >> 2)) & 15
+    return buf[off:off + n]
+
+
+@njit(cache=True, nogil=True)
 def group_pairs(expert_ids, num_experts):
     """Dense pair numbering and grouping by expert.
 
@@ -297,13 +308,13 @@ def moe_layer(isa, gu, down, xq, xd_bits, expert_ids, weights, out, ahead) -> in
     slot_of_pair = np.empty(P, np.int64)   # [P] pair id -> slot
     for s in range(P):
         slot_of_pair[members[s]] = s
-    g_u = np.empty((2, P, Is), np.float32)
+    g_u = empty_f32_aligned(2 * P * Is).reshape((2, P, Is))
     _gate_up_stage(isa, gu, xk, xs, active, offsets, rows_of, g_u, ahead)
     hk = np.empty((P, Is), np.int8)
     hs = np.empty((P, Is // BLOCK), np.float32)
     if not _act_stage(g_u[0], g_u[1], flip, hk, hs):
         return ERR_NON_FINITE
-    y = np.empty((P, H), np.float32)
+    y = empty_f32_aligned(P * H).reshape((P, H))
     _down_combine_stage(isa, down, hk, hs, active, offsets, pair_of, slot_of_pair, weights, y,
                         out[:R], ahead)
     return ERR_OK

@@ -144,19 +144,19 @@ class ExpertPlacement:
         return out
 
     def _experts_pinned(self, layer: int, x, ids, weights, quant):
-        """The CuPy path: the inputs go into the pinned ring by DMA, the workers start, the
-        GPU computes its own experts meanwhile, then the partials come back by DMA."""
+        """The CuPy path (gpu_worker/cpu_link.py): one kernel puts the inputs into the pinned
+        ring, the workers start, the GPU computes its own experts meanwhile, then one kernel
+        adds the workers' partials to them straight from the ring."""
         xp, ops = self.model.xp, self.model.ops
         mask = self.on_cpu[layer]
-        E = mask.size
-        first_cpu = E - int(mask.sum())
+        first_cpu = mask.size - int(mask.sum())
         R, k = ids.shape
-        ids_v, _ = self.link.stage(quant[0], quant[1], ids, weights)  # host views, in the ring
-        cpu = mask[ids_v]  # [R, k]
-        n_cpu = self._count(ids_v, cpu)
+        gids, _ = self.link.stage(quant[0], quant[1], ids, weights, self._mask_dev[layer],
+                                  first_cpu)
+        cpu = mask[gids]  # [R, k]
+        n_cpu = self._count(gids, cpu)
         t0 = time.perf_counter()
         if n_cpu:
-            ids_v[...] = np.where(cpu, ids_v - first_cpu, -1)  # ids local to the pool's layer
             self.link.start(layer, R, k)
         out = xp.zeros_like(x)
         if not cpu.all():  # the GPU's experts run while the CPU workers do theirs
@@ -165,7 +165,10 @@ class ExpertPlacement:
             out = experts_local(ops, p["experts.gate_proj"], p["experts.up_proj"],
                                 p["experts.down_proj"], x, gpu_ids, weights)
         if n_cpu:
-            out = out + self.link.collect().astype(ops.dtype, copy=False)
+            if out.dtype == np.float32:
+                out = self.link.collect(base=out)  # out + (p_0 + p_1 + ...), as below
+            else:
+                out = out + self.link.collect().astype(ops.dtype)
             self._stats["cpu_experts_ms"] += (time.perf_counter() - t0) * 1e3
         return out
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 
 import numba
 import numpy as np
@@ -50,23 +51,21 @@ def stage_times(which: int, weights, rng, rows_list=(1, 4, 16)) -> list[dict]:
         ids, w = np.zeros((rows, 1), np.int32), np.ones((rows, 1), np.float32)
         pair_of, pair_row, active, offsets, members = kernels.group_pairs(ids, 1)
         xk, xs = kernels._decode_activations(q, d.view(np.uint16), rows, flip)
-        g_u = np.empty((2, rows, I), np.float32)
+        g_u = kernels.empty_f32_aligned(2 * rows * I).reshape((2, rows, I))
         hk, hs = np.empty((rows, I), np.int8), np.empty((rows, I // 32), np.float32)
-        y, out = np.empty((rows, H), np.float32), np.empty((rows, H), np.float32)
+        y = kernels.empty_f32_aligned(rows * H).reshape((rows, H))
+        out = np.empty((rows, H), np.float32)
         slots = np.arange(rows)
         rec = {"what": "stages_one_expert", "isa": cpu_isa.NAMES[which], "rows": rows,
                "threads": numba.get_num_threads()}
-        rec["gate_up_us"] = best_us(lambda: gate_up(gu, xk, xs, active, offsets,  # noqa: B023
-                                                    pair_row[members], g_u,  # noqa: B023
-                                                    kernels.PREFETCH_AHEAD))
-        rec["act_us"] = best_us(lambda: kernels._act_stage(g_u[0], g_u[1], flip,  # noqa: B023
-                                                           hk, hs))  # noqa: B023
-        rec["down_us"] = best_us(lambda: down(dn, hk, hs, active, offsets,  # noqa: B023
-                                              pair_of, slots, w, y, out,  # noqa: B023
-                                              kernels.PREFETCH_AHEAD))
-        kernel = kernels.layer_kernel(which)
-        rec["layer_us"] = best_us(lambda: kernel(gu, dn, q, d.view(np.uint16), ids,  # noqa: B023
-                                                 w, out, kernels.PREFETCH_AHEAD))
+        rec["gate_up_us"] = best_us(partial(gate_up, gu, xk, xs, active, offsets,
+                                            pair_row[members], g_u, kernels.PREFETCH_AHEAD))
+        rec["act_us"] = best_us(partial(kernels._act_stage, g_u[0], g_u[1], flip, hk, hs))
+        rec["down_us"] = best_us(partial(down, dn, hk, hs, active, offsets, pair_of, slots, w,
+                                         y, out, kernels.PREFETCH_AHEAD))
+        rec["layer_us"] = best_us(partial(kernels.layer_kernel(which), gu, dn, q,
+                                          d.view(np.uint16), ids, w, out,
+                                          kernels.PREFETCH_AHEAD))
         records.append(rec)
     return records
 

@@ -19,34 +19,48 @@ cupy = pytest.importorskip("cupy")
 E, I, H = 6, 96, 256
 
 
-def test_pinned_ring_equals_host_dispatch():
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero_copy", "memcpy"])
+def test_pinned_ring_equals_host_dispatch(zero_copy):
     from gpu_worker.cpu_link import PinnedRing
 
     rng = np.random.default_rng(3)
     layers = {1: tuple((rng.standard_normal(s) * 0.08).astype(np.float32)
                        for s in ((E, I, H), (E, I, H), (E, H, I)))}
     cores = sorted(os.sched_getaffinity(0))[:4]
+    first = 4  # global expert ids 4..4+E-1 are the pool's 0..E-1
+    mask = cupy.asarray(np.arange(first + E) >= first)
     with CpuExpertPool(layers, cores=[cores[:2], cores[2:]], max_rows=16) as pool:
-        link = PinnedRing(pool, cupy)
+        link = PinnedRing(pool, cupy, zero_copy=zero_copy)
         try:
             for rows, k in ((1, 1), (5, 3), (16, 4), (3, 2)):
                 x = rng.standard_normal((rows, H)).astype(np.float32)
                 ids = rng.integers(-1, E, (rows, k))
                 w = rng.random((rows, k)).astype(np.float32)
+                base = rng.standard_normal((rows, H)).astype(np.float32)
                 q, d = quantize(x)
                 host = pool.dispatch_quantized(1, q, d, ids, w)
-                ids_v, w_v = link.stage(cupy.asarray(q), cupy.asarray(d), cupy.asarray(ids),
+                gids, rids = link.stage(cupy.asarray(q), cupy.asarray(d), cupy.asarray(ids),
                                         cupy.asarray(w))
-                assert (ids_v == ids).all() and w_v.tobytes() == w.tobytes()
+                assert (gids == ids).all() and (rids == ids).all()
+                assert pool.ring.pairs(rows, k)[1].tobytes() == w.tobytes()
                 link.start(1, rows, k)
                 got = link.collect()
                 assert isinstance(got, cupy.ndarray)
                 assert got.get().tobytes() == host.tobytes(), (rows, k)
-            ids_v, _ = link.stage(cupy.asarray(q), cupy.asarray(d), cupy.full((3, 2), E),
-                                  cupy.asarray(w))
-            link.start(1, 3, 2)
-            with pytest.raises(CpuExpertError, match="expert id"):
-                link.collect()
+                # global ids through the layer's mask (0..3: GPU experts), onto a base
+                glob = np.where(ids >= 0, ids + first, rng.integers(0, first, ids.shape))
+                gids, rids = link.stage(cupy.asarray(q), cupy.asarray(d), cupy.asarray(glob),
+                                        cupy.asarray(w), mask, first)
+                assert (gids == glob).all() and (rids == ids).all()
+                link.start(1, rows, k)
+                got = link.collect(base=cupy.asarray(base))
+                assert got.get().tobytes() == (base + host).tobytes()
+            for bad, on_cpu in ((E, None), (first + E, mask), (-3, mask)):
+                link.stage(cupy.asarray(q), cupy.asarray(d), cupy.full((3, 2), bad),
+                           cupy.asarray(w), on_cpu, first)
+                link.start(1, 3, 2)
+                with pytest.raises(CpuExpertError, match="expert id"):
+                    link.collect()
             assert pool.dispatch_quantized(1, q, d, ids, w).tobytes() == host.tobytes()
         finally:
             link.close()
