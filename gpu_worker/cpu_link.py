@@ -8,13 +8,13 @@ true on x86 Linux with UVA), GPU kernels read and write the ring themselves ("ze
    bits, expert ids (mapped to the pool's local ids, -1 for experts on the GPU) and weights
    into the ring, then the stream is synchronized: the inputs are in host memory;
 2. :meth:`PinnedRing.start` rings the workers and returns; the GPU goes on with its experts;
-3. :meth:`PinnedRing.collect` waits for the workers, then one kernel reads the ``W`` partials
-   from the ring and sums them in worker order onto the GPU experts' output: the same
-   float32 additions as the host path (``CpuExpertPool.dispatch`` then ``gpu + cpu``), so
-   the same bits.
+3. :meth:`PinnedRing.collect` waits for the workers, copies the ``W`` partials to the GPU
+   with one ``cudaMemcpy2DAsync`` and one kernel sums them in worker order onto the GPU
+   experts' output: the same float32 additions as the host path (``CpuExpertPool.dispatch``
+   then ``gpu + cpu``), so the same bits.
 
-Two kernel launches and one synchronize per layer, no host thread touching activations or
-partials. Without that device attribute the same steps use ``cudaMemcpyAsync`` on the ring.
+No host thread touches activations or partials. Each direction can go either way (a kernel
+on the mapped ring, or a DMA copy); the defaults are the faster ones measured.
 """
 
 from __future__ import annotations
@@ -75,20 +75,39 @@ def _grid(n: int) -> tuple[int]:
     return (max(1, min(1024, -(-n // THREADS))),)
 
 
+def _as(cp, a, dtype, inner: int):
+    """``a`` as ``dtype`` with a contiguous last axis (no call into CuPy when it already is:
+    each costs microseconds, and this runs per layer)."""
+    if a.dtype != dtype:
+        a = a.astype(dtype)
+    if a.strides[-1] != inner:
+        a = cp.ascontiguousarray(a)
+    return a
+
+
 class PinnedRing:
     """A :class:`cpu_experts.pool.CpuExpertPool` driven from CuPy arrays through its pinned
-    ring. ``zero_copy``: None = whenever the device allows it. ``close()`` unregisters the
-    ring (before the pool unmaps it)."""
+    ring. ``kernel_in``: inputs written into the ring by the ``ring_stage`` kernel (posted
+    writes over the bus) rather than by ``cudaMemcpyAsync``; ``kernel_out``: partials read from
+    the ring by the ``ring_gather`` kernel rather than copied by ``cudaMemcpy2DAsync`` and
+    summed in device memory. Either kernel needs a device that may use registered host
+    pointers; None = use it where possible (in) / never (out: reading host memory from a
+    kernel is a round trip per access; measured slower, docs/cpu_experts.md). ``close()``
+    unregisters the ring (before the pool unmaps it)."""
 
-    def __init__(self, pool, cupy, zero_copy: bool | None = None) -> None:
+    def __init__(self, pool, cupy, kernel_in: bool | None = None,
+                 kernel_out: bool | None = False) -> None:
         self.pool, self.cp = pool, cupy
         self.addr, self.nbytes = pool.ring_region()
         rt = cupy.cuda.runtime
-        cupy.cuda.runtime.hostRegister(self.addr, self.nbytes, 0)
+        rt.hostRegister(self.addr, self.nbytes, 0)
         can = bool(rt.deviceGetAttribute(CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM,
                                           cupy.cuda.Device().id))
-        self.zero_copy = can if zero_copy is None else bool(zero_copy and can)
-        self._parts = None  # memcpy path: device buffer [W, Rmax, H] float32
+        self.kernel_in = can if kernel_in is None else bool(kernel_in and can)
+        self.kernel_out = can if kernel_out is None else bool(kernel_out and can)
+        self._stage, self._gather = _kernels(cupy)
+        W, H = pool.num_workers, pool.hidden
+        self._parts = cupy.empty((W, pool.max_rows, H), cupy.float32)  # partials, on the GPU
         self._stream = None  # the stream of the last collect
         n = pool.ring.ids.size  # global ids of the staged pairs, in pinned (mapped) memory
         self._gids_mem = cupy.cuda.alloc_pinned_memory(4 * n)
@@ -106,19 +125,17 @@ class PinnedRing:
         """Put one layer's inputs into the ring: ``q [R, H] int8``, ``d16 [R, H/32]`` fp16 (or
         its uint16 bits), ``ids [R, k]`` integer expert ids, ``weights [R, k]``, all CuPy.
         ``on_cpu``: the layer's bool mask over expert ids (None: every id is the pool's);
-        ring ids become ``id - first_cpu`` where ``on_cpu[id]``, else -1. Returns host views
-        ``(global ids [R, k] int32, ring ids [R, k] int32)``, read once the stream is
-        synchronized (on return)."""
+        ring ids become ``id - first_cpu`` where ``on_cpu[id]``, else -1 (and -2, which the
+        workers refuse, outside the mask). Returns host views ``(global ids [R, k] int32,
+        ring ids [R, k] int32)``; the stream is synchronized on return."""
         cp = self.cp
         R, k = ids.shape
-        ids = ids.astype(cp.int64, copy=False)
-        if ids.strides[1] != 8:
-            ids = cp.ascontiguousarray(ids)
-        w = weights.astype(cp.float32, copy=False)
-        if w.strides[1] != 4:
-            w = cp.ascontiguousarray(w)
-        q = cp.ascontiguousarray(q)
-        d16 = cp.ascontiguousarray(d16)
+        ids = _as(cp, ids, cp.int64, 8)
+        w = _as(cp, weights, cp.float32, 4)
+        if not q.flags.c_contiguous:
+            q = cp.ascontiguousarray(q)
+        if not d16.flags.c_contiguous:
+            d16 = cp.ascontiguousarray(d16)
         xq, xd, ids_v, w_v = self.pool.inputs(R, k)
         if q.shape != xq.shape or q.dtype.itemsize != 1 or d16.shape != xd.shape \
                 or d16.dtype.itemsize != 2:
@@ -128,17 +145,15 @@ class PinnedRing:
         if self._stream is not None and self._stream.ptr != stream.ptr:
             self._stream.synchronize()  # the last gather must be done reading the ring
         gids = self._gids[:R * k].reshape(R, k)
-        if self.zero_copy:
-            stage, _ = _kernels(cp)
-            n = max(q.size // 4, R * k)
-            stage(_grid(n), (THREADS,), (
+        if self.kernel_in:
+            self._stage(_grid(max(q.size // 4, R * k)), (THREADS,), (
                 q, np.int64(q.size // 4), d16, np.int64(d16.size), ids, np.int32(R),
                 np.int32(k), np.int64(ids.strides[0] // 8), w, np.int64(w.strides[0] // 4),
                 np.uint64(0) if on_cpu is None else on_cpu,
                 np.int64(0 if on_cpu is None else on_cpu.size), np.int32(first_cpu),
-                np.uint64(xq.ctypes.data),
-                np.uint64(xd.ctypes.data), np.uint64(ids_v.ctypes.data),
-                np.uint64(w_v.ctypes.data), np.uint64(gids.ctypes.data)), stream=stream)
+                np.uint64(xq.ctypes.data), np.uint64(xd.ctypes.data),
+                np.uint64(ids_v.ctypes.data), np.uint64(w_v.ctypes.data),
+                np.uint64(gids.ctypes.data)), stream=stream)
             stream.synchronize()
             return gids, ids_v
         rt = cp.cuda.runtime
@@ -163,7 +178,7 @@ class PinnedRing:
     def collect(self, base=None):
         """Wait for the workers; return ``base + (p_0 + p_1 + ...)`` ``[R, H] float32`` on the
         GPU (``base``: a float32 ``[R, H]`` CuPy array, e.g. the GPU experts' output, or None
-        for the partials' sum alone)."""
+        for the partials' sum alone): the float32 additions of the host path, in its order."""
         cp = self.cp
         parts = self.pool.finish()  # [W, R, H] view of the pinned ring
         W, R, H = parts.shape
@@ -171,21 +186,18 @@ class PinnedRing:
         self._stream = stream
         out = cp.empty((R, H), cp.float32)
         if base is not None:
-            base = cp.ascontiguousarray(base, dtype=cp.float32)
-        if self.zero_copy:
-            _, gather = _kernels(cp)
-            gather(_grid(R * H), (THREADS,), (
-                np.uint64(parts.ctypes.data), np.int64(parts.strides[0] // 4), np.int32(W),
-                np.int64(R * H), base if base is not None else np.uint64(0), out),
-                stream=stream)
-            return out
-        if self._parts is None:
-            self._parts = cp.empty((W, self.pool.max_rows, H), cp.float32)
-        dev = self._parts[:, :R]
-        rt = cp.cuda.runtime
-        rt.memcpy2DAsync(dev.data.ptr, dev.strides[0], parts.ctypes.data, parts.strides[0],
-                         R * H * 4, W, rt.memcpyHostToDevice, stream.ptr)
-        s = dev[0].copy()
-        for v in range(1, W):
-            s += dev[v]  # in worker order, as the host path sums
-        return s if base is None else base + s
+            base = _as(cp, base, cp.float32, 4)
+            if not base.flags.c_contiguous:
+                base = cp.ascontiguousarray(base)
+        if self.kernel_out:
+            src, stride = np.uint64(parts.ctypes.data), parts.strides[0] // 4
+        else:
+            dev = self._parts
+            rt = cp.cuda.runtime
+            rt.memcpy2DAsync(dev.data.ptr, dev.strides[0], parts.ctypes.data, parts.strides[0],
+                             R * H * 4, W, rt.memcpyHostToDevice, stream.ptr)
+            src, stride = dev, dev.strides[0] // 4
+        self._gather(_grid(R * H), (THREADS,), (
+            src, np.int64(stride), np.int32(W), np.int64(R * H),
+            base if base is not None else np.uint64(0), out), stream=stream)
+        return out

@@ -122,11 +122,11 @@ def measure(pool: CpuExpertPool, n_layers: int, ids_list: list[np.ndarray], I: i
 
 
 def measure_gpu(pool: CpuExpertPool, link, n_layers: int, ids_list: list[np.ndarray], I: int,
-                warmup: int, pinned: bool) -> dict:
+                warmup: int, path: str) -> dict:
     """The GPU worker's view of one layer: quantized activations, ids and weights in GPU
-    memory -> the summed CPU partials in GPU memory, stream synchronized. ``pinned``: through
-    the pinned ring (gpu_worker/cpu_link.py: DMA in, DMA out); else the host path (copies to
-    NumPy, ``dispatch_quantized``, copy back)."""
+    memory -> the summed CPU partials in GPU memory, stream synchronized. ``link``: through
+    the pinned ring (gpu_worker/cpu_link.py); None: the host path (copies to NumPy,
+    ``dispatch_quantized``, copy back)."""
     import cupy  # noqa: PLC0415
 
     rows = ids_list[0].shape[0]
@@ -141,7 +141,7 @@ def measure_gpu(pool: CpuExpertPool, link, n_layers: int, ids_list: list[np.ndar
         w_dev = cupy.full(ids.shape, 1.0 / ids.shape[1], cupy.float32)
         stream.synchronize()
         t0 = time.perf_counter_ns()
-        if pinned:
+        if link is not None:
             link.stage(q_dev, d_dev, ids_dev, w_dev)
             link.start(i % n_layers, *ids.shape)
             out = link.collect()
@@ -155,7 +155,7 @@ def measure_gpu(pool: CpuExpertPool, link, n_layers: int, ids_list: list[np.ndar
         if i >= warmup:
             walls.append(wall)
             kernels.append(int(pool.last_kernel_ns.max()))
-    return {"path": "gpu_pinned" if pinned else "gpu_host_copies",
+    return {"path": path,
             "us_per_layer": float(np.median(walls)) / 1e3,
             "kernel_us": float(np.median(kernels)) / 1e3,
             "dispatch_us": float(np.median(np.subtract(walls, kernels))) / 1e3}
@@ -216,7 +216,8 @@ def main() -> None:
                            max_rows=64, max_k=16, isa=args.isa,
                            prefetch_bytes=args.prefetch) as pool:
             info = pool.ready_info[0]
-            machine.update(isa=info["isa"], prefetch_bytes=info["prefetch_bytes"])
+            machine.update(isa=info["isa"], prefetch_bytes=info["prefetch_bytes"],
+                           threading_layer=info["threading_layer"])
             print(f"# isa={info['isa']} weights {info['weights_mib']} MiB", flush=True)
             print(f"# I={I} E={E}: {n_layers} layers, pool up in "
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
@@ -236,7 +237,8 @@ def main() -> None:
                       f"dispatch={rec['dispatch_us']:5.1f} us",
                       flush=True)
             if args.gpu:
-                records += gpu_cases(pool, machine, I, E, n_layers, args.iters, rows_run)
+                records += gpu_cases(pool, machine, I, E, n_layers, args.iters,
+                                     [r for r in rows_run if r in (1, 16)])
         if args.out:  # after every pool: a run cut short still leaves its records
             with open(args.out, "w") as f:
                 json.dump(records, f, indent=1)
@@ -250,14 +252,21 @@ def gpu_cases(pool: CpuExpertPool, machine: dict, I: int, E: int, n_layers: int,
 
     from gpu_worker.cpu_link import PinnedRing  # noqa: PLC0415
 
-    link = PinnedRing(pool, cupy)
+    link = PinnedRing(pool, cupy)  # one registration of the ring; its two modes set per path
+    # in / out: a kernel on the mapped ring or a DMA copy (PinnedRing's kernel_in/kernel_out)
+    paths = {f"gpu_pinned_{a}_{b}": (a == "kernel", b == "kernel")
+             for a, b in (("kernel", "memcpy"), ("kernel", "kernel"), ("memcpy", "memcpy"))}
+    paths["gpu_host_copies"] = None
     out = []
     try:
         for rows, kind in [(r, "random") for r in rows_run] + [(16, "none")]:
             ids = routings(kind, E, 8, rows, iters + 4, seed=rows * 100 + 8)
-            for pinned in (True, False):
+            for path, modes in paths.items():
+                if modes is not None:
+                    link.kernel_in, link.kernel_out = modes
                 rec = dict(machine, H=H, I=I, E=E, topk=8, rows=rows, routing=kind,
-                           **measure_gpu(pool, link, n_layers, ids, I, 4, pinned))
+                           **measure_gpu(pool, link if modes else None, n_layers, ids, I, 4,
+                                         path))
                 out.append(rec)
                 print(f"GPU {rec['path']:16s} I={I:4d} E={E:4d} rows={rows:2d} {kind:16s} "
                       f"layer={rec['us_per_layer']:8.1f} us kernel={rec['kernel_us']:8.1f} us "

@@ -19,8 +19,9 @@ cupy = pytest.importorskip("cupy")
 E, I, H = 6, 96, 256
 
 
-@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero_copy", "memcpy"])
-def test_pinned_ring_equals_host_dispatch(zero_copy):
+@pytest.mark.parametrize("kernel_in,kernel_out", [(True, False), (True, True), (False, False)],
+                         ids=["kernel-memcpy", "kernel-kernel", "memcpy-memcpy"])
+def test_pinned_ring_equals_host_dispatch(kernel_in, kernel_out):
     from gpu_worker.cpu_link import PinnedRing
 
     rng = np.random.default_rng(3)
@@ -30,7 +31,8 @@ def test_pinned_ring_equals_host_dispatch(zero_copy):
     first = 4  # global expert ids 4..4+E-1 are the pool's 0..E-1
     mask = cupy.asarray(np.arange(first + E) >= first)
     with CpuExpertPool(layers, cores=[cores[:2], cores[2:]], max_rows=16) as pool:
-        link = PinnedRing(pool, cupy, zero_copy=zero_copy)
+        link = PinnedRing(pool, cupy, kernel_in=kernel_in, kernel_out=kernel_out)
+        assert (link.kernel_in, link.kernel_out) == (kernel_in, kernel_out)  # x86 Linux
         try:
             for rows, k in ((1, 1), (5, 3), (16, 4), (3, 2)):
                 x = rng.standard_normal((rows, H)).astype(np.float32)
