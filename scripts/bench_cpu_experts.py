@@ -135,16 +135,19 @@ def measure_gpu(pool: CpuExpertPool, link, n_layers: int, ids_list: list[np.ndar
     q_dev, d_dev = cupy.asarray(q), cupy.asarray(d)
     stream = cupy.cuda.get_current_stream()
     host_out = np.zeros((rows, H), np.float32)
-    walls, kernels = [], []
+    walls, kernels, splits = [], [], []
     for i, ids in enumerate(ids_list):
-        ids_dev = cupy.asarray(ids)
+        ids_dev = cupy.asarray(ids, dtype=cupy.int64)  # the router's dtype
         w_dev = cupy.full(ids.shape, 1.0 / ids.shape[1], cupy.float32)
         stream.synchronize()
         t0 = time.perf_counter_ns()
         if link is not None:
             link.stage(q_dev, d_dev, ids_dev, w_dev)
+            t1 = time.perf_counter_ns()
             link.start(i % n_layers, *ids.shape)
+            t2 = time.perf_counter_ns()
             out = link.collect()
+            t3 = time.perf_counter_ns()
         else:
             pool.dispatch_quantized(i % n_layers, q_dev.get(), d_dev.get(), ids_dev.get(),
                                     w_dev.get(), out=host_out)
@@ -155,10 +158,17 @@ def measure_gpu(pool: CpuExpertPool, link, n_layers: int, ids_list: list[np.ndar
         if i >= warmup:
             walls.append(wall)
             kernels.append(int(pool.last_kernel_ns.max()))
-    return {"path": path,
-            "us_per_layer": float(np.median(walls)) / 1e3,
-            "kernel_us": float(np.median(kernels)) / 1e3,
-            "dispatch_us": float(np.median(np.subtract(walls, kernels))) / 1e3}
+            if link is not None:  # stage, start, wake, notice, collect (after seen), sync
+                splits.append((t1 - t0, t2 - t1, pool.last_wake_ns, pool.last_notice_ns,
+                               t3 - pool._t_seen, t0 + wall - t3))
+    rec = {"path": path,
+           "us_per_layer": float(np.median(walls)) / 1e3,
+           "kernel_us": float(np.median(kernels)) / 1e3,
+           "dispatch_us": float(np.median(np.subtract(walls, kernels))) / 1e3}
+    for j, name in enumerate(("stage", "start", "wake", "notice", "collect", "sync")):
+        if splits:
+            rec[f"{name}_us"] = float(np.median([sp[j] for sp in splits])) / 1e3
+    return rec
 
 
 def main() -> None:
@@ -167,6 +177,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--client-core", type=int, default=0)
+    ap.add_argument("--client-cores", default="",
+                    help="cores of the dispatching process (default: --client-core alone); "
+                         "the workers get the others")
     ap.add_argument("--iters", type=int, default=24)
     ap.add_argument("--isa", default=None, help="portable | avx2 | avx512vnni (default: best)")
     ap.add_argument("--prefetch", type=int, default=None, help="prefetch distance, bytes")
@@ -187,13 +200,15 @@ def main() -> None:
         return
 
     usable = sorted(os.sched_getaffinity(0))
-    worker_cores = [c for c in usable if c != args.client_core] or usable
+    client = ([int(c) for c in args.client_cores.split(",")] if args.client_cores
+              else [args.client_core])
+    worker_cores = [c for c in usable if c not in client] or usable
     groups = [list(g) for g in np.array_split(worker_cores, args.workers)]
     dram = dram_read_gbps(len(worker_cores), (256 << 20) if args.quick else (2 << 30))
     if args.pages:
         with open(args.pages, "w") as f:
             json.dump(page_experiment(len(worker_cores), args.iters), f, indent=1)
-    os.sched_setaffinity(0, [args.client_core])  # the dispatching thread gets its own core
+    os.sched_setaffinity(0, client)  # the dispatching thread gets its own core(s)
     set_num_threads(1)
     machine = {"machine": platform.node(), "cpu": _cpu_model(), "threads": len(worker_cores),
                "workers": args.workers, "dram_read_gbps": round(dram, 1)}
@@ -268,9 +283,12 @@ def gpu_cases(pool: CpuExpertPool, machine: dict, I: int, E: int, n_layers: int,
                            **measure_gpu(pool, link if modes else None, n_layers, ids, I, 4,
                                          path))
                 out.append(rec)
+                split = " ".join(f"{n}={rec[n + '_us']:.0f}" for n in
+                                 ("stage", "start", "wake", "notice", "collect", "sync")
+                                 if n + "_us" in rec)
                 print(f"GPU {rec['path']:16s} I={I:4d} E={E:4d} rows={rows:2d} {kind:16s} "
                       f"layer={rec['us_per_layer']:8.1f} us kernel={rec['kernel_us']:8.1f} us "
-                      f"dispatch={rec['dispatch_us']:5.1f} us", flush=True)
+                      f"dispatch={rec['dispatch_us']:5.1f} us {split}", flush=True)
     finally:
         link.close()
     return out
