@@ -11,7 +11,13 @@ Sub-commands (see ``docs/training.md`` for the full recipe):
 * ``export``    merge a checkpoint's shards into ``models/tandem-tiny/model.safetensors``,
 * ``evaluate``  held-out perplexity (code / prose / chat) and MTP agreement (transformers),
 * ``reference`` write ``reference_logits.npz`` (float32 logits of transformers and of the MTP head),
-* ``sample``    greedy chat completion, to eyeball the model.
+* ``sample``    greedy chat completion, to eyeball the model,
+* ``compile-rate`` greedy function-body completions of held-out functions (transformers, CPU),
+* ``finetune-ul`` sequence-level unlikelihood + self-training fine-tuning on the model's own
+  greedy completions (GPU), checkpoints chosen on the validation functions,
+* ``interpolate`` weight-space interpolation of two checkpoints (WiSE-FT),
+* ``validate``   strict compile figures on the validation functions (held-out minus the
+  headline 100), batched greedy decoding with transformers.
 
 MTP (MODELS.md): for position t, x = fc(concat[norm_e(embed(token[t+1])), norm_h(h[t])]) with the
 embedding first, one full-attention decoder layer with the sparse MoE block at position t,
@@ -28,6 +34,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -823,6 +830,397 @@ def compile_rate(model_dir: Path, funcs: list[dict], max_new: int) -> dict:
             "max_new_tokens": max_new, "results": results}
 
 
+# --------------------------------------------------------------------------- unlikelihood
+
+
+def compiles(prompt: str, body: str) -> bool:
+    """``compile(prompt + body + '\\n', 'exec')`` succeeds for a non-blank body (the rule of
+    ``scripts/eval_tiny_model.py``)."""
+    if not body.strip():
+        return False
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compile(prompt + body + "\n", "<heldout>", "exec")
+    except (SyntaxError, ValueError):
+        return False
+    return True
+
+
+def repeated_ngram_mask(tokens: list[int], n: int) -> list[bool]:
+    """Sequence-level unlikelihood candidates (Welleck et al. 2019): ``mask[i]`` is True when
+    token i belongs to an n-gram that already occurred earlier in ``tokens``."""
+    mask = [False] * len(tokens)
+    seen: set[tuple[int, ...]] = set()
+    for end in range(n, len(tokens) + 1):
+        gram = tuple(tokens[end - n : end])
+        if gram in seen:
+            mask[end - n : end] = [True] * n
+        seen.add(gram)
+    return mask
+
+
+def first_repeated_line(body: str) -> int | None:
+    """Character offset of the first non-blank line that repeats an earlier line of ``body``
+    exactly (indentation included): where a greedy loop starts. None when no line repeats."""
+    seen: set[str] = set()
+    off = 0
+    for line in body.split("\n"):
+        if line.strip():
+            if line in seen:
+                return off
+            seen.add(line)
+        off += len(line) + 1
+    return None
+
+
+def greedy_stop(tok: object, gen: list[int], max_new: int, eos_ids: tuple[int, ...]
+                ) -> tuple[list[int], str]:
+    """Replay ``eval_tiny_model.greedy_completion``'s stopping rule on ``gen`` (a greedy run of
+    ``max_new`` tokens, or fewer when it sampled EOS): the kept tokens (EOS excluded) and the
+    stop ("dedent", "eos" or "limit"). body_ended is monotone in the prefix, so the first
+    ending prefix is found by bisection."""
+    end = next((i for i, t in enumerate(gen) if t in eos_ids), len(gen))
+    out = gen[:end]
+
+    def ended(k: int) -> bool:
+        return body_ended(tok.decode(out[:k], skip_special_tokens=True))
+
+    if out and ended(len(out)):
+        lo, hi = 1, len(out)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if ended(mid) else (mid + 1, hi)
+        return out[:lo], "dedent"
+    if end < len(gen):
+        return out, "eos"
+    return out[:max_new], "limit"
+
+
+def body_target(tok: object, prompt: str, out: list[int], stop: str, eot: int
+                ) -> list[int] | None:
+    """The self-training target for one greedy completion: its body up to (not including) the
+    first repeated line, followed by EOT, in the completion's own tokens (the last partial
+    line re-encoded). None when that body is blank or does not compile."""
+    text = tok.decode(out, skip_special_tokens=True)
+    body = body_of(text)
+    if stop == "limit":
+        body = body[: body.rfind("\n") + 1]
+    cut = first_repeated_line(body)
+    if cut is not None:
+        body = body[:cut]
+    body = body.rstrip(" ")
+    if body and not body.endswith("\n"):
+        body += "\n"
+    if not compiles(prompt, body):
+        return None
+    k = len(out)
+    while k and not body.startswith(tok.decode(out[:k], skip_special_tokens=True)):
+        k -= 1
+    rest = body[len(tok.decode(out[:k], skip_special_tokens=True)):]
+    return out[:k] + (tok.encode(rest, add_special_tokens=False).ids if rest else []) + [eot]
+
+
+def function_prompts(tok: object, stream: np.ndarray, eot: int, max_len: int) -> list[dict]:
+    """Signature + docstring prompts of the train split's ``func`` documents (documents of
+    ``train_func.npy``, each ``function_prompt + body``), with their token ids."""
+    out = []
+    bounds = np.flatnonzero(stream == eot)
+    start = 0
+    for end in bounds:
+        text = tok.decode(stream[start:end].tolist(), skip_special_tokens=False)
+        start = end + 1
+        first = text.find('"""')
+        close = text.find('\n    """\n', first + 3)
+        if first < 0 or close < 0:
+            continue
+        prompt = text[: close + len('\n    """\n')]
+        ids = tok.encode(prompt, add_special_tokens=False).ids
+        if len(ids) <= max_len and compiles(prompt, "    pass"):
+            out.append({"prompt": prompt, "ids": ids})
+    return out
+
+
+@torch.no_grad()
+def greedy_generate(lm: Qwen3NextForCausalLM, prompts: list[list[int]], max_new: int,
+                    eos_ids: tuple[int, ...], pad: int, bsz: int) -> list[list[int]]:
+    """Batched greedy continuations (left-padded prompts, KV/recurrent cache): ``max_new``
+    tokens per prompt, or fewer where EOS came first (EOS kept)."""
+    dev = next(lm.parameters()).device
+    outs: list[list[int]] = [[] for _ in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    for s in range(0, len(order), bsz):
+        rows = order[s : s + bsz]
+        width = max(len(prompts[i]) for i in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, i in enumerate(rows):
+            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[r, width - len(prompts[i]):] = 1
+        gen = lm.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev),
+                          max_new_tokens=max_new, do_sample=False, eos_token_id=list(eos_ids),
+                          pad_token_id=pad)[:, width:].tolist()
+        for r, i in enumerate(rows):
+            g = gen[r]
+            e = next((j for j, t in enumerate(g) if t in eos_ids), None)
+            outs[i] = g if e is None else g[: e + 1]
+    return outs
+
+
+def shipped_copy(model: TinyModel) -> TinyModel:
+    """The weights as shipped: bf16-rounded, run in float32 (a fresh copy, without hooks)."""
+    twin = TinyModel(model.config)
+    twin.load_state_dict({k: v.to(torch.bfloat16).float()
+                          for k, v in model.state_dict().items()})
+    twin.set_experts_impl(getattr(model.config, "_experts_implementation", None) or "eager")
+    return twin.to(next(model.parameters()).device).eval()
+
+
+def validate_compile(model: TinyModel, tok: object, funcs: list[dict], max_new: int,
+                     eos_ids: tuple[int, ...], pad: int, bsz: int) -> dict:
+    """Strict compile figures (the rule of ``eval_tiny_model.py``) of the shipped weights on
+    ``funcs``, greedy, batched on the model's device."""
+    twin = shipped_copy(model)
+    prompts = [tok.encode(f["prompt"], add_special_tokens=False).ids for f in funcs]
+    gens = greedy_generate(twin.lm, prompts, max_new, eos_ids, pad, bsz)
+    res = {"functions": len(funcs), "strict": 0, "compiles": 0, "cut": 0, "eos": 0,
+           "dedent": 0, "repeat_cut": 0, "body_lines": 0, "ended_lines": 0}
+    strict_bodies: dict[str, int] = {}
+    for f, g in zip(funcs, gens, strict=True):
+        out, stop = greedy_stop(tok, g, max_new, eos_ids)
+        text = tok.decode(out, skip_special_tokens=True)
+        body = body_of(text)
+        if stop == "limit":
+            body = body[: body.rfind("\n") + 1]
+            res["repeat_cut"] += first_repeated_line(body) is not None
+        ok = compiles(f["prompt"], body)
+        res["compiles"] += ok
+        res["strict"] += ok and stop != "limit"
+        if ok and stop != "limit":
+            strict_bodies[body.strip()] = strict_bodies.get(body.strip(), 0) + 1
+        res["cut" if stop == "limit" else stop] += 1
+        lines = len([x for x in body.split("\n") if x.strip()])
+        res["body_lines"] += lines
+        res["ended_lines"] += lines if stop != "limit" else 0
+    res["mean_body_lines"] = res.pop("body_lines") / max(len(funcs), 1)
+    # non-blank lines per body that ended by itself: a collapse to one-line bodies shows here
+    res["mean_ended_lines"] = res.pop("ended_lines") / max(len(funcs) - res["cut"], 1)
+    # ... and a collapse to one body for every prompt here: distinct strict bodies, and how
+    # often the commonest one came
+    res["strict_distinct"] = len(strict_bodies)
+    res["strict_commonest"] = max(strict_bodies.values(), default=0)
+    return res
+
+
+def ul_batch(tok: object, prompts: list[dict], gens: list[list[int]], max_new: int,
+             eos_ids: tuple[int, ...], eot: int, ngram: int, device: torch.device) -> dict:
+    """Training tensors from greedy completions: right-padded ``prompt + completion`` rows
+    with the unlikelihood candidates (repeated n-grams of the completion), and
+    ``prompt + body_target`` rows with their CE mask. Shapes: ids [rows, T], masks [rows, T]
+    marking the *target* token at each position (predicted from position t-1)."""
+    ul_rows, ul_masks, st_rows, st_masks = [], [], [], []
+    stats = {"limit": 0, "eos": 0, "dedent": 0, "targets": 0, "candidates": 0, "tokens": 0}
+    for p, g in zip(prompts, gens, strict=True):
+        out, stop = greedy_stop(tok, g, max_new, eos_ids)
+        stats[stop] += 1
+        cont = g[: len(out) + (stop == "eos")]
+        cand = repeated_ngram_mask(cont, ngram)
+        stats["candidates"] += sum(cand)
+        stats["tokens"] += len(cont)
+        if any(cand):
+            ul_rows.append(p["ids"] + cont)
+            ul_masks.append([False] * len(p["ids"]) + cand)
+        target = body_target(tok, p["prompt"], out, stop, eot)
+        if target is not None:
+            st_rows.append(p["ids"] + target)
+            st_masks.append([False] * len(p["ids"]) + [True] * len(target))
+            stats["targets"] += 1
+
+    def pad(rows: list[list], fill: object, dtype: torch.dtype) -> torch.Tensor:
+        width = max(len(r) for r in rows)
+        return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=dtype,
+                            device=device)
+
+    out: dict = {"stats": stats}
+    if ul_rows:
+        out["ul"] = (pad(ul_rows, eot, torch.long), pad(ul_masks, False, torch.bool))
+    if st_rows:
+        out["st"] = (pad(st_rows, eot, torch.long), pad(st_masks, False, torch.bool))
+    return out
+
+
+def ul_losses(model: TinyModel, ids: torch.Tensor, mask: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unlikelihood -log(1 - p), CE) averaged over the masked target tokens of ``ids``
+    ([rows, T]; mask[:, t] marks token t, predicted at position t-1)."""
+    logits = model.logits(model.hidden(ids[:, :-1])).float()  # [rows, T-1, V]
+    logp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]  # [rows, T-1]
+    m = mask[:, 1:].float()
+    n = m.sum().clamp(min=1)
+    one_minus = (1 - logp.exp()).clamp(min=1e-5)
+    return -(one_minus.log() * m).sum() / n, -(logp * m).sum() / n
+
+
+def validation_functions(path: Path, exclude: Path) -> list[dict]:
+    """Held-out functions minus the headline ones (matched by module and name): the set that
+    chooses checkpoints, so that the headline figure is measured once, unselected."""
+    skip = {(f["module"], f["name"]) for f in map(json.loads, exclude.read_text().splitlines())}
+    funcs = [json.loads(line) for line in path.read_text().splitlines()]
+    return [f for f in funcs if (f["module"], f["name"]) not in skip]
+
+
+def finetune_ul(args: argparse.Namespace) -> None:
+    """Sequence-level unlikelihood fine-tuning on the model's own greedy completions.
+
+    Each round: greedy completions (``--max-new`` tokens) of ``--gen-batch`` train-split
+    function prompts; then ``--steps-per-round`` AdamW steps, each on a share of those rows:
+    loss = CE + mtp_weight * MTP CE + aux_weight * balance (a regular training batch, so that
+    perplexity and the MTP head hold) + ul_weight * -log(1 - p) on completion tokens that
+    belong to a repeated n-gram (Welleck et al. 2019) + st_weight * CE on the completion's body
+    cut before its first repeated line and ended by EOT, where that body compiles. Every
+    ``--val-every`` seconds: the strict compile count on the validation functions (held-out
+    minus the headline 100) and held-out code CE; the best checkpoint whose code CE rose by at
+    most ``--max-ce-rise`` is saved.
+    """
+    from tokenizers import Tokenizer
+
+    t_start = time.time()
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    tok = Tokenizer.from_file(str(args.tokenizer))
+    model = load_model(args.init).to(dev)
+    state_file = args.init / "train_state.json"
+    meta_prev = json.loads(state_file.read_text()) if state_file.exists() else {}
+    print("gdn", fast_chunk_gated_delta_rule_installed(), flush=True)
+    impl = args.experts_impl or ("grouped_mm" if dev.type == "cuda" else "eager")
+    model.set_experts_impl(impl)
+    cfg = model.config
+    eot, eos_ids = cfg.bos_token_id, (cfg.eos_token_id, cfg.bos_token_id)
+    sampler = Sampler(load_streams(args.data, "train", dev, TRAIN_KINDS), args.seq,
+                      args.seed * 1_000_003 + int(meta_prev.get("step", 0)),
+                      parse_kind_weights(args.kind_weights))
+    held = load_streams(args.data, "heldout", dev)
+    prompts = function_prompts(tok, np.load(args.data / "train_func.npy"), eot, args.max_prompt)
+    val = validation_functions(args.functions, args.exclude)
+    if args.val_limit:
+        val = val[: args.val_limit]
+    print(f"train prompts {len(prompts)}, validation functions {len(val)}", flush=True)
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        (no_decay if p.ndim < 2 or "norm" in n else decay).append(p)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
+    tap = RouterTap(model)
+    autocast = dev.type == "cuda"
+    history: list[dict] = []
+    best: dict = {}
+
+    def check(step: int) -> None:
+        t0 = time.time()
+        v = validate_compile(model, tok, val, args.max_new, eos_ids, eot, args.gen_batch)
+        ev = evaluate(shipped_copy(model), {"code": held["code"]}, args.seq, args.check_windows,
+                      args.batch)["code"]
+        tap.logits.clear()
+        rec = {"step": step, "t": round(time.time() - t_start, 1), **v,
+               "code_ce": round(ev["main"], 4), "mtp_agree": round(ev["agree"], 4),
+               "seconds": round(time.time() - t0, 1)}
+        history.append({"check": rec})
+        print("check", json.dumps(rec), flush=True)
+        base_ce = history[0]["check"]["code_ce"]
+        if rec["code_ce"] <= base_ce + args.max_ce_rise and (
+                not best or (v["strict"], -rec["code_ce"]) > (best["check"]["strict"],
+                                                             -best["check"]["code_ce"])):
+            best.update(check=rec, state={k: t.detach().to("cpu", copy=True)
+                                          for k, t in model.state_dict().items()})
+
+    check(0)
+    step, rounds = 0, 0
+    next_check = time.time() + args.val_every
+    while time.time() - t_start < args.time_budget - args.reserve and (
+            not args.max_rounds or rounds < args.max_rounds):
+        t0 = time.time()
+        pick = rng.choice(len(prompts), size=min(args.gen_batch, len(prompts)), replace=False)
+        chosen = [prompts[i] for i in pick]
+        model.eval()
+        gens = greedy_generate(model.lm, [p["ids"] for p in chosen], args.max_new, eos_ids,
+                               eot, args.gen_batch)
+        tap.logits.clear()
+        model.train()
+        t_gen = time.time() - t0
+        parts = [ul_batch(tok, chosen[i::args.steps_per_round], gens[i::args.steps_per_round],
+                          args.max_new, eos_ids, eot, args.ngram, dev)
+                 for i in range(args.steps_per_round)]
+        for part in parts:
+            for g in opt.param_groups:
+                g["lr"] = args.lr * min(1.0, (step + 1) / args.warmup)
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+                main, mtp, _ = losses(model, sampler.batch(args.batch))
+                loss = main + args.mtp_weight * mtp
+                ul = st = torch.zeros((), device=dev)
+                if "ul" in part and args.ul_weight:
+                    ul = ul_losses(model, *part["ul"])[0]
+                if "st" in part and args.st_weight:
+                    st = ul_losses(model, *part["st"])[1]
+                aux = tap.balance_loss()
+            loss = loss + args.ul_weight * ul + args.st_weight * st + args.aux_weight * aux
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            opt.step()
+            step += 1
+        rounds += 1
+        stats = {k: sum(p["stats"][k] for p in parts) for k in parts[0]["stats"]}
+        rec = {"round": rounds, "step": step, "main": round(float(main), 4),
+               "mtp": round(float(mtp), 4), "ul": round(float(ul), 4), "st": round(float(st), 4),
+               "gn": round(float(gnorm), 3), "gen_s": round(t_gen, 1),
+               "round_s": round(time.time() - t0, 1), **stats}
+        history.append(rec)
+        print("round", json.dumps(rec), flush=True)
+        if time.time() > next_check:
+            check(step)
+            next_check = time.time() + args.val_every
+    if not history[-1].get("check") or history[-1]["check"]["step"] != step:
+        check(step)
+    shipped = TinyModel(model.config)
+    shipped.load_state_dict(best["state"])
+    shipped.set_experts_impl(impl)
+    meta = dict(meta_prev)
+    meta["unlikelihood"] = list(meta_prev.get("unlikelihood", [])) + [{
+        "init": str(args.init), "steps": step, "rounds": rounds, "best": best["check"],
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "history": history}]
+    save_checkpoint(shipped, args.out, meta)
+    if args.final_eval:
+        final = load_model(args.out).to(dev)
+        final.set_experts_impl(impl)
+        ev = evaluate(final, held, args.seq, args.eval_windows, args.batch)
+        meta["unlikelihood"][-1]["heldout_fp32"] = ev
+        print("heldout", json.dumps(ev), flush=True)
+        (args.out / "train_state.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"saved {args.out} (best check {json.dumps(best['check'])}) "
+          f"total {time.time() - t_start:.0f}s", flush=True)
+
+
+def interpolate(base: Path, tuned: Path, weight: float, out: Path) -> None:
+    """Weight-space interpolation (WiSE-FT): (1 - weight) * base + weight * tuned, per tensor,
+    rounded to bf16; written as a checkpoint (``tuned``'s config and train state)."""
+    a, b = load_state_dir(base), load_state_dir(tuned)
+    if a.keys() != b.keys():
+        raise KeyError("the two checkpoints hold different tensors")
+    mixed = {k: ((1 - weight) * a[k].float() + weight * b[k].float()).to(torch.bfloat16)
+             for k in a}
+    model = TinyModel(make_config())
+    from_hf_state(model, mixed)
+    state_file = tuned / "train_state.json"
+    meta = json.loads(state_file.read_text()) if state_file.exists() else {}
+    meta["interpolation"] = {"base": str(base), "tuned": str(tuned), "weight": weight}
+    save_checkpoint(model, out, meta)
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -887,11 +1285,79 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--max-new", type=int, default=160)
     c.add_argument("--write-selection", type=Path, default=None)
     c.add_argument("--out", type=Path, default=None, help="JSON with every completion")
+    u = sub.add_parser("finetune-ul", help="sequence-level unlikelihood fine-tuning")
+    u.add_argument("--init", type=Path, default=Path("models/tandem-tiny"),
+                   help="model or checkpoint dir to start from (a finetune-ul output resumes)")
+    u.add_argument("--data", type=Path, required=True, help="dir written by prepare")
+    u.add_argument("--out", type=Path, required=True, help="checkpoint dir to write")
+    u.add_argument("--functions", type=Path, default=Path(".corpus/heldout_functions.jsonl"))
+    u.add_argument("--exclude", type=Path,
+                   default=Path("models/tandem-tiny/eval/heldout_functions_100.jsonl"),
+                   help="headline functions, never used for validation")
+    u.add_argument("--tokenizer", type=Path, default=Path("models/tandem-tiny/tokenizer.json"))
+    u.add_argument("--device", default=None)
+    u.add_argument("--time-budget", type=float, default=420.0, help="seconds, whole command")
+    u.add_argument("--reserve", type=float, default=60.0,
+                   help="seconds kept for the last check, saving and --final-eval")
+    u.add_argument("--max-rounds", type=int, default=0)
+    u.add_argument("--gen-batch", type=int, default=256, help="prompts per round")
+    u.add_argument("--steps-per-round", type=int, default=2)
+    u.add_argument("--max-new", type=int, default=160)
+    u.add_argument("--max-prompt", type=int, default=320)
+    u.add_argument("--ngram", type=int, default=4)
+    u.add_argument("--ul-weight", type=float, default=1.0)
+    u.add_argument("--st-weight", type=float, default=1.0)
+    u.add_argument("--lr", type=float, default=1e-4)
+    u.add_argument("--warmup", type=int, default=10)
+    u.add_argument("--batch", type=int, default=32)
+    u.add_argument("--seq", type=int, default=512)
+    u.add_argument("--kind-weights", default="chat=1.5,func=1")
+    u.add_argument("--weight-decay", type=float, default=0.1)
+    u.add_argument("--clip", type=float, default=1.0)
+    u.add_argument("--mtp-weight", type=float, default=0.3)
+    u.add_argument("--aux-weight", type=float, default=0.01)
+    u.add_argument("--val-every", type=float, default=60.0, help="seconds between checks")
+    u.add_argument("--val-limit", type=int, default=0, help="first N validation functions")
+    u.add_argument("--check-windows", type=int, default=32)
+    u.add_argument("--max-ce-rise", type=float, default=0.05)
+    u.add_argument("--eval-windows", type=int, default=128)
+    u.add_argument("--final-eval", action="store_true")
+    u.add_argument("--experts-impl", default="")
+    u.add_argument("--seed", type=int, default=4321)
+    w = sub.add_parser("interpolate", help="(1 - w) * base + w * tuned, as a checkpoint")
+    w.add_argument("--base", type=Path, default=Path("models/tandem-tiny"))
+    w.add_argument("--tuned", type=Path, required=True)
+    w.add_argument("--weight", type=float, required=True)
+    w.add_argument("--out", type=Path, required=True)
+    q = sub.add_parser("validate", help="strict compile figures on the validation functions")
+    q.add_argument("--model-dir", type=Path, default=Path("models/tandem-tiny"))
+    q.add_argument("--functions", type=Path, default=Path(".corpus/heldout_functions.jsonl"))
+    q.add_argument("--exclude", type=Path,
+                   default=Path("models/tandem-tiny/eval/heldout_functions_100.jsonl"))
+    q.add_argument("--stride", type=int, default=1, help="every STRIDE-th validation function")
+    q.add_argument("--max-new", type=int, default=160)
+    q.add_argument("--batch", type=int, default=64)
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
         print(json.dumps(prepare(args.corpus, args.tokenizer, args.out), indent=1))
     elif args.cmd == "train":
         train(args)
+    elif args.cmd == "finetune-ul":
+        finetune_ul(args)
+    elif args.cmd == "interpolate":
+        interpolate(args.base, args.tuned, args.weight, args.out)
+    elif args.cmd == "validate":
+        from tokenizers import Tokenizer
+
+        model = load_model(args.model_dir)
+        tok = Tokenizer.from_file(str(args.model_dir / "tokenizer.json")
+                                  if (args.model_dir / "tokenizer.json").exists()
+                                  else "models/tandem-tiny/tokenizer.json")
+        val = validation_functions(args.functions, args.exclude)[:: args.stride]
+        cfg = model.config
+        print(json.dumps(validate_compile(model, tok, val, args.max_new,
+                                          (cfg.eos_token_id, cfg.bos_token_id),
+                                          cfg.bos_token_id, args.batch)))
     elif args.cmd == "export":
         export(args.ckpt, args.model_dir)
     elif args.cmd == "reference":
