@@ -45,7 +45,6 @@ import shlex
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +53,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # runnable as a plain script from any directory
     sys.path.insert(0, str(REPO))
+
+from compile_rule import compiles  # noqa: E402  (scripts/: on sys.path as a script)
 
 from daemon.tokenizer import Tokenizer  # noqa: E402
 from gpu_worker.backend import to_numpy  # noqa: E402
@@ -230,19 +231,6 @@ def first_line_rule(text: str) -> bool:
     only to report what it measured: it fires at the indentation token of the body's second
     line, so every body it measured was its first line."""
     return body_of(text) != text.rstrip(" ") and "\n" in text
-
-
-def compiles(prompt: str, body: str) -> bool:
-    """``compile(signature + docstring + body, 'exec')`` succeeds for a non-blank body."""
-    if not body.strip():
-        return False
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            compile(prompt + body + "\n", "<heldout>", "exec")
-    except (SyntaxError, ValueError):
-        return False
-    return True
 
 
 def greedy_completion(engine: Engine, tok: Tokenizer, prompt_ids: list[int], max_new: int,

@@ -34,12 +34,12 @@ import math
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from compile_rule import compiles  # scripts/: on sys.path when a script runs
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
@@ -538,6 +538,17 @@ def pick_experts_impl(model: TinyModel, sampler: Sampler, bsz: int, dev: torch.d
     return best
 
 
+
+def adamw(model: nn.Module, lr: float, weight_decay: float, dev: torch.device):
+    """AdamW with weight decay on matrices only (not on norms, biases or other vectors)."""
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        (no_decay if p.ndim < 2 or "norm" in n else decay).append(p)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
+
 def train(args: argparse.Namespace) -> None:
     t_start = time.time()
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -568,13 +579,7 @@ def train(args: argparse.Namespace) -> None:
     if dev.type == "cuda":
         cands = [args.experts_impl] if args.experts_impl else ["grouped_mm", "eager"]
         impl = pick_experts_impl(model, sampler, args.batch, dev, cands)
-    decay, no_decay = [], []
-    for n, p in model.named_parameters():
-        (no_decay if p.ndim < 2 or "norm" in n else decay).append(p)
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
+    opt = adamw(model, args.lr, args.weight_decay, dev)
     tap = RouterTap(model)
     budget = args.time_budget - (time.time() - t_start)
     t0 = time.time()
@@ -831,20 +836,6 @@ def compile_rate(model_dir: Path, funcs: list[dict], max_new: int) -> dict:
 
 
 # --------------------------------------------------------------------------- unlikelihood
-
-
-def compiles(prompt: str, body: str) -> bool:
-    """``compile(prompt + body + '\\n', 'exec')`` succeeds for a non-blank body (the rule of
-    ``scripts/eval_tiny_model.py``)."""
-    if not body.strip():
-        return False
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            compile(prompt + body + "\n", "<heldout>", "exec")
-    except (SyntaxError, ValueError):
-        return False
-    return True
 
 
 def repeated_ngram_mask(tokens: list[int], n: int) -> list[bool]:
@@ -1106,13 +1097,7 @@ def finetune_ul(args: argparse.Namespace) -> None:
     if args.val_limit:
         val = val[: args.val_limit]
     print(f"train prompts {len(prompts)}, validation functions {len(val)}", flush=True)
-    decay, no_decay = [], []
-    for n, p in model.named_parameters():
-        (no_decay if p.ndim < 2 or "norm" in n else decay).append(p)
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
+    opt = adamw(model, args.lr, args.weight_decay, dev)
     tap = RouterTap(model)
     autocast = dev.type == "cuda"
     history: list[dict] = []

@@ -2,28 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import struct
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.scripts_loader import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "models" / "tandem-tiny"
 
 
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bc = _load_script("build_corpus")
+bc = load_script("build_corpus")
 
 
 def _jinja_render(messages: list[dict], tools: list[dict] | None = None, **kw) -> str:

@@ -3,29 +3,18 @@ shipped tandem-tiny against transformers' reference logits."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
+
+from tests.scripts_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models" / "tandem-tiny"
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("eval_tiny_model",
-                                                  ROOT / "scripts" / "eval_tiny_model.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["eval_tiny_model"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ev = _load()
+ev = load_script("eval_tiny_model")
 
 
 @pytest.mark.parametrize(("n_tokens", "windows", "head", "tail", "total"), [

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.scripts_loader import load_script
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -19,15 +19,7 @@ MODEL_DIR = ROOT / "models" / "tandem-tiny"
 EOT, IM_END = 8166, 8168
 
 
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-tt = _load_script("train_tiny_model")
+tt = load_script("train_tiny_model")
 
 
 @pytest.fixture(scope="module")
