@@ -54,8 +54,9 @@ def silu_mul_block(g, u, o: int, h, p, two_k, so: int) -> None:
     scratch (``so:so+32`` is used), given by the caller: an allocation or a view per block
     costs more than the block when many threads do it at once. exp64 ends with
     ``ldexp(p, k)``; over the clamped range k lies in [-1021, 1023], where ``2**k`` is a normal
-    double and ``p * 2**k`` is exact, so ``2**k`` is built from its exponent bits (written
-    through ``two_k``'s int64 view, which the caller also passes: ``kbits``)."""
+    double and ``p * 2**k`` is exact, so ``2**k`` is built from its exponent bits, written
+    through an int64 view of ``two_k`` (made here; the SiLU stage makes it once and calls
+    ``_silu_mul_block`` directly)."""
     return _silu_mul_block(g, u, o, h, p, two_k, two_k.view(np.int64), so)
 
 
