@@ -111,7 +111,8 @@ class CpuExpertPool:
         self._seq = 0
         self.last_kernel_ns = np.zeros(self.num_workers, np.int64)
         self.last_wake_ns = self.last_notice_ns = self.last_client_ns = self.last_pre_ns = 0
-        self._t_call = self._t_enter = self._t_ring = self._t_seen = 0
+        self._t_call = self._t_enter = self._t_ring = 0
+        self.last_seen_ns = 0  # perf_counter_ns when the client saw the last load finished
         self._in_flight: tuple[int, int] | None = None
         self.ready_info: list[dict] = []
         try:
@@ -310,10 +311,7 @@ class CpuExpertPool:
         H/32] uint16`` (fp16 bits of the canonical quantizer's scales), ``ids [rows, k] int32``
         (pool-local expert ids, -1 = skip) and ``w [rows, k] float32``; each one contiguous.
         Write them, then :meth:`start`. Not while a load is in flight."""
-        self._not_in_flight()
-        if not 0 < rows <= self.max_rows or not 0 < k <= self.max_k:
-            raise ValueError(f"rows={rows}, k={k}: want 1..{self.max_rows} rows and "
-                             f"1..{self.max_k} experts per row")
+        self._check_load(rows, k)
         ids, w = self.ring.pairs(rows, k)
         return self.ring.xq[:rows], self.ring.xd[:rows], ids, w
 
@@ -321,16 +319,20 @@ class CpuExpertPool:
         if self._in_flight:
             raise RuntimeError("a dispatch is in flight: finish() it first")
 
+    def _check_load(self, rows: int, k: int) -> None:
+        """A load the ring can hold, and none in flight."""
+        self._not_in_flight()
+        if not 0 < rows <= self.max_rows or not 0 < k <= self.max_k:
+            raise ValueError(f"rows={rows}, k={k}: want 1..{self.max_rows} rows and "
+                             f"1..{self.max_k} experts per row")
+
     def start(self, layer: int, rows: int, k: int) -> None:
         """Start the workers on the ``rows`` x ``k`` load already in :meth:`inputs`; returns
         at once. Expert ids are checked by the workers (:meth:`finish` raises
         :class:`CpuExpertError` on a bad one)."""
-        self._not_in_flight()
         if layer not in self.layers:
             raise KeyError(f"layer {layer} has no CPU experts (have {sorted(self.layers)})")
-        if not 0 < rows <= self.max_rows or not 0 < k <= self.max_k:
-            raise ValueError(f"rows={rows}, k={k}: want 1..{self.max_rows} rows and "
-                             f"1..{self.max_k} experts per row")
+        self._check_load(rows, k)
         self._t_enter = time.perf_counter_ns()
         self.ring.header[:4] = (rings.CMD_RUN, layer, rows, k)
         self._t_ring = time.perf_counter_ns()
@@ -348,7 +350,7 @@ class CpuExpertPool:
             self._await(self._seq)
         finally:
             self._in_flight = None
-        self._t_seen = time.perf_counter_ns()
+        self.last_seen_ns = time.perf_counter_ns()
         ctrl = self.ring.ctrl
         code = ERR_OK
         for wk in range(self.num_workers):
@@ -364,7 +366,7 @@ class CpuExpertPool:
         self.last_kernel_ns = ctrl[:, rings.KERNEL_NS].copy()
         # wake-up (ring -> first worker starts) and notice (last worker ends -> seen here), ns
         self.last_wake_ns = int(ctrl[:, rings.T_START].min()) - self._t_ring
-        self.last_notice_ns = self._t_seen - int(ctrl[:, rings.T_END].max())
+        self.last_notice_ns = self.last_seen_ns - int(ctrl[:, rings.T_END].max())
         return self.ring.out[:, :rows]
 
     def _run(self, layer: int, ids: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
@@ -379,7 +381,7 @@ class CpuExpertPool:
         for wk in range(1, self.num_workers):
             out += parts[wk]
         t_out = time.perf_counter_ns()
-        self.last_client_ns = (self._t_ring - self._t_enter) + (t_out - self._t_seen)
+        self.last_client_ns = (self._t_ring - self._t_enter) + (t_out - self.last_seen_ns)
         self.last_pre_ns = self._t_enter - self._t_call  # checks and input copies before this load
         self._t_call = time.perf_counter_ns()
 

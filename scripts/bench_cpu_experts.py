@@ -160,7 +160,7 @@ def measure_gpu(pool: CpuExpertPool, link, n_layers: int, ids_list: list[np.ndar
             kernels.append(int(pool.last_kernel_ns.max()))
             if link is not None:  # stage, start, wake, notice, collect (after seen), sync
                 splits.append((t1 - t0, t2 - t1, pool.last_wake_ns, pool.last_notice_ns,
-                               t3 - pool._t_seen, t0 + wall - t3))
+                               t3 - pool.last_seen_ns, t0 + wall - t3))
     rec = {"path": path,
            "us_per_layer": float(np.median(walls)) / 1e3,
            "kernel_us": float(np.median(kernels)) / 1e3,
