@@ -14,6 +14,7 @@ import os
 import select
 import subprocess
 import sys
+import threading
 import time
 import weakref
 
@@ -29,6 +30,7 @@ from cpu_experts.worker import ERR_INTERNAL, ERR_NO_LAYER
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECK_EVERY_NS = 5_000_000
+WATCH_EVERY_S = 0.005  # how often a device session's watchdog looks at the workers
 
 
 class CpuWorkerDied(RuntimeError):
@@ -114,6 +116,7 @@ class CpuExpertPool:
         self._t_call = self._t_enter = self._t_ring = 0
         self.last_seen_ns = 0  # perf_counter_ns when the client saw the last load finished
         self._in_flight: tuple[int, int] | None = None
+        self._device: tuple[threading.Event, threading.Thread] | None = None
         self.ready_info: list[dict] = []
         try:
             self._start(spin_us, start_timeout)
@@ -196,6 +199,7 @@ class CpuExpertPool:
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the workers (politely, then by force) and release shared memory. Idempotent."""
+        self.device_end()
         procs = self._res.procs
         if procs and all(p.poll() is None for p in procs) and hasattr(self, "ring"):
             self.ring.header[rings.CMD] = rings.CMD_STOP
@@ -316,6 +320,8 @@ class CpuExpertPool:
         return self.ring.xq[:rows], self.ring.xd[:rows], ids, w
 
     def _not_in_flight(self) -> None:
+        if self._device is not None:
+            raise RuntimeError("a GPU drives the ring: device_end() first")
         if self._in_flight:
             raise RuntimeError("a dispatch is in flight: finish() it first")
 
@@ -384,6 +390,61 @@ class CpuExpertPool:
         self.last_client_ns = (self._t_ring - self._t_enter) + (t_out - self.last_seen_ns)
         self.last_pre_ns = self._t_enter - self._t_call  # checks and input copies before this load
         self._t_call = time.perf_counter_ns()
+
+    # -- device session: a GPU writes the ring and rings the workers itself -----------------
+
+    def device_begin(self) -> None:
+        """Hand the ring to a GPU until :meth:`device_end` (gpu_worker/cpu_link.py): the
+        workers spin on ``SEQ_IN`` without a deadline (a kernel's store starts them, no
+        eventfd), and a watchdog thread sets ``header[ABORT]`` as soon as a worker dies, so a
+        kernel waiting on ``SEQ_OUT`` gives up. The GPU takes sequence numbers from
+        :meth:`next_seq`. Host dispatches raise meanwhile. Idempotent."""
+        if self._device is not None:
+            return
+        self._not_in_flight()
+        header = self.ring.header
+        header[rings.ABORT] = 0
+        header[rings.SPIN] = 1
+        for bell in self._res.doorbells:  # wake the sleepers: they see SPIN and spin
+            bell.ring()
+        stop = threading.Event()
+        watchdog = threading.Thread(target=self._watch, args=(stop,), daemon=True,
+                                    name="cpu-experts-watchdog")
+        watchdog.start()
+        self._device = (stop, watchdog)
+
+    def next_seq(self) -> int:
+        """The sequence number of the next load a GPU starts (it writes it to ``SEQ_IN``)."""
+        if self._device is None:
+            raise RuntimeError("no device session: device_begin() first")
+        self._seq += 1
+        return self._seq
+
+    def device_end(self) -> None:
+        """End a device session (the caller has synchronized the GPU): the workers go back to
+        spinning briefly, then sleeping on their doorbells. Idempotent."""
+        if self._device is None:
+            return
+        stop, watchdog = self._device
+        stop.set()
+        watchdog.join()
+        self._device = None
+        self.ring.header[rings.SPIN] = 0
+
+    @property
+    def aborted(self) -> bool:
+        """Whether the watchdog saw a worker die during the device session."""
+        return bool(self.ring.header[rings.ABORT])
+
+    def kernel_total_ns(self) -> np.ndarray:
+        """Each worker's kernel time summed over every load it served, ns."""
+        return self.ring.ctrl[:, rings.KERNEL_SUM].copy()
+
+    def _watch(self, stop: threading.Event) -> None:
+        while not stop.wait(WATCH_EVERY_S):
+            if any(p.poll() is not None for p in self._res.procs):
+                self.ring.header[rings.ABORT] = 1
+                return
 
     def _await(self, seq: int) -> None:
         ctrl = self.ring.ctrl

@@ -7,7 +7,9 @@ sequential), so the ring has a single slot, laid out as
 * ``ctrl [W, 16] int64``: one 128-byte row per worker; ``SEQ_IN`` (written by the client) and
   ``SEQ_OUT``/``STATUS``/``KERNEL_NS``/``T_START``/``T_END`` (written by the worker; the
   times are CLOCK_MONOTONIC ns, comparable across processes) sit on different cache lines.
-* ``header [8] int64``: command, layer, rows, top-k of the dispatch in flight.
+* ``header [8] int64``: command, layer, rows, top-k of the dispatch in flight; ``SPIN`` (set
+  by the client while a GPU rings the workers itself: they keep spinning on ``SEQ_IN``) and
+  ``ABORT`` (set by the client when a worker died: GPU waits give up).
 * inputs shared by all workers, written once per layer: ``xq [Rmax, H] int8``,
   ``xd [Rmax, H/32] uint16`` (fp16 scale bits), ``ids [Rmax*Kmax] int32``, ``w [Rmax*Kmax] f32``.
 * outputs: ``out [W, Rmax, H] float32``, one partial per worker.
@@ -16,7 +18,13 @@ Protocol: the client writes inputs and header, then ``ctrl[w, SEQ_IN] = seq`` an
 worker w's doorbell (an eventfd, one write per dispatch). A worker spins on ``SEQ_IN`` for a
 short while, then drains its eventfd, re-reads ``SEQ_IN`` and only then blocks in poll(): a
 ring that lands between the re-read and the block leaves the eventfd readable, so no wake-up
-is lost. The worker writes its partial, ``STATUS`` and ``KERNEL_NS``, then ``SEQ_OUT = seq``.
+is lost. The worker writes its partial, ``STATUS`` and ``KERNEL_NS`` (and adds it to
+``KERNEL_SUM``), then ``SEQ_OUT = seq``.
+
+A GPU may play the client (gpu_worker/cpu_link.py): with ``header[SPIN]`` set (and every
+doorbell rung once, to wake sleepers) the workers spin on ``SEQ_IN`` without a deadline, so
+a kernel's store to ``SEQ_IN`` in the mapped ring starts them with no system call, and a
+kernel polling ``SEQ_OUT`` sees them finish.
 """
 
 from __future__ import annotations
@@ -29,9 +37,9 @@ import numpy as np
 
 from cpu_experts.quant import BLOCK
 
-SEQ_IN, SEQ_OUT, STATUS, KERNEL_NS, T_START, T_END = 0, 8, 9, 10, 11, 12
+SEQ_IN, SEQ_OUT, STATUS, KERNEL_NS, T_START, T_END, KERNEL_SUM = 0, 8, 9, 10, 11, 12, 13
 CTRL_COLS = 16
-CMD, LAYER, ROWS, TOPK = 0, 1, 2, 3
+CMD, LAYER, ROWS, TOPK, SPIN, ABORT = 0, 1, 2, 3, 4, 5
 CMD_RUN, CMD_STOP = 1, 2
 ALIGN = 64
 

@@ -23,6 +23,7 @@ PROTOCOL_VERSION = 1
 ERR_NO_LAYER = 100
 ERR_INTERNAL = 101
 PR_SET_PDEATHSIG = 1
+PARENT_CHECK_NS = 200_000_000
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -70,19 +71,35 @@ class ExpertWorker:
         self.moe_layer(*layer, xq, xd, ids, np.ones((1, 1), np.float32), out, self.ahead)
 
     def _wait(self, last: int) -> int:
-        ctrl = self.ring.ctrl[self.index]
-        deadline = time.perf_counter_ns() + self.spin_ns
-        while time.perf_counter_ns() < deadline:
-            seq = int(ctrl[rings.SEQ_IN])
-            if seq != last:
-                return seq
+        """The next ``SEQ_IN``: spin ``spin_us`` (without end while ``header[SPIN]`` is set: a
+        GPU rings by a store to the ring, no eventfd), then block on the doorbell."""
+        ctrl, header = self.ring.ctrl[self.index], self.ring.header
         while True:
+            now = time.perf_counter_ns()
+            deadline, parent_check = now + self.spin_ns, now + PARENT_CHECK_NS
+            while True:
+                seq = int(ctrl[rings.SEQ_IN])
+                if seq != last:
+                    return seq
+                now = time.perf_counter_ns()
+                if now >= deadline:
+                    if not header[rings.SPIN]:
+                        break
+                    if now >= parent_check:
+                        self._check_parent()
+                        parent_check = now + PARENT_CHECK_NS
             self.doorbell.drain()
             seq = int(ctrl[rings.SEQ_IN])
             if seq != last:
                 return seq
-            if not self.poller.poll(200) and os.getppid() != self.parent_pid:
-                os._exit(1)
+            if header[rings.SPIN]:
+                continue  # a GPU session began after the spin ended: spin again
+            if not self.poller.poll(200):
+                self._check_parent()
+
+    def _check_parent(self) -> None:
+        if os.getppid() != self.parent_pid:
+            os._exit(1)
 
     def serve(self) -> None:
         ring, ctrl = self.ring, self.ring.ctrl[self.index]
@@ -109,6 +126,7 @@ class ExpertWorker:
                     status = ERR_INTERNAL
             t1 = time.perf_counter_ns()
             ctrl[rings.KERNEL_NS] = t1 - t0
+            ctrl[rings.KERNEL_SUM] += t1 - t0
             ctrl[rings.T_START] = t0
             ctrl[rings.T_END] = t1
             ctrl[rings.STATUS] = status

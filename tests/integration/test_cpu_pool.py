@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from cpu_experts import reference, shard
+from cpu_experts import reference, rings, shard
 from cpu_experts.pool import CpuExpertError, CpuExpertPool, CpuWorkerDied
 from cpu_experts.quant import NonFiniteActivation, quantize, quantize_ref
 
@@ -201,3 +201,77 @@ def test_split_dispatch_through_ring_views(pool) -> None:
     for region in (ring.ctrl, ring.header, ring.xq, ring.xd, ring.ids, ring.w, ring.out):
         assert addr <= region.ctypes.data and region.ctypes.data + region.nbytes <= addr + nbytes
     assert pool.dispatch(5, x, ids, w).tobytes() == expected(pool, 5, x, ids, w).tobytes()
+
+
+def _ring_like_a_gpu(pool: CpuExpertPool, layer: int, x, ids, w) -> int:
+    """What cpu_link's kernels do: write the inputs and header into the ring, then store a
+    new SEQ_IN for every worker, with no eventfd. Returns the sequence number."""
+    ring = pool.ring
+    rows, k = ids.shape
+    q, d = quantize(np.asarray(x, np.float32))
+    ring.xq[:rows], ring.xd[:rows] = q, d.view(np.uint16)
+    ids_v, w_v = ring.pairs(rows, k)
+    ids_v[...], w_v[...] = ids, w
+    ring.header[:4] = (rings.CMD_RUN, layer, rows, k)
+    seq = pool.next_seq()
+    ring.ctrl[:, rings.SEQ_IN] = seq
+    return seq
+
+
+def _served(pool: CpuExpertPool, seq: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (pool.ring.ctrl[:, rings.SEQ_OUT] == seq).all():
+            return True
+        time.sleep(0.0005)
+    return False
+
+
+def test_device_session_workers_answer_a_store_to_seq_in(pool) -> None:
+    """device_begin(): sleeping workers wake and spin, so a store to SEQ_IN in the ring (a
+    GPU kernel's, emulated here) starts them without a doorbell; the partials' sum equals
+    dispatch(). Host dispatches are refused during the session and work again after it.
+    (Without the session a sleeping worker would still see the store, at its next 200 ms
+    poll timeout: the session is for speed, the benchmark shows it.)"""
+    x, ids, w = routing(21, 7)
+    want = expected(pool, 2, x, ids, w)
+    time.sleep(0.05)  # spin_us=200: every worker now sleeps on its eventfd
+    before = pool.kernel_total_ns()
+    pool.device_begin()
+    pool.device_begin()  # idempotent
+    try:
+        with pytest.raises(RuntimeError, match="GPU drives the ring"):
+            pool.dispatch(2, x, ids, w)
+        with pytest.raises(RuntimeError, match="GPU drives the ring"):
+            pool.inputs(7, 3)
+        for _ in range(3):
+            time.sleep(0.05)  # far past spin_us: they spin because of the session
+            seq = _ring_like_a_gpu(pool, 2, x, ids, w)
+            assert _served(pool, seq, 10.0)
+            assert (pool.ring.ctrl[:, rings.STATUS] == 0).all()
+            parts = pool.ring.out[:, :7]
+            total = parts[0].copy()
+            for part in parts[1:]:
+                total += part
+            assert total.tobytes() == want.tobytes()
+        assert not pool.aborted
+    finally:
+        pool.device_end()
+    assert (pool.kernel_total_ns() > before).all()
+    with pytest.raises(RuntimeError, match="no device session"):
+        pool.next_seq()
+    assert pool.dispatch(2, x, ids, w).tobytes() == want.tobytes()
+
+
+def test_device_session_watchdog_flags_a_dead_worker(layers) -> None:
+    with CpuExpertPool(layers, num_workers=2, cores=core_groups(2), spin_us=200) as p:
+        p.device_begin()
+        assert not p.aborted
+        os.kill(p.pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while not p.aborted and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert p.aborted  # a kernel waiting on SEQ_OUT reads this and gives up
+        p.device_end()
+        with pytest.raises(CpuWorkerDied):
+            p.check_alive()
