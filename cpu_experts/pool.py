@@ -46,6 +46,19 @@ class CpuExpertError(RuntimeError):
     """A worker rejected a dispatch (bad expert id, unknown layer, non-finite activations...)."""
 
 
+STATUS_REASONS = {ERR_EXPERT_ID: "expert id out of range",
+                  ERR_NON_FINITE: "non-finite intermediate activation",
+                  ERR_NO_LAYER: "layer missing from the worker's shard",
+                  ERR_INTERNAL: "worker bug, traceback on its stderr"}
+
+
+def status_error(layer: int, code: int, reasons: dict[int, str] | None = None
+                 ) -> CpuExpertError:
+    """The error for a worker's non-zero ``STATUS`` on ``layer``."""
+    reason = {**STATUS_REASONS, **(reasons or {})}.get(code, "error")
+    return CpuExpertError(f"layer {layer}: worker status {code} ({reason})")
+
+
 class _Resources:
     """Everything that must be released, held apart from the pool so a finalizer can run."""
 
@@ -364,11 +377,7 @@ class CpuExpertPool:
                 code = int(ctrl[wk, rings.STATUS])
                 break
         if code != ERR_OK:
-            reason = {ERR_EXPERT_ID: "expert id out of range",
-                      ERR_NON_FINITE: "non-finite intermediate activation",
-                      ERR_NO_LAYER: "layer missing from the worker's shard",
-                      ERR_INTERNAL: "worker bug, traceback on its stderr"}.get(code, "error")
-            raise CpuExpertError(f"layer {layer}: worker status {code} ({reason})")
+            raise status_error(layer, code)
         self.last_kernel_ns = ctrl[:, rings.KERNEL_NS].copy()
         # wake-up (ring -> first worker starts) and notice (last worker ends -> seen here), ns
         self.last_wake_ns = int(ctrl[:, rings.T_START].min()) - self._t_ring

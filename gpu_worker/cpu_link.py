@@ -24,39 +24,157 @@ import numpy as np
 # cudaDeviceAttr: the device may use the host pointer of registered memory
 CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91
 THREADS = 256
+ERR_TIMEOUT, ERR_ABORTED = 201, 202  # as in _SOURCE
+TAG_LIMIT = 1 << 30  # launches counted per stamp array before it is renewed
 
 _SOURCE = r"""
+#define CTRL_COLS 16
+#define SEQ_IN 0
+#define SEQ_OUT 8
+#define STATUS 9
+#define ABORT 5
+#define CMD_RUN 1
+#define ERR_TIMEOUT 201
+#define ERR_ABORTED 202
+
+// One layer's inputs into the ring (see PinnedRing.stage); returns whether this thread saw
+// a pair for the workers. With ``stamp``: counts distinct experts, GPU's and CPU's, into
+// ``distinct`` (an expert counts once per ``tag``).
+__device__ int stage_body(
+        const int* __restrict__ q, long long nq4, const unsigned short* __restrict__ d,
+        long long nd, const long long* __restrict__ ids, int rows, int k, long long ids_stride,
+        const float* __restrict__ w, long long w_stride, const unsigned char* __restrict__ on_cpu,
+        long long n_mask, int first_cpu, int* ring_q, unsigned short* ring_d, int* ring_ids,
+        float* ring_w, int* gids, int* stamp, int tag, unsigned long long* distinct) {
+    long long step = (long long)gridDim.x * blockDim.x;
+    long long start = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    int mine = 0;
+    for (long long i = start; i < nq4; i += step) ring_q[i] = q[i];
+    for (long long i = start; i < nd; i += step) ring_d[i] = d[i];
+    for (long long i = start; i < (long long)rows * k; i += step) {
+        long long r = i / k, c = i % k;
+        long long e = ids[r * ids_stride + c];
+        int rid;
+        if (gids) gids[i] = (int)e;
+        if (!on_cpu)          // pool-local ids already: the workers check them
+            rid = (int)e;
+        else if (e < 0 || e >= n_mask)  // not an expert id: -2 makes the workers refuse it
+            rid = -2;
+        else
+            rid = on_cpu[e] ? (int)(e - first_cpu) : -1;
+        ring_ids[i] = rid;
+        ring_w[i] = w[r * w_stride + c];
+        mine |= rid != -1;
+        if (stamp && on_cpu && e >= 0 && e < n_mask && atomicMax(&stamp[e], tag) < tag)
+            atomicAdd(&distinct[on_cpu[e] ? 1 : 0], 1ULL);
+    }
+    return mine;
+}
+
 extern "C" __global__ void ring_stage(
         const int* __restrict__ q, long long nq4, const unsigned short* __restrict__ d,
         long long nd, const long long* __restrict__ ids, int rows, int k, long long ids_stride,
         const float* __restrict__ w, long long w_stride, const unsigned char* __restrict__ on_cpu,
         long long n_mask, int first_cpu, int* ring_q, unsigned short* ring_d, int* ring_ids,
         float* ring_w, int* gids) {
+    stage_body(q, nq4, d, nd, ids, rows, k, ids_stride, w, w_stride, on_cpu, n_mask,
+               first_cpu, ring_q, ring_d, ring_ids, ring_w, gids, 0, 0, 0);
+}
+
+// stage_body, then the last block to finish rings the workers: header, then SEQ_IN of each
+// worker, each after a system-scope fence (every block fenced its own inputs first). With
+// no pair for the workers nothing is rung and state[2] = 0 tells the wait to skip.
+extern "C" __global__ void ring_launch(
+        const int* __restrict__ q, long long nq4, const unsigned short* __restrict__ d,
+        long long nd, const long long* __restrict__ ids, int rows, int k, long long ids_stride,
+        const float* __restrict__ w, long long w_stride, const unsigned char* __restrict__ on_cpu,
+        long long n_mask, int first_cpu, int* ring_q, unsigned short* ring_d, int* ring_ids,
+        float* ring_w, int* stamp, int tag, unsigned long long* distinct, long long* ctrl,
+        long long* header, int W, long long seq, int layer, int* state) {
+    int mine = stage_body(q, nq4, d, nd, ids, rows, k, ids_stride, w, w_stride, on_cpu,
+                          n_mask, first_cpu, ring_q, ring_d, ring_ids, ring_w, 0, stamp, tag,
+                          distinct);
+    __threadfence_system();
+    int any = __syncthreads_or(mine);
+    if (threadIdx.x != 0) return;
+    if (any) atomicOr(&state[1], 1);
+    __threadfence();
+    if (atomicAdd((unsigned int*)state, 1u) != gridDim.x - 1) return;
+    int has = atomicExch(&state[1], 0);  // the last block: every input is in host memory
+    state[0] = 0;
+    state[2] = has;
+    if (!has) return;
+    volatile long long* h = header;
+    h[0] = CMD_RUN; h[1] = layer; h[2] = rows; h[3] = k;
+    __threadfence_system();
+    volatile long long* c = ctrl;
+    for (int v = 0; v < W; ++v) c[(long long)v * CTRL_COLS + SEQ_IN] = seq;
+    __threadfence_system();
+}
+
+__device__ unsigned long long now_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// Threads 0..W-1 each wait for one worker's SEQ_OUT == seq (or ABORT, or the timeout); the
+// first error (a worker's STATUS, ERR_ABORTED, ERR_TIMEOUT) goes to state[3], its layer to
+// state[4].
+__device__ void wait_workers(const long long* ctrl, const long long* header, int W,
+                             long long seq, int layer, int* state, long long timeout_ns) {
+    int v = threadIdx.x;
+    if (v >= W) return;
+    volatile const long long* c = ctrl + (long long)v * CTRL_COLS;
+    volatile const long long* h = header;
+    unsigned long long t0 = now_ns();
+    int err = 0;
+    while (c[SEQ_OUT] != seq) {
+        if (h[ABORT]) { err = ERR_ABORTED; break; }
+        if ((long long)(now_ns() - t0) > timeout_ns) { err = ERR_TIMEOUT; break; }
+        __nanosleep(200);
+    }
+    if (!err) {
+        __threadfence_system();
+        err = (int)c[STATUS];
+    }
+    if (err && atomicCAS(&state[3], 0, err) == 0) state[4] = layer;
+}
+
+extern "C" __global__ void ring_wait(const long long* ctrl, const long long* header, int W,
+                                     long long seq, int layer, int* state, long long timeout_ns) {
+    if (state[2]) wait_workers(ctrl, header, W, seq, layer, state, timeout_ns);
+}
+
+// out = base + (p_0 + p_1 + ...), in worker order; with ``has`` and *has == 0 (no pair went
+// to the workers) out = base (or 0).
+extern "C" __global__ void ring_gather(
+        const float* parts, long long wstride, int W, long long n,
+        const float* __restrict__ base, float* __restrict__ out, const int* has) {
     long long step = (long long)gridDim.x * blockDim.x;
-    long long start = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    for (long long i = start; i < nq4; i += step) ring_q[i] = q[i];
-    for (long long i = start; i < nd; i += step) ring_d[i] = d[i];
-    for (long long i = start; i < (long long)rows * k; i += step) {
-        long long r = i / k, c = i % k;
-        long long e = ids[r * ids_stride + c];
-        gids[i] = (int)e;
-        if (!on_cpu)          // pool-local ids already: the workers check them
-            ring_ids[i] = (int)e;
-        else if (e < 0 || e >= n_mask)  // not an expert id: -2 makes the workers refuse it
-            ring_ids[i] = -2;
-        else
-            ring_ids[i] = on_cpu[e] ? (int)(e - first_cpu) : -1;
-        ring_w[i] = w[r * w_stride + c];
+    bool none = has && !*has;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
+        if (none) { out[i] = base ? base[i] : 0.0f; continue; }
+        float s = parts[i];
+        for (int v = 1; v < W; ++v) s += parts[v * wstride + i];
+        out[i] = base ? base[i] + s : s;
     }
 }
 
-extern "C" __global__ void ring_gather(
-        const float* parts, long long wstride, int W, long long n,
+// ring_wait in every block, then ring_gather reading the partials from the mapped ring.
+extern "C" __global__ void ring_wait_gather(
+        const long long* ctrl, const long long* header, int W, long long seq, int layer,
+        int* state, long long timeout_ns, const float* parts, long long wstride, long long n,
         const float* __restrict__ base, float* __restrict__ out) {
+    int has = state[2];
+    if (has) wait_workers(ctrl, header, W, seq, layer, state, timeout_ns);
+    __syncthreads();
+    volatile const float* p = parts;
     long long step = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
-        float s = parts[i];
-        for (int v = 1; v < W; ++v) s += parts[v * wstride + i];
+        if (!has) { out[i] = base ? base[i] : 0.0f; continue; }
+        float s = p[i];
+        for (int v = 1; v < W; ++v) s += p[v * wstride + i];
         out[i] = base ? base[i] + s : s;
     }
 }
@@ -64,11 +182,12 @@ extern "C" __global__ void ring_gather(
 _module = None
 
 
-def _kernels(cp):
+def _kernels(cp) -> dict:
     global _module
     if _module is None:
         _module = cp.RawModule(code=_SOURCE, options=("--fmad=false",))
-    return _module.get_function("ring_stage"), _module.get_function("ring_gather")
+    return {name: _module.get_function(name) for name in (
+        "ring_stage", "ring_launch", "ring_wait", "ring_gather", "ring_wait_gather")}
 
 
 def _grid(n: int) -> tuple[int]:
@@ -93,10 +212,22 @@ class PinnedRing:
     summed in device memory. Either kernel needs a device that may use registered host
     pointers; None = use it where possible (in) / never (out: reading host memory from a
     kernel is a round trip per access; measured slower, docs/cpu_experts.md). ``close()``
-    unregisters the ring (before the pool unmaps it)."""
+    unregisters the ring (before the pool unmaps it).
+
+    Two ways to run a layer:
+
+    * synchronous: :meth:`stage` (the stream is synchronized), :meth:`start`, :meth:`collect`
+      (the host waits for the workers);
+    * from the stream (needs ``kernel_in``): :meth:`launch` and :meth:`gather` only enqueue
+      kernels; the GPU rings the workers and waits for them, the host never waits per layer.
+      The first launch opens a device session of the pool (the workers spin on the ring);
+      :meth:`end_step` synchronizes the stream, closes it and raises what went wrong.
+    """
 
     def __init__(self, pool, cupy, kernel_in: bool | None = None,
-                 kernel_out: bool | None = False) -> None:
+                 kernel_out: bool | None = False, timeout_s: float = 30.0) -> None:
+        if pool.num_workers > 32:
+            raise ValueError("at most 32 workers per pool (one GPU thread waits on each)")
         self.pool, self.cp = pool, cupy
         self.addr, self.nbytes = pool.ring_region()
         rt = cupy.cuda.runtime
@@ -105,20 +236,68 @@ class PinnedRing:
                                           cupy.cuda.Device().id))
         self.kernel_in = can if kernel_in is None else bool(kernel_in and can)
         self.kernel_out = can if kernel_out is None else bool(kernel_out and can)
-        self._stage, self._gather = _kernels(cupy)
+        self.timeout_ns = int(timeout_s * 1e9)
+        self._k = _kernels(cupy)
         W, H = pool.num_workers, pool.hidden
         self._parts = cupy.empty((W, pool.max_rows, H), cupy.float32)  # partials, on the GPU
         self._stream = None  # the stream of the last collect
         n = pool.ring.ids.size  # global ids of the staged pairs, in pinned (mapped) memory
         self._gids_mem = cupy.cuda.alloc_pinned_memory(4 * n)
         self._gids = np.frombuffer(self._gids_mem, np.int32, n)
+        # launch/gather: [blocks done, any pair for the workers, this layer has one, error,
+        # its layer]; distinct experts (GPU's, CPU's) since take_distinct; per-expert stamps
+        self._state = cupy.zeros(8, cupy.int32)
+        self._distinct = cupy.zeros(2, cupy.uint64)
+        self._stamp = cupy.zeros(0, cupy.int32)
+        self._tag = 0
+        self._session = None  # the stream of the open device session
+        self._pending: tuple[int, int, int] | None = None  # (seq, layer, rows) to gather
+        self._kernel_ns0 = pool.kernel_total_ns()
 
     def close(self) -> None:
         if self.addr:
+            try:
+                self.end_step()
+            except Exception:  # noqa: BLE001 -- closing: the pool reports dead workers itself
+                pass
             if self._stream is not None:
                 self._stream.synchronize()
             self.cp.cuda.runtime.hostUnregister(self.addr)
             self.addr = 0
+
+    def _inputs(self, q, d16, ids, weights):
+        """The layer's arrays in the kernels' layouts, and the ring's views for them."""
+        cp = self.cp
+        R, k = ids.shape
+        pool = self.pool
+        if not 0 < R <= pool.max_rows or not 0 < k <= pool.max_k:
+            raise ValueError(f"rows={R}, k={k}: want 1..{pool.max_rows} rows and "
+                             f"1..{pool.max_k} experts per row")
+        ids = _as(cp, ids, cp.int64, 8)
+        w = _as(cp, weights, cp.float32, 4)
+        if not q.flags.c_contiguous:
+            q = cp.ascontiguousarray(q)
+        if not d16.flags.c_contiguous:
+            d16 = cp.ascontiguousarray(d16)
+        ring = pool.ring
+        xq, xd = ring.xq[:R], ring.xd[:R]
+        ids_v, w_v = ring.pairs(R, k)
+        if q.shape != xq.shape or q.dtype.itemsize != 1 or d16.shape != xd.shape \
+                or d16.dtype.itemsize != 2:
+            raise ValueError(f"q {q.dtype} {q.shape} / scales {d16.dtype} {d16.shape} do not "
+                             f"fit the ring's {xq.shape} / {xd.shape}")
+        return q, d16, ids, w, (xq, xd, ids_v, w_v)
+
+    @staticmethod
+    def _stage_args(q, d16, ids, w, on_cpu, first_cpu: int, views) -> tuple:
+        R, k = ids.shape
+        xq, xd, ids_v, w_v = views
+        return (q, np.int64(q.size // 4), d16, np.int64(d16.size), ids, np.int32(R),
+                np.int32(k), np.int64(ids.strides[0] // 8), w, np.int64(w.strides[0] // 4),
+                np.uint64(0) if on_cpu is None else on_cpu,
+                np.int64(0 if on_cpu is None else on_cpu.size), np.int32(first_cpu),
+                np.uint64(xq.ctypes.data), np.uint64(xd.ctypes.data),
+                np.uint64(ids_v.ctypes.data), np.uint64(w_v.ctypes.data))
 
     def stage(self, q, d16, ids, weights, on_cpu=None, first_cpu: int = 0
               ) -> tuple[np.ndarray, np.ndarray]:
@@ -130,29 +309,16 @@ class PinnedRing:
         ring ids [R, k] int32)``; the stream is synchronized on return."""
         cp = self.cp
         R, k = ids.shape
-        ids = _as(cp, ids, cp.int64, 8)
-        w = _as(cp, weights, cp.float32, 4)
-        if not q.flags.c_contiguous:
-            q = cp.ascontiguousarray(q)
-        if not d16.flags.c_contiguous:
-            d16 = cp.ascontiguousarray(d16)
-        xq, xd, ids_v, w_v = self.pool.inputs(R, k)
-        if q.shape != xq.shape or q.dtype.itemsize != 1 or d16.shape != xd.shape \
-                or d16.dtype.itemsize != 2:
-            raise ValueError(f"q {q.dtype} {q.shape} / scales {d16.dtype} {d16.shape} do not "
-                             f"fit the ring's {xq.shape} / {xd.shape}")
+        self.pool.inputs(R, k)  # refuses a load in flight or a device session
+        q, d16, ids, w, views = self._inputs(q, d16, ids, weights)
+        xq, xd, ids_v, w_v = views
         stream = cp.cuda.get_current_stream()
         if self._stream is not None and self._stream.ptr != stream.ptr:
             self._stream.synchronize()  # the last gather must be done reading the ring
         gids = self._gids[:R * k].reshape(R, k)
         if self.kernel_in:
-            self._stage(_grid(max(q.size // 4, R * k)), (THREADS,), (
-                q, np.int64(q.size // 4), d16, np.int64(d16.size), ids, np.int32(R),
-                np.int32(k), np.int64(ids.strides[0] // 8), w, np.int64(w.strides[0] // 4),
-                np.uint64(0) if on_cpu is None else on_cpu,
-                np.int64(0 if on_cpu is None else on_cpu.size), np.int32(first_cpu),
-                np.uint64(xq.ctypes.data), np.uint64(xd.ctypes.data),
-                np.uint64(ids_v.ctypes.data), np.uint64(w_v.ctypes.data),
+            self._k["ring_stage"](_grid(max(q.size // 4, R * k)), (THREADS,), (
+                *self._stage_args(q, d16, ids, w, on_cpu, first_cpu, views),
                 np.uint64(gids.ctypes.data)), stream=stream)
             stream.synchronize()
             return gids, ids_v
@@ -179,16 +345,24 @@ class PinnedRing:
         """Wait for the workers; return ``base + (p_0 + p_1 + ...)`` ``[R, H] float32`` on the
         GPU (``base``: a float32 ``[R, H]`` CuPy array, e.g. the GPU experts' output, or None
         for the partials' sum alone): the float32 additions of the host path, in its order."""
-        cp = self.cp
         parts = self.pool.finish()  # [W, R, H] view of the pinned ring
-        W, R, H = parts.shape
+        self._stream = self.cp.cuda.get_current_stream()
+        return self._sum(parts.shape[1], base, 0)
+
+    def _base(self, base):
+        if base is None:
+            return None
+        base = _as(self.cp, base, self.cp.float32, 4)
+        return base if base.flags.c_contiguous else self.cp.ascontiguousarray(base)
+
+    def _sum(self, R: int, base, has: int):
+        """Enqueue ``base + sum of the partials`` (copied by DMA first unless kernel_out)."""
+        cp = self.cp
+        W, H = self.pool.num_workers, self.pool.hidden
+        parts = self.pool.ring.out
         stream = cp.cuda.get_current_stream()
-        self._stream = stream
         out = cp.empty((R, H), cp.float32)
-        if base is not None:
-            base = _as(cp, base, cp.float32, 4)
-            if not base.flags.c_contiguous:
-                base = cp.ascontiguousarray(base)
+        base = self._base(base)
         if self.kernel_out:
             src, stride = np.uint64(parts.ctypes.data), parts.strides[0] // 4
         else:
@@ -197,7 +371,106 @@ class PinnedRing:
             rt.memcpy2DAsync(dev.data.ptr, dev.strides[0], parts.ctypes.data, parts.strides[0],
                              R * H * 4, W, rt.memcpyHostToDevice, stream.ptr)
             src, stride = dev, dev.strides[0] // 4
-        self._gather(_grid(R * H), (THREADS,), (
+        self._k["ring_gather"](_grid(R * H), (THREADS,), (
             src, np.int64(stride), np.int32(W), np.int64(R * H),
-            base if base is not None else np.uint64(0), out), stream=stream)
+            base if base is not None else np.uint64(0), out, np.uint64(has)), stream=stream)
         return out
+
+    # -- from the stream: launch / gather / end_step ---------------------------------------
+
+    def launch(self, layer: int, q, d16, ids, weights, on_cpu=None, first_cpu: int = 0) -> None:
+        """Enqueue one layer on the current stream and return: the ``ring_launch`` kernel
+        writes the inputs as :meth:`stage` does, then (if any pair is the workers') the
+        header and every worker's ``SEQ_IN``. Then enqueue the GPU's own work, then
+        :meth:`gather`. Also counts the distinct experts (:meth:`take_distinct`)."""
+        cp = self.cp
+        pool = self.pool
+        if not self.kernel_in:
+            raise RuntimeError("launch() needs a device that may use registered host memory")
+        if self._pending is not None:
+            raise RuntimeError("gather() the last launch() first")
+        if layer not in pool.layers:
+            raise KeyError(f"layer {layer} has no CPU experts (have {sorted(pool.layers)})")
+        q, d16, ids, w, views = self._inputs(q, d16, ids, weights)
+        stream = cp.cuda.get_current_stream()
+        if self._session is None:
+            if self._stream is not None:
+                self._stream.synchronize()  # a synchronous collect may still read the ring
+            pool.device_begin()
+            self._session = stream
+        elif self._session.ptr != stream.ptr:
+            raise RuntimeError("one stream per step: end_step() before changing streams")
+        seq = pool.next_seq()
+        stamp = np.uint64(0)
+        if on_cpu is not None:
+            if self._stamp.size < on_cpu.size or self._tag >= TAG_LIMIT:
+                self._stamp = cp.zeros(on_cpu.size, cp.int32)  # stream-ordered after its users
+                self._tag = 0
+            self._tag += 1
+            stamp = self._stamp
+        R, k = ids.shape
+        ring = pool.ring
+        self._k["ring_launch"](_grid(max(q.size // 4, R * k)), (THREADS,), (
+            *self._stage_args(q, d16, ids, w, on_cpu, first_cpu, views), stamp,
+            np.int32(self._tag), self._distinct, np.uint64(ring.ctrl.ctypes.data),
+            np.uint64(ring.header.ctypes.data), np.int32(pool.num_workers), np.int64(seq),
+            np.int32(layer), self._state), stream=stream)
+        self._pending = (seq, layer, R)
+
+    def gather(self, base=None):
+        """Enqueue the wait for the workers of the last :meth:`launch` (on the GPU: it polls
+        their ``SEQ_OUT``) and ``base + (p_0 + p_1 + ...)``, as :meth:`collect`; returns that
+        ``[R, H] float32`` array (valid once the stream gets there)."""
+        if self._pending is None:
+            raise RuntimeError("no launch() to gather")
+        seq, layer, R = self._pending
+        self._pending = None
+        cp, pool = self.cp, self.pool
+        ring = pool.ring
+        stream = cp.cuda.get_current_stream()
+        wait_args = (np.uint64(ring.ctrl.ctypes.data), np.uint64(ring.header.ctypes.data),
+                     np.int32(pool.num_workers), np.int64(seq), np.int32(layer), self._state,
+                     np.int64(self.timeout_ns))
+        if not self.kernel_out:
+            self._k["ring_wait"]((1,), (32,), wait_args, stream=stream)
+            return self._sum(R, base, self._state.data.ptr + 8)
+        H = pool.hidden
+        out = cp.empty((R, H), cp.float32)
+        base = self._base(base)
+        self._k["ring_wait_gather"]((min(32, _grid(R * H)[0]),), (THREADS,), (
+            *wait_args, np.uint64(ring.out.ctypes.data), np.int64(ring.out.strides[0] // 4),
+            np.int64(R * H), base if base is not None else np.uint64(0), out), stream=stream)
+        return out
+
+    def end_step(self) -> None:
+        """Synchronize the session's stream and close the device session; raise
+        :class:`CpuWorkerDied` if a worker died (the watchdog made the GPU stop waiting) or
+        :class:`CpuExpertError` for the first layer a worker refused or that timed out."""
+        from cpu_experts.pool import status_error  # noqa: PLC0415
+
+        if self._session is None:
+            return
+        stream, self._session, self._pending = self._session, None, None
+        try:
+            stream.synchronize()
+        finally:
+            self.pool.device_end()
+        err, layer = (int(v) for v in self._state[3:5].get())
+        if not err:
+            return
+        self._state[3:5] = 0
+        if err == ERR_ABORTED or self.pool.aborted:
+            self.pool.check_alive()  # raises CpuWorkerDied naming the worker
+        raise status_error(layer, err, {
+            ERR_TIMEOUT: f"no answer within {self.timeout_ns / 1e9:g} s",
+            ERR_ABORTED: "a worker died"})
+
+    def take_distinct(self) -> tuple[int, int, float]:
+        """Since the last call, over launched layers: distinct experts summed over layers, the
+        GPU's and the CPU's, and the workers' kernel time (the slowest worker's sum), ms."""
+        gpu, cpu = (int(v) for v in self._distinct.get())
+        self._distinct[...] = 0
+        total = self.pool.kernel_total_ns()
+        ms = float((total - self._kernel_ns0).max()) / 1e6
+        self._kernel_ns0 = total
+        return gpu, cpu, ms

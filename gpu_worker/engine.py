@@ -74,8 +74,11 @@ class Engine:
         return self.model.cfg.vocab_size
 
     def forward(self, parts: list[tuple[int, int, np.ndarray]], logit_rows=None) -> ForwardOut:
-        experts = self.placement.experts if self.placement is not None else None
-        return self.model.forward(RaggedBatch.build(parts), self.caches, logit_rows, experts)
+        batch = RaggedBatch.build(parts)
+        if self.placement is None:
+            return self.model.forward(batch, self.caches, logit_rows)
+        return self.placement.step(lambda: self.model.forward(
+            batch, self.caches, logit_rows, self.placement.experts))
 
     def prefill(self, slot: int, ids: np.ndarray, *, all_logits: bool = False) -> np.ndarray:
         """Reset ``slot`` and run the prompt in chunks; logits [n, V] of the last row, or of

@@ -36,12 +36,18 @@ class ExpertPlacement:
         self._mask_dev: dict[int, object] = {}
 
     def pin_ring(self) -> None:
-        """CuPy backend: register the pool's ring as pinned host memory, so each layer's
-        quantized activations go in and the partials come out by DMA (gpu_worker/cpu_link.py)."""
+        """CuPy backend: register the pool's ring as pinned host memory, so kernels put each
+        layer's quantized activations in, ring the workers, wait for them and add their
+        partials (gpu_worker/cpu_link.py). Where the device cannot use registered host
+        memory, the host path stays."""
         from gpu_worker.cpu_link import PinnedRing  # noqa: PLC0415 (cupy)
 
         xp = self.model.xp
-        self.link = PinnedRing(self.pool, xp)
+        link = PinnedRing(self.pool, xp)
+        if not link.kernel_in:  # no device access to registered memory: the host path
+            link.close()
+            return
+        self.link = link
         self._mask_dev = {layer: xp.asarray(m) for layer, m in self.on_cpu.items()}
 
     @staticmethod
@@ -51,8 +57,15 @@ class ExpertPlacement:
 
     def take_stats(self) -> dict:
         """Counters since the last call (one step): distinct experts per layer summed over
-        MoE layers, CPU expert weight bytes read, CPU expert wall time."""
+        MoE layers, CPU expert weight bytes read, CPU expert time (host path: wall time of the
+        dispatches; pinned path: the slowest worker's kernel time)."""
         stats, self._stats = self._stats, self._zero_stats()
+        if self.link is not None:
+            gpu, cpu, ms = self.link.take_distinct()
+            stats["gpu_experts"] += gpu
+            stats["cpu_experts"] += cpu
+            stats["cpu_expert_bytes"] += int(cpu * self.bytes_per_expert)
+            stats["cpu_experts_ms"] += ms
         return stats
 
     @classmethod
@@ -144,33 +157,45 @@ class ExpertPlacement:
         return out
 
     def _experts_pinned(self, layer: int, x, ids, weights, quant):
-        """The CuPy path (gpu_worker/cpu_link.py): one kernel puts the inputs into the pinned
-        ring, the workers start, the GPU computes its own experts meanwhile, then one kernel
-        adds the workers' partials to them straight from the ring."""
+        """The CuPy path (gpu_worker/cpu_link.py), all on the stream: one kernel puts the
+        inputs into the pinned ring and rings the workers, the GPU computes its own experts
+        meanwhile, then one kernel waits for the workers and one adds their partials. The
+        host never waits here; :meth:`end_step` ends the step."""
         xp, ops = self.model.xp, self.model.ops
         mask = self.on_cpu[layer]
         first_cpu = mask.size - int(mask.sum())
-        R, k = ids.shape
-        gids, _ = self.link.stage(quant[0], quant[1], ids, weights, self._mask_dev[layer],
-                                  first_cpu)
-        cpu = mask[gids]  # [R, k]
-        n_cpu = self._count(gids, cpu)
-        t0 = time.perf_counter()
-        if n_cpu:
-            self.link.start(layer, R, k)
+        on_cpu = self._mask_dev[layer]
+        self.link.launch(layer, quant[0], quant[1], ids, weights, on_cpu, first_cpu)
+        self._stats["moe_layers"] += 1
         out = xp.zeros_like(x)
-        if not cpu.all():  # the GPU's experts run while the CPU workers do theirs
+        if first_cpu:  # the GPU's experts run while the CPU workers do theirs
             p = self.model.layers[layer].mlp
-            gpu_ids = xp.where(self._mask_dev[layer][ids], -1, ids)
+            gpu_ids = xp.where(on_cpu[ids], -1, ids)
             out = experts_local(ops, p["experts.gate_proj"], p["experts.up_proj"],
                                 p["experts.down_proj"], x, gpu_ids, weights)
-        if n_cpu:
-            if out.dtype == np.float32:
-                out = self.link.collect(base=out)  # out + (p_0 + p_1 + ...), as below
-            else:
-                out = out + self.link.collect().astype(ops.dtype)
-            self._stats["cpu_experts_ms"] += (time.perf_counter() - t0) * 1e3
+        if out.dtype == np.float32:
+            return self.link.gather(base=out)  # out + (p_0 + p_1 + ...), as the host path
+        return out + self.link.gather().astype(ops.dtype)
+
+    def step(self, forward):
+        """``forward()`` (one model forward over this placement), then :meth:`end_step`; an
+        error of the forward itself wins over the step's."""
+        try:
+            out = forward()
+        except BaseException:
+            try:
+                self.end_step()
+            except Exception:  # noqa: BLE001,S110 -- the forward's error is the one to raise
+                pass
+            raise
+        self.end_step()
         return out
+
+    def end_step(self) -> None:
+        """After a forward: wait for the stream, end the CPU workers' device session and
+        raise what a worker reported (CpuExpertError, CpuWorkerDied)."""
+        if self.link is not None:
+            self.link.end_step()
 
     def _count(self, ids_host: np.ndarray, cpu: np.ndarray) -> int:
         """Add one MoE layer's distinct experts to the step counters; returns the CPU's."""
@@ -187,6 +212,8 @@ class ExpertPlacement:
 
     def close(self) -> None:
         if self.link is not None:
-            self.link.close()
-            self.link = None
+            try:
+                self.link.close()
+            finally:
+                self.link = None
         self.pool.close()

@@ -42,7 +42,8 @@ class Entry:
 
 class Runner:
     def __init__(self, model: Model, *, max_slots: int, max_context: int, block_size: int = 16,
-                 extra_blocks: int = 0, experts=None, expert_stats=None) -> None:
+                 extra_blocks: int = 0, experts=None, expert_stats=None,
+                 expert_step=None) -> None:
         self.model = model
         self.max_slots = max_slots
         self.max_context = max_context
@@ -50,6 +51,7 @@ class Runner:
         self.caches = model.new_caches(max_slots, max_context, block_size, extra_blocks)
         self.experts = experts
         self.expert_stats = expert_stats  # () -> counters of the CPU expert path, per step
+        self.expert_step = expert_step  # (forward) -> its result, the CPU experts' step ended
         self.entries: dict[int, Entry] = {}
         self.lengths: dict[int, int] = {}  # tokens in each allocated slot's cache
 
@@ -95,7 +97,10 @@ class Runner:
         batch = RaggedBatch.build([(w.slot, w.start_pos, w.input_ids) for w in work])
         wanted = [i for i, w in enumerate(work) if w.needs_logits]
         last = batch.last_rows()
-        out = self.model.forward(batch, self.caches, last[wanted], self.experts)
+        def forward():
+            return self.model.forward(batch, self.caches, last[wanted], self.experts)
+
+        out = forward() if self.expert_step is None else self.expert_step(forward)
         logits = to_numpy(out.logits)
         results = []
         row_of = {i: j for j, i in enumerate(wanted)}

@@ -68,7 +68,8 @@ def build_runner(args: argparse.Namespace):
     runner = Runner(model, max_slots=args.max_slots, max_context=args.max_context,
                     block_size=args.block_size, extra_blocks=args.extra_blocks,
                     experts=pool.experts if pool else None,
-                    expert_stats=pool.take_stats if pool else None)
+                    expert_stats=pool.take_stats if pool else None,
+                    expert_step=pool.step if pool else None)
     capacity = (args.max_slots * blocks_per_slot + args.extra_blocks) * args.block_size
     eos = load_generation_config(args.model).get("eos_token_ids", [])
     info = ModelInfo(name=args.name or os.path.basename(os.path.normpath(args.model)),

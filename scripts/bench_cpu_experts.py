@@ -171,6 +171,50 @@ def measure_gpu(pool: CpuExpertPool, link, n_layers: int, ids_list: list[np.ndar
     return rec
 
 
+def measure_gpu_launched(pool: CpuExpertPool, link, n_layers: int, ids_list: list[np.ndarray],
+                         I: int, path: str, per_step: int = 8) -> dict:
+    """The GPU worker's view through ``PinnedRing.launch/gather``: steps of ``per_step``
+    layers enqueued back to back (the GPU rings the workers and waits for them), the stream
+    synchronized once per step (``end_step``). Per layer: wall / layers, the slowest worker's
+    kernel time (summed by the workers), their difference (dispatch + transfer) and how long
+    the host took to enqueue it (``enqueue_us``); the first step is a warm-up."""
+    import cupy  # noqa: PLC0415
+
+    rows = ids_list[0].shape[0]
+    x = np.random.default_rng(rows).standard_normal((rows, H)).astype(np.float32)
+    q, d = quantize(x)
+    q_dev, d_dev = cupy.asarray(q), cupy.asarray(d)
+    stream = cupy.cuda.get_current_stream()
+    steps = [ids_list[j:j + per_step] for j in range(0, len(ids_list) - per_step + 1, per_step)]
+    walls, kernels, enqueues, distinct = [], [], [], []
+    for n, step in enumerate(steps):
+        dev = [(cupy.asarray(ids, dtype=cupy.int64),
+                cupy.full(ids.shape, 1.0 / ids.shape[1], cupy.float32)) for ids in step]
+        stream.synchronize()
+        k0 = pool.kernel_total_ns()
+        t0 = time.perf_counter_ns()
+        outs = []
+        for i, (ids_dev, w_dev) in enumerate(dev):
+            link.launch((n * per_step + i) % n_layers, q_dev, d_dev, ids_dev, w_dev)
+            outs.append(link.gather())
+        t1 = time.perf_counter_ns()
+        link.end_step()
+        wall = time.perf_counter_ns() - t0
+        del outs
+        if n:
+            walls.append(wall / len(step))
+            kernels.append(float((pool.kernel_total_ns() - k0).max()) / len(step))
+            enqueues.append((t1 - t0) / len(step))
+            distinct += [len(np.unique(ids[ids >= 0])) for ids in step]
+    expert_bytes = 3 * I * H * (1 + 4 / 32)
+    wall_us, kernel_us = float(np.median(walls)) / 1e3, float(np.median(kernels)) / 1e3
+    wbytes = float(np.mean(distinct)) * expert_bytes
+    return {"path": path, "layers_per_step": per_step, "us_per_layer": wall_us,
+            "kernel_us": kernel_us, "effective_gbps": wbytes / wall_us / 1e3 if wbytes else 0.0,
+            "dispatch_us": float(np.median(np.subtract(walls, kernels))) / 1e3,
+            "enqueue_us": float(np.median(enqueues)) / 1e3}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="")
@@ -262,7 +306,8 @@ def main() -> None:
 
 def gpu_cases(pool: CpuExpertPool, machine: dict, I: int, E: int, n_layers: int, iters: int,
               rows_run: list[int]) -> list[dict]:
-    """Top-8 random layers and the no-CPU-work case through both GPU paths (``--gpu``)."""
+    """Top-8 random layers and the no-CPU-work case through every GPU path (``--gpu``); the
+    one-expert layers through the launched paths."""
     import cupy  # noqa: PLC0415
 
     from gpu_worker.cpu_link import PinnedRing  # noqa: PLC0415
@@ -272,10 +317,26 @@ def gpu_cases(pool: CpuExpertPool, machine: dict, I: int, E: int, n_layers: int,
     paths = {f"gpu_pinned_{a}_{b}": (a == "kernel", b == "kernel")
              for a, b in (("kernel", "memcpy"), ("kernel", "kernel"), ("memcpy", "memcpy"))}
     paths["gpu_host_copies"] = None
+    launched = {"gpu_launch_memcpy": False, "gpu_launch_kernel": True}  # kernel_out
     out = []
     try:
-        for rows, kind in [(r, "random") for r in rows_run] + [(16, "none")]:
-            ids = routings(kind, E, 8, rows, iters + 4, seed=rows * 100 + 8)
+        for rows, kind in [(r, "random") for r in rows_run] + [(16, "none")] + [
+                (r, "one_expert") for r in rows_run]:
+            ids = routings(kind, E, 1 if kind == "one_expert" else 8, rows, iters + 8,
+                           seed=rows * 100 + 8)
+            for path, kernel_out in launched.items():
+                link.kernel_in, link.kernel_out = True, kernel_out
+                rec = dict(machine, H=H, I=I, E=E, topk=ids[0].shape[1], rows=rows,
+                           routing=kind, **measure_gpu_launched(pool, link, n_layers, ids, I,
+                                                                path))
+                out.append(rec)
+                print(f"GPU {path:22s} I={I:4d} E={E:4d} rows={rows:2d} {kind:10s} "
+                      f"layer={rec['us_per_layer']:8.1f} us kernel={rec['kernel_us']:8.1f} us "
+                      f"dispatch={rec['dispatch_us']:5.1f} us enqueue={rec['enqueue_us']:5.1f} us",
+                      flush=True)
+            if kind == "one_expert":
+                continue
+            ids = ids[:iters + 4]
             for path, modes in paths.items():
                 if modes is not None:
                     link.kernel_in, link.kernel_out = modes
