@@ -13,6 +13,8 @@ sequential), so the ring has a single slot, laid out as
 * inputs shared by all workers, written once per layer: ``xq [Rmax, H] int8``,
   ``xd [Rmax, H/32] uint16`` (fp16 scale bits), ``ids [Rmax*Kmax] int32``, ``w [Rmax*Kmax] f32``.
 * outputs: ``out [W, Rmax, H] float32``, one partial per worker.
+* ``hist [W, HIST] int64``: each worker's kernel time of load ``seq`` at ``seq % HIST`` (the
+  benchmark reads a whole step's).
 
 Protocol: the client writes inputs and header, then ``ctrl[w, SEQ_IN] = seq`` and rings
 worker w's doorbell (an eventfd, one write per dispatch). A worker spins on ``SEQ_IN`` for a
@@ -42,6 +44,7 @@ CTRL_COLS = 16
 CMD, LAYER, ROWS, TOPK, SPIN, ABORT = 0, 1, 2, 3, 4, 5
 CMD_RUN, CMD_STOP = 1, 2
 ALIGN = 64
+HIST = 64
 
 
 def shm_dir() -> str:
@@ -112,6 +115,7 @@ class Ring:
         self.ids = take((max_rows * max_k,), np.int32)              # [Rmax*Kmax] flat
         self.w = take((max_rows * max_k,), np.float32)              # [Rmax*Kmax] flat
         self.out = take((num_workers, max_rows, hidden), np.float32)  # [W, Rmax, H]
+        self.hist = take((num_workers, HIST), np.int64)             # [W, HIST]
         self.nbytes = off
 
     @staticmethod
@@ -119,7 +123,7 @@ class Ring:
         """Bytes a ring of these dimensions needs (the same layout as ``__init__``)."""
         parts = [num_workers * CTRL_COLS * 8, 8 * 8, max_rows * hidden,
                  max_rows * hidden // BLOCK * 2, max_rows * max_k * 4, max_rows * max_k * 4,
-                 num_workers * max_rows * hidden * 4]
+                 num_workers * max_rows * hidden * 4, num_workers * HIST * 8]
         return sum(_aligned(p) for p in parts)
 
     def pairs(self, rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -103,7 +103,8 @@ class ExpertWorker:
 
     def serve(self) -> None:
         ring, ctrl = self.ring, self.ring.ctrl[self.index]
-        out = ring.out[self.index]
+        out, hist = ring.out[self.index], ring.hist[self.index]
+        views: dict[tuple[int, int], tuple] = {}  # (rows, k) -> the ring's pair views
         last = self.last_seq
         while True:
             seq = self._wait(last)
@@ -117,7 +118,10 @@ class ExpertWorker:
             if weights is None:
                 status = ERR_NO_LAYER
             else:
-                ids, w = ring.pairs(rows, k)
+                pairs = views.get((rows, k))
+                if pairs is None:
+                    pairs = views[rows, k] = ring.pairs(rows, k)
+                ids, w = pairs
                 try:
                     status = self.moe_layer(*weights, ring.xq, ring.xd, ids, w, out,
                                             self.ahead)
@@ -127,6 +131,7 @@ class ExpertWorker:
             t1 = time.perf_counter_ns()
             ctrl[rings.KERNEL_NS] = t1 - t0
             ctrl[rings.KERNEL_SUM] += t1 - t0
+            hist[seq % rings.HIST] = t1 - t0
             ctrl[rings.T_START] = t0
             ctrl[rings.T_END] = t1
             ctrl[rings.STATUS] = status

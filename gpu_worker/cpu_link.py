@@ -26,6 +26,8 @@ CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91
 THREADS = 256
 ERR_TIMEOUT, ERR_ABORTED = 201, 202  # as in _SOURCE
 TAG_LIMIT = 1 << 30  # launches counted per stamp array before it is renewed
+WAIT_BLOCKS = 8  # blocks of ring_wait_gather: each polls the workers itself
+_NULL = np.uint64(0)
 
 _SOURCE = r"""
 #define CTRL_COLS 16
@@ -36,6 +38,12 @@ _SOURCE = r"""
 #define CMD_RUN 1
 #define ERR_TIMEOUT 201
 #define ERR_ABORTED 202
+
+__device__ unsigned long long now_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
 
 // One layer's inputs into the ring (see PinnedRing.stage); returns whether this thread saw
 // a pair for the workers. With ``stamp``: counts distinct experts, GPU's and CPU's, into
@@ -90,7 +98,8 @@ extern "C" __global__ void ring_launch(
         const float* __restrict__ w, long long w_stride, const unsigned char* __restrict__ on_cpu,
         long long n_mask, int first_cpu, int* ring_q, unsigned short* ring_d, int* ring_ids,
         float* ring_w, int* stamp, int tag, unsigned long long* distinct, long long* ctrl,
-        long long* header, int W, long long seq, int layer, int* state) {
+        long long* header, int W, long long seq, int layer, int* state,
+        unsigned long long* times) {
     int mine = stage_body(q, nq4, d, nd, ids, rows, k, ids_stride, w, w_stride, on_cpu,
                           n_mask, first_cpu, ring_q, ring_d, ring_ids, ring_w, 0, stamp, tag,
                           distinct);
@@ -103,6 +112,7 @@ extern "C" __global__ void ring_launch(
     int has = atomicExch(&state[1], 0);  // the last block: every input is in host memory
     state[0] = 0;
     state[2] = has;
+    if (times) times[0] = now_ns();
     if (!has) return;
     volatile long long* h = header;
     h[0] = CMD_RUN; h[1] = layer; h[2] = rows; h[3] = k;
@@ -112,17 +122,12 @@ extern "C" __global__ void ring_launch(
     __threadfence_system();
 }
 
-__device__ unsigned long long now_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-// Threads 0..W-1 each wait for one worker's SEQ_OUT == seq (or ABORT, or the timeout); the
-// first error (a worker's STATUS, ERR_ABORTED, ERR_TIMEOUT) goes to state[3], its layer to
-// state[4].
+// Threads 0..W-1 each wait for one worker's SEQ_OUT == seq (or ABORT, or the timeout),
+// polling every poll_ns; the first error (a worker's STATUS, ERR_ABORTED, ERR_TIMEOUT) goes
+// to state[3], its layer to state[4].
 __device__ void wait_workers(const long long* ctrl, const long long* header, int W,
-                             long long seq, int layer, int* state, long long timeout_ns) {
+                             long long seq, int layer, int* state, long long timeout_ns,
+                             unsigned int poll_ns) {
     int v = threadIdx.x;
     if (v >= W) return;
     volatile const long long* c = ctrl + (long long)v * CTRL_COLS;
@@ -132,7 +137,7 @@ __device__ void wait_workers(const long long* ctrl, const long long* header, int
     while (c[SEQ_OUT] != seq) {
         if (h[ABORT]) { err = ERR_ABORTED; break; }
         if ((long long)(now_ns() - t0) > timeout_ns) { err = ERR_TIMEOUT; break; }
-        __nanosleep(200);
+        __nanosleep(poll_ns);
     }
     if (!err) {
         __threadfence_system();
@@ -141,9 +146,14 @@ __device__ void wait_workers(const long long* ctrl, const long long* header, int
     if (err && atomicCAS(&state[3], 0, err) == 0) state[4] = layer;
 }
 
+// ``times`` (optional): [1] = when every worker was seen done.
 extern "C" __global__ void ring_wait(const long long* ctrl, const long long* header, int W,
-                                     long long seq, int layer, int* state, long long timeout_ns) {
-    if (state[2]) wait_workers(ctrl, header, W, seq, layer, state, timeout_ns);
+                                     long long seq, int layer, int* state, long long timeout_ns,
+                                     unsigned int poll_ns, unsigned long long* times) {
+    if (!state[2]) return;
+    wait_workers(ctrl, header, W, seq, layer, state, timeout_ns, poll_ns);
+    __syncthreads();
+    if (times && threadIdx.x == 0) times[1] = now_ns();
 }
 
 // out = base + (p_0 + p_1 + ...), in worker order; with ``has`` and *has == 0 (no pair went
@@ -161,14 +171,17 @@ extern "C" __global__ void ring_gather(
     }
 }
 
-// ring_wait in every block, then ring_gather reading the partials from the mapped ring.
+// ring_wait in every block (a small grid), then ring_gather reading the partials from the
+// mapped ring.
 extern "C" __global__ void ring_wait_gather(
         const long long* ctrl, const long long* header, int W, long long seq, int layer,
-        int* state, long long timeout_ns, const float* parts, long long wstride, long long n,
-        const float* __restrict__ base, float* __restrict__ out) {
+        int* state, long long timeout_ns, unsigned int poll_ns, unsigned long long* times,
+        const float* parts, long long wstride, long long n, const float* __restrict__ base,
+        float* __restrict__ out) {
     int has = state[2];
-    if (has) wait_workers(ctrl, header, W, seq, layer, state, timeout_ns);
+    if (has) wait_workers(ctrl, header, W, seq, layer, state, timeout_ns, poll_ns);
     __syncthreads();
+    if (has && times && blockIdx.x == 0 && threadIdx.x == 0) times[1] = now_ns();
     volatile const float* p = parts;
     long long step = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
@@ -251,8 +264,16 @@ class PinnedRing:
         self._stamp = cupy.zeros(0, cupy.int32)
         self._tag = 0
         self._session = None  # the stream of the open device session
-        self._pending: tuple[int, int, int] | None = None  # (seq, layer, rows) to gather
+        self._pending: tuple | None = None  # (seq, layer, rows, times) to gather
+        self.last_seq = 0  # the sequence number of the last launch
         self._kernel_ns0 = pool.kernel_total_ns()
+        self.poll_ns = 1000  # how often a waiting kernel reads SEQ_OUT (over the bus)
+        self._p = self._ptrs()
+        self._W = np.int32(W)
+        self._state_p = np.uint64(self._state.data.ptr)
+        self._has_p = np.uint64(self._state.data.ptr + 8)  # &state[2]
+        self._distinct_p = np.uint64(self._distinct.data.ptr)
+        self._out_stride = np.int64(pool.ring.out.strides[0] // 4)
 
     def close(self) -> None:
         if self.addr:
@@ -377,21 +398,44 @@ class PinnedRing:
         return out
 
     # -- from the stream: launch / gather / end_step ---------------------------------------
+    # NOTE: these run once per MoE layer on the host, ahead of the stream: kernel arguments
+    # are raw pointers and scalars (no CuPy array marshalling), the ring's are made once.
 
-    def launch(self, layer: int, q, d16, ids, weights, on_cpu=None, first_cpu: int = 0) -> None:
+    def _ptrs(self) -> dict:
+        ring = self.pool.ring
+        return {name: np.uint64(getattr(ring, name).ctypes.data)
+                for name in ("xq", "xd", "ids", "w", "ctrl", "header", "out")}
+
+    def launch(self, layer: int, q, d16, ids, weights, on_cpu=None, first_cpu: int = 0,
+               times=None) -> None:
         """Enqueue one layer on the current stream and return: the ``ring_launch`` kernel
         writes the inputs as :meth:`stage` does, then (if any pair is the workers') the
         header and every worker's ``SEQ_IN``. Then enqueue the GPU's own work, then
-        :meth:`gather`. Also counts the distinct experts (:meth:`take_distinct`)."""
-        cp = self.cp
-        pool = self.pool
+        :meth:`gather`. Also counts the distinct experts (:meth:`take_distinct`). ``times``:
+        an optional uint64 CuPy array of 2, given the GPU clock (ns) when the workers were
+        rung and when they were seen done (for benchmarks)."""
+        cp, pool = self.cp, self.pool
         if not self.kernel_in:
             raise RuntimeError("launch() needs a device that may use registered host memory")
         if self._pending is not None:
             raise RuntimeError("gather() the last launch() first")
         if layer not in pool.layers:
             raise KeyError(f"layer {layer} has no CPU experts (have {sorted(pool.layers)})")
-        q, d16, ids, w, views = self._inputs(q, d16, ids, weights)
+        R, k = ids.shape
+        H = pool.hidden
+        if not 0 < R <= pool.max_rows or not 0 < k <= pool.max_k:
+            raise ValueError(f"rows={R}, k={k}: want 1..{pool.max_rows} rows and "
+                             f"1..{pool.max_k} experts per row")
+        if q.shape != (R, H) or q.dtype.itemsize != 1 or d16.shape != (R, H // 32) \
+                or d16.dtype.itemsize != 2 or weights.shape != (R, k):
+            raise ValueError(f"q {q.dtype} {q.shape} / scales {d16.dtype} {d16.shape} / "
+                             f"weights {weights.shape} do not fit {R} rows of {H}, top-{k}")
+        ids = _as(cp, ids, cp.int64, 8)
+        w = _as(cp, weights, cp.float32, 4)
+        if not q.flags.c_contiguous:
+            q = cp.ascontiguousarray(q)
+        if not d16.flags.c_contiguous:
+            d16 = cp.ascontiguousarray(d16)
         stream = cp.cuda.get_current_stream()
         if self._session is None:
             if self._stream is not None:
@@ -401,21 +445,25 @@ class PinnedRing:
         elif self._session.ptr != stream.ptr:
             raise RuntimeError("one stream per step: end_step() before changing streams")
         seq = pool.next_seq()
-        stamp = np.uint64(0)
+        stamp, n_mask = _NULL, np.int64(0)
         if on_cpu is not None:
             if self._stamp.size < on_cpu.size or self._tag >= TAG_LIMIT:
                 self._stamp = cp.zeros(on_cpu.size, cp.int32)  # stream-ordered after its users
                 self._tag = 0
             self._tag += 1
-            stamp = self._stamp
-        R, k = ids.shape
-        ring = pool.ring
-        self._k["ring_launch"](_grid(max(q.size // 4, R * k)), (THREADS,), (
-            *self._stage_args(q, d16, ids, w, on_cpu, first_cpu, views), stamp,
-            np.int32(self._tag), self._distinct, np.uint64(ring.ctrl.ctypes.data),
-            np.uint64(ring.header.ctypes.data), np.int32(pool.num_workers), np.int64(seq),
-            np.int32(layer), self._state), stream=stream)
-        self._pending = (seq, layer, R)
+            stamp, n_mask = np.uint64(self._stamp.data.ptr), np.int64(on_cpu.size)
+        p = self._p
+        tptr = _NULL if times is None else np.uint64(times.data.ptr)
+        self._k["ring_launch"](_grid(max(R * H // 4, R * k)), (THREADS,), (
+            np.uint64(q.data.ptr), np.int64(R * H // 4), np.uint64(d16.data.ptr),
+            np.int64(R * H // 32), np.uint64(ids.data.ptr), np.int32(R), np.int32(k),
+            np.int64(ids.strides[0] // 8), np.uint64(w.data.ptr), np.int64(w.strides[0] // 4),
+            _NULL if on_cpu is None else np.uint64(on_cpu.data.ptr), n_mask,
+            np.int32(first_cpu), p["xq"], p["xd"], p["ids"], p["w"], stamp,
+            np.int32(self._tag), self._distinct_p, p["ctrl"], p["header"], self._W,
+            np.int64(seq), np.int32(layer), self._state_p, tptr), stream=stream)
+        self._pending = (seq, layer, R, tptr)
+        self.last_seq = seq
 
     def gather(self, base=None):
         """Enqueue the wait for the workers of the last :meth:`launch` (on the GPU: it polls
@@ -423,23 +471,31 @@ class PinnedRing:
         ``[R, H] float32`` array (valid once the stream gets there)."""
         if self._pending is None:
             raise RuntimeError("no launch() to gather")
-        seq, layer, R = self._pending
+        seq, layer, R, tptr = self._pending
         self._pending = None
         cp, pool = self.cp, self.pool
-        ring = pool.ring
-        stream = cp.cuda.get_current_stream()
-        wait_args = (np.uint64(ring.ctrl.ctypes.data), np.uint64(ring.header.ctypes.data),
-                     np.int32(pool.num_workers), np.int64(seq), np.int32(layer), self._state,
-                     np.int64(self.timeout_ns))
-        if not self.kernel_out:
-            self._k["ring_wait"]((1,), (32,), wait_args, stream=stream)
-            return self._sum(R, base, self._state.data.ptr + 8)
         H = pool.hidden
+        stream = cp.cuda.get_current_stream()
+        p = self._p
+        wait = (p["ctrl"], p["header"], self._W, np.int64(seq), np.int32(layer),
+                self._state_p, np.int64(self.timeout_ns), np.uint32(self.poll_ns), tptr)
         out = cp.empty((R, H), cp.float32)
-        base = self._base(base)
-        self._k["ring_wait_gather"]((min(32, _grid(R * H)[0]),), (THREADS,), (
-            *wait_args, np.uint64(ring.out.ctypes.data), np.int64(ring.out.strides[0] // 4),
-            np.int64(R * H), base if base is not None else np.uint64(0), out), stream=stream)
+        if base is not None and (base.dtype != np.float32 or not base.flags.c_contiguous):
+            base = cp.ascontiguousarray(base, dtype=cp.float32)
+        bptr = _NULL if base is None else np.uint64(base.data.ptr)
+        if self.kernel_out:
+            self._k["ring_wait_gather"]((min(WAIT_BLOCKS, _grid(R * H)[0]),), (1024,), (
+                *wait, p["out"], self._out_stride, np.int64(R * H), bptr,
+                np.uint64(out.data.ptr)), stream=stream)
+            return out
+        self._k["ring_wait"]((1,), (32,), wait, stream=stream)
+        rt = cp.cuda.runtime
+        dev = self._parts
+        rt.memcpy2DAsync(dev.data.ptr, dev.strides[0], int(p["out"]), self._out_stride * 4,
+                         R * H * 4, pool.num_workers, rt.memcpyHostToDevice, stream.ptr)
+        self._k["ring_gather"](_grid(R * H), (THREADS,), (
+            np.uint64(dev.data.ptr), np.int64(dev.strides[0] // 4), self._W, np.int64(R * H),
+            bptr, np.uint64(out.data.ptr), self._has_p), stream=stream)
         return out
 
     def end_step(self) -> None:

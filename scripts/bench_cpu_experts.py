@@ -176,43 +176,64 @@ def measure_gpu_launched(pool: CpuExpertPool, link, n_layers: int, ids_list: lis
     """The GPU worker's view through ``PinnedRing.launch/gather``: steps of ``per_step``
     layers enqueued back to back (the GPU rings the workers and waits for them), the stream
     synchronized once per step (``end_step``). Per layer: wall / layers, the slowest worker's
-    kernel time (summed by the workers), their difference (dispatch + transfer) and how long
-    the host took to enqueue it (``enqueue_us``); the first step is a warm-up."""
+    kernel time, their difference (dispatch + transfer), how long the host took to enqueue
+    it (``launch_us`` + ``gather_us``), and on the GPU's clock: from ringing the workers to
+    seeing them done minus their kernel time (``latency_us``: wake-up, the worker's Python
+    around the kernel, notice) and from seeing them done to ringing for the next layer
+    (``gap_us``: the copy, the sum and the next launch kernel). The first step is a warm-up."""
     import cupy  # noqa: PLC0415
+
+    from cpu_experts.rings import HIST  # noqa: PLC0415
 
     rows = ids_list[0].shape[0]
     x = np.random.default_rng(rows).standard_normal((rows, H)).astype(np.float32)
     q, d = quantize(x)
     q_dev, d_dev = cupy.asarray(q), cupy.asarray(d)
     stream = cupy.cuda.get_current_stream()
+    times = cupy.zeros((per_step, 2), cupy.uint64)
     steps = [ids_list[j:j + per_step] for j in range(0, len(ids_list) - per_step + 1, per_step)]
-    walls, kernels, enqueues, distinct = [], [], [], []
+    cols = ("wall", "kernel", "launch", "gather", "latency", "gap")
+    samples: dict[str, list[float]] = {c: [] for c in cols}
+    distinct = []
     for n, step in enumerate(steps):
         dev = [(cupy.asarray(ids, dtype=cupy.int64),
                 cupy.full(ids.shape, 1.0 / ids.shape[1], cupy.float32)) for ids in step]
         stream.synchronize()
-        k0 = pool.kernel_total_ns()
+        seqs, t_launch, t_gather = [], 0, 0
         t0 = time.perf_counter_ns()
-        outs = []
         for i, (ids_dev, w_dev) in enumerate(dev):
-            link.launch((n * per_step + i) % n_layers, q_dev, d_dev, ids_dev, w_dev)
-            outs.append(link.gather())
-        t1 = time.perf_counter_ns()
+            ta = time.perf_counter_ns()
+            link.launch((n * per_step + i) % n_layers, q_dev, d_dev, ids_dev, w_dev,
+                        times=times[i])
+            tb = time.perf_counter_ns()
+            link.gather()
+            t_launch += tb - ta
+            t_gather += time.perf_counter_ns() - tb
+            seqs.append(link.last_seq)
         link.end_step()
         wall = time.perf_counter_ns() - t0
-        del outs
-        if n:
-            walls.append(wall / len(step))
-            kernels.append(float((pool.kernel_total_ns() - k0).max()) / len(step))
-            enqueues.append((t1 - t0) / len(step))
-            distinct += [len(np.unique(ids[ids >= 0])) for ids in step]
+        if not n:
+            continue
+        kern = [int(pool.ring.hist[:, s % HIST].max()) for s in seqs]
+        ts = times.get().astype(np.int64)
+        L = len(step)
+        samples["wall"].append(wall / L)
+        samples["kernel"].append(sum(kern) / L)
+        samples["launch"].append(t_launch / L)
+        samples["gather"].append(t_gather / L)
+        if all(len(np.unique(ids[ids >= 0])) for ids in step):  # every layer rang the workers
+            samples["latency"] += [float(ts[i, 1] - ts[i, 0] - kern[i]) for i in range(L)]
+            samples["gap"] += [float(ts[i + 1, 0] - ts[i, 1]) for i in range(L - 1)]
+        distinct += [len(np.unique(ids[ids >= 0])) for ids in step]
+    med = {c: float(np.median(v)) / 1e3 if v else float("nan") for c, v in samples.items()}
     expert_bytes = 3 * I * H * (1 + 4 / 32)
-    wall_us, kernel_us = float(np.median(walls)) / 1e3, float(np.median(kernels)) / 1e3
     wbytes = float(np.mean(distinct)) * expert_bytes
-    return {"path": path, "layers_per_step": per_step, "us_per_layer": wall_us,
-            "kernel_us": kernel_us, "effective_gbps": wbytes / wall_us / 1e3 if wbytes else 0.0,
-            "dispatch_us": float(np.median(np.subtract(walls, kernels))) / 1e3,
-            "enqueue_us": float(np.median(enqueues)) / 1e3}
+    return {"path": path, "layers_per_step": per_step, "us_per_layer": med["wall"],
+            "kernel_us": med["kernel"],
+            "effective_gbps": wbytes / med["wall"] / 1e3 if wbytes else 0.0,
+            "dispatch_us": float(np.median(np.subtract(samples["wall"], samples["kernel"])))
+            / 1e3, "enqueue_us": med["launch"] + med["gather"],
+            **{f"{c}_us": med[c] for c in cols[2:]}}
 
 
 def main() -> None:
@@ -332,8 +353,9 @@ def gpu_cases(pool: CpuExpertPool, machine: dict, I: int, E: int, n_layers: int,
                 out.append(rec)
                 print(f"GPU {path:22s} I={I:4d} E={E:4d} rows={rows:2d} {kind:10s} "
                       f"layer={rec['us_per_layer']:8.1f} us kernel={rec['kernel_us']:8.1f} us "
-                      f"dispatch={rec['dispatch_us']:5.1f} us enqueue={rec['enqueue_us']:5.1f} us",
-                      flush=True)
+                      f"dispatch={rec['dispatch_us']:5.1f} us launch={rec['launch_us']:.0f} "
+                      f"gather={rec['gather_us']:.0f} latency={rec['latency_us']:.0f} "
+                      f"gap={rec['gap_us']:.0f} (host enqueue / GPU clock, us)", flush=True)
             if kind == "one_expert":
                 continue
             ids = ids[:iters + 4]
