@@ -66,8 +66,10 @@ class _Resources:
         self.procs: list[subprocess.Popen] = []
         self.files: list[rings.SharedFile] = []
         self.doorbells: list[rings.Doorbell] = []
+        self.stop = threading.Event()  # ends the watchdog thread
 
     def release(self) -> None:
+        self.stop.set()
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
@@ -129,7 +131,9 @@ class CpuExpertPool:
         self._t_call = self._t_enter = self._t_ring = 0
         self.last_seen_ns = 0  # perf_counter_ns when the client saw the last load finished
         self._in_flight: tuple[int, int] | None = None
-        self._device: tuple[threading.Event, threading.Thread] | None = None
+        self._device = False  # a device session is open (device_begin)
+        self._watchdog: threading.Thread | None = None
+        self._session = threading.Event()  # the watchdog's view of _device
         self.ready_info: list[dict] = []
         try:
             self._start(spin_us, start_timeout)
@@ -213,6 +217,10 @@ class CpuExpertPool:
     def close(self, timeout: float = 5.0) -> None:
         """Stop the workers (politely, then by force) and release shared memory. Idempotent."""
         self.device_end()
+        if self._watchdog is not None:
+            self._res.stop.set()
+            self._watchdog.join()
+            self._watchdog = None
         procs = self._res.procs
         if procs and all(p.poll() is None for p in procs) and hasattr(self, "ring"):
             self.ring.header[rings.CMD] = rings.CMD_STOP
@@ -333,7 +341,7 @@ class CpuExpertPool:
         return self.ring.xq[:rows], self.ring.xd[:rows], ids, w
 
     def _not_in_flight(self) -> None:
-        if self._device is not None:
+        if self._device:
             raise RuntimeError("a GPU drives the ring: device_end() first")
         if self._in_flight:
             raise RuntimeError("a dispatch is in flight: finish() it first")
@@ -408,7 +416,7 @@ class CpuExpertPool:
         eventfd), and a watchdog thread sets ``header[ABORT]`` as soon as a worker dies, so a
         kernel waiting on ``SEQ_OUT`` gives up. The GPU takes sequence numbers from
         :meth:`next_seq`. Host dispatches raise meanwhile. Idempotent."""
-        if self._device is not None:
+        if self._device:
             return
         self._not_in_flight()
         header = self.ring.header
@@ -416,15 +424,17 @@ class CpuExpertPool:
         header[rings.SPIN] = 1
         for bell in self._res.doorbells:  # wake the sleepers: they see SPIN and spin
             bell.ring()
-        stop = threading.Event()
-        watchdog = threading.Thread(target=self._watch, args=(stop,), daemon=True,
-                                    name="cpu-experts-watchdog")
-        watchdog.start()
-        self._device = (stop, watchdog)
+        self._device = True
+        self._session.set()
+        if self._watchdog is None:  # one thread for the pool's life, idle between sessions
+            self._watchdog = threading.Thread(
+                target=self._watch, args=(self._res, self._session, self.ring.header),
+                daemon=True, name="cpu-experts-watchdog")
+            self._watchdog.start()
 
     def next_seq(self) -> int:
         """The sequence number of the next load a GPU starts (it writes it to ``SEQ_IN``)."""
-        if self._device is None:
+        if not self._device:
             raise RuntimeError("no device session: device_begin() first")
         self._seq += 1
         return self._seq
@@ -432,13 +442,10 @@ class CpuExpertPool:
     def device_end(self) -> None:
         """End a device session (the caller has synchronized the GPU): the workers go back to
         spinning briefly, then sleeping on their doorbells. Idempotent."""
-        if self._device is None:
-            return
-        stop, watchdog = self._device
-        stop.set()
-        watchdog.join()
-        self._device = None
-        self.ring.header[rings.SPIN] = 0
+        if self._device:
+            self._device = False
+            self._session.clear()
+            self.ring.header[rings.SPIN] = 0
 
     @property
     def aborted(self) -> bool:
@@ -449,11 +456,12 @@ class CpuExpertPool:
         """Each worker's kernel time summed over every load it served, ns."""
         return self.ring.ctrl[:, rings.KERNEL_SUM].copy()
 
-    def _watch(self, stop: threading.Event) -> None:
-        while not stop.wait(WATCH_EVERY_S):
-            if any(p.poll() is not None for p in self._res.procs):
-                self.ring.header[rings.ABORT] = 1
-                return
+    @staticmethod
+    def _watch(res: _Resources, session: threading.Event, header: np.ndarray) -> None:
+        # NOTE: no reference to the pool here, so an unclosed pool can still be collected
+        while not res.stop.wait(WATCH_EVERY_S):
+            if session.is_set() and any(p.poll() is not None for p in res.procs):
+                header[rings.ABORT] = 1
 
     def _await(self, seq: int) -> None:
         ctrl = self.ring.ctrl

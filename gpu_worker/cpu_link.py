@@ -27,7 +27,6 @@ THREADS = 256
 ERR_TIMEOUT, ERR_ABORTED = 201, 202  # as in _SOURCE
 TAG_LIMIT = 1 << 30  # launches counted per stamp array before it is renewed
 WAIT_BLOCKS = 8  # blocks of ring_wait_gather: each polls the workers itself
-_NULL = np.uint64(0)
 
 _SOURCE = r"""
 #define CTRL_COLS 16
@@ -123,10 +122,11 @@ extern "C" __global__ void ring_launch(
 }
 
 // Threads 0..W-1 each wait for one worker's SEQ_OUT == seq (or ABORT, or the timeout),
-// polling every poll_ns; the first error (a worker's STATUS, ERR_ABORTED, ERR_TIMEOUT) goes
-// to state[3], its layer to state[4].
+// polling every poll_ns; an error (a worker's STATUS, ERR_ABORTED, ERR_TIMEOUT) goes to
+// errs[0], its layer to errs[1], unless one is there already: host memory, read after the
+// stream is synchronized.
 __device__ void wait_workers(const long long* ctrl, const long long* header, int W,
-                             long long seq, int layer, int* state, long long timeout_ns,
+                             long long seq, int layer, int* errs, long long timeout_ns,
                              unsigned int poll_ns) {
     int v = threadIdx.x;
     if (v >= W) return;
@@ -143,15 +143,21 @@ __device__ void wait_workers(const long long* ctrl, const long long* header, int
         __threadfence_system();
         err = (int)c[STATUS];
     }
-    if (err && atomicCAS(&state[3], 0, err) == 0) state[4] = layer;
+    volatile int* e = errs;
+    if (err && !e[0]) {
+        e[1] = layer;
+        __threadfence_system();
+        e[0] = err;
+    }
 }
 
 // ``times`` (optional): [1] = when every worker was seen done.
 extern "C" __global__ void ring_wait(const long long* ctrl, const long long* header, int W,
-                                     long long seq, int layer, int* state, long long timeout_ns,
-                                     unsigned int poll_ns, unsigned long long* times) {
+                                     long long seq, int layer, const int* state, int* errs,
+                                     long long timeout_ns, unsigned int poll_ns,
+                                     unsigned long long* times) {
     if (!state[2]) return;
-    wait_workers(ctrl, header, W, seq, layer, state, timeout_ns, poll_ns);
+    wait_workers(ctrl, header, W, seq, layer, errs, timeout_ns, poll_ns);
     __syncthreads();
     if (times && threadIdx.x == 0) times[1] = now_ns();
 }
@@ -175,11 +181,12 @@ extern "C" __global__ void ring_gather(
 // mapped ring.
 extern "C" __global__ void ring_wait_gather(
         const long long* ctrl, const long long* header, int W, long long seq, int layer,
-        int* state, long long timeout_ns, unsigned int poll_ns, unsigned long long* times,
+        const int* state, int* errs, long long timeout_ns, unsigned int poll_ns,
+        unsigned long long* times,
         const float* parts, long long wstride, long long n, const float* __restrict__ base,
         float* __restrict__ out) {
     int has = state[2];
-    if (has) wait_workers(ctrl, header, W, seq, layer, state, timeout_ns, poll_ns);
+    if (has) wait_workers(ctrl, header, W, seq, layer, errs, timeout_ns, poll_ns);
     __syncthreads();
     if (has && times && blockIdx.x == 0 && threadIdx.x == 0) times[1] = now_ns();
     volatile const float* p = parts;
@@ -201,6 +208,26 @@ def _kernels(cp) -> dict:
         _module = cp.RawModule(code=_SOURCE, options=("--fmad=false",))
     return {name: _module.get_function(name) for name in (
         "ring_stage", "ring_launch", "ring_wait", "ring_gather", "ring_wait_gather")}
+
+
+class _Launch:
+    """A kernel launched by ``cuLaunchKernel`` from one argument buffer made once: each
+    argument is 8 bytes of ``vals`` (pointers and int64; an int32 argument reads the low 4
+    bytes, little-endian), so a call is one numpy assignment and one driver call instead of
+    CuPy's conversion of every argument (tens of microseconds per layer on the lent VMs)."""
+
+    def __init__(self, cp, kernel, nargs: int) -> None:
+        self.cp = cp
+        self.kernel = kernel
+        self.fn = getattr(kernel, "kernel", kernel).ptr
+        self.vals = np.zeros(nargs, np.int64)
+        self.params = np.arange(nargs, dtype=np.uint64) * 8 + np.uint64(self.vals.ctypes.data)
+        self.params_ptr = int(self.params.ctypes.data)
+
+    def __call__(self, grid: int, block: int, stream, args: tuple) -> None:
+        self.vals[:] = args
+        self.cp.cuda.driver.launchKernel(self.fn, grid, 1, 1, block, 1, 1, 0, stream.ptr,
+                                         self.params_ptr, 0)
 
 
 def _grid(n: int) -> tuple[int]:
@@ -257,8 +284,8 @@ class PinnedRing:
         n = pool.ring.ids.size  # global ids of the staged pairs, in pinned (mapped) memory
         self._gids_mem = cupy.cuda.alloc_pinned_memory(4 * n)
         self._gids = np.frombuffer(self._gids_mem, np.int32, n)
-        # launch/gather: [blocks done, any pair for the workers, this layer has one, error,
-        # its layer]; distinct experts (GPU's, CPU's) since take_distinct; per-expert stamps
+        # launch/gather: [blocks done, any pair for the workers, this layer has one];
+        # distinct experts (GPU's, CPU's) since take_distinct; per-expert stamps
         self._state = cupy.zeros(8, cupy.int32)
         self._distinct = cupy.zeros(2, cupy.uint64)
         self._stamp = cupy.zeros(0, cupy.int32)
@@ -269,11 +296,18 @@ class PinnedRing:
         self._kernel_ns0 = pool.kernel_total_ns()
         self.poll_ns = 1000  # how often a waiting kernel reads SEQ_OUT (over the bus)
         self._p = self._ptrs()
-        self._W = np.int32(W)
-        self._state_p = np.uint64(self._state.data.ptr)
-        self._has_p = np.uint64(self._state.data.ptr + 8)  # &state[2]
-        self._distinct_p = np.uint64(self._distinct.data.ptr)
-        self._out_stride = np.int64(pool.ring.out.strides[0] // 4)
+        self._state_p = self._state.data.ptr
+        self._has_p = self._state_p + 8  # &state[2]
+        self._distinct_p = self._distinct.data.ptr
+        # errors of the waits (error, layer): pinned host memory the kernels write
+        self._errs_mem = cupy.cuda.alloc_pinned_memory(8)
+        self._errs = np.frombuffer(self._errs_mem, np.int32, 2)
+        self._errs[:] = 0
+        self._errs_p = self._errs.ctypes.data
+        self._launch = _Launch(cupy, self._k["ring_launch"], 27)
+        self._wait = _Launch(cupy, self._k["ring_wait"], 10)
+        self._sum_parts = _Launch(cupy, self._k["ring_gather"], 7)
+        self._wait_gather = _Launch(cupy, self._k["ring_wait_gather"], 15)
 
     def close(self) -> None:
         if self.addr:
@@ -403,7 +437,7 @@ class PinnedRing:
 
     def _ptrs(self) -> dict:
         ring = self.pool.ring
-        return {name: np.uint64(getattr(ring, name).ctypes.data)
+        return {name: int(getattr(ring, name).ctypes.data)
                 for name in ("xq", "xd", "ids", "w", "ctrl", "header", "out")}
 
     def launch(self, layer: int, q, d16, ids, weights, on_cpu=None, first_cpu: int = 0,
@@ -445,23 +479,20 @@ class PinnedRing:
         elif self._session.ptr != stream.ptr:
             raise RuntimeError("one stream per step: end_step() before changing streams")
         seq = pool.next_seq()
-        stamp, n_mask = _NULL, np.int64(0)
+        stamp = n_mask = mask = 0
         if on_cpu is not None:
             if self._stamp.size < on_cpu.size or self._tag >= TAG_LIMIT:
                 self._stamp = cp.zeros(on_cpu.size, cp.int32)  # stream-ordered after its users
                 self._tag = 0
             self._tag += 1
-            stamp, n_mask = np.uint64(self._stamp.data.ptr), np.int64(on_cpu.size)
+            stamp, n_mask, mask = self._stamp.data.ptr, on_cpu.size, on_cpu.data.ptr
         p = self._p
-        tptr = _NULL if times is None else np.uint64(times.data.ptr)
-        self._k["ring_launch"](_grid(max(R * H // 4, R * k)), (THREADS,), (
-            np.uint64(q.data.ptr), np.int64(R * H // 4), np.uint64(d16.data.ptr),
-            np.int64(R * H // 32), np.uint64(ids.data.ptr), np.int32(R), np.int32(k),
-            np.int64(ids.strides[0] // 8), np.uint64(w.data.ptr), np.int64(w.strides[0] // 4),
-            _NULL if on_cpu is None else np.uint64(on_cpu.data.ptr), n_mask,
-            np.int32(first_cpu), p["xq"], p["xd"], p["ids"], p["w"], stamp,
-            np.int32(self._tag), self._distinct_p, p["ctrl"], p["header"], self._W,
-            np.int64(seq), np.int32(layer), self._state_p, tptr), stream=stream)
+        tptr = 0 if times is None else times.data.ptr
+        self._launch(_grid(max(R * H // 4, R * k))[0], THREADS, stream, (
+            q.data.ptr, R * H // 4, d16.data.ptr, R * H // 32, ids.data.ptr, R, k,
+            ids.strides[0] // 8, w.data.ptr, w.strides[0] // 4, mask, n_mask, first_cpu,
+            p["xq"], p["xd"], p["ids"], p["w"], stamp, self._tag, self._distinct_p, p["ctrl"],
+            p["header"], pool.num_workers, seq, layer, self._state_p, tptr))
         self._pending = (seq, layer, R, tptr)
         self.last_seq = seq
 
@@ -474,28 +505,27 @@ class PinnedRing:
         seq, layer, R, tptr = self._pending
         self._pending = None
         cp, pool = self.cp, self.pool
-        H = pool.hidden
+        H, W = pool.hidden, pool.num_workers
         stream = cp.cuda.get_current_stream()
         p = self._p
-        wait = (p["ctrl"], p["header"], self._W, np.int64(seq), np.int32(layer),
-                self._state_p, np.int64(self.timeout_ns), np.uint32(self.poll_ns), tptr)
+        wait = (p["ctrl"], p["header"], W, seq, layer, self._state_p, self._errs_p,
+                self.timeout_ns, self.poll_ns, tptr)
         out = cp.empty((R, H), cp.float32)
         if base is not None and (base.dtype != np.float32 or not base.flags.c_contiguous):
             base = cp.ascontiguousarray(base, dtype=cp.float32)
-        bptr = _NULL if base is None else np.uint64(base.data.ptr)
+        bptr = 0 if base is None else base.data.ptr
+        stride = pool.ring.out.strides[0]
         if self.kernel_out:
-            self._k["ring_wait_gather"]((min(WAIT_BLOCKS, _grid(R * H)[0]),), (1024,), (
-                *wait, p["out"], self._out_stride, np.int64(R * H), bptr,
-                np.uint64(out.data.ptr)), stream=stream)
+            self._wait_gather(min(WAIT_BLOCKS, _grid(R * H)[0]), 1024, stream, (
+                *wait, p["out"], stride // 4, R * H, bptr, out.data.ptr))
             return out
-        self._k["ring_wait"]((1,), (32,), wait, stream=stream)
-        rt = cp.cuda.runtime
+        self._wait(1, 32, stream, wait)
         dev = self._parts
-        rt.memcpy2DAsync(dev.data.ptr, dev.strides[0], int(p["out"]), self._out_stride * 4,
-                         R * H * 4, pool.num_workers, rt.memcpyHostToDevice, stream.ptr)
-        self._k["ring_gather"](_grid(R * H), (THREADS,), (
-            np.uint64(dev.data.ptr), np.int64(dev.strides[0] // 4), self._W, np.int64(R * H),
-            bptr, np.uint64(out.data.ptr), self._has_p), stream=stream)
+        rt = cp.cuda.runtime
+        rt.memcpy2DAsync(dev.data.ptr, dev.strides[0], p["out"], stride, R * H * 4, W,
+                         rt.memcpyHostToDevice, stream.ptr)
+        self._sum_parts(_grid(R * H)[0], THREADS, stream, (
+            dev.data.ptr, dev.strides[0] // 4, W, R * H, bptr, out.data.ptr, self._has_p))
         return out
 
     def end_step(self) -> None:
@@ -511,10 +541,10 @@ class PinnedRing:
             stream.synchronize()
         finally:
             self.pool.device_end()
-        err, layer = (int(v) for v in self._state[3:5].get())
+        err, layer = (int(v) for v in self._errs)
         if not err:
             return
-        self._state[3:5] = 0
+        self._errs[:] = 0
         if err == ERR_ABORTED or self.pool.aborted:
             self.pool.check_alive()  # raises CpuWorkerDied naming the worker
         raise status_error(layer, err, {

@@ -214,14 +214,16 @@ def measure_gpu_launched(pool: CpuExpertPool, link, n_layers: int, ids_list: lis
         wall = time.perf_counter_ns() - t0
         if not n:
             continue
-        kern = [int(pool.ring.hist[:, s % HIST].max()) for s in seqs]
+        rung = [bool((ids >= 0).any()) for ids in step]  # else the workers were not rung
+        kern = [int(pool.ring.hist[:, s % HIST].max()) if r else 0 for s, r in zip(
+            seqs, rung, strict=True)]
         ts = times.get().astype(np.int64)
         L = len(step)
         samples["wall"].append(wall / L)
         samples["kernel"].append(sum(kern) / L)
         samples["launch"].append(t_launch / L)
         samples["gather"].append(t_gather / L)
-        if all(len(np.unique(ids[ids >= 0])) for ids in step):  # every layer rang the workers
+        if all(rung):
             samples["latency"] += [float(ts[i, 1] - ts[i, 0] - kern[i]) for i in range(L)]
             samples["gap"] += [float(ts[i + 1, 0] - ts[i, 1]) for i in range(L - 1)]
         distinct += [len(np.unique(ids[ids >= 0])) for ids in step]
