@@ -2,19 +2,30 @@
 
 The ring (cpu_experts/rings.py) is registered with ``cudaHostRegister``. Where the device
 can use a registered host pointer directly (``cudaDevAttrCanUseHostPointerForRegisteredMem``,
-true on x86 Linux with UVA), GPU kernels read and write the ring themselves ("zero copy"):
+true on x86 Linux with UVA), GPU kernels read and write the ring themselves ("zero copy").
 
-1. :meth:`PinnedRing.stage`: one kernel writes the layer's quantized activations, fp16 scale
+What a serving step uses (``ExpertPlacement`` on CuPy), all enqueued on the stream, the host
+never waiting per layer:
+
+1. :meth:`PinnedRing.launch`: one kernel writes the layer's quantized activations, fp16 scale
    bits, expert ids (mapped to the pool's local ids, -1 for experts on the GPU) and weights
-   into the ring, then the stream is synchronized: the inputs are in host memory;
-2. :meth:`PinnedRing.start` rings the workers and returns; the GPU goes on with its experts;
-3. :meth:`PinnedRing.collect` waits for the workers, copies the ``W`` partials to the GPU
-   with one ``cudaMemcpy2DAsync`` and one kernel sums them in worker order onto the GPU
+   into the ring; its last block then writes the header and each worker's ``SEQ_IN`` (after
+   system-scope fences). The workers spin on ``SEQ_IN`` during a device session, so they
+   start without a system call;
+2. the GPU computes its own experts meanwhile;
+3. :meth:`PinnedRing.gather`: one single-block kernel polls the workers' ``SEQ_OUT`` (and
+   gives up on ``header[ABORT]``, set by the pool's watchdog when a worker dies, or after a
+   timeout), then the ``W`` partials come over by one ``cudaMemcpy2DAsync`` (or are read
+   from the ring by the next kernel) and one kernel sums them in worker order onto the GPU
    experts' output: the same float32 additions as the host path (``CpuExpertPool.dispatch``
-   then ``gpu + cpu``), so the same bits.
+   then ``gpu + cpu``), so the same bits;
+4. :meth:`PinnedRing.end_step` after the forward: synchronize, close the session, raise
+   what a worker reported.
 
-No host thread touches activations or partials. Each direction can go either way (a kernel
-on the mapped ring, or a DMA copy); the defaults are the faster ones measured.
+Kernels are launched through ``cuLaunchKernel`` from argument buffers made once
+(:class:`_Launch`): CuPy's per-argument conversion cost more than the whole dispatch.
+The synchronous :meth:`stage` / :meth:`start` / :meth:`collect` (host waits) remain for
+comparison and for devices without registered-pointer access.
 """
 
 from __future__ import annotations
@@ -26,7 +37,6 @@ CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91
 THREADS = 256
 ERR_TIMEOUT, ERR_ABORTED = 201, 202  # as in _SOURCE
 TAG_LIMIT = 1 << 30  # launches counted per stamp array before it is renewed
-WAIT_BLOCKS = 8  # blocks of ring_wait_gather: each polls the workers itself
 
 _SOURCE = r"""
 #define CTRL_COLS 16
@@ -177,27 +187,6 @@ extern "C" __global__ void ring_gather(
     }
 }
 
-// ring_wait in every block (a small grid), then ring_gather reading the partials from the
-// mapped ring.
-extern "C" __global__ void ring_wait_gather(
-        const long long* ctrl, const long long* header, int W, long long seq, int layer,
-        const int* state, int* errs, long long timeout_ns, unsigned int poll_ns,
-        unsigned long long* times,
-        const float* parts, long long wstride, long long n, const float* __restrict__ base,
-        float* __restrict__ out) {
-    int has = state[2];
-    if (has) wait_workers(ctrl, header, W, seq, layer, errs, timeout_ns, poll_ns);
-    __syncthreads();
-    if (has && times && blockIdx.x == 0 && threadIdx.x == 0) times[1] = now_ns();
-    volatile const float* p = parts;
-    long long step = (long long)gridDim.x * blockDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
-        if (!has) { out[i] = base ? base[i] : 0.0f; continue; }
-        float s = p[i];
-        for (int v = 1; v < W; ++v) s += p[v * wstride + i];
-        out[i] = base ? base[i] + s : s;
-    }
-}
 """
 _module = None
 
@@ -207,7 +196,7 @@ def _kernels(cp) -> dict:
     if _module is None:
         _module = cp.RawModule(code=_SOURCE, options=("--fmad=false",))
     return {name: _module.get_function(name) for name in (
-        "ring_stage", "ring_launch", "ring_wait", "ring_gather", "ring_wait_gather")}
+        "ring_stage", "ring_launch", "ring_wait", "ring_gather")}
 
 
 class _Launch:
@@ -307,7 +296,6 @@ class PinnedRing:
         self._launch = _Launch(cupy, self._k["ring_launch"], 27)
         self._wait = _Launch(cupy, self._k["ring_wait"], 10)
         self._sum_parts = _Launch(cupy, self._k["ring_gather"], 7)
-        self._wait_gather = _Launch(cupy, self._k["ring_wait_gather"], 15)
 
     def close(self) -> None:
         if self.addr:
@@ -514,18 +502,18 @@ class PinnedRing:
         if base is not None and (base.dtype != np.float32 or not base.flags.c_contiguous):
             base = cp.ascontiguousarray(base, dtype=cp.float32)
         bptr = 0 if base is None else base.data.ptr
-        stride = pool.ring.out.strides[0]
-        if self.kernel_out:
-            self._wait_gather(min(WAIT_BLOCKS, _grid(R * H)[0]), 1024, stream, (
-                *wait, p["out"], stride // 4, R * H, bptr, out.data.ptr))
-            return out
         self._wait(1, 32, stream, wait)
-        dev = self._parts
-        rt = cp.cuda.runtime
-        rt.memcpy2DAsync(dev.data.ptr, dev.strides[0], p["out"], stride, R * H * 4, W,
-                         rt.memcpyHostToDevice, stream.ptr)
+        stride = pool.ring.out.strides[0]
+        if self.kernel_out:  # the sum reads the partials from the mapped ring
+            src, src_stride = p["out"], stride // 4
+        else:
+            dev = self._parts
+            rt = cp.cuda.runtime
+            rt.memcpy2DAsync(dev.data.ptr, dev.strides[0], p["out"], stride, R * H * 4, W,
+                             rt.memcpyHostToDevice, stream.ptr)
+            src, src_stride = dev.data.ptr, dev.strides[0] // 4
         self._sum_parts(_grid(R * H)[0], THREADS, stream, (
-            dev.data.ptr, dev.strides[0] // 4, W, R * H, bptr, out.data.ptr, self._has_p))
+            src, src_stride, W, R * H, bptr, out.data.ptr, self._has_p))
         return out
 
     def end_step(self) -> None:

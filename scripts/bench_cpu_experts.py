@@ -258,6 +258,8 @@ def main() -> None:
     ap.add_argument("--gpu", action="store_true",
                     help="also time the GPU worker's path (CuPy arrays in and out): through "
                          "the pinned ring and through host copies")
+    ap.add_argument("--layers-per-step", type=int, default=48,
+                    help="MoE layers per step on the launched GPU paths (Qwen3-Next-80B: 48)")
     ap.add_argument("--table", default="", help="print markdown tables of a result JSON, exit")
     ap.add_argument("--pages", default="", help="write a 4 KiB vs 2 MiB page experiment here")
     args = ap.parse_args()
@@ -320,7 +322,8 @@ def main() -> None:
                       flush=True)
             if args.gpu:
                 records += gpu_cases(pool, machine, I, E, n_layers, args.iters,
-                                     [r for r in rows_run if r in (1, 16)])
+                                     [r for r in rows_run if r in (1, 16)],
+                                     args.layers_per_step)
         if args.out:  # after every pool: a run cut short still leaves its records
             with open(args.out, "w") as f:
                 json.dump(records, f, indent=1)
@@ -328,7 +331,7 @@ def main() -> None:
 
 
 def gpu_cases(pool: CpuExpertPool, machine: dict, I: int, E: int, n_layers: int, iters: int,
-              rows_run: list[int]) -> list[dict]:
+              rows_run: list[int], per_step: int) -> list[dict]:
     """Top-8 random layers and the no-CPU-work case through every GPU path (``--gpu``); the
     one-expert layers through the launched paths."""
     import cupy  # noqa: PLC0415
@@ -345,13 +348,13 @@ def gpu_cases(pool: CpuExpertPool, machine: dict, I: int, E: int, n_layers: int,
     try:
         for rows, kind in [(r, "random") for r in rows_run] + [(16, "none")] + [
                 (r, "one_expert") for r in rows_run]:
-            ids = routings(kind, E, 1 if kind == "one_expert" else 8, rows, iters + 8,
-                           seed=rows * 100 + 8)
+            ids = routings(kind, E, 1 if kind == "one_expert" else 8, rows,
+                           max(iters + 4, 3 * per_step), seed=rows * 100 + 8)
             for path, kernel_out in launched.items():
                 link.kernel_in, link.kernel_out = True, kernel_out
                 rec = dict(machine, H=H, I=I, E=E, topk=ids[0].shape[1], rows=rows,
                            routing=kind, **measure_gpu_launched(pool, link, n_layers, ids, I,
-                                                                path))
+                                                                path, per_step))
                 out.append(rec)
                 print(f"GPU {path:22s} I={I:4d} E={E:4d} rows={rows:2d} {kind:10s} "
                       f"layer={rec['us_per_layer']:8.1f} us kernel={rec['kernel_us']:8.1f} us "
