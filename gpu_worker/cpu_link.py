@@ -235,13 +235,13 @@ def _as(cp, a, dtype, inner: int):
 
 class PinnedRing:
     """A :class:`cpu_experts.pool.CpuExpertPool` driven from CuPy arrays through its pinned
-    ring. ``kernel_in``: inputs written into the ring by the ``ring_stage`` kernel (posted
-    writes over the bus) rather than by ``cudaMemcpyAsync``; ``kernel_out``: partials read from
-    the ring by the ``ring_gather`` kernel rather than copied by ``cudaMemcpy2DAsync`` and
-    summed in device memory. Either kernel needs a device that may use registered host
-    pointers; None = use it where possible (in) / never (out: reading host memory from a
-    kernel is a round trip per access; measured slower, docs/cpu_experts.md). ``close()``
-    unregisters the ring (before the pool unmaps it).
+    ring. ``kernel_in``: inputs written into the ring by a kernel (posted writes over the
+    bus) rather than by ``cudaMemcpyAsync``; ``kernel_out``: partials read from the ring by
+    the summing kernel rather than copied by ``cudaMemcpy2DAsync`` first. Either needs a
+    device that may use registered host pointers; None = wherever it can (measured faster
+    on the launched path: docs/cpu_experts.md). ``timeout_s``: how long a GPU wait for the
+    workers lasts before it reports an error. ``close()`` unregisters the ring (before the
+    pool unmaps it).
 
     Two ways to run a layer:
 
@@ -254,7 +254,7 @@ class PinnedRing:
     """
 
     def __init__(self, pool, cupy, kernel_in: bool | None = None,
-                 kernel_out: bool | None = False, timeout_s: float = 30.0) -> None:
+                 kernel_out: bool | None = None, timeout_s: float = 30.0) -> None:
         if pool.num_workers > 32:
             raise ValueError("at most 32 workers per pool (one GPU thread waits on each)")
         self.pool, self.cp = pool, cupy

@@ -468,10 +468,21 @@ def markdown_tables(records: list[dict]) -> str:
         if r["routing"] == "none":
             lines.append(f"| {r['I']} | {r['E']} | {r['us_per_layer']:.0f} | "
                          f"{r['kernel_us']:.0f} | {r['dispatch_us']:.0f} |")
-    if gpu:
+    launched = [r for r in gpu if r["path"].startswith("gpu_launch")]
+    synced = [r for r in gpu if not r["path"].startswith("gpu_launch")]
+    if launched:
+        lines += ["", "| I | E | routing | rows | path | us/layer | kernel us | dispatch + "
+                  "transfer us | host enqueue us | GPU clock: latency / gap us |",
+                  "|" + "---|" * 10]
+        for r in launched:
+            lines.append(f"| {r['I']} | {r['E']} | {r['routing']} | {r['rows']} | "
+                         f"{r['path']} | {r['us_per_layer']:.0f} | {r['kernel_us']:.0f} | "
+                         f"{r['dispatch_us']:.0f} | {r['enqueue_us']:.0f} | "
+                         f"{r['latency_us']:.0f} / {r['gap_us']:.0f} |")
+    if synced:
         lines += ["", "| I | E | routing | rows | path | us/layer | kernel us | dispatch + "
                   "transfer us |", "|" + "---|" * 8]
-        for r in gpu:
+        for r in synced:
             lines.append(f"| {r['I']} | {r['E']} | {r['routing']} | {r['rows']} | {r['path']} | "
                          f"{r['us_per_layer']:.0f} | {r['kernel_us']:.0f} | "
                          f"{r['dispatch_us']:.0f} |")
