@@ -1,0 +1,78 @@
+"""The serving path on CuPy with CPU experts: the scheduler drives the real Runner, whose every
+forward ends in ExpertPlacement.step (the launched CPU-expert path: the GPU rings the workers
+and waits for them). Three concurrent requests give the tokens of the host path."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from daemon.requests import GenerationRequest
+from daemon.scheduler import Scheduler
+from gpu_worker.engine import Engine
+from gpu_worker.runner import Runner
+from gpu_worker.sampling import SamplingParams
+from gpu_worker.tiny_model import make_tiny_model
+
+pytest.importorskip("cupy")
+
+
+class _Worker:
+    def __init__(self, runner: Runner) -> None:
+        self.runner, self.counters = runner, []
+
+    async def step(self, plan):
+        await asyncio.sleep(0)
+        result = self.runner.execute(plan)
+        self.counters.append(result.counters)
+        return result
+
+
+async def _drain(sched: Scheduler, handles) -> list[list[int]]:
+    loop = asyncio.create_task(sched.run())
+    out = []
+    for h in handles:
+        ids = []
+        async for ev in h:
+            ids += ev.token_ids
+        out.append(ids)
+    loop.cancel()
+    return out
+
+
+def _serve(path, prompts, launched: bool) -> tuple[list[list[int]], list[dict]]:
+    engine = Engine.from_dir(path, backend="cupy", placement="split", cpu_experts_per_layer=3,
+                             cpu_workers=1, max_slots=3, max_len=128)
+    try:
+        placement = engine.placement
+        assert placement.link is not None
+        if not launched:
+            placement.link.close()
+            placement.link = None
+        runner = Runner(engine.model, max_slots=3, max_context=128, block_size=4,
+                        extra_blocks=32, experts=placement.experts,
+                        expert_stats=placement.take_stats, expert_step=placement.step)
+        sched = Scheduler(max_slots=3, max_context=128, max_queue=4, prefill_chunk=16,
+                          block_size=4, checkpoint_interval=8, prefix_blocks=32)
+        worker = _Worker(runner)
+        sched.attach(worker)
+        handles = [sched.submit(GenerationRequest(
+            f"r{i}", p, SamplingParams(temperature=0.8 if i else 0.0, seed=i), 24, eos=False))
+            for i, p in enumerate(prompts)]
+        return asyncio.run(_drain(sched, handles)), worker.counters
+    finally:
+        engine.close()
+
+
+def test_scheduled_requests_launched_path_equal_host_path(tmp_path):
+    path = make_tiny_model(tmp_path, "qwen3_next", seed=5, tokenizer=False,
+                           moe_intermediate=64, std=0.1)
+    prompts = [list(range(5, 40)), list(range(200, 211)), [7, 9, 11, 13] * 6]
+    launched, counters = _serve(path, prompts, launched=True)
+    host, _ = _serve(path, prompts, launched=False)
+    assert [len(t) for t in launched] == [24, 24, 24]
+    assert launched == host
+    steps = [c for c in counters if c.get("moe_layers")]
+    assert steps and all(c["cpu_experts"] > 0 and c["gpu_experts"] > 0 for c in steps)
+    assert all(c["cpu_expert_bytes"] > 0 for c in steps)
