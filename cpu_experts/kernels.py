@@ -25,12 +25,13 @@ from numba import njit, prange
 from cpu_experts.isa import ISA_AVX2, ISA_AVX512VNNI, ISA_PORTABLE
 from cpu_experts.quant import BLOCK, quantize_block_bits
 from cpu_experts.reference import EXP_COEF, EXP_MAX, EXP_MIN, INV_LN2, LN2_HI, LN2_LO
-from cpu_experts.tiles import BLOCK_BYTES, TU, block_prologue, row_block
+from cpu_experts.tiles import BLOCK_BYTES, TU, block_prologue, rows_block
 
 ERR_OK = 0
 ERR_EXPERT_ID = 1
 ERR_NON_FINITE = 2
 PREFETCH_AHEAD = 16384  # bytes ahead of the block being read (default; 0 = the block itself)
+ROWS = 4  # rows per micro-kernel call (tiles.rows_block); a remainder goes 2, then 1
 
 
 @njit(cache=True, nogil=True)
@@ -60,24 +61,33 @@ def silu_mul_block(g, u, o: int, h, p, two_k, so: int) -> None:
     return _silu_mul_block(g, u, o, h, p, two_k, two_k.view(np.int64), so)
 
 
-@njit(cache=True, nogil=True)
+TWO_K_BIAS = 2.0**52 + 1023.0  # k + this is exact, with k + 1023 in its low mantissa bits
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _silu_mul_block(g, u, o: int, h, p, two_k, kbits, so: int) -> None:
+    # NOTE: unsigned indices (no wraparound checks) and the numpy error model (no zero-division
+    # branch; 1 + e >= 1 anyway) let LLVM vectorise all three loops; the exponent bits of 2**k
+    # come from the float k + 2**52 + 1023 shifted left 52 (no float -> int conversion, which
+    # AVX2 has no vector form of): bits(2**52 + j) = bits(2**52) + j for 0 <= j < 2**52.
     for i in range(BLOCK):
-        x = -np.float64(g[o + i])
+        x = -np.float64(g[np.uintp(o + i)])
         xc = min(max(x, EXP_MIN), EXP_MAX)
         k = np.rint(xc * INV_LN2)
         r = (xc - k * LN2_HI) - k * LN2_LO
         q = _C[13]
         for c in range(12, -1, -1):
             q = q * r + _C[c]
-        p[so + i] = q
-        kbits[so + i] = (np.int64(k) + 1023) << 52
+        p[np.uintp(so + i)] = q
+        two_k[np.uintp(so + i)] = k + TWO_K_BIAS
     for i in range(BLOCK):
-        gv = np.float64(g[o + i])
-        e = p[so + i] * two_k[so + i]
+        kbits[np.uintp(so + i)] <<= 52
+    for i in range(BLOCK):
+        gv = np.float64(g[np.uintp(o + i)])
+        e = p[np.uintp(so + i)] * two_k[np.uintp(so + i)]
         e = np.inf if -gv > EXP_MAX else e
         e = 0.0 if -gv < EXP_MIN else e
-        h[so + i] = np.float32(gv / (1.0 + e)) * u[o + i]
+        h[np.uintp(so + i)] = np.float32(gv / (1.0 + e)) * u[np.uintp(o + i)]
 
 
 @njit(cache=True, nogil=True)
@@ -145,6 +155,24 @@ def group_pairs(expert_ids, num_experts):
     return pair_of, pair_row, active, offsets, members
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _block_rows(isa, wf, at, x, xs, rows, lo, hi, b, of, obase, ostride, ws) -> None:
+    """One block (at byte ``at`` of wf) applied to slots ``lo:hi``: slot j reads activation row
+    ``rows[j]`` (j when rows is None) of x/xs and adds into ``of[obase + j * ostride:][:16]``.
+    :data:`ROWS` slots per micro-kernel call while that many are left, then 2, then 1 (the
+    bits are the same). Inlined into the stage (whose ``isa`` is a literal): a call here
+    would cost more than one block at 1 row."""
+    j = lo
+    while hi - j >= ROWS:
+        rows_block(isa, ROWS, wf, at, x, xs, rows, j, b, of, obase + j * ostride, ostride, ws)
+        j += ROWS
+    if hi - j >= 2:
+        rows_block(isa, 2, wf, at, x, xs, rows, j, b, of, obase + j * ostride, ostride, ws)
+        j += 2
+    if hi - j >= 1:
+        rows_block(isa, 1, wf, at, x, xs, rows, j, b, of, obase + j * ostride, ostride, ws)
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _gate_up_stage(isa, w, xk, xs, active, offsets, rows_of, out, ahead):
     """out[m, slot, :] = matrix m of each slot's expert applied to its activation row.
@@ -156,10 +184,9 @@ def _gate_up_stage(isa, w, xk, xs, active, offsets, rows_of, out, ahead):
     """
     numba.literally(isa)
     M, T, nb = w.shape[1], w.shape[2], w.shape[3]
-    n = xk.shape[1]
     P = out.shape[1]
     units = T * TU
-    wf, xf, of = w.reshape(w.size), xk.reshape(xk.size), out.reshape(out.size)
+    wf, of = w.reshape(w.size), out.reshape(out.size)
     for it in prange(active.shape[0] * M * T):
         a = it // (M * T)
         m = (it // T) % M
@@ -172,26 +199,46 @@ def _gate_up_stage(isa, w, xk, xs, active, offsets, rows_of, out, ahead):
         for b in range(nb):
             at = (base + b) * BLOCK_BYTES
             block_prologue(isa, wf, at, ws, at + ahead)
-            for j in range(lo, hi):
-                r = rows_of[j]
-                row_block(isa, wf, at, xf, r * n + b * BLOCK, xs[r, b], of,
-                          (m * P + j) * units + t * TU, ws)
+            _block_rows(isa, wf, at, xk, xs, rows_of, lo, hi, b, of, m * P * units + t * TU,
+                        units, ws)
 
 
 ACT_CHUNKS = 120  # items of the SiLU stage are dealt in this many chunks (or fewer)
+# Up to this many items (blocks of 32), the calling thread does them all: on the GPU machine a
+# parallel region costs ~7 us, more than 16 blocks on one thread.
+ACT_SERIAL_BLOCKS = 16
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _act_chunk(gf, uf, flip, hk, hs, nb, hbuf, hbits, qbuf, pbuf, two_k, kbits, so, lo, hi):
+    """Items ``lo:hi`` of the SiLU stage, with the scratch at ``so:so+32``; False if any h
+    was not finite."""
+    Is = nb * BLOCK
+    ok = True
+    for it in range(lo, hi):
+        p = it // nb
+        o = (it % nb) * BLOCK
+        _silu_mul_block(gf, uf, p * Is + o, hbuf, pbuf, two_k, kbits, so)
+        sc, fine = quantize_block_bits(hbuf, hbits, qbuf, so)
+        ok = ok and fine
+        hs[p, it % nb] = np.float32(sc)
+        for i in range(BLOCK):
+            hk[p, o + i] = qbuf[so + i] ^ np.int8(-128) if flip else qbuf[so + i]
+    return ok
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def _act_stage(g, u, flip, hk, hs) -> bool:
     """h = float32(silu64(g)) * u, re-quantized per block of 32 into hk (int8, tiles.py form:
     ``^ 0x80`` when ``flip``) and hs [P, Is/32] (scale values as float32). Items are
-    (pair, block), dealt in contiguous chunks: even one pair spreads over every thread. Each
-    chunk has its own part of scratch arrays made here; no item allocates or takes a view
-    (either costs an atomic or a malloc that threads contend for)."""
+    (pair, block), dealt in contiguous chunks: even one pair spreads over every thread (when
+    there are more than :data:`ACT_SERIAL_BLOCKS`). Each chunk has its own part of scratch
+    arrays made here; no item allocates or takes a view (either costs an atomic or a malloc
+    that threads contend for)."""
     P, Is = g.shape
     nb = Is // BLOCK
     n = P * nb
-    chunks = min(n, ACT_CHUNKS)
+    chunks = 1 if n <= ACT_SERIAL_BLOCKS else min(n, ACT_CHUNKS)
     gf, uf = g.reshape(g.size), u.reshape(u.size)
     hbuf = np.empty(chunks * BLOCK, np.float32)
     hbits = hbuf.view(np.int32)
@@ -199,20 +246,19 @@ def _act_stage(g, u, flip, hk, hs) -> bool:
     pbuf = np.empty(chunks * BLOCK, np.float64)
     two_k = np.empty(chunks * BLOCK, np.float64)
     kbits = two_k.view(np.int64)
-    ok = np.ones(chunks, np.bool_)
-    for c in prange(chunks):
-        so = c * BLOCK
-        for it in range(c * n // chunks, (c + 1) * n // chunks):
-            p = it // nb
-            o = (it % nb) * BLOCK
-            _silu_mul_block(gf, uf, p * Is + o, hbuf, pbuf, two_k, kbits, so)
-            sc, fine = quantize_block_bits(hbuf, hbits, qbuf, so)
-            if not fine:
-                ok[c] = False
-            hs[p, it % nb] = np.float32(sc)
-            for i in range(BLOCK):
-                hk[p, o + i] = qbuf[so + i] ^ np.int8(-128) if flip else qbuf[so + i]
-    return ok.all()
+    # NOTE: np.ones here would be a parallel region of its own (Numba parallelises it): ~7 us
+    ok = np.empty(chunks, np.bool_)
+    if chunks == 1:
+        ok[0] = _act_chunk(gf, uf, flip, hk, hs, nb, hbuf, hbits, qbuf, pbuf, two_k, kbits,
+                           0, 0, n)
+    else:
+        for c in prange(chunks):
+            ok[c] = _act_chunk(gf, uf, flip, hk, hs, nb, hbuf, hbits, qbuf, pbuf, two_k, kbits,
+                               c * BLOCK, c * n // chunks, (c + 1) * n // chunks)
+    for c in range(chunks):
+        if not ok[c]:
+            return False
+    return True
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -228,12 +274,11 @@ def _down_combine_stage(isa, w, hk, hs, active, offsets, pair_of, slot_of_pair, 
     """
     numba.literally(isa)
     T, nb = w.shape[2], w.shape[3]
-    Is = hk.shape[1]
     H = T * TU
     R, K = pair_of.shape
     A = active.shape[0]
     step = ahead // BLOCK_BYTES
-    wf, hf, yf = w.reshape(w.size), hk.reshape(hk.size), y.reshape(y.size)
+    wf, yf = w.reshape(w.size), y.reshape(y.size)
     for t in prange(T):
         ws = np.empty(TU, np.int32)
         c0 = t * TU
@@ -252,8 +297,7 @@ def _down_combine_stage(isa, w, hk, hs, active, offsets, pair_of, slot_of_pair, 
                 else:
                     pf = ((active[0] * T + t + 1) * nb + min(ahead_b - nb, nb - 1)) * BLOCK_BYTES
                 block_prologue(isa, wf, at, ws, pf)
-                for j in range(lo, hi):
-                    row_block(isa, wf, at, hf, j * Is + b * BLOCK, hs[j, b], yf, j * H + c0, ws)
+                _block_rows(isa, wf, at, hk, hs, None, lo, hi, b, yf, c0, H, ws)  # h: slot order
         for r in range(R):
             o = out[r]
             for i in range(c0, c0 + TU):

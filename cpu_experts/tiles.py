@@ -1,4 +1,4 @@
-"""Exact int8 block-32 micro-kernels: one block of 32 positions x 16 output units x one row.
+"""Exact int8 block-32 micro-kernels: one block of 32 positions x 16 output units x a few rows.
 
 Layout (shard.py): a matrix ``[units, n]`` reduced along ``n`` is stored as micro-tiles of
 :data:`TU` = 16 units; micro-tile ``t`` holds, per block ``b`` of 32 positions, 576 bytes
@@ -26,6 +26,10 @@ which is reference.py's step 2 for one block. Every instruction set below comput
   instruction never saturates (the quantizer clamps to [-127, 127]: no -128 anywhere).
 * ``ISA_PORTABLE``: generic LLVM vector IR (sign-extend, multiply, add), any CPU.
 
+:func:`rows_block` applies one block to up to :data:`MAX_ROWS` rows per call: the weights are
+loaded once and the rows' dot chains are independent, so at 16 rows the core is kept busy
+with dot-product instructions rather than loads and dependent latency.
+
 The kernels pick one by :func:`cpu_experts.isa.select`; tests run every one this CPU can
 execute against the slow NumPy reference.
 """
@@ -39,6 +43,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from cpu_experts.isa import ISA_AVX2, ISA_AVX512VNNI, ISA_PORTABLE
+from cpu_experts.quant import BLOCK
 
 TU = 16          # output units per micro-tile (32-bit lanes of a zmm register)
 GROUPS = 8       # groups of 4 positions in a block of 32
@@ -49,6 +54,7 @@ _I1 = ir.IntType(1)
 _I8 = ir.IntType(8)
 _I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
 _F32 = ir.FloatType()
 
 
@@ -91,15 +97,19 @@ def _x_words(builder, xp):
     return [builder.load(builder.gep(xp, [ir.Constant(_I32, g)]), align=1) for g in range(GROUPS)]
 
 
-def _dot_vnni(builder, wp, xp, start):
-    """``start + sum_g vpdpbusd(x_g (unsigned), w_g)``: one <16 x i32>."""
+def _dots_vnni(builder, wp, xps, start):
+    """Per row: ``start + sum_g vpdpbusd(x_g (unsigned), w_g)``, one <16 x i32>; the 8
+    weight vectors are loaded once for all rows."""
     v16 = ir.VectorType(_I32, 16)
     dp = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16, v16, v16])
-    acc = [start, ir.Constant(v16, [0] * 16)]  # two chains: half the dependent latency
-    for g, word in enumerate(_x_words(builder, xp)):
-        wv = builder.load(builder.gep(wp, [ir.Constant(_I32, g)]), align=1)
-        acc[g % 2] = builder.call(dp, [acc[g % 2], _splat(builder, word, v16), wv])
-    return [builder.add(acc[0], acc[1])]
+    wvs = [builder.load(builder.gep(wp, [ir.Constant(_I32, g)]), align=1) for g in range(GROUPS)]
+    dots = []
+    for xp in xps:
+        acc = [start, ir.Constant(v16, [0] * 16)]  # two chains: half the dependent latency
+        for g, word in enumerate(_x_words(builder, xp)):
+            acc[g % 2] = builder.call(dp, [acc[g % 2], _splat(builder, word, v16), wvs[g]])
+        dots.append([builder.add(acc[0], acc[1])])
+    return dots
 
 
 def _dot_avx2(builder, wp, xp):
@@ -139,46 +149,100 @@ def _dot_portable(builder, wp, xp):
     return [acc]
 
 
+MAX_ROWS = 8  # rows per rows_block call (a compile-time literal, 1..MAX_ROWS)
+# Rows whose dots are taken together (sharing weight registers) before their outputs are
+# stored: AVX2's dot already needs a sign per row and weight, and 16 ymm registers hold no more.
+_GROUP = {ISA_AVX512VNNI: MAX_ROWS, ISA_AVX2: 1, ISA_PORTABLE: 1}
+
+
+def _rows_of(nrows) -> int:
+    if not isinstance(nrows, types.IntegerLiteral) or not 1 <= nrows.literal_value <= MAX_ROWS:
+        raise TypingError(f"nrows must be a literal int in [1, {MAX_ROWS}], got {nrows}")
+    return nrows.literal_value
+
+
+def _at(context, builder, aryty, ary, offset, ty):
+    """Pointer to element ``offset`` (an i64 value) of a C-contiguous array, as ``ty*``."""
+    data = context.make_array(aryty)(context, builder, ary).data
+    return builder.bitcast(builder.gep(data, [offset]), ty.as_pointer())
+
+
+def _row_at(context, builder, aryty, ary, row, col, ty):
+    """Pointer to element ``[row, col]`` of a C-contiguous 2-D array, as ``ty*``."""
+    arr = context.make_array(aryty)(context, builder, ary)
+    width = cgutils.unpack_tuple(builder, arr.shape, 2)[1]
+    return _at(context, builder, aryty, ary, builder.add(builder.mul(row, width), col), ty)
+
+
 @intrinsic
-def row_block(typingctx, isa, w, woff, x, xoff, sx, o, ooff, ws):
-    """``o[ooff:ooff+16] += float32(dot) * (scales * sx)`` for one block and one row.
+def rows_block(typingctx, isa, nrows, w, woff, x, xs, rows, j, b, o, ooff, ostride, ws):
+    """One block of one micro-tile applied to ``nrows`` rows (a literal, 1..MAX_ROWS): for
+    ``k < nrows``, with ``r = rows[j + k]`` (``j + k`` when rows is None)::
+
+        o[ooff + k*ostride : +16] += float32(dot(w block, x[r, 32b:32b+32])) * (scales * xs[r, b])
 
     w int8: the micro-tile's block at byte ``woff`` (512 weight bytes, 16 float32 scales);
-    x int8 activations (32 at ``xoff``; for VNNI stored as ``x ^ 0x80``), sx float32, o
-    float32, ws int32[16] from :func:`block_prologue` (read by VNNI only).
+    x int8 [R, n] activations (for VNNI stored as ``x ^ 0x80``), xs float32 [R, n/32] their
+    scales, rows int64 or None, o float32, ws int32[16] from :func:`block_prologue` (read by
+    VNNI only). The weights are loaded once for all rows; every row's integer dots are taken
+    before any output is stored (o is not known not to alias w), then each row gets the same
+    float operations, in the same order, as a call for that row alone: the bits do not depend
+    on ``nrows``.
     """
     which = _isa_of(isa)
+    count = _rows_of(nrows)
     _check_array(w, types.int8, "w")
     _check_array(x, types.int8, "x")
+    _check_array(xs, types.float32, "xs")
+    if not isinstance(rows, types.NoneType):
+        _check_array(rows, types.int64, "rows")
     _check_array(o, types.float32, "o")
     _check_array(ws, types.int32, "ws")
-    sig = types.void(isa, w, types.int64, x, types.int64, types.float32, o, types.int64, ws)
+    if x.ndim != 2 or xs.ndim != 2:
+        raise TypingError(f"x and xs must be 2-D, got {x} and {xs}")
+    i64 = types.int64
+    sig = types.void(isa, nrows, w, i64, x, xs, rows, i64, i64, o, i64, i64, ws)
 
     def codegen(context, builder, signature, args):
-        _, wv, woffv, xv, xoffv, sxv, ov, ooffv, wsv = args
+        _, _, wv, woffv, xv, xsv, rowsv, jv, bv, ov, ooffv, ostridev, wsv = args
         aty = signature.args
-        wp = _ptr(context, builder, aty[1], wv, woffv, ir.VectorType(_I32, 16))
-        xp = _ptr(context, builder, aty[3], xv, xoffv, _I32)
-        if which == ISA_AVX512VNNI:
-            start = builder.load(_ptr(context, builder, aty[8], wsv, None,
-                                      ir.VectorType(_I32, 16)), align=4)
-            dots = _dot_vnni(builder, wp, xp, start)
-        elif which == ISA_AVX2:
-            dots = _dot_avx2(builder, wp, xp)
-        else:
-            dots = _dot_portable(builder, wp, xp)
-        lanes = TU // len(dots)
-        vf = ir.VectorType(_F32, lanes)
+        wp = _at(context, builder, aty[2], wv, woffv, ir.VectorType(_I32, 16))
+        col = builder.mul(bv, ir.Constant(_I64, BLOCK))
+        xps, sxs = [], []
+        for k in range(count):
+            kk = ir.Constant(_I64, k)
+            r = builder.add(jv, kk)
+            if not isinstance(aty[6], types.NoneType):
+                r = builder.load(_at(context, builder, aty[6], rowsv, r, _I64))
+            xps.append(_row_at(context, builder, aty[4], xv, r, col, _I32))
+            sxs.append(builder.load(_row_at(context, builder, aty[5], xsv, r, bv, _F32)))
+        parts = 2 if which == ISA_AVX2 else 1  # AVX2's dot is two <8 x i32>, units 0-7, 8-15
+        vf = ir.VectorType(_F32, TU // parts)
         scales = builder.gep(builder.bitcast(wp, _I8.as_pointer()), [ir.Constant(_I32, TILE_BYTES)])
         sp = builder.bitcast(scales, vf.as_pointer())
-        op = _ptr(context, builder, aty[6], ov, ooffv, vf)
-        sxs = _splat(builder, sxv, vf)
-        for h, dot in enumerate(dots):
-            idx = [ir.Constant(_I32, h)]
-            scale = builder.fmul(builder.load(builder.gep(sp, idx), align=4), sxs)
-            prod = builder.fmul(builder.sitofp(dot, vf), scale)
-            opp = builder.gep(op, idx)
-            builder.store(builder.fadd(builder.load(opp, align=4), prod), opp, align=4)
+        ws_scales = [builder.load(builder.gep(sp, [ir.Constant(_I32, h)]), align=4)
+                     for h in range(parts)]
+        if which == ISA_AVX512VNNI:
+            start = builder.load(_ptr(context, builder, aty[12], wsv, None,
+                                      ir.VectorType(_I32, 16)), align=4)
+        group = _GROUP[which]
+        for k0 in range(0, count, group):
+            ks = range(k0, min(k0 + group, count))
+            if which == ISA_AVX512VNNI:
+                dots = _dots_vnni(builder, wp, [xps[k] for k in ks], start)
+            elif which == ISA_AVX2:
+                dots = [_dot_avx2(builder, wp, xps[k]) for k in ks]
+            else:
+                dots = [_dot_portable(builder, wp, xps[k]) for k in ks]
+            for k, row_dots in zip(ks, dots, strict=True):
+                off = builder.add(ooffv, builder.mul(ostridev, ir.Constant(_I64, k)))
+                op = _at(context, builder, aty[9], ov, off, vf)
+                sx = _splat(builder, sxs[k], vf)
+                for h, dot in enumerate(row_dots):
+                    scale = builder.fmul(ws_scales[h], sx)
+                    prod = builder.fmul(builder.sitofp(dot, vf), scale)
+                    opp = builder.gep(op, [ir.Constant(_I32, h)])
+                    builder.store(builder.fadd(builder.load(opp, align=4), prod), opp, align=4)
         return context.get_dummy_value()
 
     return sig, codegen

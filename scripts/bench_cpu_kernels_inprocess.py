@@ -1,10 +1,10 @@
 """In-process timings of the CPU expert kernels, no pool and no DRAM-sized working set: one
-expert (H=2048, I=512, weights cached after the first call) at 1/4/16 rows for every
-instruction set this CPU runs, and the SiLU + re-quantization stage (16 x 768) on one thread.
-For comparing kernel changes on a development machine; DRAM figures come from
-bench_cpu_experts.py on the GPU machine.
+expert (H=2048, I=512 and 768, weights cached after the first call) at 1/4/16 rows for every
+instruction set this CPU runs (or the ones given), the cost of an empty parallel region, and
+the SiLU + re-quantization stage (16 x 768) on one thread. For comparing kernel changes on a
+development machine; DRAM figures come from bench_cpu_experts.py on the GPU machine.
 
-    python scripts/bench_cpu_kernels_inprocess.py [--out FILE.json]
+    python scripts/bench_cpu_kernels_inprocess.py [--stages] [--isa avx512vnni] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ from functools import partial
 
 import numba
 import numpy as np
+from numba import njit, prange
 
 from cpu_experts import isa as cpu_isa
 from cpu_experts import kernels, shard
 from cpu_experts.quant import quantize
 
-H, I = 2048, 512
+H = 2048
+SIZES = (512, 768)  # intermediate sizes I of the one expert
 
 
 def stage_entries(isa: int):
@@ -40,7 +42,20 @@ def stage_entries(isa: int):
     return gate_up, down
 
 
-def stage_times(which: int, weights, rng, rows_list=(1, 4, 16)) -> list[dict]:
+@njit(nogil=True, parallel=True)
+def _empty_region(n: int, a) -> None:
+    for i in prange(n):
+        a[i] += 1.0
+
+
+def empty_region_us() -> float:
+    """An empty parallel region with one item per thread: each stage pays this once."""
+    n = numba.get_num_threads()
+    a = np.zeros(n)
+    return best_us(partial(_empty_region, n, a), 50)
+
+
+def stage_times(which: int, weights, I: int, rng, rows_list=(1, 4, 16)) -> list[dict]:
     """Per-stage times of one expert (every row on expert 0): where the cost of rows goes."""
     gate_up, down = stage_entries(which)
     gu, dn = weights
@@ -56,7 +71,7 @@ def stage_times(which: int, weights, rng, rows_list=(1, 4, 16)) -> list[dict]:
         y = kernels.empty_f32_aligned(rows * H).reshape((rows, H))
         out = np.empty((rows, H), np.float32)
         slots = np.arange(rows)
-        rec = {"what": "stages_one_expert", "isa": cpu_isa.NAMES[which], "rows": rows,
+        rec = {"what": "stages_one_expert", "isa": cpu_isa.NAMES[which], "I": I, "rows": rows,
                "threads": numba.get_num_threads()}
         rec["gate_up_us"] = best_us(partial(gate_up, gu, xk, xs, active, offsets,
                                             pair_row[members], g_u, kernels.PREFETCH_AHEAD))
@@ -80,42 +95,52 @@ def best_us(fn, reps: int = 15) -> float:
     return min(times) / 1e3
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="")
-    ap.add_argument("--stages", action="store_true",
-                    help="per-stage times of one expert (all threads, then one thread)")
-    args = ap.parse_args()
-    rng = np.random.default_rng(0)
+def expert_weights(I: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """One expert's tiled gate/up and down (shard.py), in memory."""
     ql = shard.quantize_layer(*(rng.standard_normal(s).astype(np.float32) * 0.03
                                 for s in ((1, I, H), (1, I, H), (1, H, I))))
     manifest, size = shard.plan_shard({0: ql}, {0: (0, I)})
     buf = bytearray(size)
     shard.write_shard(buf, manifest, {0: ql}, {0: (0, I)})
-    weights = shard.views(buf, manifest)[0]
-    records = []
-    for which in cpu_isa.available():
-        kernel = kernels.layer_kernel(which)
-        for rows in (1, 4, 16):
-            q, d = quantize(rng.standard_normal((rows, H)).astype(np.float32))
-            ids, w = np.zeros((rows, 1), np.int32), np.ones((rows, 1), np.float32)
-            out = np.empty((rows, H), np.float32)
-            us = best_us(lambda: kernel(*weights, q, d.view(np.uint16), ids, w, out,  # noqa: B023
-                                        kernels.PREFETCH_AHEAD))
-            records.append({"what": "one_expert", "isa": cpu_isa.NAMES[which], "rows": rows,
-                            "threads": numba.get_num_threads(), "us": us,
-                            "gmac_per_s": 3 * I * H * rows / us / 1e3})
-        if args.stages:
-            for threads in (numba.get_num_threads(), 1):
-                numba.set_num_threads(threads)
-                records += stage_times(which, weights, rng)
-            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    return shard.views(buf, manifest)[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="")
+    ap.add_argument("--stages", action="store_true",
+                    help="per-stage times of one expert (all threads, then one thread)")
+    ap.add_argument("--isa", action="append", choices=sorted(cpu_isa.NAMES.values()),
+                    help="only this instruction set (repeatable; default: all this CPU runs)")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    isas = [cpu_isa.select(name) for name in args.isa] if args.isa else cpu_isa.available()
+    records = [{"what": "empty_parallel_region", "threads": numba.get_num_threads(),
+                "us": empty_region_us()}]
+    for I in SIZES:
+        weights = expert_weights(I, rng)
+        for which in isas:
+            kernel = kernels.layer_kernel(which)
+            for rows in (1, 4, 16):
+                q, d = quantize(rng.standard_normal((rows, H)).astype(np.float32))
+                ids, w = np.zeros((rows, 1), np.int32), np.ones((rows, 1), np.float32)
+                out = np.empty((rows, H), np.float32)
+                us = best_us(partial(kernel, *weights, q, d.view(np.uint16), ids, w, out,
+                                     kernels.PREFETCH_AHEAD))
+                records.append({"what": "one_expert", "isa": cpu_isa.NAMES[which], "I": I,
+                                "rows": rows, "threads": numba.get_num_threads(), "us": us,
+                                "gmac_per_s": 3 * I * H * rows / us / 1e3})
+            if args.stages:
+                for threads in (numba.get_num_threads(), 1):
+                    numba.set_num_threads(threads)
+                    records += stage_times(which, weights, I, rng)
+                numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     numba.set_num_threads(1)
     g = rng.standard_normal((16, 768)).astype(np.float32) * 3
     u = rng.standard_normal((16, 768)).astype(np.float32)
     hk, hs = np.empty((16, 768), np.int8), np.empty((16, 24), np.float32)
     records.append({"what": "silu_requant_16x768", "threads": 1,
-                    "us": best_us(lambda: kernels._act_stage(g, u, True, hk, hs), 50)})
+                    "us": best_us(partial(kernels._act_stage, g, u, True, hk, hs), 50)})
     for r in records:
         print(json.dumps(r))
     if args.out:

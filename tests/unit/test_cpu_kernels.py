@@ -7,7 +7,7 @@ import pytest
 
 from cpu_experts import isa as cpu_isa
 from cpu_experts import kernels, reference, shard
-from cpu_experts.quant import quantize
+from cpu_experts.quant import quantize, quantize_ref
 
 E, I, H = 6, 128, 256
 BEST = cpu_isa.select()
@@ -77,6 +77,25 @@ def test_silu_mul_block_matches_numpy_bitwise() -> None:
     inside = np.abs(g) < 700
     g64 = g[inside].astype(np.float64)
     assert np.allclose(want[inside], g64 / (1 + np.exp(-g64)) * u[inside], rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("pairs", [1, 3])
+def test_act_stage_equals_reference(pairs: int) -> None:
+    """The SiLU stage (on the calling thread for 1 pair, in the parallel loop for 3) gives
+    reference.py's re-quantized h, flipped for VNNI, and reports a non-finite h."""
+    assert 16 <= kernels.ACT_SERIAL_BLOCKS < 3 * 16  # 16 blocks per pair: both paths run
+    rng = np.random.default_rng(7)
+    g = (rng.standard_normal((pairs, 512)) * 4).astype(np.float32)
+    u = rng.standard_normal((pairs, 512)).astype(np.float32)
+    hk, hs = np.empty((pairs, 512), np.int8), np.empty((pairs, 16), np.float32)
+    want_q, want_d = quantize_ref(reference.silu_mul(g, u))
+    assert kernels._act_stage(g, u, False, hk, hs)
+    assert hk.tobytes() == want_q.tobytes()
+    assert hs.tobytes() == want_d.astype(np.float32).tobytes()
+    assert kernels._act_stage(g, u, True, hk, hs)
+    assert hk.tobytes() == (want_q ^ np.int8(-128)).tobytes()
+    g[-1, 100] = np.inf  # silu(inf) * u = +-inf
+    assert not kernels._act_stage(g, u, True, hk, hs)
 
 
 def test_f16_value_all_finite_halves() -> None:
@@ -150,9 +169,10 @@ def test_extreme_values_equal_reference_bitwise() -> None:
 
 
 @pytest.mark.parametrize("isa", ALL_ISAS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 13, 16, 21])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 21])
 def test_row_counts_equal_reference_bitwise(rows: int, isa: int) -> None:
-    """Any number of rows on one expert holding every row, and on a mix of experts."""
+    """Any number of rows on one expert holding every row, and on a mix of experts: every
+    split of an expert's rows into micro-kernel calls (kernels.ROWS, then 2, then 1)."""
     rng = np.random.default_rng(40 + rows)
     e, i, h = 3, 96, 320  # 6 micro-tiles of gate/up, 20 of down; odd block counts
     ql = shard.quantize_layer(*(rng.standard_normal(s).astype(np.float32) * 0.03
