@@ -36,6 +36,7 @@ import numpy as np
 CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91
 THREADS = 256
 ERR_TIMEOUT, ERR_ABORTED = 201, 202  # as in _SOURCE
+SYSTEM_LOADS = True  # partials read from the mapped ring by system-scope (volatile) loads
 TAG_LIMIT = 1 << 30  # launches counted per stamp array before it is renewed
 
 _SOURCE = r"""
@@ -174,15 +175,18 @@ extern "C" __global__ void ring_wait(const long long* ctrl, const long long* hea
 
 // out = base + (p_0 + p_1 + ...), in worker order; with ``has`` and *has == 0 (no pair went
 // to the workers) out = base (or 0).
+// ``sys``: read the partials with system-scope loads (they sit in host memory that the
+// workers wrote while the stream ran: no GPU cache may answer for them).
 extern "C" __global__ void ring_gather(
         const float* parts, long long wstride, int W, long long n,
-        const float* __restrict__ base, float* __restrict__ out, const int* has) {
+        const float* __restrict__ base, float* __restrict__ out, const int* has, int sys) {
     long long step = (long long)gridDim.x * blockDim.x;
     bool none = has && !*has;
+    volatile const float* vp = parts;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
         if (none) { out[i] = base ? base[i] : 0.0f; continue; }
-        float s = parts[i];
-        for (int v = 1; v < W; ++v) s += parts[v * wstride + i];
+        float s = sys ? vp[i] : parts[i];
+        for (int v = 1; v < W; ++v) s += sys ? vp[v * wstride + i] : parts[v * wstride + i];
         out[i] = base ? base[i] + s : s;
     }
 }
@@ -295,7 +299,7 @@ class PinnedRing:
         self._errs_p = self._errs.ctypes.data
         self._launch = _Launch(cupy, self._k["ring_launch"], 27)
         self._wait = _Launch(cupy, self._k["ring_wait"], 10)
-        self._sum_parts = _Launch(cupy, self._k["ring_gather"], 7)
+        self._sum_parts = _Launch(cupy, self._k["ring_gather"], 8)
 
     def close(self) -> None:
         if self.addr:
@@ -416,7 +420,8 @@ class PinnedRing:
             src, stride = dev, dev.strides[0] // 4
         self._k["ring_gather"](_grid(R * H), (THREADS,), (
             src, np.int64(stride), np.int32(W), np.int64(R * H),
-            base if base is not None else np.uint64(0), out, np.uint64(has)), stream=stream)
+            base if base is not None else np.uint64(0), out, np.uint64(has),
+            np.int32(self.kernel_out and SYSTEM_LOADS)), stream=stream)
         return out
 
     # -- from the stream: launch / gather / end_step ---------------------------------------
@@ -513,7 +518,8 @@ class PinnedRing:
                              rt.memcpyHostToDevice, stream.ptr)
             src, src_stride = dev.data.ptr, dev.strides[0] // 4
         self._sum_parts(_grid(R * H)[0], THREADS, stream, (
-            src, src_stride, W, R * H, bptr, out.data.ptr, self._has_p))
+            src, src_stride, W, R * H, bptr, out.data.ptr, self._has_p,
+            int(self.kernel_out and SYSTEM_LOADS)))
         return out
 
     def end_step(self) -> None:

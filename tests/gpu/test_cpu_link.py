@@ -68,7 +68,8 @@ def test_pinned_ring_equals_host_dispatch(kernel_in, kernel_out):
             link.close()
 
 
-def test_split_placement_pinned_equals_host_path(tmp_path):
+@pytest.mark.parametrize("dispatch", ["sync", "launched"])
+def test_split_placement_pinned_equals_host_path(tmp_path, dispatch):
     """GPU experts plus CPU experts on CuPy: the pinned path (GPU experts overlapping the CPU
     workers) and the host path (copies through NumPy) give the same logits, bit for bit."""
     path = make_tiny_model(tmp_path, "qwen3_next", seed=5, tokenizer=False,
@@ -78,9 +79,10 @@ def test_split_placement_pinned_equals_host_path(tmp_path):
     for pinned in (True, False):
         engine = Engine.from_dir(path, backend="cupy", placement="split",
                                  cpu_experts_per_layer=3, cpu_workers=1, max_slots=1,
-                                 max_len=256)
+                                 max_len=256, cpu_dispatch=dispatch)
         try:
             assert engine.placement.link is not None
+            assert engine.placement.launched == (dispatch == "launched")
             if not pinned:
                 engine.placement.link.close()
                 engine.placement.link = None

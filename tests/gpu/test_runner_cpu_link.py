@@ -43,10 +43,10 @@ async def _drain(sched: Scheduler, handles) -> list[list[int]]:
 
 def _serve(path, prompts, launched: bool) -> tuple[list[list[int]], list[dict]]:
     engine = Engine.from_dir(path, backend="cupy", placement="split", cpu_experts_per_layer=3,
-                             cpu_workers=1, max_slots=3, max_len=128)
+                             cpu_workers=1, max_slots=3, max_len=128, cpu_dispatch="launched")
     try:
         placement = engine.placement
-        assert placement.link is not None
+        assert placement.link is not None and placement.launched
         if not launched:
             placement.link.close()
             placement.link = None
