@@ -248,13 +248,26 @@ class ExpertsSection:
 
 @dataclass(frozen=True)
 class SpeculationSection:
+    """``mode``: "off"; "narrow" (each drafted slot verified in its own forward pass) or
+    "wide" (2-4 drafted slots verified together in one pass, narrow otherwise). Drafts come
+    from ``proposer`` ("suffix": the request's own history), ``num_drafts`` per slot and step,
+    after a suffix of at least ``min_match`` tokens matched. Tokens are those of "off"."""
+
     mode: str = "off"
+    proposer: str = "suffix"
+    num_drafts: int = 4
+    min_match: int = 2
+    max_match: int = 8
 
     def __post_init__(self) -> None:
         _str("speculation.mode", self.mode, ("off", "narrow", "wide"))
-        if self.mode != "off":
-            _fail("speculation.mode", "only 'off' is available in this version "
-                  "('narrow' and 'wide' are not implemented yet)", self.mode)
+        _str("speculation.proposer", self.proposer, ("suffix", "mtp"))
+        if self.proposer == "mtp":
+            _fail("speculation.proposer", "the MTP proposer is not implemented yet; use "
+                  "'suffix'", self.proposer)
+        _int("speculation.num_drafts", self.num_drafts, 1, 15)
+        _int("speculation.min_match", self.min_match, 1, 64)
+        _int("speculation.max_match", self.max_match, self.min_match, 64)
 
 
 @dataclass(frozen=True)
@@ -408,5 +421,7 @@ def summary(config: Config) -> list[str]:
         f"limits: prompt <= {config.max_prompt_tokens}, max_tokens <= {config.max_tokens}, "
         f"queue <= {config.limits.max_queue}",
         f"experts: {e.placement}{cpu}",
-        f"speculation: {config.speculation.mode}",
+        "speculation: off" if config.speculation.mode == "off" else
+        f"speculation: {config.speculation.mode}, {config.speculation.num_drafts} "
+        f"{config.speculation.proposer} drafts per slot",
     ]

@@ -87,7 +87,7 @@ class Daemon:
             block_size=sched.kv_block_size, checkpoint_interval=sched.checkpoint_interval,
             prefix_blocks=self.extra_blocks, tokenizer=self.tokenizer, eos_ids=eos,
             metrics=self.metrics, model_name=config.model.served_name,
-            preemption=sched.preemption)
+            preemption=sched.preemption, speculation=config.speculation)
         self.stopping = asyncio.Event()
         self.worker: WorkerProcess | None = None
 

@@ -98,6 +98,12 @@ class Metrics:
         self._cpu_expert_bytes = Counter(f"{p}_cpu_expert_weight_bytes",
                                          "Bytes of CPU expert weights read (each distinct "
                                          "expert once per layer per step)", registry=r)
+        self._drafts = Counter(f"{p}_spec_draft_tokens",
+                               "Draft tokens proposed for verification (speculation)",
+                               registry=r)
+        self._accepted = Counter(f"{p}_spec_accepted_tokens",
+                                 "Draft tokens accepted by verification (speculation)",
+                                 registry=r)
         self._restarts = Counter(f"{p}_worker_restarts", "Child processes restarted, by component",
                                  ["component"], registry=r)
         self._throughput = _PromptThroughput()
@@ -142,6 +148,10 @@ class Metrics:
         self._rows.observe(rows)
         self._step_prompt.inc(prompt_tokens)
         self._step_decode.inc(decode_tokens)
+
+    def observe_drafts(self, proposed: int, accepted: int) -> None:
+        self._drafts.inc(proposed)
+        self._accepted.inc(accepted)
 
     def observe_experts(self, gpu_distinct: int, cpu_distinct: int, moe_layers: int,
                         cpu_seconds: float, cpu_bytes: int) -> None:

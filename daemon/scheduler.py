@@ -10,9 +10,11 @@ import asyncio
 import heapq
 import time
 
+import numpy as np
 import structlog
 
 from daemon.prefix_cache import PrefixCache
+from daemon.proposers.suffix import SuffixProposer
 from daemon.requests import (
     EngineUnavailable,
     GenerationRequest,
@@ -25,6 +27,7 @@ from daemon.worker_client import WorkerDied, WorkerStepError
 from protocol.messages import (
     CacheOp,
     CacheOpKind,
+    DraftSource,
     SamplingParams,
     SlotWork,
     StepPlan,
@@ -41,9 +44,12 @@ class Scheduler:
     def __init__(self, *, max_slots: int, max_context: int, max_queue: int, prefill_chunk: int,
                  block_size: int, checkpoint_interval: int, prefix_blocks: int,
                  tokenizer=None, eos_ids=(), metrics=None, model_name: str = "",
-                 preemption: str = "swap") -> None:
+                 preemption: str = "swap", speculation=None) -> None:
         if preemption not in ("swap", "recompute"):
             raise ValueError(f"preemption must be swap or recompute, got {preemption!r}")
+        # speculation: a config.SpeculationSection (mode, proposer, num_drafts, min/max_match)
+        self.speculation = speculation if speculation is not None and \
+            speculation.mode != "off" else None
         self.preemption = preemption
         self.max_slots = max_slots
         self.max_context = max_context
@@ -173,18 +179,27 @@ class Scheduler:
             if seq is not None:
                 work.append(self._work_for(slot, seq, after))
         self._step_id += 1
-        return StepPlan(step_id=self._step_id, slots=work, cache_ops=ops, cache_ops_after=after)
+        drafted = sum(1 for w in work if len(w.draft_ids))
+        # wide: 2-4 drafted slots verified in one pass; narrow (and wide otherwise): one each
+        wide = self.speculation is None or (self.speculation.mode == "wide"
+                                            and 2 <= drafted <= 4)
+        return StepPlan(step_id=self._step_id, slots=work, cache_ops=ops, cache_ops_after=after,
+                        wide=wide)
 
     def commit(self, plan: StepPlan, result: StepResult, seconds: float) -> None:
         now = time.monotonic()
-        prompt_tokens = decode_tokens = 0
+        prompt_tokens = decode_tokens = drafted = accepted = 0
         for work, res in zip(plan.slots, result.slots, strict=True):
             seq = self.slots[work.slot]
-            seq.processed = work.start_pos + work.num_tokens
+            # the input rows and the accepted drafts are in the worker's cache now
+            seq.processed = work.start_pos + work.num_tokens + res.num_accepted
             if work.kind == WorkKind.PREFILL:
                 prompt_tokens += work.num_tokens
             else:
                 decode_tokens += work.num_tokens
+            if len(work.draft_ids):
+                drafted += len(work.draft_ids)
+                accepted += res.num_accepted
             if not res.token_ids:
                 continue
             event = seq.add_tokens(res.token_ids)
@@ -196,6 +211,8 @@ class Scheduler:
                 self._release(work.slot, self._pending_ops)
         if self.metrics is not None:
             self.metrics.observe_step(seconds, plan.num_rows, prompt_tokens, decode_tokens)
+            if drafted:
+                self.metrics.observe_drafts(drafted, accepted)
             self.metrics.set_prompt_throughput(prompt_tokens / seconds if prompt_tokens else None)
             self.metrics.set_active_slots(sum(s is not None for s in self.slots))
             self.metrics.set_queue_depth(len(self.queue))
@@ -216,9 +233,12 @@ class Scheduler:
         common = dict(slot=slot, request_id=seq.req.request_id, sampling=sampling,
                       prompt_len=len(seq.prompt), cached_len=seq.cached)
         if not seq.in_prefill:
+            drafts = self._drafts(seq)
             return SlotWork(kind=WorkKind.DECODE, start_pos=seq.processed, num_tokens=1,
                             input_ids=token_array([seq.token_at(seq.processed)]),
-                            needs_logits=True, **common)
+                            needs_logits=True, draft_ids=token_array(drafts),
+                            draft_sources=np.full(len(drafts), DraftSource.SUFFIX, np.uint8),
+                            **common)
         start, target = seq.processed, seq.prefill_len
         common["prompt_len"] = target
         end = min(start + self.prefill_chunk, target)
@@ -230,6 +250,21 @@ class Scheduler:
         return SlotWork(kind=WorkKind.PREFILL, start_pos=start, num_tokens=end - start,
                         input_ids=token_array(seq.tokens(start, end)),
                         needs_logits=end == target, **common)
+
+    def _drafts(self, seq: Sequence) -> list[int]:
+        """Draft tokens to verify after ``seq``'s next decode row: at most num_drafts, and
+        never more than the request may still emit after the row's own token or the context
+        can hold."""
+        spec = self.speculation
+        if spec is None:
+            return []
+        if seq.proposer is None:
+            seq.proposer = SuffixProposer(spec.min_match, spec.max_match)
+        total = len(seq.prompt) + len(seq.generated)
+        seq.proposer.extend(seq.tokens(len(seq.proposer), total))
+        room = min(spec.num_drafts, seq.req.max_tokens - len(seq.generated) - 1,
+                   self.max_context - seq.processed - 1)
+        return seq.proposer.propose(room)
 
     def _checkpoint(self, slot: int, tokens: list[int], after: list[CacheOp]) -> None:
         if self.prefix.contains(tokens) or not self.prefix.fits(len(tokens)):

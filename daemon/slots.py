@@ -28,6 +28,7 @@ class Sequence:
     cancel_requested: bool = False
     t_submit: float = dataclasses.field(default_factory=time.monotonic)
     t_last: float | None = None
+    proposer: object | None = None  # SuffixProposer once speculation drafts for it
 
     @property
     def prompt(self) -> list[int]:

@@ -1,5 +1,6 @@
-"""Executes one StepPlan: cache commands, one ragged forward over every slot's rows,
-sampling, then the after-step cache commands. Pure in-process; server.py wraps it."""
+"""Executes one StepPlan: cache commands, one ragged forward over every slot's rows (or, for
+narrow speculation, one per drafted slot), sampling and draft verification, then the
+after-step cache commands. Pure in-process; server.py wraps it."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ class Runner:
         results: list[SlotResult] = []
         t1 = time.perf_counter()
         if plan.slots:
-            results = self._forward(plan.slots)
+            results = self._forward(plan.slots, plan.wide)
         t2 = time.perf_counter()
         for op in plan.cache_ops_after:
             self._cache_op(op)
@@ -82,43 +83,96 @@ class Runner:
         return StepResult(step_id=plan.step_id, slots=results, timings_ms=timings,
                           counters=counters)
 
-    def _forward(self, work: list[SlotWork]) -> list[SlotResult]:
+    def _forward(self, work: list[SlotWork], wide: bool = True) -> list[SlotResult]:
+        """Check every slot's work, run the forward pass(es), sample, verify drafts. Drafted
+        slots share one pass with the rest (``wide``) or get one pass each (narrow)."""
         for w in work:
             if self.lengths.get(w.slot) is None:
                 raise PlanError(f"slot {w.slot} is not allocated")
             if w.start_pos != self.lengths[w.slot]:
                 raise PlanError(f"slot {w.slot}: start_pos {w.start_pos} but the cache holds "
                                 f"{self.lengths[w.slot]} tokens")
-            if w.start_pos + w.num_tokens > self.max_context:
-                raise PlanError(f"slot {w.slot}: position {w.start_pos + w.num_tokens} is past "
+            if w.start_pos + w.num_rows > self.max_context:
+                raise PlanError(f"slot {w.slot}: position {w.start_pos + w.num_rows} is past "
                                 f"the context limit {self.max_context}")
-            if len(w.draft_ids):
-                raise PlanError("draft rows are not supported by this worker yet")
-        batch = RaggedBatch.build([(w.slot, w.start_pos, w.input_ids) for w in work])
-        wanted = [i for i, w in enumerate(work) if w.needs_logits]
-        last = batch.last_rows()
-        def forward():
-            return self.model.forward(batch, self.caches, last[wanted], self.experts)
+            if len(w.draft_ids) and not w.needs_logits:
+                raise PlanError(f"slot {w.slot}: drafts need logits")
+        drafted = [w for w in work if len(w.draft_ids)]
+        if wide or not drafted:
+            groups = [work]
+        else:
+            plain = [w for w in work if not len(w.draft_ids)]
+            groups = ([plain] if plain else []) + [[w] for w in drafted]
+        results = {}
+        for group in groups:
+            for w, res in zip(group, self._pass(group), strict=True):
+                results[w.slot] = res
+        return [results[w.slot] for w in work]
 
-        out = forward() if self.expert_step is None else self.expert_step(forward)
+    def _pass(self, work: list[SlotWork]) -> list[SlotResult]:
+        """One forward pass over ``work``: each slot's input rows then its drafts; logits of
+        every row of a drafted slot, of the last row of the others that need one."""
+        batch = RaggedBatch.build([(w.slot, w.start_pos, np.concatenate(
+            [w.input_ids, w.draft_ids]).astype(np.int64)) for w in work])
+        rows, first = [], {}
+        for w, seg in zip(work, batch.segments, strict=True):
+            if len(w.draft_ids):
+                first[w.slot] = len(rows)
+                rows += range(seg.row0, seg.row0 + seg.num)
+            elif w.needs_logits:
+                first[w.slot] = len(rows)
+                rows.append(seg.row0 + seg.num - 1)
+        states = self.caches.states
+        if states is not None:
+            states.track([w.slot for w in work if len(w.draft_ids)])
+
+        def forward():
+            return self.model.forward(batch, self.caches, np.asarray(rows, dtype=np.int64),
+                                      self.experts)
+
+        try:
+            out = forward() if self.expert_step is None else self.expert_step(forward)
+        except BaseException:
+            if states is not None:
+                states.verify = {}
+            raise
         logits = to_numpy(out.logits)
         results = []
-        row_of = {i: j for j, i in enumerate(wanted)}
-        for i, w in enumerate(work):
-            self.lengths[w.slot] = w.start_pos + w.num_tokens
-            tokens: list[int] = []
-            if w.needs_logits:
-                pos = w.start_pos + w.num_tokens
-                tokens = [sample(logits[row_of[i]], _sampling(w), pos)]
+        for w in work:
+            tokens, accepted = self._sample(w, logits, first.get(w.slot))
+            self.lengths[w.slot] = w.start_pos + w.num_tokens + accepted
+            if len(w.draft_ids) and states is not None:
+                states.adopt(w.slot, w.num_tokens + accepted)
             prefill = w.kind == WorkKind.PREFILL
             done = w.start_pos + w.num_tokens >= w.prompt_len
             phase = Phase.DECODE if not prefill or done else Phase.PREFILL
             results.append(SlotResult(
-                slot=w.slot, request_id=w.request_id, token_ids=tokens, num_accepted=0,
+                slot=w.slot, request_id=w.request_id, token_ids=tokens, num_accepted=accepted,
                 prompt=PromptPhase(phase=phase,
                                    prompt_tokens_this_step=w.num_tokens if prefill else 0,
                                    prompt_len=w.prompt_len, cached_len=w.cached_len)))
+        if states is not None:
+            states.verify = {}
         return results
+
+    @staticmethod
+    def _sample(w: SlotWork, logits: np.ndarray, row: int | None) -> tuple[list[int], int]:
+        """Sample-and-match (ARCHITECTURE.md section 4): row j picks the token at position
+        start + num_tokens + j exactly as plain decoding would; draft j is accepted while it
+        equals that pick. Returns (accepted drafts + one sampled token, drafts accepted)."""
+        if row is None:
+            return [], 0
+        params = _sampling(w)
+        pos = w.start_pos + w.num_tokens
+        tokens: list[int] = []
+        for j, draft in enumerate(w.draft_ids):
+            token = sample(logits[row + j], params, pos + j)
+            tokens.append(token)
+            if token != int(draft):
+                return tokens, j
+        k = len(w.draft_ids)
+        tokens.append(sample(logits[row + k], params, pos + k))
+        return tokens, k
 
     # ---- cache commands ----------------------------------------------------------------
     def _cache_op(self, op: CacheOp) -> None:

@@ -21,6 +21,7 @@ class RecurrentStates:
     dtype: object
 
     def __post_init__(self) -> None:
+        self.verify: dict[int, dict[int, tuple]] = {}  # slot -> layer -> (window, [S_t])
         xp = self.xp
         self.conv = xp.zeros((self.num_layers, self.max_slots, self.conv_kernel - 1,
                               self.conv_dim), dtype=self.dtype)
@@ -39,6 +40,24 @@ class RecurrentStates:
         conv, rec = snap
         self.conv[:, slot] = conv
         self.rec[:, slot] = rec
+
+    # ---- speculative verify: keep every row's state, adopt the last accepted row's ---------
+    def track(self, slots) -> None:
+        """During the next forward, keep the state after every row of these slots' segments
+        (their rows are a decode token plus drafts)."""
+        self.verify = {int(s): {} for s in slots}
+
+    def record(self, layer: int, slot: int, window, states: list) -> None:
+        """gdn: ``window`` [K-1+n, C] (the conv inputs before and of the segment's n rows) and
+        ``states`` (the delta-rule state after each row) of a tracked slot."""
+        self.verify[slot][layer] = (window, states)
+
+    def adopt(self, slot: int, rows: int) -> None:
+        """Make the slot's state the one after its segment's first ``rows`` rows (the decode
+        token and the accepted drafts); the later rows' updates are dropped."""
+        for layer, (window, states) in self.verify.pop(slot).items():
+            self.conv[layer, slot] = window[rows:rows + self.conv_kernel - 1]
+            self.rec[layer, slot] = states[rows - 1]
 
     @property
     def bytes_per_slot(self) -> int:

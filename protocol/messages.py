@@ -274,13 +274,15 @@ class CacheOp:
 
 @dataclass(slots=True, kw_only=True)
 class StepPlan:
-    """daemon -> worker: run cache_ops, one forward over all slots' rows, then cache_ops_after."""
+    """daemon -> worker: run cache_ops, one forward over all slots' rows (narrow speculation:
+    one more per drafted slot), then cache_ops_after."""
 
     KIND: ClassVar[MsgKind] = MsgKind.STEP_PLAN
     step_id: int
     slots: list[SlotWork] = field(default_factory=list)
     cache_ops: list[CacheOp] = field(default_factory=list)
     cache_ops_after: list[CacheOp] = field(default_factory=list)  # e.g. end-of-prompt checkpoint
+    wide: bool = True  # drafted slots in the one forward pass; False: one pass each (narrow)
 
     def __post_init__(self) -> None:
         ids = [s.slot for s in self.slots]

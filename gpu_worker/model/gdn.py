@@ -3,7 +3,9 @@
 Per token and value head, with state S [Dk, Dv]:
     S <- exp(g) S;  m = k^T S;  S <- S + k (beta (v - m))^T;  o = q^T S
 The conv window and S live in ``RecurrentStates`` per slot; a segment continues its slot's
-state and leaves the updated state behind.
+state and leaves the updated state behind. For a slot tracked by ``states.track`` (a decode
+token plus drafts) the state after every row is kept too, so the runner can adopt the one of
+the last accepted row.
 """
 
 from __future__ import annotations
@@ -50,13 +52,18 @@ def gated_deltanet(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
         decay = xp.exp(g[rows])  # [n, Hv]
         bt = beta[rows]
         S = states.rec[layer, seg.slot]  # [Hv, Dk, Dv]
+        keep = [] if seg.slot in states.verify else None  # S after each row (drafts)
         for t in range(seg.num):
             S = S * decay[t][:, None, None]
             m = (kc[t][:, None, :] @ S)[:, 0]  # [Hv, Dv]
             delta = bt[t][:, None] * (vc[t] - m)
             S = S + kc[t][:, :, None] * delta[:, None, :]
             out[seg.row0 + t] = (qc[t][:, None, :] @ S)[:, 0]
+            if keep is not None:
+                keep.append(S)
         states.rec[layer, seg.slot] = S
+        if keep is not None:
+            states.record(layer, seg.slot, window, keep)
 
     o = ops.rms_norm(out, p["norm.weight"], cfg.rms_norm_eps, zero_centered=False)
     o = o * ops.silu(z)

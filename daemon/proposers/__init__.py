@@ -1,0 +1,1 @@
+"""Draft proposers for speculative decoding (ARCHITECTURE.md section 4)."""

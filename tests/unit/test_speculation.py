@@ -1,0 +1,174 @@
+"""Speculative decoding (ARCHITECTURE.md section 4): suffix drafts verified by sample-and-match
+give exactly the tokens of plain decoding, narrow and wide, greedy and sampled, on both
+architectures (for Qwen3-Next the recurrent state of the last accepted row is adopted)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from daemon.config import SpeculationSection
+from daemon.proposers.suffix import SuffixProposer
+from daemon.requests import GenerationRequest
+from daemon.scheduler import Scheduler
+from gpu_worker.engine import Engine
+from gpu_worker.runner import PlanError, Runner
+from gpu_worker.sampling import SamplingParams
+from gpu_worker.tiny_model import make_tiny_model
+from protocol.messages import CacheOp, CacheOpKind, SlotWork, StepPlan, WorkKind, token_array
+
+SLOTS, CONTEXT = 3, 160
+
+
+# ---- the proposer ---------------------------------------------------------------------------
+def test_suffix_proposer_continues_the_latest_longest_match():
+    p = SuffixProposer(2, 4)
+    p.extend([1, 2, 3, 4, 5, 1, 2])
+    assert p.propose(3) == [3, 4, 5]
+    assert p.propose(0) == []
+    p.extend([9])  # (2, 9) never occurred before
+    assert p.propose(3) == []
+    p = SuffixProposer(2, 8)  # "1 2 3" beats the later, shorter "2 3"
+    p.extend([7, 1, 2, 3, 40, 5, 2, 3, 50, 6, 1, 2, 3])
+    assert p.propose(2) == [40, 5]
+    p = SuffixProposer(2, 8)  # among equally long matches the latest wins
+    p.extend([1, 2, 10, 1, 2, 20, 1, 2])
+    assert p.propose(1) == [20]
+    p = SuffixProposer(2, 8)  # a period: the continuation runs into the suffix itself
+    p.extend([4, 5, 4, 5])
+    assert p.propose(5) == [4, 5]
+    p = SuffixProposer(3, 8)  # a 2-token match is too short
+    p.extend([1, 2, 9, 1, 2])
+    assert p.propose(2) == []
+    with pytest.raises(ValueError):
+        SuffixProposer(3, 2)
+
+
+# ---- exact tokens through the scheduler and the real Runner ---------------------------------
+class _Worker:
+    def __init__(self, runner: Runner) -> None:
+        self.runner, self.plans, self.results = runner, [], []
+
+    async def step(self, plan):
+        await asyncio.sleep(0)
+        result = self.runner.execute(plan)
+        self.plans.append(plan)
+        self.results.append(result)
+        return result
+
+
+async def _drain(sched, handles):
+    loop = asyncio.create_task(sched.run())
+    out = []
+    for h in handles:
+        ids, finish = [], None
+        async for ev in h:
+            ids += ev.token_ids
+            finish = ev.finish_reason
+        out.append((ids, finish))
+    loop.cancel()
+    return out
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_moe"])
+def model(request, tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp("m"), request.param, seed=4,
+                           tokenizer=False)
+    return Engine.from_dir(path, dtype="float64", max_slots=SLOTS, max_len=CONTEXT).model
+
+
+PROMPTS = [[5, 6, 7, 8] * 6, list(range(20, 44)) + list(range(20, 30)), [3, 1, 4, 1, 5, 9, 2, 6]]
+
+
+def _serve(model, mode: str, temperature: float, n: int = 40, eos_ids=(), oracle=None,
+           **spec):
+    """Three concurrent requests through the scheduler and the Runner. ``oracle``: the
+    plain run's outputs; drafts are then its true continuation with one token in two of
+    every three steps made wrong (so verification meets long hits and misses)."""
+    runner = Runner(model, max_slots=SLOTS, max_context=CONTEXT, block_size=4, extra_blocks=32)
+    sched = Scheduler(max_slots=SLOTS, max_context=CONTEXT, max_queue=4, prefill_chunk=16,
+                      block_size=4, checkpoint_interval=8, prefix_blocks=32, eos_ids=eos_ids,
+                      speculation=SpeculationSection(mode=mode, **spec))
+    if oracle is not None:
+        vocab = model.cfg.vocab_size
+
+        def drafts(seq):
+            i, g = int(seq.req.request_id[1:]), len(seq.generated)
+            d = list(oracle[i][0][g:g + min(4, seq.req.max_tokens - g - 1)])
+            if d and g % 3:
+                d[g % len(d)] = (d[g % len(d)] + 1) % vocab
+            return d
+
+        sched._drafts = drafts
+    worker = _Worker(runner)
+    sched.attach(worker)
+    handles = [sched.submit(GenerationRequest(
+        f"r{i}", p, SamplingParams(temperature=temperature, seed=11 + i), n - 3 * i,
+        eos=bool(eos_ids))) for i, p in enumerate(PROMPTS)]
+    return asyncio.run(_drain(sched, handles)), worker
+
+
+def _drafts(worker) -> tuple[int, int]:
+    proposed = sum(len(w.draft_ids) for p in worker.plans for w in p.slots)
+    accepted = sum(r.num_accepted for res in worker.results for r in res.slots)
+    return proposed, accepted
+
+
+def _drafted(plan) -> int:
+    return sum(1 for w in plan.slots if len(w.draft_ids))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_suffix_drafts_give_the_tokens_of_plain_decoding(model, temperature):
+    plain, plain_worker = _serve(model, "off", temperature)
+    assert _drafts(plain_worker) == (0, 0)
+    for mode in ("narrow", "wide"):
+        got, worker = _serve(model, mode, temperature, min_match=1)
+        assert got == plain, mode
+        assert _drafts(worker)[0] > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_verification_is_exact_through_hits_and_misses(model, temperature):
+    plain, plain_worker = _serve(model, "off", temperature)
+    for mode in ("narrow", "wide"):
+        got, worker = _serve(model, mode, temperature, oracle=plain)
+        assert got == plain, mode
+        proposed, accepted = _drafts(worker)
+        assert 0 < accepted < proposed, (mode, proposed, accepted)
+        assert len(worker.plans) < len(plain_worker.plans) * 0.7  # accepted drafts save steps
+        drafted = [p for p in worker.plans if _drafted(p)]
+        if mode == "narrow":
+            assert not any(p.wide for p in drafted)
+        else:  # 2-4 drafted slots share one pass; a lone drafted slot goes narrow
+            assert any(p.wide and _drafted(p) == 3 for p in drafted)
+            assert all(p.wide == (_drafted(p) >= 2) for p in drafted)
+
+
+def test_drafts_stop_at_eos_and_max_tokens_like_plain_decoding(model):
+    plain, _ = _serve(model, "off", 0.0)
+    eos = next(t for ids, _ in plain for t in ids[4:] if t not in ids[:4])  # emitted mid-way
+    want, _ = _serve(model, "off", 0.0, eos_ids=(eos,))
+    got, worker = _serve(model, "wide", 0.0, eos_ids=(eos,), oracle=plain)
+    assert got == want
+    assert any(finish == "stop" for _, finish in got)
+    assert _drafts(worker)[1] > 0
+    for (ids, finish), n in zip(got, (40, 37, 34), strict=True):
+        assert finish == "stop" or len(ids) == n  # never past max_tokens
+
+
+def test_plan_with_drafts_past_the_context_is_refused(model):
+    runner = Runner(model, max_slots=1, max_context=16, block_size=4)
+    runner.execute(StepPlan(step_id=1, cache_ops=[CacheOp(op=CacheOpKind.ALLOCATE, slot=0,
+                                                          num_tokens=12)], slots=[SlotWork(
+        slot=0, request_id="r", kind=WorkKind.PREFILL, input_ids=token_array(list(range(12))),
+        start_pos=0, num_tokens=12, needs_logits=True, prompt_len=12,
+        sampling=SamplingParams(temperature=0, seed=1))]))
+    with pytest.raises(PlanError, match="past the context limit"):
+        runner.execute(StepPlan(step_id=2, slots=[SlotWork(
+            slot=0, request_id="r", kind=WorkKind.DECODE, input_ids=token_array([3]),
+            start_pos=12, num_tokens=1, needs_logits=True, prompt_len=12,
+            draft_ids=token_array([1, 2, 3, 4]), draft_sources=np.full(4, 2, np.uint8),
+            sampling=SamplingParams(temperature=0, seed=1))]))
