@@ -254,3 +254,29 @@ def test_killed_worker_errors_in_flight_and_restarts(victim, model, tmp_path):
 async def _one(url):
     async with aiohttp.ClientSession() as s:
         return await chat(s, url, "after restart", 4)
+
+
+def test_speculation_over_http_equals_generate_alone(model, tmp_path):
+    """Wide speculation with suffix drafts behind the real daemon: four concurrent streams
+    (greedy, and one sampled) print what plain `tandem generate` prints; drafts were verified
+    and counted in /metrics."""
+    srv = Server(tmp_path, model, speculation={"mode": "wide", "min_match": 1}).start()
+    try:
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                return await asyncio.gather(
+                    *(chat(s, srv.url, p, max_tokens=40) for p in PROMPTS[:3]),
+                    chat(s, srv.url, PROMPTS[3], max_tokens=40, temperature=0.8, seed=5))
+
+        results = run(go())
+        metrics = srv.get("/metrics")[1]
+    finally:
+        assert srv.stop() == 0
+    drafts = re.search(r"^tandem_spec_draft_tokens_total (\S+)$", metrics, re.M)
+    assert drafts and float(drafts.group(1)) > 0
+    assert re.search(r"^tandem_spec_accepted_tokens_total \S+$", metrics, re.M)
+    for i, (prompt, (text, _, usage)) in enumerate(zip(PROMPTS, results, strict=True)):
+        alone = generate_alone(model, prompt, 40, temperature=0.8 if i == 3 else 0.0,
+                               seed=5 if i == 3 else 0)
+        assert text == alone["text"], prompt
+        assert usage["completion_tokens"] == len(alone["token_ids"])
