@@ -18,6 +18,8 @@ def register(sub: Any) -> None:
     serve.add_argument("--model", type=Path, default=None, help="model directory ([model] path)")
     serve.add_argument("--host", default=None, help="HTTP address to bind ([server] host)")
     serve.add_argument("--port", type=int, default=None, help="HTTP port ([server] port)")
+    serve.add_argument("--speculation", choices=("off", "narrow", "wide"), default=None,
+                       help="speculative decoding ([speculation] mode)")
     serve.set_defaults(func=run_serve)
 
     check = sub.add_parser("check-config", help="validate a config file and summarize it")
@@ -28,7 +30,8 @@ def register(sub: Any) -> None:
 def config_from_args(args: argparse.Namespace) -> Config:
     """The config file of `args` with its command-line overrides applied (ConfigError)."""
     return load_config(args.config, {"model.path": args.model, "server.host": args.host,
-                                     "server.port": args.port})
+                                     "server.port": args.port,
+                                     "speculation.mode": getattr(args, "speculation", None)})
 
 
 def run_serve(args: argparse.Namespace) -> int:

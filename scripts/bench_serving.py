@@ -6,7 +6,9 @@ For each concurrency N it sends N streaming chat requests at once (fixed prompts
 sampling, fixed max_tokens, EOS ignored so every stream does equal work) and reports the
 aggregate decode tokens/s over the interval where all N streams were generating (first token
 of the last stream to start -> first stream to finish), whole-run tokens/s, and mean TTFT.
-Warm-up (one request) is excluded. Speculation is not implemented yet: this is the `off` arm.
+Warm-up (one request) is excluded. ``--speculation off|narrow|wide`` picks the arm (the
+server's ``--speculation``); each round also reports the drafts proposed and accepted
+(from /metrics). Outputs differ between arms only through timing: the tokens are the same.
 """
 
 from __future__ import annotations
@@ -52,7 +54,18 @@ async def _stream(session: aiohttp.ClientSession, url: str, model: str, prompt: 
     return {"start": t0, "first": first, "end": last, "tokens": tokens}
 
 
+def _counter(url: str, name: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics") as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
+
+
 async def _round(url: str, model: str, n: int, max_tokens: int) -> dict:
+    drafts0 = [_counter(url, f"tandem_spec_{k}_tokens_total") for k in ("draft", "accepted")]
     async with aiohttp.ClientSession() as s:
         t0 = time.monotonic()
         res = await asyncio.gather(*(_stream(s, url, model, PROMPTS[i], max_tokens, i)
@@ -68,7 +81,9 @@ async def _round(url: str, model: str, n: int, max_tokens: int) -> dict:
             "whole_run_tps": sum(r["tokens"] for r in res) / (t1 - t0),
             "all_active_tps": sum(rates) if window > 0 else None,
             "all_active_window_s": window,
-            "mean_ttft_s": sum(r["first"] - r["start"] for r in res) / n}
+            "mean_ttft_s": sum(r["first"] - r["start"] for r in res) / n,
+            "drafts_proposed": _counter(url, "tandem_spec_draft_tokens_total") - drafts0[0],
+            "drafts_accepted": _counter(url, "tandem_spec_accepted_tokens_total") - drafts0[1]}
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -93,10 +108,11 @@ def main() -> int:
     p.add_argument("--port", type=int, default=8188)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--out", type=Path, default=Path("docs/bench/serving_cpu.json"))
+    p.add_argument("--speculation", choices=("off", "narrow", "wide"), default="off")
     args = p.parse_args()
     url = f"http://127.0.0.1:{args.port}"
     cmd = [sys.executable, "-m", "daemon.cli", "serve", "--config", args.config,
-           "--port", str(args.port)]
+           "--port", str(args.port), "--speculation", args.speculation]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_ready(url, proc)
@@ -112,12 +128,13 @@ def main() -> int:
     report = {"machine": f"{platform.node()} ({platform.processor() or platform.machine()}, "
                          f"{__import__('os').cpu_count()} cores)",
               "command": " ".join(["python", "scripts/bench_serving.py", *sys.argv[1:]]),
-              "config": args.config, "speculation": "off", "rounds": rounds}
+              "config": args.config, "speculation": args.speculation, "rounds": rounds}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     for r in rounds:
         print(f"{r['streams']} streams: {r['all_active_tps']:.1f} tok/s all-active, "
-              f"{r['whole_run_tps']:.1f} tok/s whole run, TTFT {r['mean_ttft_s'] * 1e3:.0f} ms")
+              f"{r['whole_run_tps']:.1f} tok/s whole run, TTFT {r['mean_ttft_s'] * 1e3:.0f} ms, "
+              f"drafts {r['drafts_accepted']:.0f}/{r['drafts_proposed']:.0f} accepted")
     return 0
 
 
