@@ -250,8 +250,10 @@ class ExpertsSection:
 class SpeculationSection:
     """``mode``: "off"; "narrow" (each drafted slot verified in its own forward pass) or
     "wide" (2-4 drafted slots verified together in one pass, narrow otherwise). Drafts come
-    from ``proposer`` ("suffix": the request's own history), ``num_drafts`` per slot and step,
-    after a suffix of at least ``min_match`` tokens matched. Tokens are those of "off"."""
+    from ``proposer``: "suffix" (the request's own history, after a suffix of at least
+    ``min_match`` tokens matched) or "mtp" (the model's MTP head, run by the worker after
+    each step; no drafts from a model without one); ``num_drafts`` per slot and step.
+    Tokens are those of "off"."""
 
     mode: str = "off"
     proposer: str = "suffix"
@@ -262,9 +264,6 @@ class SpeculationSection:
     def __post_init__(self) -> None:
         _str("speculation.mode", self.mode, ("off", "narrow", "wide"))
         _str("speculation.proposer", self.proposer, ("suffix", "mtp"))
-        if self.proposer == "mtp":
-            _fail("speculation.proposer", "the MTP proposer is not implemented yet; use "
-                  "'suffix'", self.proposer)
         _int("speculation.num_drafts", self.num_drafts, 1, 15)
         _int("speculation.min_match", self.min_match, 1, 64)
         _int("speculation.max_match", self.max_match, self.min_match, 64)

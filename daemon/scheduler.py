@@ -50,6 +50,9 @@ class Scheduler:
         # speculation: a config.SpeculationSection (mode, proposer, num_drafts, min/max_match)
         self.speculation = speculation if speculation is not None and \
             speculation.mode != "off" else None
+        mtp = self.speculation is not None and self.speculation.proposer == "mtp"
+        self._mtp_drafts = self.speculation.num_drafts if mtp else 0  # asked of the worker
+        self._source = DraftSource.MTP if mtp else DraftSource.SUFFIX
         self.preemption = preemption
         self.max_slots = max_slots
         self.max_context = max_context
@@ -193,6 +196,7 @@ class Scheduler:
             seq = self.slots[work.slot]
             # the input rows and the accepted drafts are in the worker's cache now
             seq.processed = work.start_pos + work.num_tokens + res.num_accepted
+            seq.mtp_drafts = list(res.drafts)
             if work.kind == WorkKind.PREFILL:
                 prompt_tokens += work.num_tokens
             else:
@@ -231,13 +235,14 @@ class Scheduler:
                                   top_p=seq.req.sampling.top_p, top_k=seq.req.sampling.top_k,
                                   min_p=seq.req.sampling.min_p, seed=seq.seed)
         common = dict(slot=slot, request_id=seq.req.request_id, sampling=sampling,
-                      prompt_len=len(seq.prompt), cached_len=seq.cached)
+                      prompt_len=len(seq.prompt), cached_len=seq.cached,
+                      mtp_drafts=self._mtp_drafts)
         if not seq.in_prefill:
             drafts = self._drafts(seq)
             return SlotWork(kind=WorkKind.DECODE, start_pos=seq.processed, num_tokens=1,
                             input_ids=token_array([seq.token_at(seq.processed)]),
                             needs_logits=True, draft_ids=token_array(drafts),
-                            draft_sources=np.full(len(drafts), DraftSource.SUFFIX, np.uint8),
+                            draft_sources=np.full(len(drafts), self._source, np.uint8),
                             **common)
         start, target = seq.processed, seq.prefill_len
         common["prompt_len"] = target
@@ -258,12 +263,14 @@ class Scheduler:
         spec = self.speculation
         if spec is None:
             return []
+        room = min(spec.num_drafts, seq.req.max_tokens - len(seq.generated) - 1,
+                   self.max_context - seq.processed - 1)
+        if spec.proposer == "mtp":  # the worker's MTP head proposed them with the last result
+            return seq.mtp_drafts[:max(room, 0)]
         if seq.proposer is None:
             seq.proposer = SuffixProposer(spec.min_match, spec.max_match)
         total = len(seq.prompt) + len(seq.generated)
         seq.proposer.extend(seq.tokens(len(seq.proposer), total))
-        room = min(spec.num_drafts, seq.req.max_tokens - len(seq.generated) - 1,
-                   self.max_context - seq.processed - 1)
         return seq.proposer.propose(room)
 
     def _checkpoint(self, slot: int, tokens: list[int], after: list[CacheOp]) -> None:

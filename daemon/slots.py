@@ -29,6 +29,7 @@ class Sequence:
     t_submit: float = dataclasses.field(default_factory=time.monotonic)
     t_last: float | None = None
     proposer: object | None = None  # SuffixProposer once speculation drafts for it
+    mtp_drafts: list[int] = dataclasses.field(default_factory=list)  # the worker's, last step
 
     @property
     def prompt(self) -> list[int]:

@@ -55,6 +55,9 @@ class Runner:
         self.expert_step = expert_step  # (forward) -> its result, the CPU experts' step ended
         self.entries: dict[int, Entry] = {}
         self.lengths: dict[int, int] = {}  # tokens in each allocated slot's cache
+        # MTP: a slot's last committed row whose next token was not known yet (a non-final
+        # prefill chunk): (position, final hidden row); its MTP row runs in the next step
+        self._mtp_pending: dict[int, tuple[int, object]] = {}
 
     @property
     def kv(self):
@@ -138,8 +141,10 @@ class Runner:
             raise
         logits = to_numpy(out.logits)
         results = []
+        committed = {}
         for w in work:
             tokens, accepted = self._sample(w, logits, first.get(w.slot))
+            committed[w.slot] = (w.num_tokens + accepted, tokens)
             self.lengths[w.slot] = w.start_pos + w.num_tokens + accepted
             if len(w.draft_ids) and states is not None:
                 states.adopt(w.slot, w.num_tokens + accepted)
@@ -153,7 +158,74 @@ class Runner:
                                    prompt_len=w.prompt_len, cached_len=w.cached_len)))
         if states is not None:
             states.verify = {}
+        if self.model.mtp is not None and any(w.mtp_drafts for w in work):
+            drafts = self._mtp(work, batch, out.hidden, committed)
+            for res in results:
+                res.drafts = drafts.get(res.slot, [])
         return results
+
+    def _mtp(self, work: list[SlotWork], batch: RaggedBatch, hidden, committed: dict
+             ) -> dict[int, list[int]]:
+        """The MTP head after a pass: its rows for every committed position of the slots
+        that asked (``mtp_drafts``): row t holds token t+1 and the final hidden state h_t,
+        which keeps the head's own KV complete; then, from the last committed row, up to
+        ``mtp_drafts`` argmax drafts, each chained on the head's previous output."""
+        xp = self.model.xp
+        parts, rows_h, last_row, last_pos = [], [], {}, {}
+        for w, seg in zip(work, batch.segments, strict=True):
+            if not w.mtp_drafts:
+                self._mtp_pending.pop(w.slot, None)
+                continue
+            count, tokens = committed[w.slot]
+            ids = [int(t) for t in np.concatenate([w.input_ids, w.draft_ids])]
+            nxt = ids[1:count] + ([tokens[-1]] if tokens else [])  # token after each row
+            start, hid = w.start_pos, [xp.arange(seg.row0, seg.row0 + len(nxt))]
+            pending = self._mtp_pending.pop(w.slot, None)
+            pre = []
+            if pending is not None and pending[0] == w.start_pos - 1:
+                start, nxt, pre = w.start_pos - 1, [ids[0]] + nxt, [pending[1][None]]
+            if len(nxt) < count + len(pre):  # the last row's next token comes next step
+                self._mtp_pending[w.slot] = (w.start_pos + count - 1,
+                                             hidden[seg.row0 + count - 1])
+            if not nxt:
+                continue
+            parts.append((w.slot, start, nxt))
+            rows_h.append(xp.concatenate(pre + [hidden[hid[0]]], axis=0) if pre
+                          else hidden[hid[0]])
+            if tokens:
+                last_pos[w.slot] = start + len(nxt) - 1
+        if not parts:
+            return {}
+        mbatch = RaggedBatch.build(parts)
+        ends = {seg.slot: seg.row0 + seg.num - 1 for seg in mbatch.segments}
+        want = [s for s, _, _ in parts if s in last_pos]
+        for s in want:
+            last_row[s] = ends[s]
+        out = self.model.mtp_forward(mbatch, xp.concatenate(rows_h, axis=0), self.caches,
+                                     np.asarray([last_row[s] for s in want], dtype=np.int64))
+        if not want:  # prompt chunks only: the head's KV is written, nothing to propose
+            return {}
+        k_of = {w.slot: w.mtp_drafts for w in work}
+        drafts: dict[int, list[int]] = {s: [] for s in want}
+        logits = to_numpy(out.logits)
+        h = out.hidden[xp.asarray(np.asarray([last_row[s] for s in want], dtype=np.int64))]
+        live = want
+        while live:
+            picks = logits.argmax(axis=-1)
+            for s, d in zip(live, picks, strict=True):
+                drafts[s].append(int(d))
+            # chain: one more row per slot at the next position, on the head's own output
+            keep = [i for i, s in enumerate(live) if len(drafts[s]) < min(
+                k_of[s], self.max_context - 1 - last_pos[s])]
+            if not keep:
+                break
+            live = [live[i] for i in keep]
+            cbatch = RaggedBatch.build([(s, last_pos[s] + len(drafts[s]), [drafts[s][-1]])
+                                        for s in live])
+            out = self.model.mtp_forward(cbatch, h[xp.asarray(np.asarray(keep, np.int64))],
+                                         self.caches)
+            logits, h = to_numpy(out.logits), out.hidden
+        return drafts
 
     @staticmethod
     def _sample(w: SlotWork, logits: np.ndarray, row: int | None) -> tuple[list[int], int]:
@@ -202,6 +274,7 @@ class Runner:
     def _release(self, slot: int) -> None:
         self.caches.reset_slot(slot)
         self.lengths.pop(slot, None)
+        self._mtp_pending.pop(slot, None)
 
     def _entry(self, entry_id: int) -> Entry:
         return self.entries[self._check_entry(entry_id)]

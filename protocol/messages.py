@@ -225,9 +225,11 @@ class SlotWork:
     draft_sources: np.ndarray = array_field(np.uint8, 1, empty=True)  # [k] DraftSource
     prompt_len: int
     cached_len: int = 0
+    mtp_drafts: int = 0  # keep the slot's MTP state and propose this many drafts after it
 
     def __post_init__(self) -> None:
         _check(self.slot >= 0 and self.start_pos >= 0, "slot and start_pos must be >= 0")
+        _check(0 <= self.mtp_drafts <= 64, "mtp_drafts must be in 0..64")
         _check(self.num_tokens == len(self.input_ids) > 0,
                "num_tokens must equal len(input_ids) > 0")
         _check(len(self.draft_ids) == len(self.draft_sources), "one draft source per draft")
@@ -301,6 +303,7 @@ class SlotResult:
     num_accepted: int  # drafts accepted
     prompt: PromptPhase | None  # None only from a worker without prompt_phase_metadata
     logprobs: list[float] | None = None  # one per token_ids entry
+    drafts: list[int] = field(default_factory=list)  # MTP drafts for the slot's next step
 
     def __post_init__(self) -> None:
         _check(0 <= self.num_accepted <= max(len(self.token_ids) - 1, 0), "num_accepted too big")

@@ -117,8 +117,6 @@ def test_qwen3_next_example_names_its_missing_model(tmp_path):
      "worker only"),
     ("[experts]\ncpu_cores = [[0, -1]]\n", "experts.cpu_cores: must be a list of non-empty"),
     ("[experts]\ncpu_cores = [[]]\n", "experts.cpu_cores: must be a list of non-empty"),
-    ("[speculation]\nproposer = \"mtp\"\n", "speculation.proposer: the MTP proposer is not "
-     "implemented yet"),
     ("[speculation]\nproposer = \"ngram\"\n", "speculation.proposer: must be one of"),
     ("[speculation]\nnum_drafts = 0\n", "speculation.num_drafts: must be >= 1"),
     ("[speculation]\nnum_drafts = 16\n", "speculation.num_drafts: must be <= 15"),

@@ -60,16 +60,23 @@ class _Worker:
 
 
 async def _drain(sched, handles):
-    loop = asyncio.create_task(sched.run())
-    out = []
-    for h in handles:
-        ids, finish = [], None
-        async for ev in h:
-            ids += ev.token_ids
-            finish = ev.finish_reason
-        out.append((ids, finish))
+    async def consume():
+        out = []
+        for h in handles:
+            ids, finish = [], None
+            async for ev in h:
+                ids += ev.token_ids
+                finish = ev.finish_reason
+            out.append((ids, finish))
+        return out
+
+    loop, reader = asyncio.create_task(sched.run()), asyncio.create_task(consume())
+    await asyncio.wait({loop, reader}, return_when=asyncio.FIRST_COMPLETED)
+    if loop.done():  # the step loop died (a worker error): fail now, do not hang
+        reader.cancel()
+        loop.result()
     loop.cancel()
-    return out
+    return reader.result()
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_moe"])
@@ -172,3 +179,44 @@ def test_plan_with_drafts_past_the_context_is_refused(model):
             start_pos=12, num_tokens=1, needs_logits=True, prompt_len=12,
             draft_ids=token_array([1, 2, 3, 4]), draft_sources=np.full(4, 2, np.uint8),
             sampling=SamplingParams(temperature=0, seed=1))]))
+
+
+# ---- MTP drafts -------------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_mtp_drafts_give_the_tokens_of_plain_decoding(model, temperature):
+    """The worker's MTP head proposes (its KV kept over prompt chunks and accepted rows);
+    whatever it proposes, the tokens are plain decoding's."""
+    plain, _ = _serve(model, "off", temperature)
+    for mode in ("narrow", "wide"):
+        got, worker = _serve(model, mode, temperature, proposer="mtp", num_drafts=3)
+        assert got == plain, mode
+        proposed, _ = _drafts(worker)
+        if model.mtp is None:  # Qwen3-MoE has no MTP head: no drafts, plain decoding
+            assert proposed == 0
+            continue
+        assert proposed > 0
+        sources = {int(s) for p in worker.plans for w in p.slots for s in w.draft_sources}
+        assert sources == {1}  # DraftSource.MTP
+
+
+def test_mtp_drafts_of_the_embedded_model_are_often_right():
+    """The shipped model's MTP head (trained; 70 % agreement on code) through the scheduler:
+    plain tokens, and a good share of its drafts accepted."""
+    from daemon.cli import DEFAULT_MODEL
+    from daemon.tokenizer import Tokenizer
+
+    engine = Engine.from_dir(DEFAULT_MODEL, dtype="float64", max_slots=SLOTS, max_len=CONTEXT)
+    tok = Tokenizer.from_dir(DEFAULT_MODEL)
+    prompts = [tok.encode(t) for t in ("def reverse(s):\n    return s[::-1]\n\n\ndef ",
+                                       "import os\nimport sys\n\n\nclass Config:\n",
+                                       "The quick brown fox")]
+    global PROMPTS
+    saved, PROMPTS = PROMPTS, prompts
+    try:
+        plain, _ = _serve(engine.model, "off", 0.0)
+        got, worker = _serve(engine.model, "wide", 0.0, proposer="mtp", num_drafts=3)
+    finally:
+        PROMPTS = saved
+    assert got == plain
+    proposed, accepted = _drafts(worker)
+    assert accepted >= 0.25 * proposed > 0, (proposed, accepted)
