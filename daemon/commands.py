@@ -20,6 +20,8 @@ def register(sub: Any) -> None:
     serve.add_argument("--port", type=int, default=None, help="HTTP port ([server] port)")
     serve.add_argument("--speculation", choices=("off", "narrow", "wide"), default=None,
                        help="speculative decoding ([speculation] mode)")
+    serve.add_argument("--proposer", choices=("suffix", "mtp"), default=None,
+                       help="where drafts come from ([speculation] proposer)")
     serve.set_defaults(func=run_serve)
 
     check = sub.add_parser("check-config", help="validate a config file and summarize it")
@@ -31,7 +33,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
     """The config file of `args` with its command-line overrides applied (ConfigError)."""
     return load_config(args.config, {"model.path": args.model, "server.host": args.host,
                                      "server.port": args.port,
-                                     "speculation.mode": getattr(args, "speculation", None)})
+                                     "speculation.mode": getattr(args, "speculation", None),
+                                     "speculation.proposer": getattr(args, "proposer", None)})
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -109,10 +109,12 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--out", type=Path, default=Path("docs/bench/serving_cpu.json"))
     p.add_argument("--speculation", choices=("off", "narrow", "wide"), default="off")
+    p.add_argument("--proposer", choices=("suffix", "mtp"), default="suffix")
     args = p.parse_args()
     url = f"http://127.0.0.1:{args.port}"
     cmd = [sys.executable, "-m", "daemon.cli", "serve", "--config", args.config,
-           "--port", str(args.port), "--speculation", args.speculation]
+           "--port", str(args.port), "--speculation", args.speculation,
+           "--proposer", args.proposer]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_ready(url, proc)
@@ -128,7 +130,8 @@ def main() -> int:
     report = {"machine": f"{platform.node()} ({platform.processor() or platform.machine()}, "
                          f"{__import__('os').cpu_count()} cores)",
               "command": " ".join(["python", "scripts/bench_serving.py", *sys.argv[1:]]),
-              "config": args.config, "speculation": args.speculation, "rounds": rounds}
+              "config": args.config, "speculation": args.speculation, "proposer": args.proposer,
+              "rounds": rounds}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     for r in rounds:

@@ -272,9 +272,10 @@ def test_serve_flags_override_the_file(tmp_path):
     assert config.speculation.mode == "off"
     file = _write(tmp_path, '[speculation]\nmode = "narrow"\nnum_drafts = 6\nmin_match = 3\n')
     args = _parser().parse_args(["serve", "--config", str(file), "--model", str(model),
-                                 "--speculation", "wide"])
+                                 "--speculation", "wide", "--proposer", "mtp"])
     spec = commands.config_from_args(args).speculation
-    assert (spec.mode, spec.num_drafts, spec.min_match, spec.max_match) == ("wide", 6, 3, 8)
+    assert (spec.mode, spec.proposer, spec.num_drafts, spec.min_match, spec.max_match) == (
+        "wide", "mtp", 6, 3, 8)
 
 
 def test_serve_refuses_a_bad_config_before_starting(tmp_path, capsys):
