@@ -256,11 +256,13 @@ async def _one(url):
         return await chat(s, url, "after restart", 4)
 
 
-def test_speculation_over_http_equals_generate_alone(model, tmp_path):
-    """Wide speculation with suffix drafts behind the real daemon: four concurrent streams
-    (greedy, and one sampled) print what plain `tandem generate` prints; drafts were verified
-    and counted in /metrics."""
-    srv = Server(tmp_path, model, speculation={"mode": "wide", "min_match": 1}).start()
+@pytest.mark.parametrize("proposer", ["suffix", "mtp"])
+def test_speculation_over_http_equals_generate_alone(model, tmp_path, proposer):
+    """Wide speculation behind the real daemon: four concurrent streams (greedy, and one
+    sampled) print what plain `tandem generate` prints; drafts were verified and counted in
+    /metrics."""
+    srv = Server(tmp_path, model, speculation={"mode": "wide", "min_match": 1,
+                                               "proposer": proposer}).start()
     try:
         async def go():
             async with aiohttp.ClientSession() as s:
