@@ -312,28 +312,33 @@ class PinnedRing:
             self.cp.cuda.runtime.hostUnregister(self.addr)
             self.addr = 0
 
-    def _inputs(self, q, d16, ids, weights):
-        """The layer's arrays in the kernels' layouts, and the ring's views for them."""
-        cp = self.cp
+    def _arrays(self, q, d16, ids, weights) -> tuple:
+        """The layer's arrays checked against the ring and in the kernels' layouts."""
+        cp, pool = self.cp, self.pool
         R, k = ids.shape
-        pool = self.pool
+        H = pool.hidden
         if not 0 < R <= pool.max_rows or not 0 < k <= pool.max_k:
             raise ValueError(f"rows={R}, k={k}: want 1..{pool.max_rows} rows and "
                              f"1..{pool.max_k} experts per row")
+        if q.shape != (R, H) or q.dtype.itemsize != 1 or d16.shape != (R, H // 32) \
+                or d16.dtype.itemsize != 2 or weights.shape != (R, k):
+            raise ValueError(f"q {q.dtype} {q.shape} / scales {d16.dtype} {d16.shape} / "
+                             f"weights {weights.shape} do not fit {R} rows of {H}, top-{k}")
         ids = _as(cp, ids, cp.int64, 8)
         w = _as(cp, weights, cp.float32, 4)
         if not q.flags.c_contiguous:
             q = cp.ascontiguousarray(q)
         if not d16.flags.c_contiguous:
             d16 = cp.ascontiguousarray(d16)
-        ring = pool.ring
-        xq, xd = ring.xq[:R], ring.xd[:R]
+        return q, d16, ids, w
+
+    def _inputs(self, q, d16, ids, weights):
+        """:meth:`_arrays`, and the ring's views for them."""
+        q, d16, ids, w = self._arrays(q, d16, ids, weights)
+        R, k = ids.shape
+        ring = self.pool.ring
         ids_v, w_v = ring.pairs(R, k)
-        if q.shape != xq.shape or q.dtype.itemsize != 1 or d16.shape != xd.shape \
-                or d16.dtype.itemsize != 2:
-            raise ValueError(f"q {q.dtype} {q.shape} / scales {d16.dtype} {d16.shape} do not "
-                             f"fit the ring's {xq.shape} / {xd.shape}")
-        return q, d16, ids, w, (xq, xd, ids_v, w_v)
+        return q, d16, ids, w, (ring.xq[:R], ring.xd[:R], ids_v, w_v)
 
     @staticmethod
     def _stage_args(q, d16, ids, w, on_cpu, first_cpu: int, views) -> tuple:
@@ -448,21 +453,9 @@ class PinnedRing:
             raise RuntimeError("gather() the last launch() first")
         if layer not in pool.layers:
             raise KeyError(f"layer {layer} has no CPU experts (have {sorted(pool.layers)})")
+        q, d16, ids, w = self._arrays(q, d16, ids, weights)
         R, k = ids.shape
         H = pool.hidden
-        if not 0 < R <= pool.max_rows or not 0 < k <= pool.max_k:
-            raise ValueError(f"rows={R}, k={k}: want 1..{pool.max_rows} rows and "
-                             f"1..{pool.max_k} experts per row")
-        if q.shape != (R, H) or q.dtype.itemsize != 1 or d16.shape != (R, H // 32) \
-                or d16.dtype.itemsize != 2 or weights.shape != (R, k):
-            raise ValueError(f"q {q.dtype} {q.shape} / scales {d16.dtype} {d16.shape} / "
-                             f"weights {weights.shape} do not fit {R} rows of {H}, top-{k}")
-        ids = _as(cp, ids, cp.int64, 8)
-        w = _as(cp, weights, cp.float32, 4)
-        if not q.flags.c_contiguous:
-            q = cp.ascontiguousarray(q)
-        if not d16.flags.c_contiguous:
-            d16 = cp.ascontiguousarray(d16)
         stream = cp.cuda.get_current_stream()
         if self._session is None:
             if self._stream is not None:

@@ -14,31 +14,9 @@ from gpu_worker.engine import Engine
 from gpu_worker.runner import Runner
 from gpu_worker.sampling import SamplingParams
 from gpu_worker.tiny_model import make_tiny_model
+from tests.harness import InProcessWorker, drain
 
 pytest.importorskip("cupy")
-
-
-class _Worker:
-    def __init__(self, runner: Runner) -> None:
-        self.runner, self.counters = runner, []
-
-    async def step(self, plan):
-        await asyncio.sleep(0)
-        result = self.runner.execute(plan)
-        self.counters.append(result.counters)
-        return result
-
-
-async def _drain(sched: Scheduler, handles) -> list[list[int]]:
-    loop = asyncio.create_task(sched.run())
-    out = []
-    for h in handles:
-        ids = []
-        async for ev in h:
-            ids += ev.token_ids
-        out.append(ids)
-    loop.cancel()
-    return out
 
 
 def _serve(path, prompts, launched: bool) -> tuple[list[list[int]], list[dict]]:
@@ -55,12 +33,13 @@ def _serve(path, prompts, launched: bool) -> tuple[list[list[int]], list[dict]]:
                         expert_stats=placement.take_stats, expert_step=placement.step)
         sched = Scheduler(max_slots=3, max_context=128, max_queue=4, prefill_chunk=16,
                           block_size=4, checkpoint_interval=8, prefix_blocks=32)
-        worker = _Worker(runner)
+        worker = InProcessWorker(runner)
         sched.attach(worker)
         handles = [sched.submit(GenerationRequest(
             f"r{i}", p, SamplingParams(temperature=0.8 if i else 0.0, seed=i), 24, eos=False))
             for i, p in enumerate(prompts)]
-        return asyncio.run(_drain(sched, handles)), worker.counters
+        out = asyncio.run(drain(sched, handles))
+        return [ids for ids, _ in out], [r.counters for r in worker.results]
     finally:
         engine.close()
 

@@ -14,19 +14,7 @@ from gpu_worker.engine import Engine
 from gpu_worker.runner import Runner
 from gpu_worker.sampling import SamplingParams
 from gpu_worker.tiny_model import make_tiny_model
-
-
-class InProcessWorker:
-    """The real Runner behind the scheduler's ``async step(plan)`` interface."""
-
-    def __init__(self, runner: Runner) -> None:
-        self.runner = runner
-        self.plans = []
-
-    async def step(self, plan):
-        self.plans.append(plan)
-        await asyncio.sleep(0)  # like a real worker, let the front ends run during a step
-        return self.runner.execute(plan)
+from tests.harness import InProcessWorker, drain
 
 
 @pytest.fixture(scope="module")
@@ -51,19 +39,6 @@ def _req(rid, prompt, n=12, priority=0, seed=1, temperature=0.0):
                              n, priority=priority, eos=False)
 
 
-async def _drain(sched, handles):
-    loop = asyncio.create_task(sched.run())
-    out = []
-    for h in handles:
-        ids, finish = [], None
-        async for ev in h:
-            ids += ev.token_ids
-            finish = ev.finish_reason
-        out.append((ids, finish))
-    loop.cancel()
-    return out
-
-
 def _alone(model_dir, prompt, n, temperature=0.0, seed=1):
     engine = Engine.from_dir(model_dir, dtype="float64", max_slots=1, max_len=128)
     return engine.generate(np.array(prompt), params=SamplingParams(temperature=temperature,
@@ -74,7 +49,7 @@ def test_batched_sampled_requests_equal_alone(model_dir):
     sched, worker, _ = _setup(model_dir)
     prompts = [list(range(5, 25)), list(range(40, 47)), list(range(100, 131))]
     hs = [sched.submit(_req(f"r{i}", p, temperature=0.9, seed=i)) for i, p in enumerate(prompts)]
-    got = asyncio.run(_drain(sched, hs))
+    got = asyncio.run(drain(sched, hs))
     for i, p in enumerate(prompts):
         assert got[i] == (_alone(model_dir, p, 12, 0.9, i), "length")
     # prefill was chunked at checkpoint boundaries and never mixed two chunks of one slot
@@ -112,7 +87,7 @@ def test_prefix_reuse_shares_checkpoints(model_dir):
     sched, worker, _ = _setup(model_dir, slots=1)
     base = list(range(3, 30))
     hs = [sched.submit(_req("a", base + [1, 2], 5)), sched.submit(_req("b", base + [9], 5))]
-    got = asyncio.run(_drain(sched, hs))
+    got = asyncio.run(drain(sched, hs))
     assert got[1][0] == _alone(model_dir, base + [9], 5)
     shares = [op for plan in worker.plans for op in plan.cache_ops if op.op.name == "SHARE_PREFIX"]
     assert len(shares) == 1 and shares[0].num_tokens == 24  # the last boundary before 27

@@ -18,6 +18,7 @@ from gpu_worker.runner import PlanError, Runner
 from gpu_worker.sampling import SamplingParams
 from gpu_worker.tiny_model import make_tiny_model
 from protocol.messages import CacheOp, CacheOpKind, SlotWork, StepPlan, WorkKind, token_array
+from tests.harness import InProcessWorker, drain
 
 SLOTS, CONTEXT = 3, 160
 
@@ -47,38 +48,6 @@ def test_suffix_proposer_continues_the_latest_longest_match():
 
 
 # ---- exact tokens through the scheduler and the real Runner ---------------------------------
-class _Worker:
-    def __init__(self, runner: Runner) -> None:
-        self.runner, self.plans, self.results = runner, [], []
-
-    async def step(self, plan):
-        await asyncio.sleep(0)
-        result = self.runner.execute(plan)
-        self.plans.append(plan)
-        self.results.append(result)
-        return result
-
-
-async def _drain(sched, handles):
-    async def consume():
-        out = []
-        for h in handles:
-            ids, finish = [], None
-            async for ev in h:
-                ids += ev.token_ids
-                finish = ev.finish_reason
-            out.append((ids, finish))
-        return out
-
-    loop, reader = asyncio.create_task(sched.run()), asyncio.create_task(consume())
-    await asyncio.wait({loop, reader}, return_when=asyncio.FIRST_COMPLETED)
-    if loop.done():  # the step loop died (a worker error): fail now, do not hang
-        reader.cancel()
-        loop.result()
-    loop.cancel()
-    return reader.result()
-
-
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_moe"])
 def model(request, tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("m"), request.param, seed=4,
@@ -109,12 +78,12 @@ def _serve(model, mode: str, temperature: float, n: int = 40, eos_ids=(), oracle
             return d
 
         sched._drafts = drafts
-    worker = _Worker(runner)
+    worker = InProcessWorker(runner)
     sched.attach(worker)
     handles = [sched.submit(GenerationRequest(
         f"r{i}", p, SamplingParams(temperature=temperature, seed=11 + i), n - 3 * i,
         eos=bool(eos_ids))) for i, p in enumerate(PROMPTS)]
-    return asyncio.run(_drain(sched, handles)), worker
+    return asyncio.run(drain(sched, handles)), worker
 
 
 def _drafts(worker) -> tuple[int, int]:
