@@ -317,7 +317,10 @@ class Runner:
         n = self.lengths.get(slot)
         if n is None:
             raise PlanError(f"SWAP_OUT of unallocated slot {slot}")
-        table = np.asarray(self.kv.tables.get(slot, []), dtype=np.int64)
+        # NOTE: only the blocks of the committed tokens: rejected drafts may have grown the
+        # table past them (their rows are never read)
+        blocks = self.kv.tables.get(slot, [])[: self.kv.blocks_for(n)]
+        table = np.asarray(blocks, dtype=np.int64)
         host = (to_numpy(self.kv.k[:, table]).copy(), to_numpy(self.kv.v[:, table]).copy())
         state = self.caches.states.snapshot(slot) if self.caches.states is not None else None
         if state is not None:

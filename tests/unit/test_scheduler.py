@@ -7,6 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from daemon.config import SpeculationSection
 from daemon.prefix_cache import PrefixCache
 from daemon.requests import GenerationRequest, QueueFull, RequestRejected
 from daemon.scheduler import Scheduler
@@ -22,13 +23,20 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("m"), "qwen3_next", seed=3, tokenizer=False)
 
 
-def _setup(model_dir, *, slots=2, interval=8, preemption="swap", prefix_blocks=64):
+# speculation arms the stateful paths (preemption, prefix reuse) run under too
+SPECULATION = {"off": None,
+               "wide-suffix": SpeculationSection(mode="wide", min_match=1, num_drafts=3),
+               "narrow-mtp": SpeculationSection(mode="narrow", proposer="mtp", num_drafts=2)}
+
+
+def _setup(model_dir, *, slots=2, interval=8, preemption="swap", prefix_blocks=64,
+           speculation=None):
     engine = Engine.from_dir(model_dir, dtype="float64", max_slots=slots, max_len=128)
     runner = Runner(engine.model, max_slots=slots, max_context=128, block_size=4,
                     extra_blocks=prefix_blocks)
     sched = Scheduler(max_slots=slots, max_context=128, max_queue=4, prefill_chunk=16,
                       block_size=4, checkpoint_interval=interval, prefix_blocks=prefix_blocks,
-                      preemption=preemption)
+                      preemption=preemption, speculation=speculation)
     worker = InProcessWorker(runner)
     sched.attach(worker)
     return sched, worker, engine
@@ -58,9 +66,11 @@ def test_batched_sampled_requests_equal_alone(model_dir):
     assert max(prefill_sizes) <= 8
 
 
+@pytest.mark.parametrize("spec", list(SPECULATION))
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_priority_preemption_resumes_identically(model_dir, mode):
-    sched, worker, _ = _setup(model_dir, slots=1, preemption=mode)
+def test_priority_preemption_resumes_identically(model_dir, mode, spec):
+    sched, worker, _ = _setup(model_dir, slots=1, preemption=mode,
+                              speculation=SPECULATION[spec])
     low_prompt, high_prompt = list(range(7, 30)), list(range(60, 70))
 
     async def go():
@@ -83,8 +93,9 @@ def test_priority_preemption_resumes_identically(model_dir, mode):
         assert "SWAP_OUT" not in ops and ops.count("ALLOCATE") == 3
 
 
-def test_prefix_reuse_shares_checkpoints(model_dir):
-    sched, worker, _ = _setup(model_dir, slots=1)
+@pytest.mark.parametrize("spec", list(SPECULATION))
+def test_prefix_reuse_shares_checkpoints(model_dir, spec):
+    sched, worker, _ = _setup(model_dir, slots=1, speculation=SPECULATION[spec])
     base = list(range(3, 30))
     hs = [sched.submit(_req("a", base + [1, 2], 5)), sched.submit(_req("b", base + [9], 5))]
     got = asyncio.run(drain(sched, hs))
