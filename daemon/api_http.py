@@ -231,12 +231,14 @@ class HttpApi:
         log.info("request_submitted", kind=req.kind, prompt_tokens=len(prompt_ids),
                  max_tokens=gen.max_tokens, stream=req.stream, priority=req.priority)
         timeout = self.config.limits.request_timeout_s
+        split = self.config.server.split_reasoning
         try:
             if req.stream:
                 return await http_answer.stream(request, handle, fmt, len(prompt_ids), timeout,
-                                                req.include_usage, tools=bool(req.tools))
+                                                req.include_usage, tools=bool(req.tools),
+                                                reasoning=split)
             return await http_answer.collect(request, handle, fmt, len(prompt_ids), timeout,
-                                             tools=bool(req.tools))
+                                             tools=bool(req.tools), reasoning=split)
         except asyncio.CancelledError:
             log.info("client_disconnected")
             raise

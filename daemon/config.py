@@ -118,6 +118,7 @@ class ServerSection:
     zmq_curve_public_key: str = ""  # tcp:// only: the server's Z85 public key
     zmq_curve_secret_key_file: Path | None = None  # file holding the Z85 secret key
     zmq_curve_client_keys: tuple[str, ...] = ()  # Z85 public keys allowed to connect
+    split_reasoning: bool = True  # chat: a leading <think> block -> reasoning_content
 
     def __post_init__(self) -> None:
         _str("server.host", self.host)
@@ -129,6 +130,7 @@ class ServerSection:
         if self.api_keys_file is not None:
             _path("server.api_keys_file", self.api_keys_file)
         _bool("server.allow_insecure_public", self.allow_insecure_public)
+        _bool("server.split_reasoning", self.split_reasoning)
         _int("server.max_body_bytes", self.max_body_bytes, 1024, 1 << 30)
         _num("server.shutdown_grace_s", self.shutdown_grace_s, 0)
         _path("server.run_dir", self.run_dir)

@@ -20,6 +20,7 @@ import structlog
 from aiohttp import web
 
 from daemon.openai_format import Formatter
+from daemon.openai_reasoning import ReasoningStream, split_reasoning
 from daemon.openai_schema import ApiError
 from daemon.openai_tools import ToolCallStream, parse_tool_calls
 from daemon.requests import RequestEvent, RequestHandle
@@ -83,9 +84,11 @@ def _finished(start: float, finish_reason: str | None, usage: dict[str, Any]) ->
 
 
 async def collect(request: web.Request, handle: RequestHandle, fmt: Formatter, n_prompt: int,
-                  timeout_s: float, tools: bool = False) -> web.Response:
+                  timeout_s: float, tools: bool = False,
+                  reasoning: bool = False) -> web.Response:
     """The whole answer as one JSON object (ApiError when the request failed). With `tools`,
-    tool-call blocks of a completed answer become `tool_calls`."""
+    tool-call blocks of a completed answer become `tool_calls`; with `reasoning` (chat), a
+    leading <think> block becomes `reasoning_content`."""
     start, texts, count, last = time.monotonic(), [], 0, None
     try:
         async with contextlib.aclosing(events(request, handle, timeout_s)) as stream:
@@ -101,18 +104,21 @@ async def collect(request: web.Request, handle: RequestHandle, fmt: Formatter, n
         raise failed(last)
     usage = fmt.usage(last.usage, n_prompt, count)
     _finished(start, last.finish_reason, usage)
-    text, calls, finish = "".join(texts), [], last.finish_reason
+    text, calls, finish, thought = "".join(texts), [], last.finish_reason, None
+    if reasoning and fmt.kind == "chat":
+        thought, text = split_reasoning(text)
     if tools and finish == "stop":
         text, calls = parse_tool_calls(text)
         finish = "tool_calls" if calls else finish
-    return web.json_response(fmt.response(text, finish, usage, calls))
+    return web.json_response(fmt.response(text, finish, usage, calls, thought))
 
 
 async def stream(request: web.Request, handle: RequestHandle, fmt: Formatter, n_prompt: int,
-                 timeout_s: float, include_usage: bool,
-                 tools: bool = False) -> web.StreamResponse:
+                 timeout_s: float, include_usage: bool, tools: bool = False,
+                 reasoning: bool = False) -> web.StreamResponse:
     """Server-sent events. Errors after the headers went out become an error event. With
-    `tools`, text from a `<tool_call>` tag on is held back and sent as `tool_calls`."""
+    `tools`, text from a `<tool_call>` tag on is held back and sent as `tool_calls`; with
+    `reasoning` (chat), a leading <think> block is sent as `reasoning_content` deltas."""
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
         "X-Accel-Buffering": "no", "X-Request-Id": fmt.request_id})
@@ -123,17 +129,29 @@ async def stream(request: web.Request, handle: RequestHandle, fmt: Formatter, n_
 
     start, count = time.monotonic(), 0
     calls = ToolCallStream() if tools else None
+    thought = ReasoningStream() if reasoning and fmt.kind == "chat" else None
+
+    async def send_text(pieces: list[tuple[str, str]]) -> None:
+        for kind, piece in pieces:
+            if kind == "reasoning":
+                await send(fmt.chunk(reasoning=piece, include_usage=include_usage))
+                continue
+            piece = calls.feed(piece) if calls else piece
+            if piece:
+                await send(fmt.chunk(text=piece, include_usage=include_usage))
+
     try:
         if fmt.kind == "chat":
             await send(fmt.chunk(role=True, include_usage=include_usage))
         async with contextlib.aclosing(events(request, handle, timeout_s)) as stream_:
             async for event in stream_:
                 count += len(event.token_ids)
-                text = calls.feed(event.text) if calls else event.text
-                if text:
-                    await send(fmt.chunk(text=text, include_usage=include_usage))
+                await send_text(thought.feed(event.text) if thought
+                                else [("content", event.text)])
                 if event.finish_reason in DONE:
                     finish = event.finish_reason
+                    if thought is not None:
+                        await send_text(thought.finish())
                     if calls is not None:
                         rest, found = calls.finish(parse=finish == "stop")
                         if rest:

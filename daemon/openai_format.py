@@ -32,13 +32,16 @@ class Formatter:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     def response(self, text: str, finish_reason: str, usage: dict[str, Any],
-                 tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """The whole (non-streamed) answer."""
+                 tool_calls: list[dict[str, Any]] | None = None,
+                 reasoning: str | None = None) -> dict[str, Any]:
+        """The whole (non-streamed) answer; chat's ``reasoning`` goes to reasoning_content."""
         if self.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if tool_calls:
                 message = {"role": "assistant", "content": text or None,
                            "tool_calls": tool_calls}
+            if reasoning:
+                message["reasoning_content"] = reasoning
             choice = {"index": 0, "message": message, "logprobs": None,
                       "finish_reason": finish_reason}
             return {**self._head("chat.completion"), "choices": [choice], "usage": usage}
@@ -46,15 +49,17 @@ class Formatter:
         return {**self._head("text_completion"), "choices": [choice], "usage": usage}
 
     def chunk(self, *, text: str = "", role: bool = False, finish_reason: str | None = None,
-              tool_calls: list[dict[str, Any]] | None = None,
+              tool_calls: list[dict[str, Any]] | None = None, reasoning: str = "",
               include_usage: bool = False) -> dict[str, Any]:
-        """One stream chunk: the assistant role (chat's first chunk), a piece of text, tool
-        calls, or the finish reason. With stream_options.include_usage every chunk has
-        "usage": null."""
+        """One stream chunk: the assistant role (chat's first chunk), a piece of text or of
+        reasoning (chat), tool calls, or the finish reason. With
+        stream_options.include_usage every chunk has "usage": null."""
         if self.kind == "chat":
             delta: dict[str, Any] = {}
             if role:
                 delta = {"role": "assistant", "content": ""}
+            elif reasoning:
+                delta = {"reasoning_content": reasoning}
             elif text:
                 delta = {"content": text}
             elif tool_calls:

@@ -282,3 +282,28 @@ def test_speculation_over_http_equals_generate_alone(model, tmp_path, proposer):
                                seed=5 if i == 3 else 0)
         assert text == alone["text"], prompt
         assert usage["completion_tokens"] == len(alone["token_ids"])
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_reasoning_block_of_the_embedded_model(tmp_path, split):
+    """The embedded model opens every chat answer with an empty <think></think> block: it is
+    not part of `content` (streamed or not) unless `[server] split_reasoning = false`."""
+    from daemon.cli import DEFAULT_MODEL
+
+    srv = Server(tmp_path, DEFAULT_MODEL, server={"split_reasoning": split}).start()
+    try:
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                return await asyncio.gather(
+                    chat(s, srv.url, "Write a Python function that reverses a string", 16),
+                    chat(s, srv.url, "Write a Python function that reverses a string", 16,
+                         stream=False))
+
+        (streamed, _, _), (whole, _, _) = run(go())
+    finally:
+        assert srv.stop() == 0
+    assert streamed == whole
+    if split:
+        assert "<think>" not in whole and "</think>" not in whole and whole.strip()
+    else:
+        assert whole.startswith("<think>")
