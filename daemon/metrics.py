@@ -104,6 +104,12 @@ class Metrics:
         self._accepted = Counter(f"{p}_spec_accepted_tokens",
                                  "Draft tokens accepted by verification (speculation)",
                                  registry=r)
+        self._verifies = Counter(f"{p}_spec_verifies",
+                                 "Slot verifications (a decode row with drafts), by draft "
+                                 "source", ["source"], registry=r)
+        self._accepted_by = Counter(f"{p}_spec_accepted_by_source_tokens",
+                                    "Draft tokens accepted, by draft source (accepted per "
+                                    "verify = this / spec_verifies)", ["source"], registry=r)
         self._restarts = Counter(f"{p}_worker_restarts", "Child processes restarted, by component",
                                  ["component"], registry=r)
         self._throughput = _PromptThroughput()
@@ -149,9 +155,13 @@ class Metrics:
         self._step_prompt.inc(prompt_tokens)
         self._step_decode.inc(decode_tokens)
 
-    def observe_drafts(self, proposed: int, accepted: int) -> None:
+    def observe_drafts(self, source: str, proposed: int, accepted: int) -> None:
+        """One slot's verification: ``proposed`` drafts from ``source`` ("mtp", "suffix"),
+        ``accepted`` of them kept."""
         self._drafts.inc(proposed)
         self._accepted.inc(accepted)
+        self._verifies.labels(source=source).inc()
+        self._accepted_by.labels(source=source).inc(accepted)
 
     def observe_experts(self, gpu_distinct: int, cpu_distinct: int, moe_layers: int,
                         cpu_seconds: float, cpu_bytes: int) -> None:

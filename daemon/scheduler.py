@@ -191,7 +191,7 @@ class Scheduler:
 
     def commit(self, plan: StepPlan, result: StepResult, seconds: float) -> None:
         now = time.monotonic()
-        prompt_tokens = decode_tokens = drafted = accepted = 0
+        prompt_tokens = decode_tokens = 0
         for work, res in zip(plan.slots, result.slots, strict=True):
             seq = self.slots[work.slot]
             # the input rows and the accepted drafts are in the worker's cache now
@@ -201,9 +201,9 @@ class Scheduler:
                 prompt_tokens += work.num_tokens
             else:
                 decode_tokens += work.num_tokens
-            if len(work.draft_ids):
-                drafted += len(work.draft_ids)
-                accepted += res.num_accepted
+            if len(work.draft_ids) and self.metrics is not None:
+                self.metrics.observe_drafts(DraftSource(int(work.draft_sources[0])).name.lower(),
+                                            len(work.draft_ids), res.num_accepted)
             if not res.token_ids:
                 continue
             event = seq.add_tokens(res.token_ids)
@@ -215,8 +215,6 @@ class Scheduler:
                 self._release(work.slot, self._pending_ops)
         if self.metrics is not None:
             self.metrics.observe_step(seconds, plan.num_rows, prompt_tokens, decode_tokens)
-            if drafted:
-                self.metrics.observe_drafts(drafted, accepted)
             self.metrics.set_prompt_throughput(prompt_tokens / seconds if prompt_tokens else None)
             self.metrics.set_active_slots(sum(s is not None for s in self.slots))
             self.metrics.set_queue_depth(len(self.queue))

@@ -277,6 +277,11 @@ def test_speculation_over_http_equals_generate_alone(model, tmp_path, proposer):
     drafts = re.search(r"^tandem_spec_draft_tokens_total (\S+)$", metrics, re.M)
     assert drafts and float(drafts.group(1)) > 0
     assert re.search(r"^tandem_spec_accepted_tokens_total \S+$", metrics, re.M)
+    verifies = re.search(rf'^tandem_spec_verifies_total{{source="{proposer}"}} (\S+)$', metrics,
+                         re.M)
+    assert verifies and float(verifies.group(1)) > 0
+    assert re.search(rf'^tandem_spec_accepted_by_source_tokens_total{{source="{proposer}"}} ',
+                     metrics, re.M)
     for i, (prompt, (text, _, usage)) in enumerate(zip(PROMPTS, results, strict=True)):
         alone = generate_alone(model, prompt, 40, temperature=0.8 if i == 3 else 0.0,
                                seed=5 if i == 3 else 0)
