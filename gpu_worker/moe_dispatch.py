@@ -155,10 +155,7 @@ class ExpertPlacement:
         self._count(ids_host, cpu)
         st = self._stats
         if (~cpu).any():
-            p = self.model.layers[layer].mlp
-            gpu_ids = xp.asarray(np.where(cpu, -1, ids_host))
-            out = experts_local(ops, p["experts.gate_proj"], p["experts.up_proj"],
-                                p["experts.down_proj"], x, gpu_ids, weights)
+            out = self._local(layer, x, xp.asarray(np.where(cpu, -1, ids_host)), weights)
         if cpu.any():
             t0 = time.perf_counter()
             if quant is not None:  # activations already quantized on the GPU (QFUSE)
@@ -184,10 +181,7 @@ class ExpertPlacement:
         self._stats["moe_layers"] += 1
         out = xp.zeros_like(x)
         if first_cpu:  # the GPU's experts run while the CPU workers do theirs
-            p = self.model.layers[layer].mlp
-            gpu_ids = xp.where(on_cpu[ids], -1, ids)
-            out = experts_local(ops, p["experts.gate_proj"], p["experts.up_proj"],
-                                p["experts.down_proj"], x, gpu_ids, weights)
+            out = self._local(layer, x, xp.where(on_cpu[ids], -1, ids), weights)
         if out.dtype == np.float32:
             return self.link.gather(base=out)  # out + (p_0 + p_1 + ...), as the host path
         return out + self.link.gather().astype(ops.dtype)
@@ -209,10 +203,7 @@ class ExpertPlacement:
             self.link.start(layer, R, k)
         out = xp.zeros_like(x)
         if not cpu.all():  # the GPU's experts run while the CPU workers do theirs
-            p = self.model.layers[layer].mlp
-            gpu_ids = xp.where(self._mask_dev[layer][ids], -1, ids)
-            out = experts_local(ops, p["experts.gate_proj"], p["experts.up_proj"],
-                                p["experts.down_proj"], x, gpu_ids, weights)
+            out = self._local(layer, x, xp.where(self._mask_dev[layer][ids], -1, ids), weights)
         if n_cpu:
             if out.dtype == np.float32:
                 out = self.link.collect(base=out)  # out + (p_0 + p_1 + ...), as below
@@ -240,6 +231,12 @@ class ExpertPlacement:
         raise what a worker reported (CpuExpertError, CpuWorkerDied)."""
         if self.link is not None:
             self.link.end_step()
+
+    def _local(self, layer: int, x, gpu_ids, weights):
+        """The backend's own experts of ``layer`` (ids -1: elsewhere)."""
+        p = self.model.layers[layer].mlp
+        return experts_local(self.model.ops, p["experts.gate_proj"], p["experts.up_proj"],
+                             p["experts.down_proj"], x, gpu_ids, weights)
 
     def _count(self, ids_host: np.ndarray, cpu: np.ndarray) -> int:
         """Add one MoE layer's distinct experts to the step counters; returns the CPU's."""

@@ -171,7 +171,7 @@ class Runner:
         which keeps the head's own KV complete; then, from the last committed row, up to
         ``mtp_drafts`` argmax drafts, each chained on the head's previous output."""
         xp = self.model.xp
-        parts, rows_h, last_row, last_pos = [], [], {}, {}
+        parts, rows_h, last_pos = [], [], {}
         for w, seg in zip(work, batch.segments, strict=True):
             if not w.mtp_drafts:
                 self._mtp_pending.pop(w.slot, None)
@@ -179,19 +179,18 @@ class Runner:
             count, tokens = committed[w.slot]
             ids = [int(t) for t in np.concatenate([w.input_ids, w.draft_ids])]
             nxt = ids[1:count] + ([tokens[-1]] if tokens else [])  # token after each row
-            start, hid = w.start_pos, [xp.arange(seg.row0, seg.row0 + len(nxt))]
+            start, known = w.start_pos, hidden[seg.row0:seg.row0 + len(nxt)]
             pending = self._mtp_pending.pop(w.slot, None)
-            pre = []
             if pending is not None and pending[0] == w.start_pos - 1:
-                start, nxt, pre = w.start_pos - 1, [ids[0]] + nxt, [pending[1][None]]
-            if len(nxt) < count + len(pre):  # the last row's next token comes next step
+                start, nxt = w.start_pos - 1, [ids[0]] + nxt
+                known = xp.concatenate([pending[1][None], known], axis=0)
+            if not tokens:  # nothing sampled: the last row's next token comes next step
                 self._mtp_pending[w.slot] = (w.start_pos + count - 1,
                                              hidden[seg.row0 + count - 1])
             if not nxt:
                 continue
             parts.append((w.slot, start, nxt))
-            rows_h.append(xp.concatenate(pre + [hidden[hid[0]]], axis=0) if pre
-                          else hidden[hid[0]])
+            rows_h.append(known)
             if tokens:
                 last_pos[w.slot] = start + len(nxt) - 1
         if not parts:
@@ -199,8 +198,7 @@ class Runner:
         mbatch = RaggedBatch.build(parts)
         ends = {seg.slot: seg.row0 + seg.num - 1 for seg in mbatch.segments}
         want = [s for s, _, _ in parts if s in last_pos]
-        for s in want:
-            last_row[s] = ends[s]
+        last_row = {s: ends[s] for s in want}
         out = self.model.mtp_forward(mbatch, xp.concatenate(rows_h, axis=0), self.caches,
                                      np.asarray([last_row[s] for s in want], dtype=np.int64))
         if not want:  # prompt chunks only: the head's KV is written, nothing to propose

@@ -59,7 +59,7 @@ PROMPTS = [[5, 6, 7, 8] * 6, list(range(20, 44)) + list(range(20, 30)), [3, 1, 4
 
 
 def _serve(model, mode: str, temperature: float, n: int = 40, eos_ids=(), oracle=None,
-           **spec):
+           prompts=PROMPTS, **spec):
     """Three concurrent requests through the scheduler and the Runner. ``oracle``: the
     plain run's outputs; drafts are then its true continuation with one token in two of
     every three steps made wrong (so verification meets long hits and misses)."""
@@ -82,7 +82,7 @@ def _serve(model, mode: str, temperature: float, n: int = 40, eos_ids=(), oracle
     sched.attach(worker)
     handles = [sched.submit(GenerationRequest(
         f"r{i}", p, SamplingParams(temperature=temperature, seed=11 + i), n - 3 * i,
-        eos=bool(eos_ids))) for i, p in enumerate(PROMPTS)]
+        eos=bool(eos_ids))) for i, p in enumerate(prompts)]
     return asyncio.run(drain(sched, handles)), worker
 
 
@@ -179,13 +179,9 @@ def test_mtp_drafts_of_the_embedded_model_are_often_right():
     prompts = [tok.encode(t) for t in ("def reverse(s):\n    return s[::-1]\n\n\ndef ",
                                        "import os\nimport sys\n\n\nclass Config:\n",
                                        "The quick brown fox")]
-    global PROMPTS
-    saved, PROMPTS = PROMPTS, prompts
-    try:
-        plain, _ = _serve(engine.model, "off", 0.0)
-        got, worker = _serve(engine.model, "wide", 0.0, proposer="mtp", num_drafts=3)
-    finally:
-        PROMPTS = saved
+    plain, _ = _serve(engine.model, "off", 0.0, prompts=prompts)
+    got, worker = _serve(engine.model, "wide", 0.0, prompts=prompts, proposer="mtp",
+                         num_drafts=3)
     assert got == plain
     proposed, accepted = _drafts(worker)
     assert accepted >= 0.25 * proposed > 0, (proposed, accepted)
