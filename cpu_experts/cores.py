@@ -1,4 +1,6 @@
-"""Which cores each cpu_experts worker runs on: by default one worker per NUMA node."""
+"""Which cores each cpu_experts worker runs on: by default one worker per NUMA node, less the
+cores kept for the processes that drive the GPU (ARCHITECTURE.md §1: daemon and GPU worker on
+cores 0-1, workers from core 2 on)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,12 @@ import glob
 import os
 
 import numpy as np
+
+# Cores kept free for the daemon and the GPU worker. A worker spins on its ring during a
+# step; sharing a core with the GPU worker's Python thread, which enqueues every kernel, made
+# the step 3-6x slower on the H200 machine (docs/cpu_experts.md, "cores").
+RESERVED_CORES = 2
+MIN_CORES_TO_RESERVE = 8  # smaller machines share every core
 
 
 def numa_core_groups() -> list[list[int]]:
@@ -23,13 +31,24 @@ def numa_core_groups() -> list[list[int]]:
     return groups or [sorted(usable)]
 
 
+def reserved_cores(usable: list[int]) -> list[int]:
+    """The lowest :data:`RESERVED_CORES` usable cores, on machines of at least
+    :data:`MIN_CORES_TO_RESERVE`; none on smaller ones."""
+    usable = sorted(usable)
+    return usable[:RESERVED_CORES] if len(usable) >= MIN_CORES_TO_RESERVE else []
+
+
 def default_core_groups(num_workers: int | None) -> list[list[int]]:
-    """One group per NUMA node when num_workers is None or equals the node count; otherwise the
-    usable cores split into ``num_workers`` contiguous groups of near-equal size."""
-    nodes = numa_core_groups()
+    """Worker core groups over the usable cores less :func:`reserved_cores`: one group per
+    NUMA node when num_workers is None or equals the node count; otherwise those cores split
+    into ``num_workers`` contiguous groups of near-equal size."""
+    usable = sorted(os.sched_getaffinity(0))
+    keep = set(reserved_cores(usable))
+    nodes = [g for g in ([c for c in group if c not in keep] for group in numa_core_groups())
+             if g]
     if num_workers is None or num_workers == len(nodes):
         return nodes
-    usable = sorted(os.sched_getaffinity(0))
-    if num_workers > len(usable):  # more workers than cores: share them all
+    free = [c for c in usable if c not in keep]
+    if num_workers > len(free):  # more workers than cores: share them all
         return [usable] * num_workers
-    return [list(chunk) for chunk in np.array_split(usable, num_workers)]
+    return [list(chunk) for chunk in np.array_split(free, num_workers)]

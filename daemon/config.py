@@ -220,10 +220,14 @@ class ExpertsSection:
     cpu_workers: int = 0  # 0 -> one per NUMA node
     cpu_cores: tuple[tuple[int, ...], ...] = ()  # per worker; () -> derived from NUMA nodes
     cpu_isa: str = "auto"  # CPU expert kernels: auto (the best the CPU has) or one by name
+    # cupy: launched (GPU kernels ring the workers and wait for them on the stream) or sync
+    # (the host rings and waits per layer); same bits (docs/cpu_experts.md)
+    cpu_dispatch: str = "launched"
 
     def __post_init__(self) -> None:
         _str("experts.placement", self.placement, ("gpu", "cpu", "split"))
         _str("experts.cpu_isa", self.cpu_isa, ("auto", "portable", "avx2", "avx512vnni"))
+        _str("experts.cpu_dispatch", self.cpu_dispatch, ("launched", "sync"))
         _int("experts.cpu_experts_per_layer", self.cpu_experts_per_layer, 0)
         if self.placement == "split" and self.cpu_experts_per_layer < 1:
             _fail("experts.cpu_experts_per_layer", "must be >= 1 with placement = 'split'",

@@ -22,7 +22,7 @@ def load_model(path: str | Path, *, dtype: str = "float32", backend: str = "nump
                exact: bool | None = None, placement: str = "gpu",
                cpu_experts_per_layer: int = 0, cpu_workers: int = 0,
                cpu_cores: list[list[int]] | None = None, qfuse: str | None = None,
-               cpu_isa: str = "auto", cpu_dispatch: str = "sync"):
+               cpu_isa: str = "auto", cpu_dispatch: str = "launched"):
     """The model on its backend plus, unless ``placement`` is "gpu", the started CPU expert
     workers (an ExpertPlacement, to be closed by the caller). ``exact`` defaults to float64;
     ``cpu_isa`` picks the CPU expert kernels ("auto": ``$TANDEM_CPU_ISA`` or the best)."""
@@ -58,13 +58,13 @@ class Engine:
     def from_dir(cls, path: str | Path, *, dtype: str = "float32", backend: str = "numpy",
                  exact: bool | None = None, placement: str = "gpu",
                  cpu_experts_per_layer: int = 0, cpu_workers: int = 0,
-                 qfuse: str | None = None, cpu_isa: str = "auto", cpu_dispatch: str = "sync",
-                 **kwargs) -> Engine:
+                 cpu_cores: list[list[int]] | None = None, qfuse: str | None = None,
+                 cpu_isa: str = "auto", cpu_dispatch: str = "launched", **kwargs) -> Engine:
         model, experts = load_model(path, dtype=dtype, backend=backend, exact=exact,
                                     placement=placement,
                                     cpu_experts_per_layer=cpu_experts_per_layer,
-                                    cpu_workers=cpu_workers, qfuse=qfuse, cpu_isa=cpu_isa,
-                                    cpu_dispatch=cpu_dispatch)
+                                    cpu_workers=cpu_workers, cpu_cores=cpu_cores, qfuse=qfuse,
+                                    cpu_isa=cpu_isa, cpu_dispatch=cpu_dispatch)
         return cls(model, placement=experts, **kwargs)
 
     def close(self) -> None:

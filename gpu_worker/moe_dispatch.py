@@ -21,10 +21,11 @@ PLACEMENTS = ("gpu", "cpu", "split")
 #   "standalone": the same GPU norm kernel without quantization, then the Numba quantizer.
 # Both apply the one canonical rule, so they give the same tokens (tests/gpu).
 QFUSE_MODES = ("fused", "standalone")
-# How a CuPy step drives the CPU workers (gpu_worker/cpu_link.py). "launched" is faster
-# (docs/cpu_experts.md) but one model-level GPU test failed with it on the device and was
-# not diagnosed yet (NOTE in docs/cpu_experts.md), so "sync" stays the default.
-CPU_DISPATCH = ("sync", "launched")
+# How a CuPy step drives the CPU workers (gpu_worker/cpu_link.py): "launched" (the default:
+# kernels ring the workers and wait for them on the stream, the host never waits per layer)
+# or "sync" (the host rings and waits per layer). Same bits; launched is faster
+# (docs/cpu_experts.md).
+CPU_DISPATCH = ("launched", "sync")
 
 
 class ExpertPlacement:
@@ -40,7 +41,7 @@ class ExpertPlacement:
         self.launched = False  # the link's launched path (else its synchronous one)
         self._mask_dev: dict[int, object] = {}
 
-    def pin_ring(self, dispatch: str = "sync") -> None:
+    def pin_ring(self, dispatch: str = "launched") -> None:
         """CuPy backend: register the pool's ring as pinned host memory
         (gpu_worker/cpu_link.py). ``dispatch``: "sync" (a kernel stages the inputs, the host
         rings the workers and waits for them, a kernel adds the partials copied by DMA) or
@@ -83,7 +84,7 @@ class ExpertPlacement:
               cpu_per_layer: int = 0, num_workers: int | None = None,
               cores: list[list[int]] | None = None,
               qfuse: str | None = None, isa: str | None = None,
-              cpu_dispatch: str = "sync") -> ExpertPlacement:
+              cpu_dispatch: str = "launched") -> ExpertPlacement:
         """Quantize the CPU-resident experts and start their worker processes.
 
         ``split`` puts the last ``cpu_per_layer`` expert ids of each MoE layer on the CPU.
@@ -92,6 +93,9 @@ class ExpertPlacement:
 
         if placement not in PLACEMENTS[1:]:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}")
+        if qfuse is not None and model.xp.__name__ != "cupy":
+            raise ValueError(f"qfuse={qfuse!r} needs the cupy backend (the quantizer runs in the "
+                             "GPU's RMSNorm kernel); leave it unset on numpy")
         cfg = model.cfg
         E = cfg.num_experts
         n_cpu = E if placement == "cpu" else cpu_per_layer

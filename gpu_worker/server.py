@@ -59,7 +59,7 @@ def build_runner(args: argparse.Namespace):
                              cpu_experts_per_layer=args.cpu_experts_per_layer,
                              cpu_workers=args.cpu_workers,
                              cpu_cores=parse_core_groups(args.cpu_cores),
-                             cpu_isa=args.cpu_isa)
+                             cpu_isa=args.cpu_isa, cpu_dispatch=args.cpu_dispatch)
     if pool is not None:
         for info in pool.pool.ready_info:  # one line per CPU expert worker, what it holds
             _log("cpu expert worker ready", placement=args.placement, **info,
@@ -157,6 +157,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu-cores", default="", help='per worker core lists: "0,1,2;3,4,5"')
     p.add_argument("--cpu-isa", choices=("auto", "portable", "avx2", "avx512vnni"),
                    default="auto", help="CPU expert kernels (auto: the best this CPU has)")
+    p.add_argument("--cpu-dispatch", choices=("launched", "sync"), default="launched",
+                   help="cupy: GPU kernels ring the CPU workers (launched) or the host does")
     return p.parse_args(argv)
 
 

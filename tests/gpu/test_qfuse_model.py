@@ -19,9 +19,7 @@ TOKENS, POSITIONS = 2000, 150
 @pytest.mark.parametrize("dispatch", ["sync", "launched"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
 def test_fused_and_standalone_quantizer_give_identical_tokens(tmp_path, arch, dispatch):
-    """QFUSE fused (through the pinned ring, ``dispatch``) against standalone (the host path).
-    NOTE: on the device run of commit 27ee635 the launched path failed this test for
-    qwen3_moe (cause not diagnosed; docs/cpu_experts.md), hence "sync" as the default."""
+    """QFUSE fused (through the pinned ring, ``dispatch``) against standalone (the host path)."""
     path = make_tiny_model(tmp_path, arch, seed=9, tokenizer=False, moe_intermediate=64,
                            std=0.1)
     prompt = np.arange(3, 40) * 11 % 500

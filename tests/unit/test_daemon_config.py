@@ -111,6 +111,7 @@ def test_qwen3_next_example_names_its_missing_model(tmp_path):
      "placement = 'split'"),
     ("[experts]\nplacement = \"disk\"\n", "experts.placement: must be one of"),
     ("[experts]\ncpu_isa = \"sse9\"\n", "experts.cpu_isa: must be one of"),
+    ("[experts]\ncpu_dispatch = \"async\"\n", "experts.cpu_dispatch: must be one of"),
     ("[experts]\ncpu_workers = 2\ncpu_cores = [[0, 1]]\n", "experts.cpu_cores: must have one "
      "list per worker (2)"),
     ("[experts]\ncpu_cores = [[0, 1], [1, 2]]\n", "experts.cpu_cores: a core must belong to one "
