@@ -11,7 +11,7 @@ import numpy as np
 
 # Cores kept free for the daemon and the GPU worker. A worker spins on its ring during a
 # step; sharing a core with the GPU worker's Python thread, which enqueues every kernel, made
-# the step 3-6x slower on the H200 machine (docs/cpu_experts.md, "cores").
+# a launched step about 6x slower on the H200 machine (docs/cpu_experts.md, "Cores").
 RESERVED_CORES = 2
 MIN_CORES_TO_RESERVE = 8  # smaller machines share every core
 
