@@ -5,6 +5,13 @@ from __future__ import annotations
 from gpu_worker.config import ModelConfig
 from gpu_worker.model.ops import Array, Ops
 
+# CuPy: row counts up to this (the default prefill chunk) use the grouped expert kernels:
+# every (row, expert) pair on its own, an expert's weights read once per pair (from L2 when
+# pairs share it). On the H200 they beat the per-expert loop, which launches ~10 kernels per
+# expert, by 66-142x at 1-64 rows and 12-59x at 256-512 (docs/bench/gpu_experts_h200.json);
+# above the limit their scratch (rows x top-k x (H + I) values) grows and the loop takes over.
+GROUPED_MAX_ROWS = 512
+
 
 def route(ops: Ops, cfg: ModelConfig, w_gate: Array, x: Array) -> tuple[Array, Array]:
     """Router: softmax over all experts, top-k, optional renormalisation.
@@ -30,7 +37,21 @@ def experts_local(ops: Ops, gate: Array, up: Array, down: Array, x: Array,
 
     Pairs with id -1 are skipped (computed elsewhere, e.g. on CPU workers).
     NOTE: each row accumulates its experts in ascending expert id, whatever the batch.
+    On CuPy, batches of up to :data:`GROUPED_MAX_ROWS` rows (decode, verify and prefill
+    chunks) take three kernels that never wait for the host
+    (gpu_worker/kernels/moe_experts.py); larger ones the loop below.
     """
+    xp = ops.xp
+    if xp.__name__ == "cupy" and 0 < x.shape[0] <= GROUPED_MAX_ROWS:
+        from gpu_worker.kernels.moe_experts import experts_grouped  # noqa: PLC0415 (cupy)
+
+        return experts_grouped(x, ids, weights, gate, up, down)
+    return experts_loop(ops, gate, up, down, x, ids, weights)
+
+
+def experts_loop(ops: Ops, gate: Array, up: Array, down: Array, x: Array,
+                 ids: Array, weights: Array) -> Array:
+    """:func:`experts_local` as one matrix product per distinct expert, in ascending id."""
     xp = ops.xp
     out = xp.zeros_like(x)
     flat_ids = ids.reshape(-1)
