@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from cpu_experts.quant import NonFiniteActivation
 from gpu_worker.backend import to_numpy
 from gpu_worker.model.model import Model
 from gpu_worker.model.moe import experts_local
@@ -39,6 +40,7 @@ class ExpertPlacement:
         self._stats = self._zero_stats()
         self.link = None  # PinnedRing on CuPy (pin_ring): kernels write and read the ring
         self.launched = False  # the link's launched path (else its synchronous one)
+        self._qerr = None  # install_gpu_norm("fused"): the step's non-finite flag (CuPy)
         self._mask_dev: dict[int, object] = {}
 
     def pin_ring(self, dispatch: str = "launched") -> None:
@@ -133,9 +135,13 @@ class ExpertPlacement:
         if mode not in QFUSE_MODES:
             raise ValueError(f"qfuse must be one of {', '.join(QFUSE_MODES)}, got {mode!r}")
         fused = mode == "fused"
+        # non-finite activations flag this instead of a host sync per layer; end_step checks
+        self._qerr = self.model.xp.zeros(1, self.model.xp.int32) if fused else None
+        err = self._qerr
 
         def moe_norm(x, w, eps, zero_centered):
-            y, q, d16 = rmsnorm_qfuse(x, w, eps, zero_centered=zero_centered, quantize=fused)
+            y, q, d16 = rmsnorm_qfuse(x, w, eps, zero_centered=zero_centered, quantize=fused,
+                                      err=err)
             return y, ((q, d16) if fused else None)
 
         self.model.moe_norm = moe_norm
@@ -232,9 +238,18 @@ class ExpertPlacement:
 
     def end_step(self) -> None:
         """After a forward: wait for the stream, end the CPU workers' device session and
-        raise what a worker reported (CpuExpertError, CpuWorkerDied)."""
-        if self.link is not None:
-            self.link.end_step()
+        raise what a worker reported (CpuExpertError, CpuWorkerDied), else
+        NonFiniteActivation if the fused quantizer saw inf/nan in the step."""
+        try:
+            if self.link is not None:
+                self.link.end_step()
+        finally:
+            flagged = self._qerr is not None and bool(int(self._qerr.get()[0]))
+            if flagged:
+                self._qerr[...] = 0
+        if flagged:
+            raise NonFiniteActivation("non-finite value in activations bound for the CPU "
+                                      "experts (fused quantizer); the step's outputs are void")
 
     def _local(self, layer: int, x, gpu_ids, weights):
         """The backend's own experts of ``layer`` (ids -1: elsewhere)."""

@@ -143,11 +143,13 @@ def quantize(x, *, check: bool = True):
 
 
 def rmsnorm_qfuse(x, weight, eps: float, *, zero_centered: bool = False, quantize: bool = True,
-                  check: bool = True):
+                  check: bool = True, err=None):
     """Fused RMSNorm + canonical quantizer over rows: ``x [R, H]`` float32, ``weight [H]``.
 
     Returns ``(y [R, H] float32, q [R, H] int8, d16 [R, H/32] float16)``; ``q``/``d16`` are
-    None when ``quantize`` is False (the same ``y``, bit for bit)."""
+    None when ``quantize`` is False (the same ``y``, bit for bit). ``check`` syncs and raises
+    :class:`NonFiniteActivation` on inf/nan. ``err``: instead, a CuPy ``int32 [1]`` flag the
+    kernel ORs 1 into on inf/nan, for the caller to check once per step (no sync here)."""
     x = cp.ascontiguousarray(x, dtype=cp.float32)
     weight = cp.ascontiguousarray(weight, dtype=cp.float32)
     if x.ndim != 2 or x.shape[1] % BLOCK or weight.shape != (x.shape[1],):
@@ -157,7 +159,7 @@ def rmsnorm_qfuse(x, weight, eps: float, *, zero_centered: bool = False, quantiz
     y = cp.empty_like(x)
     q = cp.empty((R, H), cp.int8) if quantize else cp.empty(1, cp.int8)
     d16 = cp.empty((R, H // BLOCK), cp.uint16) if quantize else cp.empty(1, cp.uint16)
-    err = cp.zeros(1, cp.int32)
+    shared, err = err is not None, (cp.zeros(1, cp.int32) if err is None else err)
     if R:
         threads = min(THREADS, max(32, H // 32 * 32))
         _kernels().get_function("rmsnorm_qfuse")(
@@ -165,6 +167,6 @@ def rmsnorm_qfuse(x, weight, eps: float, *, zero_centered: bool = False, quantiz
                                cp.int32(zero_centered), cp.int32(quantize), err))
     if not quantize:
         return y, None, None
-    if check:
+    if check and not shared:
         _raise_if_flagged(err)
     return y, q, d16.view(cp.float16)
