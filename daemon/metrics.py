@@ -89,6 +89,14 @@ class Metrics:
                                     "Prompt tokens processed by engine steps", registry=r)
         self._step_decode = Counter(f"{p}_step_decode_tokens",
                                     "Decode rows processed by engine steps", registry=r)
+        self._steady_s = Counter(f"{p}_steady_decode_seconds",
+                                 "Wall time of steps in which every active slot decoded (no "
+                                 "prompt work), planning to commit, by active slots",
+                                 ["slots"], registry=r)
+        self._steady_tokens = Counter(f"{p}_steady_decode_tokens",
+                                      "Tokens emitted by those steps, by active slots (decode "
+                                      "TPS at N streams = this / steady_decode_seconds)",
+                                      ["slots"], registry=r)
         self._experts = Gauge(f"{p}_distinct_experts_per_step",
                               "Distinct routed experts touched by the last step, summed over "
                               "MoE layers, by where they ran", ["device"], registry=r)
@@ -154,6 +162,11 @@ class Metrics:
         self._rows.observe(rows)
         self._step_prompt.inc(prompt_tokens)
         self._step_decode.inc(decode_tokens)
+
+    def observe_steady_decode(self, slots: int, seconds: float, tokens: int) -> None:
+        """A step in which all ``slots`` active slots decoded and none took prompt tokens."""
+        self._steady_s.labels(slots=str(slots)).inc(seconds)
+        self._steady_tokens.labels(slots=str(slots)).inc(tokens)
 
     def observe_drafts(self, source: str, proposed: int, accepted: int) -> None:
         """One slot's verification: ``proposed`` drafts from ``source`` ("mtp", "suffix"),

@@ -145,6 +145,7 @@ class Scheduler:
     async def run(self) -> None:
         """Plan, run, commit until cancelled; returns when the worker dies."""
         while self.worker is not None:
+            t_plan = time.monotonic()
             plan = self.plan()
             if not plan.slots and not plan.cache_ops:
                 self._wake.clear()
@@ -161,7 +162,7 @@ class Scheduler:
                 log.error("gpu worker died", error=str(exc))
                 self.detach(f"the model worker died: {exc}")
                 return
-            self.commit(plan, result, time.monotonic() - t0)
+            self.commit(plan, result, time.monotonic() - t0, t_plan)
 
     def plan(self) -> StepPlan:
         ops, self._pending_ops = self._pending_ops, []
@@ -189,9 +190,12 @@ class Scheduler:
         return StepPlan(step_id=self._step_id, slots=work, cache_ops=ops, cache_ops_after=after,
                         wide=wide)
 
-    def commit(self, plan: StepPlan, result: StepResult, seconds: float) -> None:
+    def commit(self, plan: StepPlan, result: StepResult, seconds: float,
+               t_plan: float | None = None) -> None:
+        """Apply a step's results. ``seconds``: the worker's step; ``t_plan``: when planning
+        began (the steady-decode figures count from there to the end of this commit)."""
         now = time.monotonic()
-        prompt_tokens = decode_tokens = 0
+        prompt_tokens = decode_tokens = emitted = 0
         for work, res in zip(plan.slots, result.slots, strict=True):
             seq = self.slots[work.slot]
             # the input rows and the accepted drafts are in the worker's cache now
@@ -206,6 +210,7 @@ class Scheduler:
                                             len(work.draft_ids), res.num_accepted)
             if not res.token_ids:
                 continue
+            emitted += len(res.token_ids)
             event = seq.add_tokens(res.token_ids)
             self._observe_latency(seq, now)
             if event is not None:
@@ -221,6 +226,10 @@ class Scheduler:
             used = result.counters.get("kv_total_blocks", 0) - result.counters.get(
                 "kv_free_blocks", 0)
             self.metrics.set_kv_usage(used, result.counters.get("kv_total_blocks", 0))
+            if t_plan is not None and plan.slots and not prompt_tokens:
+                # every slot decoding, no admission underway (BENCHMARKS.md's interval)
+                self.metrics.observe_steady_decode(len(plan.slots), time.monotonic() - t_plan,
+                                                   emitted)
             c = result.counters
             if c.get("moe_layers"):  # a step that ran MoE layers (not cache ops alone)
                 self.metrics.observe_experts(c["gpu_experts"], c["cpu_experts"], c["moe_layers"],

@@ -59,14 +59,14 @@ PROMPTS = [[5, 6, 7, 8] * 6, list(range(20, 44)) + list(range(20, 30)), [3, 1, 4
 
 
 def _serve(model, mode: str, temperature: float, n: int = 40, eos_ids=(), oracle=None,
-           prompts=PROMPTS, **spec):
+           prompts=PROMPTS, metrics=None, **spec):
     """Three concurrent requests through the scheduler and the Runner. ``oracle``: the
     plain run's outputs; drafts are then its true continuation with one token in two of
     every three steps made wrong (so verification meets long hits and misses)."""
     runner = Runner(model, max_slots=SLOTS, max_context=CONTEXT, block_size=4, extra_blocks=32)
     sched = Scheduler(max_slots=SLOTS, max_context=CONTEXT, max_queue=4, prefill_chunk=16,
                       block_size=4, checkpoint_interval=8, prefix_blocks=32, eos_ids=eos_ids,
-                      speculation=SpeculationSection(mode=mode, **spec))
+                      speculation=SpeculationSection(mode=mode, **spec), metrics=metrics)
     if oracle is not None:
         vocab = model.cfg.vocab_size
 
@@ -185,3 +185,25 @@ def test_mtp_drafts_of_the_embedded_model_are_often_right():
     assert got == plain
     proposed, accepted = _drafts(worker)
     assert accepted >= 0.25 * proposed > 0, (proposed, accepted)
+
+
+@pytest.mark.parametrize("mode", ["off", "wide"])
+def test_steady_decode_counters_count_the_tokens_of_all_decoding_steps(model, mode):
+    """BENCHMARKS.md's N-stream decode TPS comes from these: every token emitted by a step
+    in which all active slots decoded is counted under that slot count, the others not."""
+    from daemon.metrics import Metrics
+    from tests.unit.test_metrics import _value
+
+    metrics = Metrics()
+    outs, worker = _serve(model, mode, 0.0, metrics=metrics)
+    want: dict[int, int] = {}
+    for plan, res in zip(worker.plans, worker.results, strict=True):
+        if plan.slots and all(w.kind != WorkKind.PREFILL for w in plan.slots):
+            n = len(plan.slots)
+            want[n] = want.get(n, 0) + sum(len(r.token_ids) for r in res.slots)
+    assert want.get(3, 0) > 0 and sum(want.values()) < sum(len(ids) for ids, _ in outs)
+    for n in (1, 2, 3):
+        tokens = _value(metrics, "tandem_steady_decode_tokens_total", slots=str(n))
+        seconds = _value(metrics, "tandem_steady_decode_seconds_total", slots=str(n))
+        assert (tokens or 0) == want.get(n, 0)
+        assert (seconds or 0) > 0 if want.get(n) else seconds is None
