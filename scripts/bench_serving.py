@@ -86,7 +86,7 @@ async def _round(url: str, model: str, n: int, max_tokens: int) -> dict:
             "drafts_accepted": _counter(url, "tandem_spec_accepted_tokens_total") - drafts0[1]}
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
     import urllib.request
 
     deadline = time.monotonic() + timeout
@@ -117,7 +117,7 @@ def main() -> int:
            "--proposer", args.proposer]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_ready(url, proc)
+        wait_ready(url, proc)
         import urllib.request
 
         with urllib.request.urlopen(url + "/v1/models") as r:

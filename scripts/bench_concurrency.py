@@ -1,0 +1,301 @@
+"""The concurrency benchmark of ../shared/BENCHMARKS.md: four streams, two workloads, arms.
+
+    python scripts/bench_concurrency.py --out-dir docs/bench/concurrency_cpu
+
+Workloads (fixed prompts and seeds, temperature 0.85, thinking disabled):
+
+* ``essay``: four independent long-form prompts, ``--essay-tokens`` each;
+* ``coding``: four independent agent loops. Each asks the model for a module through
+  ``read_file`` / ``write_file`` / ``run_check`` tool calls; this harness executes the calls in
+  a scratch directory per loop (``run_check`` byte-compiles and imports the file in a child
+  Python) and sends the results back. A turn without a tool call gets a fixed nudge. At most
+  six turns per loop, ``--coding-tokens`` per turn.
+
+Every run is a fresh ``tandem serve`` process; one short request warms it up and is excluded
+(counters are read after it). Arms (``--arms``): the server's ``--speculation`` mode
+(``narrow``: each drafted slot verified alone; ``wide``: 2-4 drafted slots in one pass;
+``off``). ``--pairs`` paired runs per workload, the arms' order alternating pair by pair.
+
+Figures per run, from the server's own counters (``/metrics``):
+
+* four-stream decode TPS: tokens emitted by steps in which four slots were active, all
+  decoding (no prompt work: no admission underway), over those steps' wall time
+  (``tandem_steady_decode_{tokens,seconds}_total{slots="4"}``);
+* whole-run TPS: every completion token over the run's wall time (prompt reads, tool calls
+  and fewer active streams included);
+* accepted drafts per verification, per draft source.
+
+Outputs differ between arms (sampling meets different batch timing, float32 rounding and
+different drafts' acceptances), so whole-run time is not an equal-work comparison. The
+summary (``summary.json`` in ``--out-dir``, one JSON per run beside it) gives medians per arm
+and the per-pair ratios of each arm over the first (``narrow`` by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+from bench_serving import wait_ready
+from prometheus_client.parser import text_string_to_metric_families
+
+TEMPERATURE = 0.85
+STREAMS = 4
+MAX_TURNS = 6
+ESSAYS = [
+    "Write a long essay on how the printing press changed the spread of ideas in Europe.",
+    "Write a long essay about the history of timekeeping, from sundials to atomic clocks.",
+    "Write a long essay on why cities grew up beside rivers, with examples from three "
+    "continents.",
+    "Write a long essay explaining how vaccines train the immune system, for a general reader.",
+]
+TASKS = [
+    ("lru.py", "a class LRUCache(capacity) with get(key) and put(key, value), evicting the "
+               "least recently used entry"),
+    ("csvline.py", "a function parse_line(line) that splits one CSV line into fields, "
+                   "honouring double quotes"),
+    ("intervals.py", "a function merge(intervals) that merges overlapping (start, end) pairs"),
+    ("roman.py", "functions to_roman(n) and from_roman(s) for 1 <= n <= 3999"),
+]
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "read_file", "description": "Read a file of the project.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                       "required": ["path"]}}},
+    {"type": "function", "function": {
+        "name": "write_file", "description": "Write (replace) a file of the project.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"},
+                                                        "content": {"type": "string"}},
+                       "required": ["path", "content"]}}},
+    {"type": "function", "function": {
+        "name": "run_check", "description": "Byte-compile and import a Python file.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                       "required": ["path"]}}},
+]
+SYSTEM = ("You are a coding agent. Work only through the tools: write the module with "
+          "write_file, check it with run_check, fix it if the check fails, then reply with a "
+          "one-line summary.")
+NUDGE = "Use the tools: write the module with write_file, then check it with run_check."
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of the server's /metrics, keyed by (name, sorted labels)."""
+    with urllib.request.urlopen(url + "/metrics") as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def delta(after: dict, before: dict, name: str, **labels: str) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+async def chat(session: aiohttp.ClientSession, url: str, model: str, messages: list[dict],
+               max_tokens: int, seed: int, tools: list | None = None) -> dict:
+    """One streamed chat completion: its text, tool calls and completion tokens."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens,
+            "temperature": TEMPERATURE, "seed": seed, "stream": True,
+            "stream_options": {"include_usage": True},
+            "chat_template_kwargs": {"enable_thinking": False}}
+    if tools:
+        body["tools"] = tools
+    text, calls, tokens = [], [], 0
+    async with session.post(url + "/v1/chat/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
+        async for line in r.content:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices", []):
+                d = choice.get("delta", {})
+                text.append(d.get("content") or "")
+                calls += d.get("tool_calls") or []
+    return {"text": "".join(text), "tool_calls": calls, "tokens": tokens}
+
+
+def run_tool(workdir: Path, name: str, arguments: str) -> str:
+    """Execute one tool call in ``workdir``; the result text goes back to the model."""
+    try:
+        args = json.loads(arguments)
+        path = workdir / Path(str(args["path"])).name  # no way out of the scratch directory
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        return f"error: bad arguments ({exc})"
+    if name == "read_file":
+        return path.read_text() if path.exists() else f"error: {path.name} does not exist"
+    if name == "write_file":
+        content = str(args.get("content", ""))
+        path.write_text(content)
+        return f"wrote {len(content)} characters to {path.name}"
+    if name == "run_check":
+        if not path.exists():
+            return f"error: {path.name} does not exist"
+        try:
+            p = subprocess.run([sys.executable, "-c", "import runpy, sys; "
+                                "runpy.run_path(sys.argv[1])", str(path)],
+                               capture_output=True, text=True, timeout=10, cwd=workdir)
+        except subprocess.TimeoutExpired:
+            return "error: the import did not finish within 10 s"
+        return "ok" if p.returncode == 0 else p.stderr[-2000:]
+    return f"error: no tool named {name!r}"
+
+
+async def agent_loop(session, url: str, model: str, i: int, max_tokens: int) -> dict:
+    """One coding agent: up to MAX_TURNS turns (it ends early when the model answers without
+    a tool call after a passing check); returns tokens, turns and tool calls made."""
+    filename, what = TASKS[i]
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"Write {filename}: {what}."}]
+    tokens = calls = turns = 0
+    checked = False
+    with tempfile.TemporaryDirectory() as tmp:
+        for turn in range(MAX_TURNS):
+            res = await chat(session, url, model, messages, max_tokens, 100 * i + turn, TOOLS)
+            tokens += res["tokens"]
+            turns += 1
+            if not res["tool_calls"]:
+                if checked:
+                    break
+                messages.append({"role": "assistant", "content": res["text"]})
+                messages.append({"role": "user", "content": NUDGE})
+                continue
+            messages.append({"role": "assistant", "content": res["text"],
+                             "tool_calls": [{k: c[k] for k in ("id", "type", "function")}
+                                            for c in res["tool_calls"]]})
+            for call in res["tool_calls"]:
+                calls += 1
+                out = await asyncio.to_thread(run_tool, Path(tmp), call["function"]["name"],
+                                              call["function"]["arguments"])
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": out})
+                checked = out == "ok" if call["function"]["name"] == "run_check" else checked
+    return {"tokens": tokens, "turns": turns, "tool_calls": calls}
+
+
+async def essay(session, url: str, model: str, i: int, max_tokens: int) -> dict:
+    res = await chat(session, url, model, [{"role": "user", "content": ESSAYS[i]}],
+                     max_tokens, 1000 + i)
+    return {"tokens": res["tokens"], "turns": 1, "tool_calls": 0}
+
+
+async def workload(url: str, model: str, name: str, args) -> tuple[list[dict], float]:
+    fn, max_tokens = ((essay, args.essay_tokens) if name == "essay"
+                      else (agent_loop, args.coding_tokens))
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+        t0 = time.monotonic()
+        streams = await asyncio.gather(*(fn(s, url, model, i, max_tokens)
+                                         for i in range(STREAMS)))
+        return streams, time.monotonic() - t0
+
+
+def one_run(args, name: str, arm: str, pair: int) -> dict:
+    url = f"http://127.0.0.1:{args.port}"
+    cmd = [sys.executable, "-m", "daemon.cli", "serve", "--config", args.config, "--port",
+           str(args.port), "--speculation", arm, "--proposer", args.proposer]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_ready(url, proc)
+        with urllib.request.urlopen(url + "/v1/models") as r:
+            model = json.load(r)["data"][0]["id"]
+
+        async def warm_up() -> None:
+            async with aiohttp.ClientSession() as s:
+                await chat(s, url, model, [{"role": "user", "content": "Hello"}], 8, 0)
+
+        asyncio.run(warm_up())
+        before = scrape(url)
+        streams, wall = asyncio.run(workload(url, model, name, args))
+        after = scrape(url)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    steady_s = delta(after, before, "tandem_steady_decode_seconds_total", slots=str(STREAMS))
+    steady_t = delta(after, before, "tandem_steady_decode_tokens_total", slots=str(STREAMS))
+    tokens = sum(s["tokens"] for s in streams)
+    per_source = {}
+    for source in ("mtp", "suffix"):
+        verifies = delta(after, before, "tandem_spec_verifies_total", source=source)
+        if verifies:
+            per_source[source] = {
+                "verifies": verifies,
+                "accepted_per_verify": delta(after, before,
+                                             "tandem_spec_accepted_by_source_tokens_total",
+                                             source=source) / verifies}
+    return {"workload": name, "arm": arm, "pair": pair, "proposer": args.proposer,
+            "config": args.config, "machine": f"{platform.node()} ({os.cpu_count()} cores)",
+            "four_stream_decode_tps": steady_t / steady_s if steady_s else None,
+            "four_stream_seconds": steady_s, "four_stream_tokens": steady_t,
+            "whole_run_tps": tokens / wall, "wall_s": wall, "completion_tokens": tokens,
+            "tool_calls": sum(s["tool_calls"] for s in streams),
+            "turns": sum(s["turns"] for s in streams), "drafts": per_source}
+
+
+def summarize(runs: list[dict], arms: list[str]) -> dict:
+    out = {}
+    for name in sorted({r["workload"] for r in runs}):
+        mine = [r for r in runs if r["workload"] == name]
+        entry = {}
+        for key in ("four_stream_decode_tps", "whole_run_tps"):
+            by_arm = {a: [r[key] for r in mine if r["arm"] == a and r[key] is not None]
+                      for a in arms}
+            entry[key] = {a: statistics.median(v) if v else None for a, v in by_arm.items()}
+            base = arms[0]
+            entry[key + "_pair_ratios"] = {
+                a: [round(x[key] / y[key], 3) for x in mine for y in mine
+                    if x["arm"] == a and y["arm"] == base and x["pair"] == y["pair"]
+                    and x[key] and y[key]]
+                for a in arms[1:]}
+        out[name] = entry
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/tiny.toml")
+    p.add_argument("--port", type=int, default=8189)
+    p.add_argument("--arms", default="narrow,wide")
+    p.add_argument("--proposer", choices=("suffix", "mtp"), default="mtp")
+    p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--workloads", default="essay,coding")
+    p.add_argument("--essay-tokens", type=int, default=256)
+    p.add_argument("--coding-tokens", type=int, default=192)
+    p.add_argument("--out-dir", type=Path, required=True)
+    args = p.parse_args()
+    arms = args.arms.split(",")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for name in args.workloads.split(","):
+        for pair in range(1, args.pairs + 1):
+            order = arms if pair % 2 else arms[::-1]  # alternate which arm goes first
+            for arm in order:
+                run = one_run(args, name, arm, pair)
+                runs.append(run)
+                (args.out_dir / f"{name}_{arm}_{pair}.json").write_text(
+                    json.dumps(run, indent=1) + "\n")
+                tps = run["four_stream_decode_tps"]
+                print(f"{name:6s} {arm:6s} pair {pair}: four-stream "
+                      f"{'-' if tps is None else f'{tps:.1f}'} tok/s, whole run "
+                      f"{run['whole_run_tps']:.1f} tok/s, drafts {run['drafts']}", flush=True)
+    summary = {"command": " ".join(["python", "scripts/bench_concurrency.py", *sys.argv[1:]]),
+               "arms": arms, "runs": len(runs), "by_workload": summarize(runs, arms)}
+    (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary["by_workload"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
