@@ -47,7 +47,7 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
-from bench_serving import wait_ready
+from bench_serving import sse_chunks, wait_ready
 from prometheus_client.parser import text_string_to_metric_families
 
 TEMPERATURE = 0.85
@@ -115,10 +115,7 @@ async def chat(session: aiohttp.ClientSession, url: str, model: str, messages: l
     async with session.post(url + "/v1/chat/completions", json=body) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
-        async for line in r.content:
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(r):
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             for choice in chunk.get("choices", []):

@@ -32,6 +32,13 @@ PROMPTS = [
 ]
 
 
+async def sse_chunks(response: aiohttp.ClientResponse):
+    """The JSON chunks of a streamed OpenAI answer (``data: {...}`` lines), in order."""
+    async for line in response.content:
+        if line.startswith(b"data: {"):
+            yield json.loads(line[6:])
+
+
 async def _stream(session: aiohttp.ClientSession, url: str, model: str, prompt: str,
                   max_tokens: int, seed: int) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}],
@@ -42,10 +49,7 @@ async def _stream(session: aiohttp.ClientSession, url: str, model: str, prompt: 
     tokens = 0
     async with session.post(url + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
-        async for line in r.content:
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(r):
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             elif chunk["choices"] and first is None:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from gpu_worker.kernels import raw_module
+
 try:
     import cupy as cp
 except ImportError:  # CI and laptops: the NumPy backend never calls in here
@@ -113,18 +115,13 @@ extern "C" __global__ void moe_combine_REAL(
 }
 """
 
-_module = None
+_SOURCE = "".join(_TEMPLATE.replace("REAL", real) for real in ("float", "double"))
 
 
 def _kernels():
-    global _module
-    if cp is None:
-        raise RuntimeError("CuPy is not installed: the grouped expert kernels need it")
-    if _module is None:
-        code = "".join(_TEMPLATE.replace("REAL", real) for real in ("float", "double"))
-        # NOTE: no FMA contraction, so "w * y" then "+" round as the NumPy formula's do
-        _module = cp.RawModule(code=code, options=("--fmad=false",))
-    return _module
+    # NOTE: no FMA contraction (raw_module's default), so "w * y" then "+" round as the
+    # NumPy formula's do
+    return raw_module(_SOURCE, "grouped expert kernels")
 
 
 def experts_grouped(x, ids, weights, gate, up, down):

@@ -18,6 +18,7 @@ same ``y`` (QFUSE off = this y, quantized by the standalone quantizer: identical
 from __future__ import annotations
 
 from cpu_experts.quant import BLOCK, NonFiniteActivation
+from gpu_worker.kernels import raw_module
 
 try:  # NOTE: CuPy is optional; CI and laptops run without it
     import cupy as cp
@@ -105,16 +106,8 @@ __global__ void rmsnorm_qfuse(const float* x, const float* w, float* y, signed c
 }
 """
 
-_module = None
-
-
 def _kernels():
-    global _module
-    if cp is None:
-        raise RuntimeError("CuPy is not installed: the QFUSE GPU kernels need it")
-    if _module is None:
-        _module = cp.RawModule(code=_SOURCE, options=("--fmad=false",))
-    return _module
+    return raw_module(_SOURCE, "QFUSE GPU kernels")
 
 
 def _raise_if_flagged(err) -> None:
