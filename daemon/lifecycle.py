@@ -31,7 +31,8 @@ def prefix_blocks(config: Config) -> int:
         return 0
     cfg = ModelConfig.from_file(config.model.path / "config.json")
     item = 8 if config.model.dtype == "float64" else 4
-    block_bytes = (2 * len(cfg.full_attention_layers) * sched.kv_block_size
+    layers = len(cfg.full_attention_layers) + min(cfg.num_mtp_layers, 1)  # MTP's KV: one more
+    block_bytes = (2 * layers * sched.kv_block_size
                    * cfg.num_key_value_heads * cfg.head_dim * item)
     per_slot = -(-sched.max_context // sched.kv_block_size)
     return max(1, min(sched.prefix_cache_max_mb * 2**20 // max(block_bytes, 1),

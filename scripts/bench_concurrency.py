@@ -237,6 +237,8 @@ def one_run(args, name: str, arm: str, pair: int) -> dict:
             "four_stream_decode_tps": steady_t / steady_s if steady_s else None,
             "four_stream_seconds": steady_s, "four_stream_tokens": steady_t,
             "whole_run_tps": tokens / wall, "wall_s": wall, "completion_tokens": tokens,
+            "prompt_tokens": delta(after, before, "tandem_prompt_tokens_total"),
+            "prompt_cached_tokens": delta(after, before, "tandem_prompt_cached_tokens_total"),
             "tool_calls": sum(s["tool_calls"] for s in streams),
             "turns": sum(s["turns"] for s in streams), "drafts": per_source}
 

@@ -18,16 +18,15 @@ from gpu_worker.states import RecurrentStates
 
 @dataclasses.dataclass
 class Caches:
-    """Everything per-slot the model reads and writes: KV, GDN states, the MTP head's KV."""
+    """Everything per-slot the model reads and writes: KV (the MTP head's as its last layer:
+    it lives in the same blocks, so prefix sharing, copy-on-write and swaps carry it along)
+    and GDN states."""
 
     kv: KVCache
     states: RecurrentStates | None
-    mtp_kv: KVCache | None
 
     def reset_slot(self, slot: int) -> None:
         self.kv.free_slot(slot)
-        if self.mtp_kv is not None:
-            self.mtp_kv.free_slot(slot)
         if self.states is not None:
             self.states.reset(slot)
 
@@ -78,7 +77,9 @@ class Model:
         self.mtp_layer: _Layer | None = None
         if config.num_mtp_layers and "mtp.fc.weight" in w:
             self.mtp = _sub(w, "mtp.")
-            self.mtp_layer = self._make_layer(w, "mtp.layers.0.", True, config.num_experts > 0, 0)
+            # its KV: the layer after the model's full-attention layers in the same cache
+            self.mtp_layer = self._make_layer(w, "mtp.layers.0.", True, config.num_experts > 0,
+                                              full_i)
 
     @staticmethod
     def _make_layer(w: dict[str, Array], prefix: str, full: bool, sparse: bool,
@@ -93,19 +94,15 @@ class Model:
                    extra_blocks: int = 0) -> Caches:
         cfg, xp, dt = self.cfg, self.xp, self.ops.dtype
         blocks = max_slots * -(-max_tokens_per_slot // block_size) + extra_blocks
-        kv = KVCache(xp, len(cfg.full_attention_layers), blocks, block_size,
-                     cfg.num_key_value_heads, cfg.head_dim, dt)
+        kv = KVCache(xp, len(cfg.full_attention_layers) + (self.mtp is not None), blocks,
+                     block_size, cfg.num_key_value_heads, cfg.head_dim, dt)
         states = None
         if cfg.linear_attention_layers:
             states = RecurrentStates(xp, len(cfg.linear_attention_layers), max_slots,
                                      cfg.linear_conv_dim, cfg.linear_conv_kernel_dim,
                                      cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                      cfg.linear_value_head_dim, np.promote_types(dt, np.float32))
-        mtp_kv = None
-        if self.mtp is not None:
-            mtp_kv = KVCache(xp, 1, blocks, block_size, cfg.num_key_value_heads,
-                             cfg.head_dim, dt)
-        return Caches(kv, states, mtp_kv)
+        return Caches(kv, states)
 
     # ---- forward -----------------------------------------------------------------------
     def forward(self, batch: RaggedBatch, caches: Caches, logit_rows=None,
@@ -161,7 +158,7 @@ class Model:
         h = ops.rms_norm(hidden, m["pre_fc_norm_hidden.weight"], eps, zero_centered=zc)
         x = ops.linear(xp.concatenate([e, h], axis=-1), m["fc.weight"])  # [R, H]
         cos, sin = ops.rope_tables(xp.asarray(batch.positions), cfg.rotary_dim, cfg.rope_theta)
-        x = self._layer(self.mtp_layer, x, batch, cos, sin, caches.mtp_kv, None, None)
+        x = self._layer(self.mtp_layer, x, batch, cos, sin, caches.kv, None, None)
         out = ops.rms_norm(x, m["norm.weight"], eps, zero_centered=zc)  # [R, H]
         rows = np.arange(batch.num_rows) if logit_rows is None else np.asarray(logit_rows)
         return ForwardOut(ops.linear(out[xp.asarray(rows)], self.lm_head), out)

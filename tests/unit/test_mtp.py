@@ -120,3 +120,46 @@ def test_mtp_head_matches_reference_chained_three_deep(tmp_path, sizes):
         ref_draft = int(np.argmax(r_logits))
         assert draft == ref_draft
     assert np.abs(r_logits).max() > 1e-3  # not a vacuous comparison
+
+
+def test_the_heads_kv_travels_with_shared_prefix_blocks_and_swaps(tmp_path):
+    """The MTP head's KV is a layer of the main cache: a slot that shares a prefix's blocks
+    sees the head's rows of that prefix (its drafts equal the first slot's, bit for bit), a
+    write past the prefix copies the block first, and a swap-out/in keeps the rows."""
+    path = make_tiny_model(tmp_path, "qwen3_next", seed=5, tokenizer=False)
+    engine = Engine.from_dir(path, dtype="float64", max_slots=3, max_len=64, block_size=4)
+    model, caches = engine.model, engine.caches
+    kv, mtp = caches.kv, model.mtp_layer.cache_index
+    assert mtp == kv.num_layers - 1
+    ids = np.arange(3, 15) * 13 % 400  # 12 tokens
+    hidden = model.forward(RaggedBatch.build([(0, 0, ids)]), caches).hidden
+    first = model.mtp_forward(RaggedBatch.build([(0, 0, ids[1:])]), hidden[:11], caches)
+    k0, v0 = (a.copy() for a in kv.read(mtp, 0, 11))
+    assert np.abs(k0).sum() > 0
+
+    kv.share(1, kv.tables[0][:2])  # the first 8 positions, as a prefix-cache hit
+    np.testing.assert_array_equal(kv.read(mtp, 1, 8)[0], k0[:8])
+    if caches.states is not None:  # not needed by the head, which is full attention only
+        caches.states.reset(1)
+    # the head's rows 7..10 for slot 1 over the shared rows: slot 0's logits (to rounding:
+    # attention over 4 queries instead of 11); row 7 lies in the shared block 1, which slot 1
+    # gets its own copy of before writing. Without the prefix's rows (a slot of its own, as
+    # when the head had a cache apart) the logits are far off.
+    again = model.mtp_forward(RaggedBatch.build([(1, 7, ids[8:])]), hidden[7:11], caches)
+    np.testing.assert_allclose(again.logits, first.logits[7:11], rtol=0, atol=1e-12)
+    alone = model.mtp_forward(RaggedBatch.build([(2, 7, ids[8:])]), hidden[7:11], caches)
+    assert np.abs(alone.logits - first.logits[7:11]).max() > 1e-3
+    caches.reset_slot(2)
+    assert kv.tables[1][0] == kv.tables[0][0] and kv.tables[1][1] != kv.tables[0][1]
+    np.testing.assert_array_equal(kv.read(mtp, 0, 11)[0], k0)  # slot 0 unchanged by slot 1
+
+    from gpu_worker.runner import Runner
+
+    runner = Runner(model, max_slots=3, max_context=64, block_size=4)
+    runner.caches = caches
+    runner.lengths[0] = 11
+    entry = runner._swap_out(0)
+    assert 0 not in kv.tables
+    runner._swap_in(2, entry)
+    np.testing.assert_array_equal(kv.read(mtp, 2, 11)[0], k0)
+    np.testing.assert_array_equal(kv.read(mtp, 2, 11)[1], v0)
