@@ -41,6 +41,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-workers", type=int, default=0, help="0: one per NUMA node")
     p.add_argument("--cpu-isa", choices=("auto", "portable", "avx2", "avx512vnni"),
                    default="auto", help="CPU expert kernels (same bits; auto: the best)")
+    p.add_argument("--hot-experts", type=Path, default=None,
+                   help="split: router counts (tandem expert-stats); the GPU keeps the hottest")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(score)
     score.add_argument("--prompt-ids", required=True)
     score.add_argument("--out", type=Path, required=True)
+
+    stats = sub.add_parser("expert-stats", help="count the router's expert picks over a text "
+                           "(for [experts] hot_experts)")
+    stats.add_argument("--model", type=Path, default=None,
+                       help="Hugging Face model directory (default: the embedded tandem-tiny)")
+    stats.add_argument("--backend", choices=("numpy", "cupy", "auto"), default="numpy")
+    stats.add_argument("--text", type=Path, required=True,
+                       help="UTF-8 text like the service's traffic (prompts, documents, code)")
+    stats.add_argument("--chunk-tokens", type=int, default=512,
+                       help="the text runs as prompts of this many tokens")
+    stats.add_argument("--max-tokens", type=int, default=200_000, help="tokens to use at most")
+    stats.add_argument("--out", type=Path, required=True, help="the counts file (JSON)")
 
     from daemon import commands  # noqa: PLC0415  (serve and check-config)
 
@@ -95,6 +109,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             return _generate(args)
         if args.command == "score":
             return _score(args)
+        if args.command == "expert-stats":
+            return _expert_stats(args)
     except (CheckpointError, ConfigError, TokenizerError, ValueError) as exc:
         raise CliError(str(exc)) from None
     raise CliError(f"unknown command {args.command}")
@@ -109,7 +125,8 @@ def _engine(args: argparse.Namespace, max_len: int):
     return Engine.from_dir(path, dtype=args.dtype, backend=args.backend, max_slots=1,
                            max_len=max_len, placement=args.placement,
                            cpu_experts_per_layer=args.cpu_experts_per_layer,
-                           cpu_workers=args.cpu_workers, cpu_isa=args.cpu_isa)
+                           cpu_workers=args.cpu_workers, cpu_isa=args.cpu_isa,
+                           hot_experts=args.hot_experts)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -168,6 +185,39 @@ def _score(args: argparse.Namespace) -> int:
         engine.close()
     np.save(args.out, logits)
     print(f"wrote {args.out} {logits.shape[0]}x{logits.shape[1]} float32")
+    return 0
+
+
+def _expert_stats(args: argparse.Namespace) -> int:
+    from daemon.tokenizer import Tokenizer  # noqa: PLC0415
+    from gpu_worker.backend import get_xp  # noqa: PLC0415
+    from gpu_worker.expert_stats import count_routing, save_counts  # noqa: PLC0415
+    from gpu_worker.loader import load_checkpoint  # noqa: PLC0415
+    from gpu_worker.model.model import Model  # noqa: PLC0415
+
+    path = args.model or default_model()
+    if not path.is_dir():
+        raise CliError(f"model directory {path} does not exist")
+    if args.chunk_tokens < 1 or args.max_tokens < 1:
+        raise CliError("--chunk-tokens and --max-tokens must be >= 1")
+    try:
+        text = args.text.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"cannot read {args.text}: {exc}") from None
+    ids = Tokenizer.from_dir(path).encode(text)[: args.max_tokens]
+    if not ids:
+        raise CliError(f"{args.text} holds no text")
+    ckpt = load_checkpoint(path, include_mtp=False)
+    if not ckpt.config.num_experts:
+        raise CliError(f"{path} is not a mixture-of-experts model")
+    model = Model(ckpt.config, ckpt.tensors, xp=get_xp(args.backend))
+    n = args.chunk_tokens
+    chunks = [ids[i:i + n] for i in range(0, len(ids), n)]
+    counts = count_routing(model, chunks)
+    save_counts(args.out, counts, model=str(path.resolve()), tokens=len(ids))
+    picks = sum(int(c.sum()) for c in counts.values())
+    print(f"{len(ids)} tokens in {len(chunks)} prompts, {picks} router picks over "
+          f"{len(counts)} MoE layers -> {args.out}")
     return 0
 
 

@@ -223,11 +223,21 @@ class ExpertsSection:
     # cupy: launched (GPU kernels ring the workers and wait for them on the stream) or sync
     # (the host rings and waits per layer); same bits (docs/cpu_experts.md)
     cpu_dispatch: str = "launched"
+    # split: per-layer router counts (`tandem expert-stats`); the GPU keeps the most-picked
+    # experts, the CPU gets the rest. None: the last expert ids go to the CPU
+    hot_experts: Path | None = None
 
     def __post_init__(self) -> None:
         _str("experts.placement", self.placement, ("gpu", "cpu", "split"))
         _str("experts.cpu_isa", self.cpu_isa, ("auto", "portable", "avx2", "avx512vnni"))
         _str("experts.cpu_dispatch", self.cpu_dispatch, ("launched", "sync"))
+        if self.hot_experts is not None:
+            _path("experts.hot_experts", self.hot_experts)
+            if self.placement != "split":
+                _fail("experts.hot_experts", "needs placement = 'split'", str(self.hot_experts))
+            if not self.hot_experts.is_file():
+                _fail("experts.hot_experts", "must be an existing file (`tandem expert-stats` "
+                      "writes one)", str(self.hot_experts))
         _int("experts.cpu_experts_per_layer", self.cpu_experts_per_layer, 0)
         if self.placement == "split" and self.cpu_experts_per_layer < 1:
             _fail("experts.cpu_experts_per_layer", "must be >= 1 with placement = 'split'",
@@ -334,7 +344,7 @@ _SECTION_TYPES = {"model": ModelSection, "server": ServerSection, "limits": Limi
                   "speculation": SpeculationSection, "logging": LoggingSection,
                   "systemd": SystemdSection}
 _PATH_KEYS = {"model.path", "server.api_keys_file", "server.run_dir",
-              "server.zmq_curve_secret_key_file"}
+              "server.zmq_curve_secret_key_file", "experts.hot_experts"}
 
 
 # ---- loading ------------------------------------------------------------------------------------

@@ -49,7 +49,8 @@ def worker_spec(config: Config, extra_blocks: int) -> WorkerSpec:
                       placement=e.placement, cpu_experts_per_layer=e.cpu_experts_per_layer,
                       cpu_workers=e.num_cpu_workers,
                       cpu_cores=";".join(",".join(map(str, g)) for g in e.cpu_cores),
-                      cpu_isa=e.cpu_isa, cpu_dispatch=e.cpu_dispatch)
+                      cpu_isa=e.cpu_isa, cpu_dispatch=e.cpu_dispatch,
+                      hot_experts=str(e.hot_experts or ""))
 
 
 def serve(config: Config) -> int:

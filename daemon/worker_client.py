@@ -53,6 +53,7 @@ class WorkerSpec:
     cpu_cores: str = ""  # "0,1,2;3,4,5": one core list per CPU expert worker
     cpu_isa: str = "auto"  # CPU expert kernels (cpu_experts/isa.py), auto: the best available
     cpu_dispatch: str = "launched"  # cupy: GPU kernels drive the CPU workers, or "sync"
+    hot_experts: str = ""  # split: router counts file; the GPU keeps the hottest experts
 
     def argv(self) -> list[str]:
         args = [sys.executable, "-m", "gpu_worker.server"]

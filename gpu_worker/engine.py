@@ -22,13 +22,23 @@ def load_model(path: str | Path, *, dtype: str = "float32", backend: str = "nump
                exact: bool | None = None, placement: str = "gpu",
                cpu_experts_per_layer: int = 0, cpu_workers: int = 0,
                cpu_cores: list[list[int]] | None = None, qfuse: str | None = None,
-               cpu_isa: str = "auto", cpu_dispatch: str = "launched"):
+               cpu_isa: str = "auto", cpu_dispatch: str = "launched",
+               hot_experts: str | Path | None = None):
     """The model on its backend plus, unless ``placement`` is "gpu", the started CPU expert
     workers (an ExpertPlacement, to be closed by the caller). ``exact`` defaults to float64;
-    ``cpu_isa`` picks the CPU expert kernels ("auto": ``$TANDEM_CPU_ISA`` or the best)."""
+    ``cpu_isa`` picks the CPU expert kernels ("auto": ``$TANDEM_CPU_ISA`` or the best);
+    ``hot_experts`` (split): a router counts file whose most-picked experts stay on the GPU
+    (gpu_worker/expert_stats.py)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     ckpt = load_checkpoint(path, dtype=DTYPES[dtype])
+    hot = None
+    if hot_experts is not None:
+        from gpu_worker.expert_stats import load_counts  # noqa: PLC0415
+
+        if placement != "split":
+            raise ValueError("hot_experts needs placement 'split'")
+        hot = load_counts(hot_experts, ckpt.config)
     exact = (dtype == "float64") if exact is None else exact
     model = Model(ckpt.config, ckpt.tensors, xp=get_xp(backend), dtype=DTYPES[dtype],
                   exact=exact)
@@ -40,7 +50,7 @@ def load_model(path: str | Path, *, dtype: str = "float32", backend: str = "nump
                                         cpu_per_layer=cpu_experts_per_layer,
                                         num_workers=cpu_workers, cores=cpu_cores, qfuse=qfuse,
                                         isa=None if cpu_isa == "auto" else cpu_isa,
-                                        cpu_dispatch=cpu_dispatch)
+                                        cpu_dispatch=cpu_dispatch, hot=hot)
     return model, experts
 
 
@@ -59,12 +69,14 @@ class Engine:
                  exact: bool | None = None, placement: str = "gpu",
                  cpu_experts_per_layer: int = 0, cpu_workers: int = 0,
                  cpu_cores: list[list[int]] | None = None, qfuse: str | None = None,
-                 cpu_isa: str = "auto", cpu_dispatch: str = "launched", **kwargs) -> Engine:
+                 cpu_isa: str = "auto", cpu_dispatch: str = "launched",
+                 hot_experts: str | Path | None = None, **kwargs) -> Engine:
         model, experts = load_model(path, dtype=dtype, backend=backend, exact=exact,
                                     placement=placement,
                                     cpu_experts_per_layer=cpu_experts_per_layer,
                                     cpu_workers=cpu_workers, cpu_cores=cpu_cores, qfuse=qfuse,
-                                    cpu_isa=cpu_isa, cpu_dispatch=cpu_dispatch)
+                                    cpu_isa=cpu_isa, cpu_dispatch=cpu_dispatch,
+                                    hot_experts=hot_experts)
         return cls(model, placement=experts, **kwargs)
 
     def close(self) -> None:

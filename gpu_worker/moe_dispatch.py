@@ -13,6 +13,7 @@ import numpy as np
 
 from cpu_experts.quant import NonFiniteActivation
 from gpu_worker.backend import to_numpy
+from gpu_worker.expert_stats import hot_order, permute_experts
 from gpu_worker.model.model import Model
 from gpu_worker.model.moe import experts_local
 
@@ -41,6 +42,8 @@ class ExpertPlacement:
         self.link = None  # PinnedRing on CuPy (pin_ring): kernels write and read the ring
         self.launched = False  # the link's launched path (else its synchronous one)
         self._qerr = None  # install_gpu_norm("fused"): the step's non-finite flag (CuPy)
+        # hot experts: per layer, the share of the calibration's router picks the GPU keeps
+        self.hot_share: dict[int, float] = {}
         self._mask_dev: dict[int, object] = {}
 
     def pin_ring(self, dispatch: str = "launched") -> None:
@@ -86,10 +89,13 @@ class ExpertPlacement:
               cpu_per_layer: int = 0, num_workers: int | None = None,
               cores: list[list[int]] | None = None,
               qfuse: str | None = None, isa: str | None = None,
-              cpu_dispatch: str = "launched") -> ExpertPlacement:
+              cpu_dispatch: str = "launched",
+              hot: dict[int, np.ndarray] | None = None) -> ExpertPlacement:
         """Quantize the CPU-resident experts and start their worker processes.
 
-        ``split`` puts the last ``cpu_per_layer`` expert ids of each MoE layer on the CPU.
+        ``split`` puts the last ``cpu_per_layer`` expert ids of each MoE layer on the CPU;
+        with ``hot`` (router counts per MoE layer, gpu_worker/expert_stats.py) each layer's
+        experts are first renumbered hottest first, so the GPU keeps the most-picked ones.
         """
         from cpu_experts.pool import CpuExpertPool  # noqa: PLC0415 (numba, only when used)
 
@@ -103,6 +109,14 @@ class ExpertPlacement:
         n_cpu = E if placement == "cpu" else cpu_per_layer
         if not 0 < n_cpu <= E:
             raise ValueError(f"experts.cpu_experts_per_layer must be in 1..{E} for 'split'")
+        if hot is not None and placement != "split":
+            raise ValueError("hot experts need placement 'split'")
+        hot_share = {}
+        for i, counts in (hot or {}).items():
+            order = hot_order(counts)
+            permute_experts(tensors, order, f"model.layers.{i}.mlp.")
+            permute_experts(model.layers[i].mlp, model.xp.asarray(order))
+            hot_share[i] = float(counts[order[:E - n_cpu]].sum() / max(1, counts.sum()))
         on_cpu, layers = {}, {}
         for i in range(cfg.num_hidden_layers):
             if not cfg.is_sparse(i):
@@ -120,6 +134,7 @@ class ExpertPlacement:
             for k in ("gate_proj", "up_proj", "down_proj"):
                 mlp["experts." + k] = mlp["experts." + k][: E - n_cpu].copy()
         placement_ = cls(model, on_cpu, pool)
+        placement_.hot_share = hot_share
         if qfuse is None and model.xp.__name__ == "cupy" and model.ops.dtype == np.float32:
             qfuse = "fused"
         if qfuse is not None:

@@ -59,11 +59,17 @@ def build_runner(args: argparse.Namespace):
                              cpu_experts_per_layer=args.cpu_experts_per_layer,
                              cpu_workers=args.cpu_workers,
                              cpu_cores=parse_core_groups(args.cpu_cores),
-                             cpu_isa=args.cpu_isa, cpu_dispatch=args.cpu_dispatch)
+                             cpu_isa=args.cpu_isa, cpu_dispatch=args.cpu_dispatch,
+                             hot_experts=args.hot_experts or None)
     if pool is not None:
         for info in pool.pool.ready_info:  # one line per CPU expert worker, what it holds
             _log("cpu expert worker ready", placement=args.placement, **info,
                  cpu_experts_per_layer=int(next(iter(pool.on_cpu.values())).sum()))
+        if pool.hot_share:  # what the calibration says the GPU's experts will serve
+            shares = list(pool.hot_share.values())
+            _log("hot experts on the gpu", file=args.hot_experts,
+                 router_picks_on_gpu_mean=round(sum(shares) / len(shares), 4),
+                 router_picks_on_gpu_min=round(min(shares), 4))
     blocks_per_slot = -(-args.max_context // args.block_size)
     runner = Runner(model, max_slots=args.max_slots, max_context=args.max_context,
                     block_size=args.block_size, extra_blocks=args.extra_blocks,
@@ -157,6 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu-cores", default="", help='per worker core lists: "0,1,2;3,4,5"')
     p.add_argument("--cpu-isa", choices=("auto", "portable", "avx2", "avx512vnni"),
                    default="auto", help="CPU expert kernels (auto: the best this CPU has)")
+    p.add_argument("--hot-experts", default="",
+                   help="split: router counts (tandem expert-stats); the GPU keeps the hottest")
     p.add_argument("--cpu-dispatch", choices=("launched", "sync"), default="launched",
                    help="cupy: GPU kernels ring the CPU workers (launched) or the host does")
     return p.parse_args(argv)

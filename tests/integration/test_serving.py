@@ -7,7 +7,10 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -69,12 +72,26 @@ PLACEMENTS = {
     # the portable kernels here, the best this CPU has in generate_alone: the same bits
     "split": {"placement": "split", "cpu_experts_per_layer": 3, "cpu_workers": 1,
               "cpu_isa": "portable"},
+    # the GPU keeps the experts the router picked most over the test's own prompts
+    "split-hot": {"placement": "split", "cpu_experts_per_layer": 3, "cpu_workers": 1},
 }
+
+
+def _hot_experts(model: Path, tmp_path: Path) -> Path:
+    """`tandem expert-stats` over the prompts of this module."""
+    text, out = tmp_path / "prompts.txt", tmp_path / "hot.json"
+    text.write_text("\n".join(PROMPTS))
+    subprocess.run([sys.executable, "-m", "daemon.cli", "expert-stats", "--model", str(model),
+                    "--text", str(text), "--out", str(out)], check=True, timeout=120,
+                   capture_output=True)
+    return out
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 def test_four_concurrent_streams_equal_generate_alone(placement, model, tmp_path):
-    experts = PLACEMENTS[placement]
+    experts = dict(PLACEMENTS[placement])
+    if placement == "split-hot":
+        experts["hot_experts"] = str(_hot_experts(model, tmp_path))
     srv = Server(tmp_path, model, experts=experts).start()
     try:
         async def go():
@@ -85,6 +102,10 @@ def test_four_concurrent_streams_equal_generate_alone(placement, model, tmp_path
         metrics = srv.get("/metrics")[1]
     finally:
         assert srv.stop() == 0
+    if "hot_experts" in experts:
+        hot = [json.loads(line) for line in srv.log.read_text().splitlines()
+               if "hot experts on the gpu" in line]
+        assert hot and hot[0]["router_picks_on_gpu_mean"] > 0.5  # 5 of 8 experts kept
     if "cpu_isa" in experts:
         ready = [json.loads(line) for line in srv.log.read_text().splitlines()
                  if "cpu expert worker ready" in line]
