@@ -74,6 +74,9 @@ def _check_model(config: Config) -> None:
     if ctx > positions:
         raise ConfigError(f"scheduler.max_context: must be <= the model's "
                           f"max_position_embeddings ({positions}), got {ctx}")
+    if config.scheduler.kv_cache_dtype == "int8" and model.head_dim % 32:
+        raise ConfigError(f"scheduler.kv_cache_dtype: int8 needs the model's head_dim to be a "
+                          f"multiple of 32, got {model.head_dim}")
     cpu = config.experts.cpu_experts_per_layer
     if config.experts.placement == "split" and cpu >= model.num_experts:
         raise ConfigError(f"experts.cpu_experts_per_layer: must be < the model's "

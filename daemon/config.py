@@ -195,6 +195,7 @@ class SchedulerSection:
     max_context: int = 4096  # prompt + generated tokens per slot
     prefill_chunk: int = 512
     kv_block_size: int = 64
+    kv_cache_dtype: str = "model"  # model: the compute dtype; int8: + an fp16 scale per 32
     prefix_cache: bool = True
     checkpoint_interval: int = 256  # GDN state checkpoint every N tokens
     prefix_cache_max_mb: int = 1024
@@ -207,6 +208,7 @@ class SchedulerSection:
         _int("scheduler.kv_block_size", self.kv_block_size, 1)
         if self.kv_block_size & (self.kv_block_size - 1):
             _fail("scheduler.kv_block_size", "must be a power of two", self.kv_block_size)
+        _str("scheduler.kv_cache_dtype", self.kv_cache_dtype, ("model", "int8"))
         _bool("scheduler.prefix_cache", self.prefix_cache)
         _int("scheduler.checkpoint_interval", self.checkpoint_interval, 1)
         _int("scheduler.prefix_cache_max_mb", self.prefix_cache_max_mb, 0)

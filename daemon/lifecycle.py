@@ -31,9 +31,11 @@ def prefix_blocks(config: Config) -> int:
         return 0
     cfg = ModelConfig.from_file(config.model.path / "config.json")
     item = 8 if config.model.dtype == "float64" else 4
+    if sched.kv_cache_dtype == "int8":
+        item = 1 + 2 / 32  # int8 values and an fp16 scale per 32
     layers = len(cfg.full_attention_layers) + min(cfg.num_mtp_layers, 1)  # MTP's KV: one more
-    block_bytes = (2 * layers * sched.kv_block_size
-                   * cfg.num_key_value_heads * cfg.head_dim * item)
+    block_bytes = int(2 * layers * sched.kv_block_size
+                      * cfg.num_key_value_heads * cfg.head_dim * item)
     per_slot = -(-sched.max_context // sched.kv_block_size)
     return max(1, min(sched.prefix_cache_max_mb * 2**20 // max(block_bytes, 1),
                       4 * per_slot * sched.max_slots))
@@ -46,6 +48,7 @@ def worker_spec(config: Config, extra_blocks: int) -> WorkerSpec:
                       backend=config.model.backend, max_slots=config.scheduler.max_slots,
                       max_context=config.scheduler.max_context,
                       block_size=config.scheduler.kv_block_size, extra_blocks=extra_blocks,
+                      kv_cache_dtype=config.scheduler.kv_cache_dtype,
                       placement=e.placement, cpu_experts_per_layer=e.cpu_experts_per_layer,
                       cpu_workers=e.num_cpu_workers,
                       cpu_cores=";".join(",".join(map(str, g)) for g in e.cpu_cores),

@@ -47,6 +47,7 @@ class WorkerSpec:
     max_context: int = 4096
     block_size: int = 64
     extra_blocks: int = 0
+    kv_cache_dtype: str = "model"  # or "int8": int8 KV with an fp16 scale per 32 values
     placement: str = "gpu"
     cpu_experts_per_layer: int = 0
     cpu_workers: int = 0  # 0: one per NUMA node

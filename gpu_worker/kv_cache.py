@@ -3,12 +3,17 @@
 Each slot owns a block table (list of block ids); a block holds ``block_size`` consecutive
 positions for every full-attention layer. Blocks are reference counted so a prefix can be
 shared by several slots; writing into a shared block copies it first (copy-on-write).
-Values are stored in the model dtype for now; int8 blocks with per-32 scales come later.
+Values are stored in the model dtype, or (``quant=True``, ARCHITECTURE.md §6) as int8 with
+one fp16 scale per 32 values along head_dim: a quarter of float32's bytes plus 1/16. A row is
+quantized on its own when written (``d = fp16(amax / 127)``, ``q = rint(x / d)``), so what a
+row reads back never depends on the batch it was written in.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+QBLOCK = 32  # int8 KV: values per fp16 scale along head_dim
 
 
 class CacheFull(RuntimeError):
@@ -56,7 +61,8 @@ class BlockAllocator:
 
 @dataclasses.dataclass
 class KVCache:
-    """K/V pools [layers, blocks, block_size, kv_heads, head_dim] and per-slot block tables."""
+    """K/V pools [layers, blocks, block_size, kv_heads, head_dim] and per-slot block tables;
+    with ``quant`` int8 pools plus fp16 scales [..., head_dim / 32] (``ks``, ``vs``)."""
 
     xp: object
     num_layers: int
@@ -65,11 +71,24 @@ class KVCache:
     kv_heads: int
     head_dim: int
     dtype: object
+    quant: bool = False
 
     def __post_init__(self) -> None:
+        xp = self.xp
         shape = (self.num_layers, self.num_blocks, self.block_size, self.kv_heads, self.head_dim)
-        self.k = self.xp.zeros(shape, dtype=self.dtype)
-        self.v = self.xp.zeros(shape, dtype=self.dtype)
+        self.ks = self.vs = None
+        if self.quant:
+            if self.head_dim % QBLOCK:
+                raise ValueError(f"int8 KV needs head_dim to be a multiple of {QBLOCK}, got "
+                                 f"{self.head_dim}")
+            self.k = xp.zeros(shape, dtype=xp.int8)
+            self.v = xp.zeros(shape, dtype=xp.int8)
+            scales = (*shape[:-1], self.head_dim // QBLOCK)
+            self.ks = xp.zeros(scales, dtype=xp.float16)
+            self.vs = xp.zeros(scales, dtype=xp.float16)
+        else:
+            self.k = xp.zeros(shape, dtype=self.dtype)
+            self.v = xp.zeros(shape, dtype=self.dtype)
         self.allocator = BlockAllocator(self.num_blocks)
         self.tables: dict[int, list[int]] = {}
 
@@ -116,23 +135,56 @@ class KVCache:
         pos = xp.arange(start, start + n)
         blocks = xp.asarray(table)[pos // self.block_size]
         offs = pos % self.block_size
-        self.k[layer, blocks, offs] = k
-        self.v[layer, blocks, offs] = v
+        if self.quant:
+            (self.k[layer, blocks, offs], self.ks[layer, blocks, offs]) = self._quantize(k)
+            (self.v[layer, blocks, offs], self.vs[layer, blocks, offs]) = self._quantize(v)
+        else:
+            self.k[layer, blocks, offs] = k
+            self.v[layer, blocks, offs] = v
 
     def read(self, layer: int, slot: int, length: int):
         """K, V [length, kv_heads, head_dim] of the slot's first ``length`` positions."""
         table = self.xp.asarray(self.tables[slot][: self.blocks_for(length)])
         shape = (-1, self.kv_heads, self.head_dim)
-        k = self.k[layer, table].reshape(shape)[:length]
-        v = self.v[layer, table].reshape(shape)[:length]
-        return k, v
+        k, v = self.k[layer, table], self.v[layer, table]
+        if self.quant:
+            k = self._dequantize(k, self.ks[layer, table])
+            v = self._dequantize(v, self.vs[layer, table])
+        return k.reshape(shape)[:length], v.reshape(shape)[:length]
+
+    def gather(self, blocks: list[int]) -> tuple:
+        """Every pool's rows of ``blocks`` (all layers): what a swap-out keeps."""
+        table = self.xp.asarray(blocks, dtype=self.xp.int64)
+        return tuple(a[:, table] for a in self._pools())
+
+    def scatter(self, blocks: list[int], arrays: tuple) -> None:
+        """Write back what :meth:`gather` returned into ``blocks``."""
+        table = self.xp.asarray(blocks, dtype=self.xp.int64)
+        for pool, src in zip(self._pools(), arrays, strict=True):
+            pool[:, table] = self.xp.asarray(src)
+
+    def _pools(self) -> list:
+        return [self.k, self.v] + ([self.ks, self.vs] if self.quant else [])
+
+    def _quantize(self, x):
+        """[n, kv_heads, head_dim] -> int8 values and fp16 scales per 32 along head_dim."""
+        xp = self.xp
+        blocks = x.astype(xp.float32).reshape(*x.shape[:-1], -1, QBLOCK)
+        d16 = (xp.abs(blocks).max(axis=-1) / xp.float32(127)).astype(xp.float16)
+        d = d16.astype(xp.float32)[..., None]
+        q = xp.rint(blocks / xp.where(d > 0, d, xp.float32(1)))
+        return xp.clip(q, -127, 127).astype(xp.int8).reshape(x.shape), d16
+
+    def _dequantize(self, q, d16):
+        blocks = q.reshape(*q.shape[:-1], -1, QBLOCK).astype(self.dtype)
+        return (blocks * d16.astype(self.dtype)[..., None]).reshape(q.shape)
 
     def _own_block(self, table: list[int], index: int) -> None:
         """Copy-on-write: give the slot a private copy of a shared block before writing."""
         block = table[index]
         if self.allocator.refcount(block) > 1:
             (fresh,) = self.allocator.allocate(1)
-            self.k[:, fresh] = self.k[:, block]
-            self.v[:, fresh] = self.v[:, block]
+            for pool in self._pools():
+                pool[:, fresh] = pool[:, block]
             self.allocator.free([block])
             table[index] = fresh

@@ -38,18 +38,19 @@ class Entry:
     num_tokens: int
     blocks: list[int]  # device KV blocks held by reference (checkpoints)
     state: tuple | None  # recurrent-state snapshot at exactly num_tokens
-    host_kv: tuple | None = None  # swapped-out (k, v) [layers, nblocks, bs, Hkv, hd]
+    host_kv: tuple | None = None  # swapped-out pools (KVCache.gather), on the host
 
 
 class Runner:
     def __init__(self, model: Model, *, max_slots: int, max_context: int, block_size: int = 16,
                  extra_blocks: int = 0, experts=None, expert_stats=None,
-                 expert_step=None) -> None:
+                 expert_step=None, kv_int8: bool = False) -> None:
         self.model = model
         self.max_slots = max_slots
         self.max_context = max_context
         # extra_blocks: room for prefix checkpoints beyond every slot's own blocks
-        self.caches = model.new_caches(max_slots, max_context, block_size, extra_blocks)
+        self.caches = model.new_caches(max_slots, max_context, block_size, extra_blocks,
+                                       kv_int8=kv_int8)
         self.experts = experts
         self.expert_stats = expert_stats  # () -> counters of the CPU expert path, per step
         self.expert_step = expert_step  # (forward) -> its result, the CPU experts' step ended
@@ -318,8 +319,7 @@ class Runner:
         # NOTE: only the blocks of the committed tokens: rejected drafts may have grown the
         # table past them (their rows are never read)
         blocks = self.kv.tables.get(slot, [])[: self.kv.blocks_for(n)]
-        table = np.asarray(blocks, dtype=np.int64)
-        host = (to_numpy(self.kv.k[:, table]).copy(), to_numpy(self.kv.v[:, table]).copy())
+        host = tuple(to_numpy(a).copy() for a in self.kv.gather(blocks))
         state = self.caches.states.snapshot(slot) if self.caches.states is not None else None
         if state is not None:
             state = tuple(to_numpy(s).copy() for s in state)
@@ -332,10 +332,8 @@ class Runner:
         self._release(slot)
         xp = self.model.xp
         self.kv.ensure(slot, entry.num_tokens)
-        table = xp.asarray(self.kv.tables.get(slot, []), dtype=xp.int64)
         if entry.num_tokens:
-            self.kv.k[:, table] = xp.asarray(entry.host_kv[0])
-            self.kv.v[:, table] = xp.asarray(entry.host_kv[1])
+            self.kv.scatter(self.kv.tables.get(slot, []), entry.host_kv)
         if entry.state is not None:
             self.caches.states.restore(slot, tuple(xp.asarray(s) for s in entry.state))
         self.lengths[slot] = entry.num_tokens

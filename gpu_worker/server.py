@@ -73,10 +73,16 @@ def build_runner(args: argparse.Namespace):
     blocks_per_slot = -(-args.max_context // args.block_size)
     runner = Runner(model, max_slots=args.max_slots, max_context=args.max_context,
                     block_size=args.block_size, extra_blocks=args.extra_blocks,
+                    kv_int8=args.kv_cache_dtype == "int8",
                     experts=pool.experts if pool else None,
                     expert_stats=pool.take_stats if pool else None,
                     expert_step=pool.step if pool else None)
     capacity = (args.max_slots * blocks_per_slot + args.extra_blocks) * args.block_size
+    kv = runner.caches.kv
+    _log("kv cache", dtype="int8" if kv.quant else str(kv.k.dtype), blocks=kv.num_blocks,
+         block_size=kv.block_size, layers=kv.num_layers,
+         mib=round(sum(a.nbytes for a in (kv.k, kv.v, kv.ks, kv.vs) if a is not None)
+                   / 2**20, 1))
     eos = load_generation_config(args.model).get("eos_token_ids", [])
     info = ModelInfo(name=args.name or os.path.basename(os.path.normpath(args.model)),
                      vocab_size=model.cfg.vocab_size, max_slots=args.max_slots,
@@ -157,6 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-context", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--extra-blocks", type=int, default=0)
+    p.add_argument("--kv-cache-dtype", choices=("model", "int8"), default="model")
     p.add_argument("--placement", choices=("gpu", "cpu", "split"), default="gpu")
     p.add_argument("--cpu-experts-per-layer", type=int, default=0)
     p.add_argument("--cpu-workers", type=int, default=0, help="0: one per NUMA node")

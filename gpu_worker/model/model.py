@@ -91,11 +91,11 @@ class Model:
 
     # ---- caches ------------------------------------------------------------------------
     def new_caches(self, max_slots: int, max_tokens_per_slot: int, block_size: int = 16,
-                   extra_blocks: int = 0) -> Caches:
+                   extra_blocks: int = 0, kv_int8: bool = False) -> Caches:
         cfg, xp, dt = self.cfg, self.xp, self.ops.dtype
         blocks = max_slots * -(-max_tokens_per_slot // block_size) + extra_blocks
         kv = KVCache(xp, len(cfg.full_attention_layers) + (self.mtp is not None), blocks,
-                     block_size, cfg.num_key_value_heads, cfg.head_dim, dt)
+                     block_size, cfg.num_key_value_heads, cfg.head_dim, dt, quant=kv_int8)
         states = None
         if cfg.linear_attention_layers:
             states = RecurrentStates(xp, len(cfg.linear_attention_layers), max_slots,

@@ -333,3 +333,33 @@ def test_reasoning_block_of_the_embedded_model(tmp_path, split):
         assert "<think>" not in whole and "</think>" not in whole and whole.strip()
     else:
         assert whole.startswith("<think>")
+
+
+def test_int8_kv_through_the_daemon_keeps_speculation_exact(tmp_path):
+    """[scheduler] kv_cache_dtype = "int8" reaches the worker; with it, wide speculation
+    (suffix and MTP drafts) answers four concurrent streams with plain decoding's text."""
+    model = make_tiny_model(tmp_path / "m", "qwen3_next", seed=7, layers=4, head_dim=32)
+    answers = {}
+    for arm, spec in (("off", {"mode": "off"}), ("suffix", {"mode": "wide", "min_match": 1}),
+                      ("mtp", {"mode": "wide", "proposer": "mtp"})):
+        (tmp_path / arm).mkdir()
+        srv = Server(tmp_path / arm, model, scheduler={"kv_cache_dtype": "int8"},
+                     speculation=spec).start()
+        try:
+            async def go(url=srv.url):
+                async with aiohttp.ClientSession() as s:
+                    return await asyncio.gather(*(chat(s, url, p, max_tokens=32)
+                                                  for p in PROMPTS))
+
+            answers[arm] = [text for text, _, _ in run(go())]
+            accepted = re.search(r"^tandem_spec_accepted_tokens_total (\S+)$",
+                                 srv.get("/metrics")[1], re.M)
+        finally:
+            assert srv.stop() == 0
+        kv = [json.loads(line) for line in srv.log.read_text().splitlines()
+              if '"kv cache"' in line]
+        assert kv and kv[0]["dtype"] == "int8", kv
+        if arm != "off":
+            assert accepted and float(accepted.group(1)) > 0, arm
+    assert answers["suffix"] == answers["off"] and answers["mtp"] == answers["off"]
+    assert all(answers["off"])
