@@ -434,7 +434,7 @@ def summary(config: Config) -> list[str]:
         f"zmq: {s.zmq_endpoint}",
         f"scheduler: {sc.max_slots} slots x {sc.max_context} tokens, prefill chunk "
         f"{sc.prefill_chunk}, prefix cache {'on' if sc.prefix_cache else 'off'}, "
-        f"preemption {sc.preemption}",
+        f"preemption {sc.preemption}, kv cache {sc.kv_cache_dtype}",
         f"limits: prompt <= {config.max_prompt_tokens}, max_tokens <= {config.max_tokens}, "
         f"queue <= {config.limits.max_queue}",
         f"experts: {e.placement}{cpu}",
