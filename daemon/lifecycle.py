@@ -18,6 +18,7 @@ from daemon.scheduler import Scheduler
 from daemon.tokenizer import Tokenizer, TokenizerError
 from daemon.worker_client import WorkerDied, WorkerProcess, WorkerSpec
 from gpu_worker.config import ModelConfig
+from gpu_worker.kv_cache import block_bytes
 from gpu_worker.loader import load_generation_config
 
 log = get_logger("tandem.lifecycle")
@@ -30,14 +31,12 @@ def prefix_blocks(config: Config) -> int:
     if not sched.prefix_cache:
         return 0
     cfg = ModelConfig.from_file(config.model.path / "config.json")
-    item = 8 if config.model.dtype == "float64" else 4
-    if sched.kv_cache_dtype == "int8":
-        item = 1 + 2 / 32  # int8 values and an fp16 scale per 32
     layers = len(cfg.full_attention_layers) + min(cfg.num_mtp_layers, 1)  # MTP's KV: one more
-    block_bytes = int(2 * layers * sched.kv_block_size
-                      * cfg.num_key_value_heads * cfg.head_dim * item)
+    size = block_bytes(layers, sched.kv_block_size, cfg.num_key_value_heads, cfg.head_dim,
+                       8 if config.model.dtype == "float64" else 4,
+                       quant=sched.kv_cache_dtype == "int8")
     per_slot = -(-sched.max_context // sched.kv_block_size)
-    return max(1, min(sched.prefix_cache_max_mb * 2**20 // max(block_bytes, 1),
+    return max(1, min(sched.prefix_cache_max_mb * 2**20 // max(size, 1),
                       4 * per_slot * sched.max_slots))
 
 

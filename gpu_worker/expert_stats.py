@@ -24,12 +24,12 @@ FORMAT = "tandem-expert-counts-v1"
 EXPERT_KEYS = ("gate_proj", "up_proj", "down_proj")
 
 
-def count_routing(model, chunks: list[np.ndarray], max_slots: int = 1) -> dict[int, np.ndarray]:
+def count_routing(model, chunks: list[np.ndarray]) -> dict[int, np.ndarray]:
     """Router picks per MoE layer over ``chunks`` of token ids, each run as one prompt from
     position 0: ``{layer: int64 [E]}``; every row adds its top-k experts once."""
     from gpu_worker.backend import to_numpy  # noqa: PLC0415
     from gpu_worker.model.batch import RaggedBatch  # noqa: PLC0415
-    from gpu_worker.model.moe import experts_local  # noqa: PLC0415
+    from gpu_worker.model.moe import expert_stacks, experts_local  # noqa: PLC0415
 
     cfg = model.cfg
     counts = {i: np.zeros(cfg.num_experts, np.int64) for i in range(cfg.num_hidden_layers)
@@ -37,12 +37,11 @@ def count_routing(model, chunks: list[np.ndarray], max_slots: int = 1) -> dict[i
 
     def counting(layer: int, x, ids, weights, **_):
         counts[layer] += np.bincount(to_numpy(ids).reshape(-1), minlength=cfg.num_experts)
-        mlp = model.layers[layer].mlp
-        return experts_local(model.ops, *(mlp["experts." + k] for k in EXPERT_KEYS), x, ids,
+        return experts_local(model.ops, *expert_stacks(model.layers[layer].mlp), x, ids,
                              weights)
 
     longest = max((len(c) for c in chunks), default=1)
-    caches = model.new_caches(max_slots, longest)
+    caches = model.new_caches(1, longest)
     for chunk in chunks:
         if len(chunk):
             model.forward(RaggedBatch.build([(0, 0, np.asarray(chunk, np.int64))]), caches,

@@ -16,6 +16,14 @@ import dataclasses
 QBLOCK = 32  # int8 KV: values per fp16 scale along head_dim
 
 
+def block_bytes(num_layers: int, block_size: int, kv_heads: int, head_dim: int,
+                itemsize: int, quant: bool = False) -> int:
+    """Bytes of one KV block (K and V, every layer): values of ``itemsize`` bytes, or int8
+    values plus an fp16 scale per QBLOCK."""
+    per_value = (QBLOCK + 2) / QBLOCK if quant else itemsize
+    return int(2 * num_layers * block_size * kv_heads * head_dim * per_value)
+
+
 class CacheFull(RuntimeError):
     """Not enough free KV blocks for the requested length."""
 
@@ -91,6 +99,10 @@ class KVCache:
             self.v = xp.zeros(shape, dtype=self.dtype)
         self.allocator = BlockAllocator(self.num_blocks)
         self.tables: dict[int, list[int]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self._pools())
 
     def blocks_for(self, length: int) -> int:
         return -(-length // self.block_size)

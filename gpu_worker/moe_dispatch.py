@@ -15,7 +15,7 @@ from cpu_experts.quant import NonFiniteActivation
 from gpu_worker.backend import to_numpy
 from gpu_worker.expert_stats import hot_order, permute_experts
 from gpu_worker.model.model import Model
-from gpu_worker.model.moe import experts_local
+from gpu_worker.model.moe import expert_stacks, experts_local
 
 PLACEMENTS = ("gpu", "cpu", "split")
 # Where the CPU experts' activations are quantized (CuPy backend only):
@@ -269,8 +269,7 @@ class ExpertPlacement:
     def _local(self, layer: int, x, gpu_ids, weights):
         """The backend's own experts of ``layer`` (ids -1: elsewhere)."""
         p = self.model.layers[layer].mlp
-        return experts_local(self.model.ops, p["experts.gate_proj"], p["experts.up_proj"],
-                             p["experts.down_proj"], x, gpu_ids, weights)
+        return experts_local(self.model.ops, *expert_stacks(p), x, gpu_ids, weights)
 
     def _count(self, ids_host: np.ndarray, cpu: np.ndarray) -> int:
         """Add one MoE layer's distinct experts to the step counters; returns the CPU's."""

@@ -81,8 +81,7 @@ def build_runner(args: argparse.Namespace):
     kv = runner.caches.kv
     _log("kv cache", dtype="int8" if kv.quant else str(kv.k.dtype), blocks=kv.num_blocks,
          block_size=kv.block_size, layers=kv.num_layers,
-         mib=round(sum(a.nbytes for a in (kv.k, kv.v, kv.ks, kv.vs) if a is not None)
-                   / 2**20, 1))
+         mib=round(kv.nbytes / 2**20, 1))
     eos = load_generation_config(args.model).get("eos_token_ids", [])
     info = ModelInfo(name=args.name or os.path.basename(os.path.normpath(args.model)),
                      vocab_size=model.cfg.vocab_size, max_slots=args.max_slots,

@@ -31,6 +31,11 @@ def swiglu(ops: Ops, x: Array, gate: Array, up: Array, down: Array) -> Array:
     return ops.linear(ops.silu(ops.linear(x, gate)) * ops.linear(x, up), down)
 
 
+def expert_stacks(mlp: dict[str, Array]) -> tuple[Array, Array, Array]:
+    """A MoE layer's stacked experts: gate [E, I, H], up [E, I, H], down [E, H, I]."""
+    return mlp["experts.gate_proj"], mlp["experts.up_proj"], mlp["experts.down_proj"]
+
+
 def experts_local(ops: Ops, gate: Array, up: Array, down: Array, x: Array,
                   ids: Array, weights: Array) -> Array:
     """sum_k w_k * expert_{ids_k}(x) per row, experts stacked [E, I, H] / [E, H, I].
@@ -70,8 +75,7 @@ def sparse_moe(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
     """
     ids, weights = route(ops, cfg, p["gate.weight"], x)
     if experts is None:
-        out = experts_local(ops, p["experts.gate_proj"], p["experts.up_proj"],
-                            p["experts.down_proj"], x, ids, weights)
+        out = experts_local(ops, *expert_stacks(p), x, ids, weights)
     else:
         out = experts(x, ids, weights)
     if "shared_expert.gate_proj.weight" in p:
