@@ -28,7 +28,7 @@ from daemon.logs import bind_request
 from daemon.metrics import Metrics
 from daemon.openai_format import Formatter
 from daemon.openai_schema import ApiError, ParsedRequest, bad, parse_chat, parse_completion
-from daemon.requests import (
+from daemon.request import (
     EngineUnavailable,
     GenerationRequest,
     QueueFull,
@@ -37,7 +37,7 @@ from daemon.requests import (
 )
 from daemon.tokenizer import TokenizerError
 from gpu_worker.loader import CheckpointError, load_generation_config
-from gpu_worker.sampling import MAX_SEED, SamplingParams
+from protocol.messages import MAX_SEED, SamplingParams
 
 log = structlog.stdlib.get_logger(__name__)
 

@@ -4,22 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import secrets
 
 from daemon.config import Config
 from daemon.logs import get_logger
-from daemon.requests import (
+from daemon.request import (
     EngineUnavailable,
     GenerationRequest,
     QueueFull,
     RequestRejected,
 )
 from daemon.scheduler import Scheduler
-from gpu_worker.sampling import MAX_SEED, SamplingParams
 from protocol.codec import Limits
 from protocol.curve import CurveServerKeys
 from protocol.errors import ProtocolError
 from protocol.messages import (
+    MAX_SEED,
     PROTOCOL_VERSION,
     CancelRequest,
     ErrorCode,
@@ -33,6 +34,7 @@ from protocol.messages import (
     SubmitRequest,
     TokenEvent,
     Usage,
+    penalty_error,
 )
 from protocol.sockets import AsyncDaemonToClients
 
@@ -122,8 +124,10 @@ class ZmqApi:
                                   f"{limits.max_tokens}")
         s = msg.sampling
         seed = s.seed if s.seed is not None else secrets.randbelow(MAX_SEED + 1)
-        sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                  min_p=s.min_p, seed=seed)
+        penalty = s.unsupported()
+        if penalty is not None:  # the HTTP API refuses them alike
+            raise RequestRejected(penalty_error(penalty))
+        sampling = dataclasses.replace(s, seed=seed)
         return GenerationRequest(
             request_id=_internal_id(peer, msg.request_id), prompt_ids=ids,
             sampling=sampling, max_tokens=msg.max_tokens,

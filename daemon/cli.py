@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     from daemon.tokenizer import TokenizerError  # noqa: PLC0415
-    from gpu_worker.config import ConfigError  # noqa: PLC0415
+    from gpu_worker.model_config import ModelConfigError  # noqa: PLC0415
     from gpu_worker.loader import CheckpointError  # noqa: PLC0415
 
     try:
@@ -111,7 +111,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             return _score(args)
         if args.command == "expert-stats":
             return _expert_stats(args)
-    except (CheckpointError, ConfigError, TokenizerError, ValueError) as exc:
+    except (CheckpointError, ModelConfigError, TokenizerError, ValueError) as exc:
         raise CliError(str(exc)) from None
     raise CliError(f"unknown command {args.command}")
 
@@ -132,7 +132,7 @@ def _engine(args: argparse.Namespace, max_len: int):
 def _generate(args: argparse.Namespace) -> int:
     from daemon.tokenizer import Tokenizer, TokenizerError  # noqa: PLC0415
     from gpu_worker.loader import load_generation_config  # noqa: PLC0415
-    from gpu_worker.sampling import SamplingParams  # noqa: PLC0415
+    from protocol.messages import SamplingParams  # noqa: PLC0415
 
     path = args.model or default_model()
     tokenizer = None

@@ -23,7 +23,7 @@ from daemon.openai_format import Formatter
 from daemon.openai_reasoning import ReasoningStream, split_reasoning
 from daemon.openai_schema import ApiError
 from daemon.openai_tools import ToolCallStream, parse_tool_calls
-from daemon.requests import RequestEvent, RequestHandle
+from daemon.request import RequestEvent, RequestHandle
 
 log = structlog.stdlib.get_logger(__name__)
 

@@ -17,9 +17,9 @@ from daemon.metrics import Metrics
 from daemon.scheduler import Scheduler
 from daemon.tokenizer import Tokenizer, TokenizerError
 from daemon.worker_client import WorkerDied, WorkerProcess, WorkerSpec
-from gpu_worker.config import ModelConfig
 from gpu_worker.kv_cache import block_bytes
 from gpu_worker.loader import load_generation_config
+from gpu_worker.model_config import ModelConfig
 
 log = get_logger("tandem.lifecycle")
 RESTART_BACKOFF_S = (0.5, 1, 2, 5, 10)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from daemon.requests import Usage
+from daemon.request import Usage
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ import dataclasses
 import math
 from typing import Any
 
-from gpu_worker.sampling import MAX_SEED
+from protocol.messages import MAX_SEED, PENALTIES_OFF, penalty_error
 
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
@@ -125,8 +125,9 @@ def _common(body: Any, kind: str, known: frozenset[str]) -> ParsedRequest:
         raise bad("n", f"'n' must be 1: multiple choices per request are not supported, got {n}")
     for key in ("presence_penalty", "frequency_penalty"):
         _num(body, key, -2.0, 2.0)
-        _unsupported(body, key, (0, 0.0), "penalties are not implemented yet (use 0)")
-    _unsupported(body, "repetition_penalty", (1, 1.0), "penalties are not implemented yet")
+    for key, off in PENALTIES_OFF.items():  # the ZeroMQ API refuses them alike
+        if body.get(key) is not None and body[key] != off:
+            raise bad(key, penalty_error(key))
     _unsupported(body, "logit_bias", ({},), "logit_bias is not implemented")
     _unsupported(body, "logprobs", (False, 0), "log probabilities are not returned")
     user = body.get("user")

@@ -7,6 +7,7 @@ bookkeeping over plain data; only ``run`` awaits the worker.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import time
 
@@ -15,20 +16,19 @@ import structlog
 
 from daemon.prefix_cache import PrefixCache
 from daemon.proposers.suffix import SuffixProposer
-from daemon.requests import (
+from daemon.request import (
     EngineUnavailable,
     GenerationRequest,
     QueueFull,
     RequestHandle,
     RequestRejected,
 )
-from daemon.slots import Sequence
+from daemon.sequence import Sequence
 from daemon.worker_client import WorkerDied, WorkerStepError
 from protocol.messages import (
     CacheOp,
     CacheOpKind,
     DraftSource,
-    SamplingParams,
     SlotWork,
     StepPlan,
     StepResult,
@@ -238,9 +238,7 @@ class Scheduler:
 
     # ---- planning pieces -----------------------------------------------------------------
     def _work_for(self, slot: int, seq: Sequence, after: list[CacheOp]) -> SlotWork:
-        sampling = SamplingParams(temperature=seq.req.sampling.temperature,
-                                  top_p=seq.req.sampling.top_p, top_k=seq.req.sampling.top_k,
-                                  min_p=seq.req.sampling.min_p, seed=seq.seed)
+        sampling = dataclasses.replace(seq.req.sampling, seed=seq.seed)
         common = dict(slot=slot, request_id=seq.req.request_id, sampling=sampling,
                       prompt_len=len(seq.prompt), cached_len=seq.cached,
                       mtp_drafts=self._mtp_drafts)

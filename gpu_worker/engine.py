@@ -13,7 +13,8 @@ from gpu_worker.backend import get_xp, to_numpy
 from gpu_worker.loader import load_checkpoint
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.model import Caches, ForwardOut, Model
-from gpu_worker.sampling import SamplingParams, sample
+from gpu_worker.sampling import sample
+from protocol.messages import SamplingParams
 
 DTYPES = {"float32": np.float32, "float64": np.float64}
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from gpu_worker.config import ConfigError, ModelConfig
+from gpu_worker.model_config import ModelConfig, ModelConfigError
 from gpu_worker.safetensors_io import FLOAT_DTYPES, SafetensorsError, SafetensorsFile, TensorInfo
 from gpu_worker.weights_spec import expected_tensors, is_mtp
 
@@ -94,7 +94,7 @@ def load_config(path: str | Path) -> ModelConfig:
         raise CheckpointError(f"{config_file}: missing config.json")
     try:
         return ModelConfig.from_file(config_file)
-    except ConfigError as exc:
+    except ModelConfigError as exc:
         raise CheckpointError(str(exc)) from None
 
 

@@ -12,12 +12,13 @@ import numpy as np
 from gpu_worker.backend import to_numpy
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.model import Model
-from gpu_worker.sampling import SamplingParams, sample
+from gpu_worker.sampling import sample
 from protocol.messages import (
     CacheOp,
     CacheOpKind,
     Phase,
     PromptPhase,
+    SamplingParams,
     SlotResult,
     SlotWork,
     StepPlan,
@@ -343,5 +344,4 @@ def _sampling(w: SlotWork) -> SamplingParams:
     s = w.sampling
     if s.seed is None:
         raise PlanError(f"slot {w.slot}: the daemon must fix a seed for every request")
-    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                          min_p=s.min_p, seed=s.seed % (2**63))
+    return s

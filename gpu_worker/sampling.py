@@ -9,36 +9,9 @@ the same token whether the row was decoded alone, in a batch, or as a verified d
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
-MAX_SEED = 2**63 - 1
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    min_p: float = 0.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not 0 <= self.seed <= MAX_SEED:
-            raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from protocol.messages import SamplingParams
 
 
 def gumbel_noise(seed: int, position: int, vocab: int) -> np.ndarray:
@@ -70,8 +43,10 @@ def filtered_logprobs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 def sample(logits: np.ndarray, params: SamplingParams, position: int) -> int:
     """Choose the token at absolute ``position`` from one row of logits [V]."""
-    if params.greedy:
+    if params.is_greedy:
         return int(np.argmax(logits))
+    if params.seed is None:
+        raise ValueError("sampling needs a seed (the daemon fixes one for every request)")
     logp = filtered_logprobs(logits, params)
     return int(np.argmax(logp + gumbel_noise(params.seed, position, logp.size)))
 

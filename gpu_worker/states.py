@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterable, Iterator
 
 
 @dataclasses.dataclass
@@ -21,7 +23,7 @@ class RecurrentStates:
     dtype: object
 
     def __post_init__(self) -> None:
-        self.verify: dict[int, dict[int, tuple]] = {}  # slot -> layer -> (window, [S_t])
+        self._verify: dict[int, dict[int, tuple]] = {}  # slot -> layer -> (window, [S_t])
         xp = self.xp
         self.conv = xp.zeros((self.num_layers, self.max_slots, self.conv_kernel - 1,
                               self.conv_dim), dtype=self.dtype)
@@ -42,22 +44,40 @@ class RecurrentStates:
         self.rec[:, slot] = rec
 
     # ---- speculative verify: keep every row's state, adopt the last accepted row's ---------
-    def track(self, slots) -> None:
+    # One forward's life: ``with states.verifying(slots):`` forward (gdn asks ``is_tracked``
+    # and calls ``record``), then ``adopt`` per tracked slot; leaving the block forgets the
+    # kept states, also when the forward raised.
+    @contextlib.contextmanager
+    def verifying(self, slots: Iterable[int]) -> Iterator[RecurrentStates]:
+        self.track(slots)
+        try:
+            yield self
+        finally:
+            self.end_verify()
+
+    def track(self, slots: Iterable[int]) -> None:
         """During the next forward, keep the state after every row of these slots' segments
         (their rows are a decode token plus drafts)."""
-        self.verify = {int(s): {} for s in slots}
+        self._verify = {int(s): {} for s in slots}
+
+    def is_tracked(self, slot: int) -> bool:
+        return slot in self._verify
 
     def record(self, layer: int, slot: int, window, states: list) -> None:
         """gdn: ``window`` [K-1+n, C] (the conv inputs before and of the segment's n rows) and
         ``states`` (the delta-rule state after each row) of a tracked slot."""
-        self.verify[slot][layer] = (window, states)
+        self._verify[slot][layer] = (window, states)
 
     def adopt(self, slot: int, rows: int) -> None:
         """Make the slot's state the one after its segment's first ``rows`` rows (the decode
         token and the accepted drafts); the later rows' updates are dropped."""
-        for layer, (window, states) in self.verify.pop(slot).items():
+        for layer, (window, states) in self._verify.pop(slot).items():
             self.conv[layer, slot] = window[rows:rows + self.conv_kernel - 1]
             self.rec[layer, slot] = states[rows - 1]
+
+    def end_verify(self) -> None:
+        """Forget every kept state (the slots not adopted keep their last row's state)."""
+        self._verify = {}
 
     @property
     def bytes_per_slot(self) -> int:

@@ -14,7 +14,7 @@ MTP layer is a full-attention decoder layer with the sparse MoE block.
 
 from __future__ import annotations
 
-from gpu_worker.config import ModelConfig
+from gpu_worker.model_config import ModelConfig
 
 Shape = tuple[int, ...]
 

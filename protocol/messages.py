@@ -143,8 +143,16 @@ def _check_request_id(rid: str) -> None:
 # ---------------------------------------------------------------- shared pieces
 
 
-@dataclass(slots=True, kw_only=True)
+MAX_SEED = 2**63 - 1
+# penalty -> its "off" value; any other value is refused by both APIs (not implemented yet)
+PENALTIES_OFF = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
+    """How a request picks its tokens: the one type of the daemon, the wire and the worker
+    (gpu_worker/sampling.py applies it)."""
+
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
@@ -160,7 +168,7 @@ class SamplingParams:
         _check(fin(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
         _check(self.top_k >= 0, "top_k must be >= 0 (0 = off)")
         _check(fin(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]")
-        _check(self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)")
+        _check(self.seed is None or 0 <= self.seed <= MAX_SEED, "seed must be in [0, 2**63)")
         _check(fin(self.repetition_penalty) and self.repetition_penalty > 0,
                "repetition_penalty must be > 0")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -170,6 +178,19 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    def unsupported(self) -> str | None:
+        """The first penalty set to anything but off, or None: the daemon refuses such a
+        request with :func:`penalty_error` on HTTP and ZeroMQ alike."""
+        for name, off in PENALTIES_OFF.items():
+            if getattr(self, name) != off:
+                return name
+        return None
+
+
+def penalty_error(name: str) -> str:
+    """The one message for a penalty that is set (both APIs send it)."""
+    return (f"{name} is not implemented yet: leave it out or send {PENALTIES_OFF[name]:g}")
 
 
 @dataclass(slots=True, kw_only=True)

@@ -38,8 +38,8 @@ def model_decode(tokens: int = 100) -> list[dict]:
 
     from gpu_worker.engine import Engine  # noqa: PLC0415
     from gpu_worker.model import moe  # noqa: PLC0415
-    from gpu_worker.sampling import SamplingParams  # noqa: PLC0415
-    from gpu_worker.tiny_model import make_tiny_model  # noqa: PLC0415
+    from protocol.messages import SamplingParams  # noqa: PLC0415
+    from scripts.tiny_model import make_tiny_model  # noqa: PLC0415
 
     limit, out = moe.GROUPED_MAX_ROWS, []
     prompt = np.arange(3, 40) * 11 % 500

@@ -26,8 +26,8 @@ import numpy as np
 
 from cpu_experts.cores import default_core_groups, reserved_cores
 from gpu_worker.engine import Engine
-from gpu_worker.sampling import SamplingParams
-from gpu_worker.tiny_model import make_tiny_model
+from protocol.messages import SamplingParams
+from scripts.tiny_model import make_tiny_model
 
 PROMPT = np.arange(3, 40) * 11 % 500
 

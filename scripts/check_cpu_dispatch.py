@@ -19,8 +19,8 @@ import numpy as np
 
 import gpu_worker.cpu_link as cpu_link
 from gpu_worker.engine import Engine
-from gpu_worker.sampling import SamplingParams
-from gpu_worker.tiny_model import make_tiny_model
+from protocol.messages import SamplingParams
+from scripts.tiny_model import make_tiny_model
 
 
 def run(path: str, tokens: int, qfuse: str, dispatch: str = "sync",

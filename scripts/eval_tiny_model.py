@@ -60,7 +60,8 @@ from daemon.tokenizer import Tokenizer  # noqa: E402
 from gpu_worker.backend import to_numpy  # noqa: E402
 from gpu_worker.engine import Engine  # noqa: E402
 from gpu_worker.model.batch import RaggedBatch  # noqa: E402
-from gpu_worker.sampling import SamplingParams, sample  # noqa: E402
+from gpu_worker.sampling import sample  # noqa: E402
+from protocol.messages import SamplingParams  # noqa: E402
 
 KINDS = ("code", "prose", "chat")
 EOT = "<|endoftext|>"

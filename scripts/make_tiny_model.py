@@ -2,7 +2,7 @@
 
     python scripts/make_tiny_model.py --arch qwen3_next --out models/tiny-next --seed 0
 
-Only NumPy, safetensors and tokenizers are used (no torch). See gpu_worker/tiny_model.py.
+Only NumPy, safetensors and tokenizers are used (no torch). See scripts/tiny_model.py.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from gpu_worker.tiny_model import DEFAULT_SIZES, DTYPES, EXPERT_LAYOUTS, make_tiny_model
+from scripts.tiny_model import DEFAULT_SIZES, DTYPES, EXPERT_LAYOUTS, make_tiny_model
 
 _INT_SIZES = {
     "hidden": "hidden size H", "layers": "number of decoder layers",

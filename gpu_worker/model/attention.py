@@ -7,10 +7,10 @@ norms and partial RoPE.
 
 from __future__ import annotations
 
-from gpu_worker.config import ModelConfig
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.ops import Array, Ops
+from gpu_worker.model_config import ModelConfig
 
 
 def full_attention(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,

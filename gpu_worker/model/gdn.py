@@ -3,14 +3,14 @@
 Per token and value head, with state S [Dk, Dv]:
     S <- exp(g) S;  m = k^T S;  S <- S + k (beta (v - m))^T;  o = q^T S
 The conv window and S live in ``RecurrentStates`` per slot; a segment continues its slot's
-state and leaves the updated state behind. For a slot tracked by ``states.track`` (a decode
+state and leaves the updated state behind. For a slot tracked by ``states.verifying`` (a decode
 token plus drafts) the state after every row is kept too, so the runner can adopt the one of
 the last accepted row.
 """
 
 from __future__ import annotations
 
-from gpu_worker.config import ModelConfig
+from gpu_worker.model_config import ModelConfig
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.ops import Array, Ops
 from gpu_worker.states import RecurrentStates
@@ -52,7 +52,7 @@ def gated_deltanet(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
         decay = xp.exp(g[rows])  # [n, Hv]
         bt = beta[rows]
         S = states.rec[layer, seg.slot]  # [Hv, Dk, Dv]
-        keep = [] if seg.slot in states.verify else None  # S after each row (drafts)
+        keep = [] if states.is_tracked(seg.slot) else None  # S after each row (drafts)
         for t in range(seg.num):
             S = S * decay[t][:, None, None]
             m = (kc[t][:, None, :] @ S)[:, 0]  # [Hv, Dv]

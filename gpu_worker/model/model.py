@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from gpu_worker.config import ModelConfig
+from gpu_worker.model_config import ModelConfig
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model.attention import full_attention
 from gpu_worker.model.batch import RaggedBatch

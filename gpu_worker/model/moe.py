@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpu_worker.config import ModelConfig
+from gpu_worker.model_config import ModelConfig
 from gpu_worker.model.ops import Array, Ops
 
 # CuPy: row counts up to this (the default prefill chunk) use the grouped expert kernels:

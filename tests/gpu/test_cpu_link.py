@@ -11,8 +11,8 @@ import pytest
 from cpu_experts.pool import CpuExpertError, CpuExpertPool
 from cpu_experts.quant import quantize
 from gpu_worker.engine import Engine
-from gpu_worker.sampling import SamplingParams
-from gpu_worker.tiny_model import make_tiny_model
+from protocol.messages import SamplingParams
+from scripts.tiny_model import make_tiny_model
 
 cupy = pytest.importorskip("cupy")
 

@@ -9,7 +9,7 @@ from gpu_worker.backend import to_numpy
 from gpu_worker.loader import load_checkpoint
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.model import Model
-from gpu_worker.tiny_model import make_tiny_model
+from scripts.tiny_model import make_tiny_model
 
 cupy = pytest.importorskip("cupy")
 

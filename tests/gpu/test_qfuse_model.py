@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from gpu_worker.engine import Engine
-from gpu_worker.sampling import SamplingParams
-from gpu_worker.tiny_model import make_tiny_model
+from protocol.messages import SamplingParams
+from scripts.tiny_model import make_tiny_model
 
 cupy = pytest.importorskip("cupy")
 

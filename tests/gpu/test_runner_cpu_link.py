@@ -8,12 +8,12 @@ import asyncio
 
 import pytest
 
-from daemon.requests import GenerationRequest
+from daemon.request import GenerationRequest
 from daemon.scheduler import Scheduler
 from gpu_worker.engine import Engine
 from gpu_worker.runner import Runner
-from gpu_worker.sampling import SamplingParams
-from gpu_worker.tiny_model import make_tiny_model
+from protocol.messages import SamplingParams
+from scripts.tiny_model import make_tiny_model
 from tests.harness import InProcessWorker, drain
 
 pytest.importorskip("cupy")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from gpu_worker.engine import Engine
-from gpu_worker.tiny_model import make_tiny_model
+from scripts.tiny_model import make_tiny_model
 from tests.unit.test_speculation import CONTEXT, SLOTS, _drafts, _serve
 
 cupy = pytest.importorskip("cupy")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gpu_worker.engine import Engine
-from gpu_worker.tiny_model import make_tiny_model
+from scripts.tiny_model import make_tiny_model
 
 
 def tandem(*args: str) -> subprocess.CompletedProcess:

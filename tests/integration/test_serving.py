@@ -15,7 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gpu_worker.tiny_model import make_tiny_model
+from scripts.tiny_model import make_tiny_model
 from tests.integration.server import Server, alive, generate_alone
 
 MODEL_NAME = "tandem-test"  # served name set in Server's config

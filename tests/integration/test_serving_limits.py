@@ -8,8 +8,8 @@ import time
 import aiohttp
 import pytest
 
-from gpu_worker.tiny_model import make_tiny_model
 from protocol.client import TandemClient
+from scripts.tiny_model import make_tiny_model
 from tests.integration.server import Server, generate_alone
 
 KEY = "sk-test-0123456789"

@@ -62,7 +62,7 @@ def test_chat_prompt_gets_python_code(engine):
     tok = Tokenizer.from_dir(DEFAULT_MODEL)
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": "Write a Python function that reverses a string"}])
-    from gpu_worker.sampling import SamplingParams
+    from protocol.messages import SamplingParams
 
     out = engine.generate(tok.encode(prompt), params=SamplingParams(temperature=0),
                           max_tokens=96, eos_ids=tuple(tok.eos_token_ids))

@@ -13,8 +13,8 @@ import torch  # an ImportError here fails the run: parity tests never skip
 import transformers
 
 from gpu_worker.engine import Engine
-from gpu_worker.sampling import SamplingParams
-from gpu_worker.tiny_model import make_tiny_model
+from protocol.messages import SamplingParams
+from scripts.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.parity
 

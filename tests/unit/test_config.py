@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gpu_worker.config import FULL_ATTENTION, LINEAR_ATTENTION, ConfigError, ModelConfig
+from gpu_worker.model_config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, ModelConfigError
 
 transformers = pytest.importorskip("transformers")
 
@@ -121,7 +121,7 @@ def test_top_level_keys_win_over_rope_parameters():
     (moe_raw(rope_parameters=[1, 2]), ["rope_parameters"]),
 ])
 def test_bad_configs_name_the_key(raw, words):
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(ModelConfigError) as info:
         ModelConfig.from_dict(raw)
     for word in words:
         assert word in str(info.value)
@@ -138,5 +138,5 @@ def test_from_file_names_the_file(tmp_path):
         file = tmp_path / name
         if text is not None:
             file.write_text(text)
-        with pytest.raises(ConfigError, match=name):
+        with pytest.raises(ModelConfigError, match=name):
             ModelConfig.from_file(file)

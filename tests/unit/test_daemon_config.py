@@ -16,7 +16,7 @@ import pytest
 from daemon import commands
 from daemon.cli import DEFAULT_MODEL, REPO_ROOT
 from daemon.config import Config, ConfigError, ServerSection, load_config
-from gpu_worker.tiny_model import DEFAULT_SIZES, build_config
+from scripts.tiny_model import DEFAULT_SIZES, build_config
 
 CONFIGS = REPO_ROOT / "configs"
 

@@ -169,7 +169,7 @@ def test_window_matches_transformers_reference(engine) -> None:  # noqa: ANN001
 
 def test_greedy_completion_matches_engine_generate(engine) -> None:  # noqa: ANN001
     from daemon.tokenizer import Tokenizer
-    from gpu_worker.sampling import SamplingParams
+    from protocol.messages import SamplingParams
 
     tok = Tokenizer.from_dir(MODEL)
     eos = tuple(tok.eos_token_ids)

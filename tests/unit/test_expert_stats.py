@@ -24,8 +24,8 @@ from gpu_worker.expert_stats import (
 from gpu_worker.loader import load_checkpoint
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.model import Model
-from gpu_worker.sampling import SamplingParams
-from gpu_worker.tiny_model import make_tiny_model
+from protocol.messages import SamplingParams
+from scripts.tiny_model import make_tiny_model
 
 PROMPT = np.arange(5, 45) * 7 % 500
 

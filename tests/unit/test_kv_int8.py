@@ -10,7 +10,7 @@ import pytest
 from gpu_worker.engine import Engine
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model.batch import RaggedBatch
-from gpu_worker.tiny_model import make_tiny_model
+from scripts.tiny_model import make_tiny_model
 
 
 def _slow(x: np.ndarray) -> np.ndarray:

@@ -11,8 +11,8 @@ import pytest
 
 from gpu_worker.loader import CheckpointError, load_checkpoint, load_generation_config
 from gpu_worker.safetensors_io import SafetensorsFile, write_file
-from gpu_worker.tiny_model import make_tiny_model
 from gpu_worker.weights_spec import expected_tensors
+from scripts.tiny_model import make_tiny_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from gpu_worker.sampling import SamplingParams, filtered_logprobs, gumbel_noise, sample
+from gpu_worker.sampling import filtered_logprobs, gumbel_noise, sample
+from protocol.messages import SamplingParams
 
 
 def test_noise_is_keyed_by_seed_and_position_only():

@@ -9,12 +9,12 @@ import pytest
 
 from daemon.config import SpeculationSection
 from daemon.prefix_cache import PrefixCache
-from daemon.requests import GenerationRequest, QueueFull, RequestRejected
+from daemon.request import GenerationRequest, QueueFull, RequestRejected
 from daemon.scheduler import Scheduler
 from gpu_worker.engine import Engine
 from gpu_worker.runner import Runner
-from gpu_worker.sampling import SamplingParams
-from gpu_worker.tiny_model import make_tiny_model
+from protocol.messages import SamplingParams
+from scripts.tiny_model import make_tiny_model
 from tests.harness import InProcessWorker, drain
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.requests import GenerationRequest, RequestHandle
-from daemon.slots import Sequence
+from daemon.request import GenerationRequest, RequestHandle
+from daemon.sequence import Sequence
 from daemon.tokenizer import Tokenizer
-from gpu_worker.sampling import SamplingParams
-from gpu_worker.tiny_model import make_tiny_model
+from protocol.messages import SamplingParams
+from scripts.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")

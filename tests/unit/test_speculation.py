@@ -11,13 +11,20 @@ import pytest
 
 from daemon.config import SpeculationSection
 from daemon.proposers.suffix import SuffixProposer
-from daemon.requests import GenerationRequest
+from daemon.request import GenerationRequest
 from daemon.scheduler import Scheduler
 from gpu_worker.engine import Engine
 from gpu_worker.runner import PlanError, Runner
-from gpu_worker.sampling import SamplingParams
-from gpu_worker.tiny_model import make_tiny_model
-from protocol.messages import CacheOp, CacheOpKind, SlotWork, StepPlan, WorkKind, token_array
+from protocol.messages import (
+    CacheOp,
+    CacheOpKind,
+    SamplingParams,
+    SlotWork,
+    StepPlan,
+    WorkKind,
+    token_array,
+)
+from scripts.tiny_model import make_tiny_model
 from tests.harness import InProcessWorker, drain
 
 SLOTS, CONTEXT = 3, 160

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_worker.config import ModelConfig
 from gpu_worker.loader import load_checkpoint
+from gpu_worker.model_config import ModelConfig
 from gpu_worker.safetensors_io import SafetensorsFile
-from gpu_worker.tiny_model import make_tiny_model
+from scripts.tiny_model import make_tiny_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -180,7 +180,7 @@ def test_script(tmp_path):
 
 
 def test_uses_no_torch(tmp_path):
-    code = ("import sys; from gpu_worker.tiny_model import make_tiny_model; "
+    code = ("import sys; from scripts.tiny_model import make_tiny_model; "
             f"make_tiny_model({str(tmp_path)!r}, 'qwen3_next', layers=2); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

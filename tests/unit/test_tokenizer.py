@@ -13,7 +13,7 @@ from daemon.tokenizer import (
     Tokenizer,
     TokenizerError,
 )
-from gpu_worker.tiny_model import make_tiny_model
+from scripts.tiny_model import make_tiny_model
 
 TEXTS = [
     "Hello, world! def f(x):\n    return x + 1\n",

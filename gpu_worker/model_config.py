@@ -19,7 +19,7 @@ FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 
 
-class ConfigError(ValueError):
+class ModelConfigError(ValueError):
     """A config.json that Tandem cannot serve; the message names the key."""
 
 
@@ -57,30 +57,32 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES.values():
-            raise ConfigError(f"unsupported architecture {self.arch!r}")
+            raise ModelConfigError(f"unsupported architecture {self.arch!r}")
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                     "num_key_value_heads", "head_dim")
         for key in positive:
             if getattr(self, key) <= 0:
-                raise ConfigError(f"{key} must be positive, got {getattr(self, key)}")
+                raise ModelConfigError(f"{key} must be positive, got {getattr(self, key)}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+            raise ModelConfigError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ConfigError("num_experts_per_tok must be in 1..num_experts")
+            raise ModelConfigError("num_experts_per_tok must be in 1..num_experts")
         if self.decoder_sparse_step <= 0:
-            raise ConfigError("decoder_sparse_step must be positive")
+            raise ModelConfigError("decoder_sparse_step must be positive")
         if len(self.layer_types) != self.num_hidden_layers:
-            raise ConfigError("layer_types must have num_hidden_layers entries")
+            raise ModelConfigError("layer_types must have num_hidden_layers entries")
         for kind in self.layer_types:
             if kind not in (FULL_ATTENTION, LINEAR_ATTENTION):
-                raise ConfigError(f"layer_types: unknown layer kind {kind!r}")
+                raise ModelConfigError(f"layer_types: unknown layer kind {kind!r}")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
-            raise ConfigError("partial_rotary_factor * head_dim must be an even number <= head_dim")
+            raise ModelConfigError(
+                "partial_rotary_factor * head_dim must be an even number <= head_dim")
         if self.is_next and LINEAR_ATTENTION in self.layer_types:
             if self.linear_num_key_heads <= 0 or self.linear_num_value_heads <= 0:
-                raise ConfigError("linear_num_key_heads / linear_num_value_heads must be positive")
+                raise ModelConfigError(
+                    "linear_num_key_heads / linear_num_value_heads must be positive")
             if self.linear_num_value_heads % self.linear_num_key_heads:
-                raise ConfigError(
+                raise ModelConfigError(
                     "linear_num_value_heads must be a multiple of linear_num_key_heads")
 
     # ---- derived -------------------------------------------------------------------------
@@ -132,15 +134,15 @@ class ModelConfig:
         try:
             raw = json.loads(path.read_text())
         except OSError as exc:
-            raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+            raise ModelConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+            raise ModelConfigError(f"{path}: not valid JSON: {exc}") from None
         if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a JSON object")
+            raise ModelConfigError(f"{path}: expected a JSON object")
         try:
             return _parse(raw)
-        except ConfigError as exc:
-            raise ConfigError(f"{path}: {exc}") from None
+        except ModelConfigError as exc:
+            raise ModelConfigError(f"{path}: {exc}") from None
 
 
 def _arch_of(raw: dict[str, Any]) -> str:
@@ -152,7 +154,7 @@ def _arch_of(raw: dict[str, Any]) -> str:
     if model_type in ARCHITECTURES.values():
         return model_type
     shown = ", ".join(names) if names else f"model_type={model_type!r}"
-    raise ConfigError(f"unsupported architecture {shown}; Tandem serves "
+    raise ModelConfigError(f"unsupported architecture {shown}; Tandem serves "
                       f"{', '.join(ARCHITECTURES)}")
 
 
@@ -162,7 +164,7 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
 
     def need(key: str, kind: type = int) -> Any:
         if key not in raw:
-            raise ConfigError(f"missing key {key!r}")
+            raise ModelConfigError(f"missing key {key!r}")
         return _typed(key, raw[key], kind)
 
     def opt(key: str, default: Any, kind: type = int) -> Any:
@@ -171,10 +173,10 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
 
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(rope, dict):
-        raise ConfigError("rope_parameters must be an object")
+        raise ModelConfigError("rope_parameters must be an object")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":  # yarn / linear / dynamic scaling would silently change logits
-        raise ConfigError(f"rope_parameters: unsupported rope_type {rope_type!r} "
+        raise ModelConfigError(f"rope_parameters: unsupported rope_type {rope_type!r} "
                           "(only 'default' RoPE is implemented)")
     rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
     partial = raw.get("partial_rotary_factor",
@@ -197,12 +199,12 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         else:
             layer_types = [FULL_ATTENTION] * layers
     if not isinstance(layer_types, list):
-        raise ConfigError("layer_types must be a list")
+        raise ModelConfigError("layer_types must be a list")
 
     mtp_layers = raw.get("mtp_num_hidden_layers", raw.get("num_nextn_predict_layers", 0))
     mlp_only = raw.get("mlp_only_layers") or []
     if not isinstance(mlp_only, list):
-        raise ConfigError("mlp_only_layers must be a list of layer indices")
+        raise ModelConfigError("mlp_only_layers must be a list of layer indices")
 
     return ModelConfig(
         arch=arch,
@@ -240,14 +242,14 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
 def _typed(key: str, value: Any, kind: type) -> Any:
     if kind is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{key} must be true or false, got {value!r}")
+            raise ModelConfigError(f"{key} must be true or false, got {value!r}")
         return value
     if kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key} must be an integer, got {value!r}")
+            raise ModelConfigError(f"{key} must be an integer, got {value!r}")
         return value
     if kind is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{key} must be a number, got {value!r}")
+            raise ModelConfigError(f"{key} must be a number, got {value!r}")
         return float(value)
     raise TypeError(kind)

@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from gpu_worker.config import ModelConfig
+from gpu_worker.model_config import ModelConfig
 from gpu_worker.safetensors_io import write_file
-from gpu_worker.tiny_tokenizer import write_tokenizer
 from gpu_worker.weights_spec import expected_tensors
+from scripts.tiny_tokenizer import write_tokenizer
 
 ARCH_NAMES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}

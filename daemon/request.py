@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from gpu_worker.sampling import SamplingParams
+from protocol.messages import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 

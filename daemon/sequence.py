@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from daemon.requests import GenerationRequest, RequestEvent, RequestHandle, Usage
+from daemon.request import GenerationRequest, RequestEvent, RequestHandle, Usage
 
 
 @dataclasses.dataclass(eq=False)

@@ -1,0 +1,46 @@
+"""The seam between the model and its routed experts.
+
+The model computes attention, routers, shared experts and dense MLPs itself. For the routed
+experts of a MoE layer it asks one object, handed to ``Model.forward`` and to the ``Runner``:
+
+    model (gpu_worker/model/model.py) -> RoutedExperts -> ExpertPlacement
+        -> the host path (CpuExpertPool.dispatch) or the launched path (the pinned ring)
+
+``None`` in their place means "every expert is on the backend" (the model's own grouped or
+looped kernels, gpu_worker/model/moe.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+Array = Any  # a NumPy or CuPy array
+# activations already quantized by the canonical QFUSE rule: (q [R, H] int8, d16 [R, H/32])
+Quantized = tuple[Array, Array]
+T = TypeVar("T")
+
+
+class RoutedExperts(Protocol):
+    """What the model and the runner need from the experts that are not all on the backend."""
+
+    def moe_norm(self, x: Array, weight: Array, eps: float, zero_centered: bool
+                 ) -> tuple[Array, Quantized | None]:
+        """The RMSNorm before a MoE block ([R, H] -> [R, H]); also returns the activations
+        quantized for the CPU experts where that is fused into the norm, else None."""
+        ...
+
+    def __call__(self, layer: int, x: Array, ids: Array, weights: Array,
+                 quant: Quantized | None) -> Array:
+        """sum_k weights[r, k] * expert_{ids[r, k]}(x[r]) for every row: [R, H]."""
+        ...
+
+    def run_step(self, forward: Callable[[], T]) -> T:
+        """Run one forward over these experts and end the step (wait for the CPU workers,
+        raise what they reported); the forward's own error wins over the step's."""
+        ...
+
+    def take_stats(self) -> dict[str, float]:
+        """Counters since the last call (one step): ``moe_layers``, ``gpu_experts``,
+        ``cpu_experts``, ``cpu_expert_bytes``, ``cpu_experts_ms``."""
+        ...
