@@ -22,14 +22,12 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from cpu_experts.errors import ERR_EXPERT_ID, ERR_NON_FINITE, ERR_OK
 from cpu_experts.isa import ISA_AVX2, ISA_AVX512VNNI, ISA_PORTABLE
 from cpu_experts.quant import BLOCK, quantize_block_bits
 from cpu_experts.reference import EXP_COEF, EXP_MAX, EXP_MIN, INV_LN2, LN2_HI, LN2_LO
 from cpu_experts.tiles import BLOCK_BYTES, TU, block_prologue, rows_block
 
-ERR_OK = 0
-ERR_EXPERT_ID = 1
-ERR_NON_FINITE = 2
 PREFETCH_AHEAD = 16384  # bytes ahead of the block being read (default; 0 = the block itself)
 ROWS = 4  # rows per micro-kernel call (tiles.rows_block); a remainder goes 2, then 1
 

@@ -1,19 +1,17 @@
 """CpuExpertPool: the GPU worker's handle on its cpu_experts processes.
 
 It quantizes and shards the CPU-resident experts (by intermediate dimension, one shard per
-worker), writes each shard into shared memory, starts one pinned worker process per shard,
-and dispatches one MoE layer for all rows at once: activations are quantized straight into
-the shared ring, every worker computes its partial ``sum_k w * expert_k(x)``, and the
-partials are summed here in worker order.
+worker), writes each shard into shared memory, starts one pinned worker process per shard
+(cpu_experts/processes.py), and dispatches one MoE layer for all rows at once: activations
+are quantized straight into the shared ring, every worker computes its partial
+``sum_k w * expert_k(x)``, and the partials are summed here in worker order. A GPU may
+drive the same ring itself during a device session (gpu_worker/experts/pinned_ring.py).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import select
 import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -23,65 +21,13 @@ import numpy as np
 from cpu_experts import isa as cpu_isa
 from cpu_experts import rings, shard
 from cpu_experts.cores import default_core_groups
-from cpu_experts.kernels import ERR_EXPERT_ID, ERR_NON_FINITE, ERR_OK
-from cpu_experts.quant import BLOCK, quantize_ref, quantize_rows_into, raise_non_finite
+from cpu_experts.dispatch_timer import DispatchTimer
+from cpu_experts.errors import ERR_OK, status_error
+from cpu_experts.processes import WorkerProcesses
+from cpu_experts.quant import BLOCK, quantize_rows_into, raise_non_finite
 from cpu_experts.shard import QuantizedLayer
-from cpu_experts.worker import ERR_INTERNAL, ERR_NO_LAYER
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CHECK_EVERY_NS = 5_000_000
-WATCH_EVERY_S = 0.005  # how often a device session's watchdog looks at the workers
-
-
-class CpuWorkerDied(RuntimeError):
-    """A cpu_experts worker process exited; names the worker."""
-
-    def __init__(self, index: int, pid: int, returncode: int | None, detail: str = "") -> None:
-        self.index, self.pid, self.returncode = index, pid, returncode
-        super().__init__(f"cpu_experts worker {index} (pid {pid}) died with exit code "
-                         f"{returncode}{': ' + detail if detail else ''}")
-
-
-class CpuExpertError(RuntimeError):
-    """A worker rejected a dispatch (bad expert id, unknown layer, non-finite activations...)."""
-
-
-STATUS_REASONS = {ERR_EXPERT_ID: "expert id out of range",
-                  ERR_NON_FINITE: "non-finite intermediate activation",
-                  ERR_NO_LAYER: "layer missing from the worker's shard",
-                  ERR_INTERNAL: "worker bug, traceback on its stderr"}
-
-
-def status_error(layer: int, code: int, reasons: dict[int, str] | None = None
-                 ) -> CpuExpertError:
-    """The error for a worker's non-zero ``STATUS`` on ``layer``."""
-    reason = {**STATUS_REASONS, **(reasons or {})}.get(code, "error")
-    return CpuExpertError(f"layer {layer}: worker status {code} ({reason})")
-
-
-class _Resources:
-    """Everything that must be released, held apart from the pool so a finalizer can run."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
-        self.files: list[rings.SharedFile] = []
-        self.doorbells: list[rings.Doorbell] = []
-        self.stop = threading.Event()  # ends the watchdog thread
-
-    def release(self) -> None:
-        self.stop.set()
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-            if p.stdout:
-                p.stdout.close()
-        for f in self.files:
-            f.unlink()
-            f.close()
-        for d in self.doorbells:
-            d.close()
-        self.procs, self.files, self.doorbells = [], [], []
+CHECK_EVERY_NS = 5_000_000  # how often a host wait checks that the workers live
 
 
 class CpuExpertPool:
@@ -89,24 +35,23 @@ class CpuExpertPool:
 
     ``layers``: ``{layer: (gate [E, I, H], up [E, I, H], down [E, H, I])}`` float arrays, or a
     :class:`QuantizedLayer` per layer. ``num_workers``: processes (None: one per NUMA node);
-    ``cores``: one core list per worker (None: :func:`default_core_groups`). ``qfuse``: quantize
-    activations with the Numba canonical quantizer straight into the ring (True) or with the
-    standalone NumPy reference (False); both are byte-identical, so results are too.
+    ``cores``: one core list per worker (None: :func:`default_core_groups`).
+    ``max_rows`` x ``max_k``: the ring's capacity per load (more rows go in several loads).
     ``isa``: the kernels' instruction set (cpu_experts/isa.py: ``portable``, ``avx2``,
     ``avx512vnni``; None: ``$TANDEM_CPU_ISA`` or the best this CPU has); every choice gives the
     same bits. ``prefetch_bytes``: how far ahead the kernels prefetch weights (None: default).
     """
 
     def __init__(self, layers: dict, *, num_workers: int | None = None,
-                 cores: list[list[int]] | None = None, qfuse: bool = True, max_rows: int = 256,
+                 cores: list[list[int]] | None = None, max_rows: int = 256,
                  max_k: int = 16, spin_us: float = 2000.0, start_timeout: float = 600.0,
                  isa: str | None = None, prefetch_bytes: int | None = None) -> None:
         self.isa = cpu_isa.NAMES[cpu_isa.select(isa)]  # a ValueError here, before any process
         if prefetch_bytes is not None and not 0 <= prefetch_bytes <= 1 << 20:
             raise ValueError(f"prefetch_bytes={prefetch_bytes}: want 0..1 MiB")
         self.prefetch_bytes = prefetch_bytes
-        self._res = _Resources()
-        self._finalizer = weakref.finalize(self, self._res.release)
+        self._procs = WorkerProcesses()
+        self._finalizer = weakref.finalize(self, self._procs.release)
         self.layers: dict[int, QuantizedLayer] = {
             int(k): v if isinstance(v, QuantizedLayer) else shard.quantize_layer(*v)
             for k, v in layers.items()}
@@ -122,19 +67,15 @@ class CpuExpertPool:
             raise ValueError(f"num_workers={num_workers} but {len(cores)} core groups given")
         self.cores = [sorted(int(c) for c in group) for group in cores]
         self.num_workers = len(self.cores)
-        self.qfuse, self.max_rows, self.max_k = qfuse, max_rows, max_k
+        self.max_rows, self.max_k = max_rows, max_k
         self.bounds = [{layer: shard.shard_bounds(ql.intermediate, self.num_workers)[w]
                         for layer, ql in self.layers.items()} for w in range(self.num_workers)]
         self._seq = 0
-        self.last_kernel_ns = np.zeros(self.num_workers, np.int64)
-        self.last_wake_ns = self.last_notice_ns = self.last_client_ns = self.last_pre_ns = 0
-        self._t_call = self._t_enter = self._t_ring = 0
-        self.last_seen_ns = 0  # perf_counter_ns when the client saw the last load finished
+        self.timer: DispatchTimer | None = None  # set one to time host dispatches (benchmarks)
         self._in_flight: tuple[int, int] | None = None
         self._device = False  # a device session is open (device_begin)
-        self._watchdog: threading.Thread | None = None
+        self._watchdog: threading.Thread | None = None  # started by the first device session
         self._session = threading.Event()  # the watchdog's view of _device
-        self.ready_info: list[dict] = []
         try:
             self._start(spin_us, start_timeout)
         except BaseException:
@@ -147,16 +88,16 @@ class CpuExpertPool:
         W = self.num_workers
         ring_file = rings.SharedFile.create(
             rings.Ring.size(W, self.max_rows, self.hidden, self.max_k), "ring")
-        self._res.files.append(ring_file)
+        self._procs.files.append(ring_file)
         self.ring = rings.Ring(ring_file.buf, W, self.max_rows, self.hidden, self.max_k)
         specs = []
         for w in range(W):
             manifest, size = shard.plan_shard(self.layers, self.bounds[w])
             wfile = rings.SharedFile.create(size, f"experts{w}")
-            self._res.files.append(wfile)
+            self._procs.files.append(wfile)
             shard.write_shard(wfile.buf, manifest, self.layers, self.bounds[w])
             bell = rings.Doorbell()
-            self._res.doorbells.append(bell)
+            self._procs.doorbells.append(bell)
             specs.append({"index": w, "parent_pid": os.getpid(), "cores": self.cores[w],
                           "ring_path": ring_file.path, "weights_path": wfile.path,
                           "manifest": manifest, "num_workers": W, "max_rows": self.max_rows,
@@ -165,64 +106,40 @@ class CpuExpertPool:
             if self.prefetch_bytes is not None:
                 specs[-1]["prefetch_bytes"] = self.prefetch_bytes
         # Worker 0 first: it compiles the kernels into Numba's cache; the rest load them.
-        self._spawn(specs[0])
-        self.ready_info.append(self._await_ready(0, start_timeout))
+        self._procs.spawn(specs[0])
+        self._procs.await_ready(0, start_timeout)
         for spec in specs[1:]:
-            self._spawn(spec)
+            self._procs.spawn(spec)
         for w in range(1, W):
-            self.ready_info.append(self._await_ready(w, start_timeout))
-        for f in self._res.files[1:]:  # workers hold the weights now: drop our mapping and name
+            self._procs.await_ready(w, start_timeout)
+        for f in self._procs.files[1:]:  # workers hold the weights now: drop our mapping and name
             f.unlink()
             f.close()
         ring_file.unlink()  # nothing leaks in /dev/shm even if this process is killed
-        self._res.files = [ring_file]
-
-    def _spawn(self, spec: dict) -> None:
-        # NOTE: OpenMP threads spin ~ms between the kernel's parallel loops (as the worker's
-        # own doorbell spin does) instead of sleeping; an explicit GOMP_SPINCOUNT wins.
-        env = {"GOMP_SPINCOUNT": "3000000", **os.environ}
-        env["NUMBA_NUM_THREADS"] = str(max(1, len(spec["cores"])))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))
-        proc = subprocess.Popen([sys.executable, "-m", "cpu_experts.worker"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, pass_fds=(spec["doorbell_fd"],), env=env)
-        self._res.procs.append(proc)
-        proc.stdin.write((json.dumps(spec) + "\n").encode())
-        proc.stdin.close()
-
-    def _await_ready(self, w: int, timeout: float) -> dict:
-        proc = self._res.procs[w]
-        ready, _, _ = select.select([proc.stdout], [], [], timeout)
-        line = proc.stdout.readline() if ready else b""
-        if not line:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-                raise CpuWorkerDied(w, proc.pid, None, f"no READY within {timeout:.0f} s")
-            raise CpuWorkerDied(w, proc.pid, proc.returncode, "exited before READY")
-        info = json.loads(line)
-        if info.get("kind") != "ready":
-            raise CpuWorkerDied(w, proc.pid, proc.poll(), f"unexpected first message {info}")
-        return info
+        self._procs.files = [ring_file]
 
     def check_alive(self) -> None:
         """Raise :class:`CpuWorkerDied` naming the first worker that has exited."""
-        for w, proc in enumerate(self._res.procs):
-            if proc.poll() is not None:
-                raise CpuWorkerDied(w, proc.pid, proc.returncode)
+        self._procs.check_alive()
+
+    @property
+    def ready_info(self) -> list[dict]:
+        """Each worker's READY line: pid, threads, isa, cores, weights_mib..."""
+        return self._procs.ready_info
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._res.procs]
+        return [p.pid for p in self._procs.procs]
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the workers (politely, then by force) and release shared memory. Idempotent."""
         self.device_end()
         if self._watchdog is not None:
-            self._res.stop.set()
+            self._procs.stop.set()
             self._watchdog.join()
             self._watchdog = None
-        procs = self._res.procs
-        if procs and all(p.poll() is None for p in procs) and hasattr(self, "ring"):
+        procs = self._procs.procs
+        if self._procs.all_alive() and hasattr(self, "ring"):
             self.ring.header[rings.CMD] = rings.CMD_STOP
             self._ring_all()
             deadline = time.monotonic() + timeout
@@ -247,7 +164,8 @@ class CpuExpertPool:
         over the pairs with ``expert_ids >= 0`` (-1: not on the CPU, skipped). ``out``: an
         optional C-contiguous float32 ``[R, H]`` array to write (and return) instead of a new
         one (a reused buffer saves the page faults of a fresh one per layer)."""
-        self._t_call = time.perf_counter_ns()
+        if self.timer:
+            self.timer.called()
         self._not_in_flight()
         x = np.asarray(x)
         if x.ndim != 2 or x.shape[1] != self.hidden:
@@ -258,14 +176,9 @@ class CpuExpertPool:
         ring = self.ring
         for r0 in range(0, x.shape[0], self.max_rows):
             r1 = min(x.shape[0], r0 + self.max_rows)
-            if self.qfuse:
-                bad = quantize_rows_into(x32[r0:r1], ring.xq, ring.xd, r1 - r0)
-                if bad >= 0:
-                    raise_non_finite(x32[r0:r1], bad)
-            else:
-                q, d = quantize_ref(x32[r0:r1])
-                ring.xq[:r1 - r0] = q
-                ring.xd[:r1 - r0] = d.view(np.uint16)
+            bad = quantize_rows_into(x32[r0:r1], ring.xq, ring.xd, r1 - r0)
+            if bad >= 0:
+                raise_non_finite(x32[r0:r1], bad)
             self._run(layer, ids[r0:r1], w[r0:r1], out[r0:r1])
         return out
 
@@ -275,7 +188,8 @@ class CpuExpertPool:
         """Like :meth:`dispatch` for activations already quantized by the canonical rule
         (e.g. by the fused GPU kernel): ``q [R, H] int8``, ``scales [R, H/32]`` float16 (or
         their uint16 bits)."""
-        self._t_call = time.perf_counter_ns()
+        if self.timer:
+            self.timer.called()
         self._not_in_flight()
         R = q.shape[0]
         if q.shape != (R, self.hidden) or q.dtype != np.int8:
@@ -320,7 +234,7 @@ class CpuExpertPool:
     def _ring_all(self) -> None:
         self._seq += 1
         ctrl = self.ring.ctrl
-        for w, bell in enumerate(self._res.doorbells):
+        for w, bell in enumerate(self._procs.doorbells):
             ctrl[w, rings.SEQ_IN] = self._seq
             bell.ring()
 
@@ -360,9 +274,11 @@ class CpuExpertPool:
         if layer not in self.layers:
             raise KeyError(f"layer {layer} has no CPU experts (have {sorted(self.layers)})")
         self._check_load(rows, k)
-        self._t_enter = time.perf_counter_ns()
+        if self.timer:
+            self.timer.entered()
         self.ring.header[:4] = (rings.CMD_RUN, layer, rows, k)
-        self._t_ring = time.perf_counter_ns()
+        if self.timer:
+            self.timer.rang()
         self._ring_all()
         self._in_flight = (layer, rows)
 
@@ -377,8 +293,9 @@ class CpuExpertPool:
             self._await(self._seq)
         finally:
             self._in_flight = None
-        self.last_seen_ns = time.perf_counter_ns()
         ctrl = self.ring.ctrl
+        if self.timer:
+            self.timer.seen(ctrl)
         code = ERR_OK
         for wk in range(self.num_workers):
             if ctrl[wk, rings.STATUS] != ERR_OK:
@@ -386,10 +303,6 @@ class CpuExpertPool:
                 break
         if code != ERR_OK:
             raise status_error(layer, code)
-        self.last_kernel_ns = ctrl[:, rings.KERNEL_NS].copy()
-        # wake-up (ring -> first worker starts) and notice (last worker ends -> seen here), ns
-        self.last_wake_ns = int(ctrl[:, rings.T_START].min()) - self._t_ring
-        self.last_notice_ns = self.last_seen_ns - int(ctrl[:, rings.T_END].max())
         return self.ring.out[:, :rows]
 
     def _run(self, layer: int, ids: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
@@ -403,16 +316,14 @@ class CpuExpertPool:
         np.copyto(out, parts[0])
         for wk in range(1, self.num_workers):
             out += parts[wk]
-        t_out = time.perf_counter_ns()
-        self.last_client_ns = (self._t_ring - self._t_enter) + (t_out - self.last_seen_ns)
-        self.last_pre_ns = self._t_enter - self._t_call  # checks and input copies before this load
-        self._t_call = time.perf_counter_ns()
+        if self.timer:
+            self.timer.summed()
 
     # -- device session: a GPU writes the ring and rings the workers itself -----------------
 
     def device_begin(self) -> None:
-        """Hand the ring to a GPU until :meth:`device_end` (gpu_worker/cpu_link.py): the
-        workers spin on ``SEQ_IN`` without a deadline (a kernel's store starts them, no
+        """Hand the ring to a GPU until :meth:`device_end` (gpu_worker/experts/pinned_ring.py):
+        the workers spin on ``SEQ_IN`` without a deadline (a kernel's store starts them, no
         eventfd), and a watchdog thread sets ``header[ABORT]`` as soon as a worker dies, so a
         kernel waiting on ``SEQ_OUT`` gives up. The GPU takes sequence numbers from
         :meth:`next_seq`. Host dispatches raise meanwhile. Idempotent."""
@@ -422,15 +333,12 @@ class CpuExpertPool:
         header = self.ring.header
         header[rings.ABORT] = 0
         header[rings.SPIN] = 1
-        for bell in self._res.doorbells:  # wake the sleepers: they see SPIN and spin
+        for bell in self._procs.doorbells:  # wake the sleepers: they see SPIN and spin
             bell.ring()
         self._device = True
         self._session.set()
         if self._watchdog is None:  # one thread for the pool's life, idle between sessions
-            self._watchdog = threading.Thread(
-                target=self._watch, args=(self._res, self._session, self.ring.header),
-                daemon=True, name="cpu-experts-watchdog")
-            self._watchdog.start()
+            self._watchdog = self._procs.start_watchdog(self._session, self.ring.header)
 
     def next_seq(self) -> int:
         """The sequence number of the next load a GPU starts (it writes it to ``SEQ_IN``)."""
@@ -456,12 +364,10 @@ class CpuExpertPool:
         """Each worker's kernel time summed over every load it served, ns."""
         return self.ring.ctrl[:, rings.KERNEL_SUM].copy()
 
-    @staticmethod
-    def _watch(res: _Resources, session: threading.Event, header: np.ndarray) -> None:
-        # NOTE: no reference to the pool here, so an unclosed pool can still be collected
-        while not res.stop.wait(WATCH_EVERY_S):
-            if session.is_set() and any(p.poll() is not None for p in res.procs):
-                header[rings.ABORT] = 1
+    @property
+    def last_kernel_ns(self) -> np.ndarray:
+        """Each worker's kernel time of the last load, ns (benchmarks)."""
+        return self.ring.ctrl[:, rings.KERNEL_NS].copy()
 
     def _await(self, seq: int) -> None:
         ctrl = self.ring.ctrl

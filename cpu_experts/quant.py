@@ -32,13 +32,11 @@ import math
 import numpy as np
 from numba import njit
 
+from cpu_experts.errors import NonFiniteActivation
+
 BLOCK = 32
 QMAX = 127
 F16_MAX = 65504.0
-
-
-class NonFiniteActivation(ValueError):
-    """An input to the canonical quantizer holds inf or nan."""
 
 
 def _check_last_axis(x: np.ndarray) -> None:

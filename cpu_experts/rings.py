@@ -23,9 +23,9 @@ ring that lands between the re-read and the block leaves the eventfd readable, s
 is lost. The worker writes its partial, ``STATUS`` and ``KERNEL_NS`` (and adds it to
 ``KERNEL_SUM``), then ``SEQ_OUT = seq``.
 
-A GPU may play the client (gpu_worker/cpu_link.py): with ``header[SPIN]`` set (and every
-doorbell rung once, to wake sleepers) the workers spin on ``SEQ_IN`` without a deadline, so
-a kernel's store to ``SEQ_IN`` in the mapped ring starts them with no system call, and a
+A GPU may play the client (gpu_worker/experts/pinned_ring.py): with ``header[SPIN]`` set (and
+every doorbell rung once, to wake sleepers) the workers spin on ``SEQ_IN`` without a deadline,
+so a kernel's store to ``SEQ_IN`` in the mapped ring starts them with no system call, and a
 kernel polling ``SEQ_OUT`` sees them finish.
 """
 
@@ -39,6 +39,8 @@ import numpy as np
 
 from cpu_experts.quant import BLOCK
 
+# NOTE: the GPU kernels get these as #defines generated from here
+# (gpu_worker/experts/ring_kernels.py): change them here only.
 SEQ_IN, SEQ_OUT, STATUS, KERNEL_NS, T_START, T_END, KERNEL_SUM = 0, 8, 9, 10, 11, 12, 13
 CTRL_COLS = 16
 CMD, LAYER, ROWS, TOPK, SPIN, ABORT = 0, 1, 2, 3, 4, 5

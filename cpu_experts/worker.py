@@ -18,10 +18,9 @@ import time
 import traceback
 
 from cpu_experts import rings, shard
+from cpu_experts.errors import ERR_INTERNAL, ERR_NO_LAYER
 
 PROTOCOL_VERSION = 1
-ERR_NO_LAYER = 100
-ERR_INTERNAL = 101
 PR_SET_PDEATHSIG = 1
 PARENT_CHECK_NS = 200_000_000
 

@@ -17,6 +17,7 @@ import math
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -36,8 +37,7 @@ from daemon.request import (
     RequestRejected,
 )
 from daemon.tokenizer import TokenizerError
-from gpu_worker.loader import CheckpointError, load_generation_config
-from protocol.messages import MAX_SEED, SamplingParams
+from protocol.messages import MAX_SEED, ModelInfo, SamplingParams, vocab_error
 
 log = structlog.stdlib.get_logger(__name__)
 
@@ -48,12 +48,14 @@ REQUEST_ID = web.RequestKey("request_id", str)
 
 
 def make_app(scheduler: Any, tokenizer: Any, config: Config, metrics: Metrics, *,
-             generation_defaults: dict[str, Any] | None = None) -> web.Application:
+             generation_defaults: dict[str, Any] | None = None,
+             worker_health: Callable[[], dict | None] | None = None) -> web.Application:
     """The aiohttp application. `scheduler` may be None while the engine starts: generation
     requests are then validated and answered 503. `generation_defaults` (temperature, top_p,
-    top_k, min_p used when a request leaves them out) default to the model's
-    generation_config.json."""
-    api = HttpApi(scheduler, tokenizer, config, metrics, generation_defaults)
+    top_k, min_p used when a request leaves them out) default to what the worker reports at
+    READY (`HttpApi.worker_ready`: the model's generation_config.json). `worker_health`, when
+    given, adds the worker's liveness (pid, heartbeats, seconds since last heard) to /health."""
+    api = HttpApi(scheduler, tokenizer, config, metrics, generation_defaults, worker_health)
     app = web.Application(client_max_size=config.server.max_body_bytes,
                           middlewares=[api.middleware])
     app[API] = api
@@ -82,17 +84,27 @@ async def start_site(app: web.Application, config: Config) -> web.AppRunner:
 
 class HttpApi:
     def __init__(self, scheduler: Any, tokenizer: Any, config: Config, metrics: Metrics,
-                 generation_defaults: dict[str, Any] | None) -> None:
+                 generation_defaults: dict[str, Any] | None,
+                 worker_health: Callable[[], dict | None] | None = None) -> None:
         self.scheduler, self.tokenizer, self.config, self.metrics = (
             scheduler, tokenizer, config, metrics)
         self.model_name = getattr(scheduler, "model_name", None) or config.model.served_name
         self.model_names = {self.model_name, config.model.served_name, *config.model.aliases}
         self.created = int(time.time())
-        self.defaults = (generation_defaults if generation_defaults is not None
-                         else _generation_defaults(config))
+        self.fixed_defaults = generation_defaults is not None
+        self.defaults = generation_defaults or {}
+        self.vocab_size: int | None = getattr(tokenizer, "vocab_size", None)
+        self.worker_health = worker_health
         self._keys = [k.encode() for k in config.server.api_keys]
         self.active: dict[str, RequestHandle] = {}  # generation requests being answered
         self.draining = False
+
+    def worker_ready(self, info: ModelInfo) -> None:
+        """The worker's READY: its vocabulary bounds prompt ids; its sampling defaults apply
+        unless make_app was given some."""
+        self.vocab_size = info.vocab_size
+        if not self.fixed_defaults:
+            self.defaults = info.generation_defaults.as_dict()
 
     async def on_shutdown(self, app: web.Application) -> None:
         """Graceful stop (the listening sockets are closed already): let running requests
@@ -155,7 +167,9 @@ class HttpApi:
 
     # ---- simple endpoints --------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        if self.worker_health is None:
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "ok", "worker": self.worker_health()})
 
     async def ready(self, request: web.Request) -> web.Response:
         snap = self._snapshot()
@@ -249,10 +263,9 @@ class HttpApi:
 
     def _prompt_ids(self, req: ParsedRequest) -> list[int]:
         if isinstance(req.prompt, list):
-            vocab = getattr(self.tokenizer, "vocab_size", None)
-            if vocab is not None and max(req.prompt) >= vocab:
-                raise bad("prompt", f"token id {max(req.prompt)} is out of range: the "
-                          f"vocabulary has {vocab} tokens")
+            error = vocab_error(req.prompt, self.vocab_size)
+            if error is not None:
+                raise bad("prompt", error)
             return list(req.prompt)
         if self.tokenizer is None:
             raise bad(_prompt_param(req), "this model has no tokenizer: send 'prompt' as a "
@@ -348,11 +361,3 @@ def _from_http(exc: web.HTTPException, max_body: int) -> ApiError:
         return ApiError(405, f"method {exc.method} is not allowed here", reason="bad_method",
                         headers={"Allow": ", ".join(sorted(exc.allowed_methods))})
     return ApiError(exc.status, exc.reason, reason="http_error")
-
-
-def _generation_defaults(config: Config) -> dict[str, Any]:
-    try:
-        return load_generation_config(config.model.path)
-    except CheckpointError as exc:
-        log.warning("generation_config_unreadable", error=str(exc))
-        return {}

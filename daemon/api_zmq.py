@@ -25,6 +25,7 @@ from protocol.messages import (
     CancelRequest,
     ErrorCode,
     ErrorReply,
+    ModelInfo,
     Phase,
     Ping,
     Pong,
@@ -35,6 +36,7 @@ from protocol.messages import (
     TokenEvent,
     Usage,
     penalty_error,
+    vocab_error,
 )
 from protocol.sockets import AsyncDaemonToClients
 
@@ -47,6 +49,7 @@ class ZmqApi:
         self.config = config
         self.scheduler = scheduler
         self.tokenizer = tokenizer
+        self.vocab_size: int | None = getattr(tokenizer, "vocab_size", None)
         server = config.server
         keys = None
         if server.zmq_endpoint.startswith("tcp://"):
@@ -81,6 +84,10 @@ class ZmqApi:
             elif isinstance(msg, Ping):
                 await self.sock.send_to(peer, Pong(nonce=msg.nonce, time_ns=msg.time_ns))
 
+    def worker_ready(self, info: ModelInfo) -> None:
+        """The worker's READY: its vocabulary bounds prompt ids."""
+        self.vocab_size = info.vocab_size
+
     def close(self) -> None:
         for task in self._streams.values():
             task.cancel()
@@ -99,6 +106,9 @@ class ZmqApi:
                 retry_after_s=exc.retry_after))
         except EngineUnavailable as exc:
             return await self._error(peer, ErrorCode.WORKER_DIED, str(exc), rid)
+        except Exception:  # a fault of ours: say so, keep serving the others
+            log.exception("internal_error", request_id=rid)
+            return await self._error(peer, ErrorCode.INTERNAL, "internal server error", rid)
         task = asyncio.create_task(self._stream(peer, msg, handle))
         self._streams[(peer, rid)] = task
         task.add_done_callback(lambda _: self._streams.pop((peer, rid), None))
@@ -107,6 +117,9 @@ class ZmqApi:
         limits = self.config
         if msg.prompt_ids is not None:
             ids = [int(t) for t in msg.prompt_ids]
+            error = vocab_error(ids, self.vocab_size)
+            if error is not None:  # the HTTP API refuses them alike
+                raise RequestRejected(error)
         else:
             if self.tokenizer is None:
                 raise RequestRejected("this model has no tokenizer: send prompt_ids")

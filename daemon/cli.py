@@ -1,33 +1,18 @@
-"""The ``tandem`` command line: every subcommand's arguments live here."""
+"""The ``tandem`` command line: every subcommand's arguments live here.
+
+`serve` and `check-config` run in daemon/commands.py; `generate`, `score` and `expert-stats`
+load the model into this process and run in daemon/inprocess.py, imported only for them.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = REPO_ROOT / "models" / "tandem-tiny"
+from daemon import commands
 
-
-class CliError(Exception):
-    """A user-facing error: printed as one line, exit status 2."""
-
-
-def default_model() -> Path:
-    return Path(os.environ.get("TANDEM_MODEL", DEFAULT_MODEL))
-
-
-def _parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise CliError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise CliError("--prompt-ids is empty")
-    return ids
+DESCRIPTION = "Serve Mixture-of-Experts models on one GPU plus the host CPU."
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -46,7 +31,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    """Every subcommand; each sets `func`, the function that runs it (-> exit status)."""
+    parser = argparse.ArgumentParser(prog="tandem", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text in-process")
@@ -63,11 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--json", action="store_true",
                      help='print {"token_ids": [...], "text": "..."} (generated tokens only)')
+    gen.set_defaults(func=_in_process)
 
     score = sub.add_parser("score", help="write the logits of every prompt position (.npy)")
     _add_model_args(score)
     score.add_argument("--prompt-ids", required=True)
     score.add_argument("--out", type=Path, required=True)
+    score.set_defaults(func=_in_process)
 
     stats = sub.add_parser("expert-stats", help="count the router's expert picks over a text "
                            "(for [experts] hot_experts)")
@@ -80,145 +68,38 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the text runs as prompts of this many tokens")
     stats.add_argument("--max-tokens", type=int, default=200_000, help="tokens to use at most")
     stats.add_argument("--out", type=Path, required=True, help="the counts file (JSON)")
+    stats.set_defaults(func=_in_process)
 
-    from daemon import commands  # noqa: PLC0415  (serve and check-config)
+    serve = sub.add_parser("serve", help="run the daemon: HTTP API, ZeroMQ API, workers")
+    serve.add_argument("--config", type=Path, default=None,
+                       help="TOML config (default: built-in defaults, as configs/tiny.toml)")
+    serve.add_argument("--model", type=Path, default=None, help="model directory ([model] path)")
+    serve.add_argument("--host", default=None, help="HTTP address to bind ([server] host)")
+    serve.add_argument("--port", type=int, default=None, help="HTTP port ([server] port)")
+    serve.add_argument("--speculation", choices=("off", "narrow", "wide"), default=None,
+                       help="speculative decoding ([speculation] mode)")
+    serve.add_argument("--proposer", choices=("suffix", "mtp"), default=None,
+                       help="where drafts come from ([speculation] proposer)")
+    serve.set_defaults(func=commands.run_serve)
 
-    commands.register(sub)
+    check = sub.add_parser("check-config", help="validate a config file and summarize it")
+    check.add_argument("config", type=Path, help="TOML config file")
+    check.set_defaults(func=commands.run_check_config)
     return parser
 
 
+def _in_process(args: argparse.Namespace) -> int:
+    from daemon import inprocess  # noqa: PLC0415 (the model code loads only for these commands)
+
+    return inprocess.run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0) if hasattr(args, "func") else _dispatch(args)
-    except CliError as exc:
-        print(f"tandem: error: {exc}", file=sys.stderr)
-        return 2
+        return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
-
-
-def _dispatch(args: argparse.Namespace) -> int:
-    from daemon.tokenizer import TokenizerError  # noqa: PLC0415
-    from gpu_worker.model_config import ModelConfigError  # noqa: PLC0415
-    from gpu_worker.loader import CheckpointError  # noqa: PLC0415
-
-    try:
-        if args.command == "generate":
-            return _generate(args)
-        if args.command == "score":
-            return _score(args)
-        if args.command == "expert-stats":
-            return _expert_stats(args)
-    except (CheckpointError, ModelConfigError, TokenizerError, ValueError) as exc:
-        raise CliError(str(exc)) from None
-    raise CliError(f"unknown command {args.command}")
-
-
-def _engine(args: argparse.Namespace, max_len: int):
-    from gpu_worker.engine import Engine  # noqa: PLC0415
-
-    path = args.model or default_model()
-    if not path.is_dir():
-        raise CliError(f"model directory {path} does not exist")
-    return Engine.from_dir(path, dtype=args.dtype, backend=args.backend, max_slots=1,
-                           max_len=max_len, placement=args.placement,
-                           cpu_experts_per_layer=args.cpu_experts_per_layer,
-                           cpu_workers=args.cpu_workers, cpu_isa=args.cpu_isa,
-                           hot_experts=args.hot_experts)
-
-
-def _generate(args: argparse.Namespace) -> int:
-    from daemon.tokenizer import Tokenizer, TokenizerError  # noqa: PLC0415
-    from gpu_worker.loader import load_generation_config  # noqa: PLC0415
-    from protocol.messages import SamplingParams  # noqa: PLC0415
-
-    path = args.model or default_model()
-    tokenizer = None
-    try:
-        tokenizer = Tokenizer.from_dir(path)
-    except TokenizerError as exc:
-        if args.prompt is not None or args.chat or not args.json:
-            raise CliError(f"{exc} (a model without a tokenizer needs --prompt-ids and "
-                           f"--json)") from None
-    if args.prompt is not None:
-        text = args.prompt
-        if args.chat:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                 add_generation_prompt=True)
-        ids = tokenizer.encode(text)
-    else:
-        ids = _parse_ids(args.prompt_ids)
-        if args.chat:
-            raise CliError("--chat needs --prompt text")
-    gen_cfg = load_generation_config(path)
-    eos = tuple(tokenizer.eos_token_ids if tokenizer else gen_cfg.get("eos_token_ids", ()))
-
-    def pick(value, key, fallback):
-        return value if value is not None else gen_cfg.get(key, fallback)
-
-    params = SamplingParams(temperature=pick(args.temperature, "temperature", 1.0),
-                            top_p=pick(args.top_p, "top_p", 1.0),
-                            top_k=pick(args.top_k, "top_k", 0), min_p=args.min_p, seed=args.seed)
-    engine = _engine(args, len(ids) + args.max_tokens)
-    try:
-        out = engine.generate(ids, params=params, max_tokens=args.max_tokens, eos_ids=eos)
-    finally:
-        engine.close()
-    text = tokenizer.decode(out) if tokenizer else None
-    if args.json:
-        print(json.dumps({"token_ids": out, "text": text}, ensure_ascii=False))
-    else:
-        print(text)
-    return 0
-
-
-def _score(args: argparse.Namespace) -> int:
-    import numpy as np  # noqa: PLC0415
-
-    ids = _parse_ids(args.prompt_ids)
-    engine = _engine(args, len(ids))
-    try:
-        logits = engine.score(ids)
-    finally:
-        engine.close()
-    np.save(args.out, logits)
-    print(f"wrote {args.out} {logits.shape[0]}x{logits.shape[1]} float32")
-    return 0
-
-
-def _expert_stats(args: argparse.Namespace) -> int:
-    from daemon.tokenizer import Tokenizer  # noqa: PLC0415
-    from gpu_worker.backend import get_xp  # noqa: PLC0415
-    from gpu_worker.expert_stats import count_routing, save_counts  # noqa: PLC0415
-    from gpu_worker.loader import load_checkpoint  # noqa: PLC0415
-    from gpu_worker.model.model import Model  # noqa: PLC0415
-
-    path = args.model or default_model()
-    if not path.is_dir():
-        raise CliError(f"model directory {path} does not exist")
-    if args.chunk_tokens < 1 or args.max_tokens < 1:
-        raise CliError("--chunk-tokens and --max-tokens must be >= 1")
-    try:
-        text = args.text.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CliError(f"cannot read {args.text}: {exc}") from None
-    ids = Tokenizer.from_dir(path).encode(text)[: args.max_tokens]
-    if not ids:
-        raise CliError(f"{args.text} holds no text")
-    ckpt = load_checkpoint(path, include_mtp=False)
-    if not ckpt.config.num_experts:
-        raise CliError(f"{path} is not a mixture-of-experts model")
-    model = Model(ckpt.config, ckpt.tensors, xp=get_xp(args.backend))
-    n = args.chunk_tokens
-    chunks = [ids[i:i + n] for i in range(0, len(ids), n)]
-    counts = count_routing(model, chunks)
-    save_counts(args.out, counts, model=str(path.resolve()), tokens=len(ids))
-    picks = sum(int(c.sum()) for c in counts.values())
-    print(f"{len(ids)} tokens in {len(chunks)} prompts, {picks} router picks over "
-          f"{len(counts)} MoE layers -> {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -9,50 +9,35 @@ import signal
 import sys
 
 from daemon import systemd
-from daemon.api_http import make_app, start_site
+from daemon.api_http import API, make_app, start_site
 from daemon.api_zmq import ZmqApi
 from daemon.config import Config
 from daemon.logs import configure_logging, get_logger
 from daemon.metrics import Metrics
+from daemon.prefix_cache import PrefixCache
 from daemon.scheduler import Scheduler
 from daemon.tokenizer import Tokenizer, TokenizerError
-from daemon.worker_client import WorkerDied, WorkerProcess, WorkerSpec
-from gpu_worker.kv_cache import block_bytes
-from gpu_worker.loader import load_generation_config
-from gpu_worker.model_config import ModelConfig
+from daemon.worker_client import WorkerDied, WorkerProcess
+from protocol.messages import ModelInfo
+from protocol.worker_config import WorkerConfig
 
 log = get_logger("tandem.lifecycle")
 RESTART_BACKOFF_S = (0.5, 1, 2, 5, 10)
 
 
-def prefix_blocks(config: Config) -> int:
-    """KV blocks the prefix cache may pin, from prefix_cache_max_mb and the model's shape."""
-    sched = config.scheduler
-    if not sched.prefix_cache:
-        return 0
-    cfg = ModelConfig.from_file(config.model.path / "config.json")
-    layers = len(cfg.full_attention_layers) + min(cfg.num_mtp_layers, 1)  # MTP's KV: one more
-    size = block_bytes(layers, sched.kv_block_size, cfg.num_key_value_heads, cfg.head_dim,
-                       8 if config.model.dtype == "float64" else 4,
-                       quant=sched.kv_cache_dtype == "int8")
-    per_slot = -(-sched.max_context // sched.kv_block_size)
-    return max(1, min(sched.prefix_cache_max_mb * 2**20 // max(size, 1),
-                      4 * per_slot * sched.max_slots))
-
-
-def worker_spec(config: Config, extra_blocks: int) -> WorkerSpec:
-    e = config.experts
-    return WorkerSpec(run_dir=config.server.run_dir, model=config.model.path,
-                      name=config.model.served_name, dtype=config.model.dtype,
-                      backend=config.model.backend, max_slots=config.scheduler.max_slots,
-                      max_context=config.scheduler.max_context,
-                      block_size=config.scheduler.kv_block_size, extra_blocks=extra_blocks,
-                      kv_cache_dtype=config.scheduler.kv_cache_dtype,
-                      placement=e.placement, cpu_experts_per_layer=e.cpu_experts_per_layer,
-                      cpu_workers=e.num_cpu_workers,
-                      cpu_cores=";".join(",".join(map(str, g)) for g in e.cpu_cores),
-                      cpu_isa=e.cpu_isa, cpu_dispatch=e.cpu_dispatch,
-                      hot_experts=str(e.hot_experts or ""))
+def worker_config(config: Config) -> WorkerConfig:
+    """What the GPU worker is started with, from the daemon's Config."""
+    e, sched = config.experts, config.scheduler
+    return WorkerConfig(run_dir=str(config.server.run_dir), model=str(config.model.path),
+                        name=config.model.served_name, dtype=config.model.dtype,
+                        backend=config.model.backend, max_slots=sched.max_slots,
+                        max_context=sched.max_context, block_size=sched.kv_block_size,
+                        kv_cache_dtype=sched.kv_cache_dtype, prefix_cache=sched.prefix_cache,
+                        prefix_cache_max_mb=sched.prefix_cache_max_mb,
+                        placement=e.placement, cpu_experts_per_layer=e.cpu_experts_per_layer,
+                        cpu_workers=e.num_cpu_workers,
+                        cpu_cores=tuple(tuple(g) for g in e.cpu_cores),
+                        cpu_isa=e.cpu_isa, hot_experts=str(e.hot_experts or ""))
 
 
 def serve(config: Config) -> int:
@@ -81,27 +66,43 @@ class Daemon:
         except TokenizerError as exc:
             log.warning("no tokenizer: text prompts are refused", error=str(exc))
             self.tokenizer = None
-        eos = self.tokenizer.eos_token_ids if self.tokenizer else \
-            load_generation_config(config.model.path).get("eos_token_ids", [])
+        # EOS ids and the prefix cache's size come with the worker's READY (adopt())
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else []
         sched = config.scheduler
-        self.extra_blocks = prefix_blocks(config)
         self.scheduler = Scheduler(
             max_slots=sched.max_slots, max_context=sched.max_context,
             max_queue=config.limits.max_queue, prefill_chunk=sched.prefill_chunk,
             block_size=sched.kv_block_size, checkpoint_interval=sched.checkpoint_interval,
-            prefix_blocks=self.extra_blocks, tokenizer=self.tokenizer, eos_ids=eos,
+            prefix_blocks=0, tokenizer=self.tokenizer, eos_ids=eos,
             metrics=self.metrics, model_name=config.model.served_name,
             preemption=sched.preemption, speculation=config.speculation)
         self.stopping = asyncio.Event()
         self.worker: WorkerProcess | None = None
+        self.apis: list = []  # the front ends, told of each READY's ModelInfo
+
+    def adopt(self, info: ModelInfo) -> None:
+        """What the worker reported at READY: EOS ids (unless the tokenizer has its own),
+        the prefix cache's share of the KV pool, vocabulary and sampling defaults."""
+        if self.tokenizer is None:
+            self.scheduler.eos_ids = frozenset(info.eos_token_ids)
+        kv = info.kv
+        self.scheduler.prefix = (PrefixCache(kv.prefix_blocks, kv.block_size)
+                                 if kv.prefix_blocks else None)
+        for api in self.apis:
+            api.worker_ready(info)
+
+    def worker_health(self) -> dict | None:
+        return self.worker.health() if self.worker is not None else None
 
     async def main(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
-        app = make_app(self.scheduler, self.tokenizer, self.config, self.metrics)
+        app = make_app(self.scheduler, self.tokenizer, self.config, self.metrics,
+                       worker_health=self.worker_health)
         http = await start_site(app, self.config)
         zmq_api = ZmqApi(self.config, self.scheduler, self.tokenizer)
+        self.apis = [app[API], zmq_api]
         zmq_task = asyncio.create_task(zmq_api.serve())
         log.info("http api listening", host=self.config.server.host,
                  port=self.config.server.port)
@@ -132,7 +133,7 @@ class Daemon:
         """Start the worker, serve until it dies, restart it; fail only if it never starts."""
         failures, announced = 0, False
         while not self.stopping.is_set():
-            self.worker = WorkerProcess(worker_spec(self.config, self.extra_blocks))
+            self.worker = WorkerProcess(worker_config(self.config))
             try:
                 ready = await self.worker.start()
             except WorkerDied as exc:
@@ -143,11 +144,13 @@ class Daemon:
                 await asyncio.sleep(RESTART_BACKOFF_S[failures - 1])
                 continue
             failures = 0
-            log.info("gpu worker ready", pid=ready.pid, model=ready.model.name,
-                     vocab=ready.model.vocab_size, slots=ready.model.max_slots,
-                     kv_tokens=ready.model.kv_capacity_tokens,
+            info = ready.model
+            log.info("gpu worker ready", pid=ready.pid, model=info.name,
+                     vocab=info.vocab_size, slots=info.max_slots,
+                     kv_tokens=info.kv.capacity_tokens, prefix_blocks=info.kv.prefix_blocks,
                      placement=self.config.experts.placement, dtype=self.config.model.dtype,
                      backend=self.config.model.backend)
+            self.adopt(info)
             self.scheduler.attach(self.worker)
             if not announced:
                 systemd.notify(ready=True, status="serving")

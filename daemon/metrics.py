@@ -1,12 +1,17 @@
 """Prometheus metrics of the daemon (ARCHITECTURE.md §8), on a registry of their own.
 
 Who calls what: the HTTP and ZeroMQ front ends call `request_received` and `request_rejected`
-(a request refused before it reached a slot); the scheduler calls everything else, once per
-request (`request_finished`), per emitted token (`observe_ttft` for the first one,
-`observe_itl` for the rest) or per step.
+(a request refused before it reached a slot); lifecycle calls `worker_restarted`; the
+scheduler calls the rest, once per request (`request_finished`), per emitted token
+(`observe_ttft` for the first one, `observe_itl` for the rest), per verification
+(`observe_drafts`), per change of the queue (`set_queue_depth`) and once per step
+(`record_step`). A scheduler without metrics gets `NullMetrics`, whose calls do nothing.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -29,6 +34,23 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 
 ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 CPU_LAYER_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 0.0016, 0.0032, 0.0064,
                      0.0128, 0.0256, 0.0512)
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """One committed step as the scheduler saw it."""
+
+    seconds: float  # the worker's step, send to result
+    rows: int  # rows of the forward (StepPlan.num_rows)
+    prompt_tokens: int
+    decode_tokens: int
+    emitted: int  # tokens appended to requests
+    active_slots: int  # after the commit
+    queue_depth: int  # after the commit
+    steady_seconds: float | None  # planning to commit when every slot decoded, else None
+    steady_slots: int  # slots of the step
+    counters: Mapping[str, int]  # the worker's StepResult.counters (KV blocks, experts)
+    cpu_expert_seconds: float  # the worker's CPU expert time in this step
 
 
 class _PromptThroughput(Collector):
@@ -189,9 +211,48 @@ class Metrics:
         """None marks it stale: no recent step did prompt work, so the gauge is absent."""
         self._throughput.value = tokens_per_s
 
+    def record_step(self, step: StepStats) -> None:
+        """Everything one step changes: step histograms, gauges, steady decode, experts."""
+        self.observe_step(step.seconds, step.rows, step.prompt_tokens, step.decode_tokens)
+        self.set_prompt_throughput(step.prompt_tokens / step.seconds if step.prompt_tokens
+                                   else None)
+        self.set_active_slots(step.active_slots)
+        self.set_queue_depth(step.queue_depth)
+        c = step.counters
+        self.set_kv_usage(c.get("kv_total_blocks", 0) - c.get("kv_free_blocks", 0),
+                          c.get("kv_total_blocks", 0))
+        if step.steady_seconds is not None:
+            self.observe_steady_decode(step.steady_slots, step.steady_seconds, step.emitted)
+        if c.get("moe_layers"):  # a step that ran MoE layers (not cache ops alone)
+            self.observe_experts(c["gpu_experts"], c["cpu_experts"], c["moe_layers"],
+                                 step.cpu_expert_seconds, c["cpu_expert_bytes"])
+
     def worker_restarted(self, component: str) -> None:
         self._restarts.labels(component=component).inc()
 
     # ---- exposition --------------------------------------------------------------------------
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class NullMetrics:
+    """The scheduler's metrics when nobody reads them (tests, tools): every call does nothing."""
+
+    def request_finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+                         cached_tokens: int = 0) -> None:
+        pass
+
+    def observe_ttft(self, seconds: float) -> None:
+        pass
+
+    def observe_itl(self, seconds: float) -> None:
+        pass
+
+    def observe_drafts(self, source: str, proposed: int, accepted: int) -> None:
+        pass
+
+    def set_queue_depth(self, n: int) -> None:
+        pass
+
+    def record_step(self, step: StepStats) -> None:
+        pass

@@ -2,6 +2,10 @@
 
 The step loop is plan -> run on the worker -> commit -> emit. Planning and committing are
 bookkeeping over plain data; only ``run`` awaits the worker.
+
+Cache ops wait in one list, ``_ops``: whatever frees, swaps or drops worker state appends to
+it, and the next plan takes it whole. The plan's ``cache_ops_after`` are the checkpoints of
+this step's prefill chunks, built with the plan (the worker takes them after the forward).
 """
 
 from __future__ import annotations
@@ -10,10 +14,13 @@ import asyncio
 import dataclasses
 import heapq
 import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import structlog
 
+from daemon.metrics import Metrics, NullMetrics, StepStats
 from daemon.prefix_cache import PrefixCache
 from daemon.proposers.suffix import SuffixProposer
 from daemon.request import (
@@ -36,18 +43,31 @@ from protocol.messages import (
     token_array,
 )
 
+if TYPE_CHECKING:
+    from daemon.config import SpeculationSection
+    from daemon.tokenizer import Tokenizer
+
 log = structlog.get_logger("tandem.scheduler")
 OP = CacheOpKind
 
 
+class StepWorker(Protocol):
+    """What the scheduler runs its plans on: the GPU worker process
+    (daemon.worker_client.WorkerProcess) or, in tests, the Runner in-process."""
+
+    async def step(self, plan: StepPlan) -> StepResult: ...
+
+
 class Scheduler:
+    """Admission, slots and the step loop of one worker; the front ends submit and cancel."""
+
     def __init__(self, *, max_slots: int, max_context: int, max_queue: int, prefill_chunk: int,
                  block_size: int, checkpoint_interval: int, prefix_blocks: int,
-                 tokenizer=None, eos_ids=(), metrics=None, model_name: str = "",
-                 preemption: str = "swap", speculation=None) -> None:
+                 tokenizer: Tokenizer | None = None, eos_ids: Iterable[int] = (),
+                 metrics: Metrics | None = None, model_name: str = "",
+                 preemption: str = "swap", speculation: SpeculationSection | None = None) -> None:
         if preemption not in ("swap", "recompute"):
             raise ValueError(f"preemption must be swap or recompute, got {preemption!r}")
-        # speculation: a config.SpeculationSection (mode, proposer, num_drafts, min/max_match)
         self.speculation = speculation if speculation is not None and \
             speculation.mode != "off" else None
         mtp = self.speculation is not None and self.speculation.proposer == "mtp"
@@ -62,16 +82,16 @@ class Scheduler:
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(eos_ids)
-        self.metrics = metrics
+        self.metrics: Metrics | NullMetrics = metrics if metrics is not None else NullMetrics()
         self.prefix = PrefixCache(prefix_blocks, block_size) if prefix_blocks else None
-        self.worker = None  # set by attach(); anything with ``async step(plan)``
+        self.worker: StepWorker | None = None  # set by attach()
         self.slots: list[Sequence | None] = [None] * max_slots
         self.queue: list[tuple[int, int, Sequence]] = []  # heap of (-priority, order, seq)
         self.by_id: dict[str, Sequence] = {}
         self._order = 0
         self._step_id = 0
         self._entry_id = 0
-        self._pending_ops: list[CacheOp] = []  # frees and drops for the next plan
+        self._ops: list[CacheOp] = []  # cache ops for the next plan
         self._wake = asyncio.Event()
 
     # ---- front-end interface -----------------------------------------------------------
@@ -111,6 +131,7 @@ class Scheduler:
         return True
 
     def snapshot(self) -> dict:
+        """What every slot is doing (GET /v1/slots)."""
         slots = []
         for i, seq in enumerate(self.slots):
             slots.append({"slot": i, "request_id": seq.req.request_id if seq else None,
@@ -122,7 +143,7 @@ class Scheduler:
         return {"ready": self.ready, "queue_depth": len(self.queue), "slots": slots}
 
     # ---- the step loop -------------------------------------------------------------------
-    def attach(self, worker) -> None:
+    def attach(self, worker: StepWorker) -> None:
         self.worker = worker
         self._wake.set()
 
@@ -138,7 +159,7 @@ class Scheduler:
                 self.queue.remove((-seq.req.priority, seq.order, seq))
                 self._finish(seq, "error", error)
         heapq.heapify(self.queue)
-        self._pending_ops.clear()
+        self._ops.clear()
         self.prefix = PrefixCache(self.prefix.max_blocks, self.prefix.block_size) \
             if self.prefix else None
 
@@ -165,23 +186,24 @@ class Scheduler:
             self.commit(plan, result, time.monotonic() - t0, t_plan)
 
     def plan(self) -> StepPlan:
-        ops, self._pending_ops = self._pending_ops, []
+        """The next step: cancellations, preemption and admission as cache ops, then one
+        piece of work per occupied slot."""
         for entry in [e for e in self.queue if e[2].cancel_requested]:
             self.queue.remove(entry)
             heapq.heapify(self.queue)
             self._finish(entry[2], "cancelled", drop_entry=True)
-        ops += self._pending_ops
-        self._pending_ops = []
         for i, seq in enumerate(self.slots):
             if seq is not None and seq.cancel_requested:
                 self._finish(seq, "cancelled")
-                self._release(i, ops)
-        self._preempt_for_priority(ops)
-        self._admit(ops)
-        work, after = [], []
-        for slot, seq in enumerate(self.slots):
-            if seq is not None:
-                work.append(self._work_for(slot, seq, after))
+                self._release(i)
+        self._preempt_for_priority()
+        self._admit()
+        # NOTE: taken before the work is built: a checkpoint's evictions wait for the next
+        # plan, after this plan's checkpoints (which they may name) exist on the worker
+        ops, self._ops = self._ops, []
+        after: list[CacheOp] = []
+        work = [self._work_for(slot, seq, after) for slot, seq in enumerate(self.slots)
+                if seq is not None]
         self._step_id += 1
         drafted = sum(1 for w in work if len(w.draft_ids))
         # wide: 2-4 drafted slots verified in one pass; narrow (and wide otherwise): one each
@@ -205,7 +227,7 @@ class Scheduler:
                 prompt_tokens += work.num_tokens
             else:
                 decode_tokens += work.num_tokens
-            if len(work.draft_ids) and self.metrics is not None:
+            if len(work.draft_ids):
                 self.metrics.observe_drafts(DraftSource(int(work.draft_sources[0])).name.lower(),
                                             len(work.draft_ids), res.num_accepted)
             if not res.token_ids:
@@ -217,24 +239,16 @@ class Scheduler:
                 seq.handle.push(event)
             if seq.finished:
                 self._done(seq)
-                self._release(work.slot, self._pending_ops)
-        if self.metrics is not None:
-            self.metrics.observe_step(seconds, plan.num_rows, prompt_tokens, decode_tokens)
-            self.metrics.set_prompt_throughput(prompt_tokens / seconds if prompt_tokens else None)
-            self.metrics.set_active_slots(sum(s is not None for s in self.slots))
-            self.metrics.set_queue_depth(len(self.queue))
-            used = result.counters.get("kv_total_blocks", 0) - result.counters.get(
-                "kv_free_blocks", 0)
-            self.metrics.set_kv_usage(used, result.counters.get("kv_total_blocks", 0))
-            if t_plan is not None and plan.slots and not prompt_tokens:
-                # every slot decoding, no admission underway (BENCHMARKS.md's interval)
-                self.metrics.observe_steady_decode(len(plan.slots), time.monotonic() - t_plan,
-                                                   emitted)
-            c = result.counters
-            if c.get("moe_layers"):  # a step that ran MoE layers (not cache ops alone)
-                self.metrics.observe_experts(c["gpu_experts"], c["cpu_experts"], c["moe_layers"],
-                                             result.timings_ms.get("cpu_experts", 0.0) / 1e3,
-                                             c["cpu_expert_bytes"])
+                self._release(work.slot)
+        # steady: every slot decoding, no admission underway (BENCHMARKS.md's interval)
+        steady = t_plan is not None and bool(plan.slots) and not prompt_tokens
+        self.metrics.record_step(StepStats(
+            seconds=seconds, rows=plan.num_rows, prompt_tokens=prompt_tokens,
+            decode_tokens=decode_tokens, emitted=emitted,
+            active_slots=sum(s is not None for s in self.slots), queue_depth=len(self.queue),
+            steady_seconds=time.monotonic() - t_plan if steady else None,
+            steady_slots=len(plan.slots), counters=result.counters,
+            cpu_expert_seconds=result.timings_ms.get("cpu_experts", 0.0) / 1e3))
 
     # ---- planning pieces -----------------------------------------------------------------
     def _work_for(self, slot: int, seq: Sequence, after: list[CacheOp]) -> SlotWork:
@@ -285,9 +299,9 @@ class Scheduler:
         after.append(CacheOp(op=OP.CHECKPOINT, slot=slot, num_tokens=len(tokens),
                              entry_id=entry))
         for dropped in self.prefix.add(tokens, entry):
-            self._pending_ops.append(CacheOp(op=OP.DROP_CHECKPOINT, entry_id=dropped))
+            self._ops.append(CacheOp(op=OP.DROP_CHECKPOINT, entry_id=dropped))
 
-    def _admit(self, ops: list[CacheOp]) -> None:
+    def _admit(self) -> None:
         while self.queue and None in self.slots:
             _, _, seq = heapq.heappop(self.queue)
             if seq.cancel_requested:
@@ -297,19 +311,20 @@ class Scheduler:
             self.slots[slot] = seq
             seq.slot = slot
             if seq.swapped_entry is not None:
-                ops.append(CacheOp(op=OP.SWAP_IN, slot=slot, entry_id=seq.swapped_entry))
+                self._ops.append(CacheOp(op=OP.SWAP_IN, slot=slot, entry_id=seq.swapped_entry))
                 seq.swapped_entry = None
                 continue
-            ops.append(CacheOp(op=OP.ALLOCATE, slot=slot, num_tokens=len(seq.prompt)))
+            self._ops.append(CacheOp(op=OP.ALLOCATE, slot=slot, num_tokens=len(seq.prompt)))
             hit = (self.prefix.lookup(seq.tokens(0, seq.prefill_len))
                    if self.prefix is not None else None)
             if hit is not None:
                 entry, n = hit
-                ops.append(CacheOp(op=OP.SHARE_PREFIX, slot=slot, entry_id=entry, num_tokens=n))
+                self._ops.append(CacheOp(op=OP.SHARE_PREFIX, slot=slot, entry_id=entry,
+                                         num_tokens=n))
                 seq.processed = n
                 seq.cached = max(seq.cached, min(n, len(seq.prompt)))
 
-    def _preempt_for_priority(self, ops: list[CacheOp]) -> None:
+    def _preempt_for_priority(self) -> None:
         """Swap out the lowest-priority running request when a higher one waits."""
         while self.queue and None not in self.slots:
             top = -self.queue[0][0]
@@ -320,11 +335,11 @@ class Scheduler:
             victim = self.slots[victim_slot]
             if self.preemption == "swap":
                 victim.swapped_entry = self._new_entry()
-                ops.append(CacheOp(op=OP.SWAP_OUT, slot=victim_slot,
-                                   entry_id=victim.swapped_entry))
+                self._ops.append(CacheOp(op=OP.SWAP_OUT, slot=victim_slot,
+                                         entry_id=victim.swapped_entry))
             else:  # drop its caches; it re-prefills everything it has when readmitted
                 victim.recompute, victim.processed = True, 0
-                ops.append(CacheOp(op=OP.FREE, slot=victim_slot))
+                self._ops.append(CacheOp(op=OP.FREE, slot=victim_slot))
             self.slots[victim_slot] = None
             victim.slot = None
             heapq.heappush(self.queue, (-victim.req.priority, victim.order, victim))
@@ -332,38 +347,36 @@ class Scheduler:
                      mode=self.preemption)
 
     # ---- endings ---------------------------------------------------------------------------
-    def _release(self, slot: int, ops: list[CacheOp]) -> None:
+    def _release(self, slot: int) -> None:
         self.slots[slot] = None
-        ops.append(CacheOp(op=OP.FREE, slot=slot))
+        self._ops.append(CacheOp(op=OP.FREE, slot=slot))
         self._changed()
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None,
                 drop_entry: bool = False) -> None:
         if drop_entry and seq.swapped_entry is not None:
-            self._pending_ops.append(CacheOp(op=OP.DROP_CHECKPOINT, entry_id=seq.swapped_entry))
+            self._ops.append(CacheOp(op=OP.DROP_CHECKPOINT, entry_id=seq.swapped_entry))
             seq.swapped_entry = None
         seq.handle.push(seq.finish(reason, error))
         self._done(seq)
 
     def _done(self, seq: Sequence) -> None:
         self.by_id.pop(seq.req.request_id, None)
-        if self.metrics is not None:
-            self.metrics.request_finished(seq.finished, len(seq.prompt), len(seq.generated),
-                                          seq.cached)
+        self.metrics.request_finished(seq.finished, len(seq.prompt), len(seq.generated),
+                                      seq.cached)
 
     def _fail_plan(self, plan: StepPlan, error: str) -> None:
         for work in plan.slots:
             seq = self.slots[work.slot]
             if seq is not None:
                 self._finish(seq, "error", error)
-                self._release(work.slot, self._pending_ops)
+                self._release(work.slot)
 
     def _observe_latency(self, seq: Sequence, now: float) -> None:
-        if self.metrics is not None:
-            if seq.t_last is None:
-                self.metrics.observe_ttft(now - seq.t_submit)
-            else:
-                self.metrics.observe_itl(now - seq.t_last)
+        if seq.t_last is None:
+            self.metrics.observe_ttft(now - seq.t_submit)
+        else:
+            self.metrics.observe_itl(now - seq.t_last)
         seq.t_last = now
 
     def _new_entry(self) -> int:
@@ -372,5 +385,4 @@ class Scheduler:
 
     def _changed(self) -> None:
         self._wake.set()
-        if self.metrics is not None:
-            self.metrics.set_queue_depth(len(self.queue))
+        self.metrics.set_queue_depth(len(self.queue))

@@ -18,8 +18,6 @@ import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from gpu_worker.loader import read_json_object
-
 try:
     from tokenizers.decoders import DecodeStream
 except ImportError:  # tokenizers < 0.21
@@ -177,7 +175,16 @@ class IncrementalDetokenizer:
 
 # ---- files ---------------------------------------------------------------------------------
 def _json_object(file: Path) -> dict[str, Any]:
-    return read_json_object(file, error=TokenizerError)
+    """A JSON object file ({} when absent); an unreadable one raises TokenizerError."""
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerError(f"{file}: cannot parse JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{file}: expected a JSON object")
+    return data
 
 
 def _config_template(config: dict[str, Any], file: Path) -> str | None:

@@ -1,16 +1,20 @@
-"""The daemon's handle on the GPU worker process: spawn, READY handshake, steps, death."""
+"""The daemon's handle on the GPU worker process: spawn, READY handshake, steps, heartbeats,
+death."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
+from protocol.errors import ProtocolError
 from protocol.messages import (
     PROTOCOL_VERSION,
+    Heartbeat,
     ReadyMsg,
     Shutdown,
     StepPlan,
@@ -18,6 +22,7 @@ from protocol.messages import (
     WorkerError,
 )
 from protocol.sockets import AsyncDaemonToWorker
+from protocol.worker_config import WorkerConfig
 
 READY_TIMEOUT_S = 300.0
 
@@ -34,60 +39,52 @@ class WorkerStepError(RuntimeError):
         self.error = error
 
 
-@dataclasses.dataclass(frozen=True)
-class WorkerSpec:
-    """Everything the worker's command line carries."""
-
-    run_dir: Path
-    model: Path
-    name: str = ""
-    dtype: str = "float32"
-    backend: str = "numpy"
-    max_slots: int = 4
-    max_context: int = 4096
-    block_size: int = 64
-    extra_blocks: int = 0
-    kv_cache_dtype: str = "model"  # or "int8": int8 KV with an fp16 scale per 32 values
-    placement: str = "gpu"
-    cpu_experts_per_layer: int = 0
-    cpu_workers: int = 0  # 0: one per NUMA node
-    cpu_cores: str = ""  # "0,1,2;3,4,5": one core list per CPU expert worker
-    cpu_isa: str = "auto"  # CPU expert kernels (cpu_experts/isa.py), auto: the best available
-    cpu_dispatch: str = "launched"  # cupy: GPU kernels drive the CPU workers, or "sync"
-    hot_experts: str = ""  # split: router counts file; the GPU keeps the hottest experts
-
-    def argv(self) -> list[str]:
-        args = [sys.executable, "-m", "gpu_worker.server"]
-        for f in dataclasses.fields(self):
-            args += [f"--{f.name.replace('_', '-')}", str(getattr(self, f.name))]
-        return args
+def worker_argv(config: WorkerConfig) -> list[str]:
+    return [sys.executable, "-m", "gpu_worker.server", "--config", config.to_json()]
 
 
 class WorkerProcess:
-    """One incarnation of the GPU worker. ``start()`` returns once READY arrived."""
+    """One incarnation of the GPU worker. ``start()`` returns once READY arrived.
 
-    def __init__(self, spec: WorkerSpec) -> None:
-        self.spec = spec
+    A reader task takes every message off the socket: heartbeats (and any message) mark
+    when the daemon last heard from the worker (`health()`), the rest wait for `step()`.
+    """
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
         self.proc: asyncio.subprocess.Process | None = None
         self.sock: AsyncDaemonToWorker | None = None
         self.ready: ReadyMsg | None = None
+        self.heartbeats = 0
+        self.last_heard: float | None = None  # time.monotonic() of the last message
+        self._inbox: asyncio.Queue[Any] = asyncio.Queue()
+        self._reader: asyncio.Task | None = None
 
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
+    def health(self) -> dict[str, Any]:
+        """What /health says of the worker: pid, heartbeats so far, seconds since the daemon
+        last heard from it (None: not yet)."""
+        ago = None if self.last_heard is None else round(time.monotonic() - self.last_heard, 3)
+        return {"pid": self.pid, "ready": self.ready is not None, "heartbeats": self.heartbeats,
+                "last_heard_s": ago}
+
     async def start(self, timeout: float = READY_TIMEOUT_S) -> ReadyMsg:
-        self.spec.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.sock = AsyncDaemonToWorker.in_run_dir(self.spec.run_dir)
+        run_dir = Path(self.config.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.sock = AsyncDaemonToWorker.in_run_dir(run_dir)
+        self._reader = asyncio.create_task(self._read(self.sock))
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = await asyncio.create_subprocess_exec(*self.spec.argv(), env=env,
+        self.proc = await asyncio.create_subprocess_exec(*worker_argv(self.config), env=env,
                                                          stdin=asyncio.subprocess.DEVNULL)
         try:
-            msg = await self._recv_or_death(timeout)
+            msg = await self._next(timeout)
         except TimeoutError:
             await self.kill()
             raise WorkerDied(f"the GPU worker sent no READY within {timeout:.0f} s "
-                             f"(model {self.spec.model})") from None
+                             f"(model {self.config.model})") from None
         if isinstance(msg, WorkerError):
             await self.kill()
             raise WorkerDied(f"the GPU worker failed to start: {msg.message}")
@@ -109,7 +106,7 @@ class WorkerProcess:
             await self.sock.send(plan, timeout=10)
         except TimeoutError:
             raise WorkerDied("the GPU worker does not take plans") from None
-        msg = await self._recv_or_death(None)
+        msg = await self._next(None)
         if isinstance(msg, WorkerError):
             if msg.fatal:
                 await self.kill()
@@ -120,17 +117,35 @@ class WorkerProcess:
             raise WorkerDied(f"GPU worker answered step {plan.step_id} with {msg!r:.80}")
         return msg
 
-    async def _recv_or_death(self, timeout: float | None):
-        recv = asyncio.ensure_future(self.sock.recv())
+    async def _read(self, sock: AsyncDaemonToWorker) -> None:
+        while True:
+            try:
+                msg = await sock.recv()
+            except ProtocolError as exc:  # step() turns it into WorkerDied
+                self._inbox.put_nowait(exc)
+                continue
+            self.last_heard = time.monotonic()
+            if isinstance(msg, Heartbeat):
+                self.heartbeats += 1
+            else:
+                self._inbox.put_nowait(msg)
+
+    async def _next(self, timeout: float | None) -> Any:
+        """The next message that is not a heartbeat; WorkerDied if the process exits first."""
+        get = asyncio.ensure_future(self._inbox.get())
         died = asyncio.ensure_future(self.proc.wait())
-        done, _ = await asyncio.wait({recv, died}, timeout=timeout,
+        done, _ = await asyncio.wait({get, died}, timeout=timeout,
                                      return_when=asyncio.FIRST_COMPLETED)
-        if recv in done:
+        if get in done:
             died.cancel()
-            return recv.result()
-        recv.cancel()
+            msg = get.result()
+            if isinstance(msg, ProtocolError):
+                await self.kill()
+                raise WorkerDied(f"the GPU worker sent a malformed message: {msg}")
+            return msg
+        get.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await recv
+            await get
         if died in done:
             raise WorkerDied(f"the GPU worker exited with status {self.proc.returncode}")
         died.cancel()
@@ -145,16 +160,21 @@ class WorkerProcess:
                 await asyncio.wait_for(self.proc.wait(), timeout)
             except TimeoutError:
                 await self.kill()
-        self._close_socket()
+        await self._close_socket()
 
     async def kill(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.kill()
             await self.proc.wait()
-        self._close_socket()
+        await self._close_socket()
 
-    def _close_socket(self) -> None:
+    async def _close_socket(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+            self._reader = None
         if self.sock is not None:
             self.sock.close()
             self.sock = None

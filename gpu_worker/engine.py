@@ -5,7 +5,9 @@ The CLI uses it directly; the GPU worker process drives the same pieces from Ste
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -16,17 +18,20 @@ from gpu_worker.model.model import Caches, ForwardOut, Model
 from gpu_worker.sampling import sample
 from protocol.messages import SamplingParams
 
+if TYPE_CHECKING:  # numba, imported only where some experts run on CPU workers
+    from gpu_worker.experts.placement import ExpertPlacement
+
 DTYPES = {"float32": np.float32, "float64": np.float64}
 
 
 def load_model(path: str | Path, *, dtype: str = "float32", backend: str = "numpy",
                exact: bool | None = None, placement: str = "gpu",
                cpu_experts_per_layer: int = 0, cpu_workers: int = 0,
-               cpu_cores: list[list[int]] | None = None, qfuse: str | None = None,
-               cpu_isa: str = "auto", cpu_dispatch: str = "launched",
-               hot_experts: str | Path | None = None):
+               cpu_cores: list[list[int]] | None = None, cpu_isa: str = "auto",
+               hot_experts: str | Path | None = None) -> tuple[Model, ExpertPlacement | None]:
     """The model on its backend plus, unless ``placement`` is "gpu", the started CPU expert
-    workers (an ExpertPlacement, to be closed by the caller). ``exact`` defaults to float64;
+    workers (an ExpertPlacement, gpu_worker/experts/placement.py, to be closed by the
+    caller). ``exact`` defaults to float64;
     ``cpu_isa`` picks the CPU expert kernels ("auto": ``$TANDEM_CPU_ISA`` or the best);
     ``hot_experts`` (split): a router counts file whose most-picked experts stay on the GPU
     (gpu_worker/expert_stats.py)."""
@@ -45,19 +50,19 @@ def load_model(path: str | Path, *, dtype: str = "float32", backend: str = "nump
                   exact=exact)
     experts = None
     if placement != "gpu":
-        from gpu_worker.moe_dispatch import ExpertPlacement  # noqa: PLC0415 (numba)
+        from gpu_worker.experts.placement import ExpertPlacement  # noqa: PLC0415 (numba)
 
         experts = ExpertPlacement.start(model, ckpt.tensors, placement=placement,
                                         cpu_per_layer=cpu_experts_per_layer,
-                                        num_workers=cpu_workers, cores=cpu_cores, qfuse=qfuse,
-                                        isa=None if cpu_isa == "auto" else cpu_isa,
-                                        cpu_dispatch=cpu_dispatch, hot=hot)
+                                        num_workers=cpu_workers, cores=cpu_cores,
+                                        isa=None if cpu_isa == "auto" else cpu_isa, hot=hot)
     return model, experts
 
 
 class Engine:
     def __init__(self, model: Model, *, max_slots: int = 4, max_len: int = 4096,
-                 block_size: int = 16, prefill_chunk: int = 512, placement=None) -> None:
+                 block_size: int = 16, prefill_chunk: int = 512,
+                 placement: ExpertPlacement | None = None) -> None:
         self.model = model
         self.placement = placement  # ExpertPlacement when some experts run on CPU workers
         self.max_slots = max_slots
@@ -69,15 +74,13 @@ class Engine:
     def from_dir(cls, path: str | Path, *, dtype: str = "float32", backend: str = "numpy",
                  exact: bool | None = None, placement: str = "gpu",
                  cpu_experts_per_layer: int = 0, cpu_workers: int = 0,
-                 cpu_cores: list[list[int]] | None = None, qfuse: str | None = None,
-                 cpu_isa: str = "auto", cpu_dispatch: str = "launched",
+                 cpu_cores: list[list[int]] | None = None, cpu_isa: str = "auto",
                  hot_experts: str | Path | None = None, **kwargs) -> Engine:
         model, experts = load_model(path, dtype=dtype, backend=backend, exact=exact,
                                     placement=placement,
                                     cpu_experts_per_layer=cpu_experts_per_layer,
-                                    cpu_workers=cpu_workers, cpu_cores=cpu_cores, qfuse=qfuse,
-                                    cpu_isa=cpu_isa, cpu_dispatch=cpu_dispatch,
-                                    hot_experts=hot_experts)
+                                    cpu_workers=cpu_workers, cpu_cores=cpu_cores,
+                                    cpu_isa=cpu_isa, hot_experts=hot_experts)
         return cls(model, placement=experts, **kwargs)
 
     def close(self) -> None:
@@ -93,8 +96,8 @@ class Engine:
         batch = RaggedBatch.build(parts)
         if self.placement is None:
             return self.model.forward(batch, self.caches, logit_rows)
-        return self.placement.step(lambda: self.model.forward(
-            batch, self.caches, logit_rows, self.placement.experts))
+        return self.placement.run_step(functools.partial(
+            self.model.forward, batch, self.caches, logit_rows, self.placement))
 
     def prefill(self, slot: int, ids: np.ndarray, *, all_logits: bool = False) -> np.ndarray:
         """Reset ``slot`` and run the prompt in chunks; logits [n, V] of the last row, or of

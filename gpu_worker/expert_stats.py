@@ -24,30 +24,50 @@ FORMAT = "tandem-expert-counts-v1"
 EXPERT_KEYS = ("gate_proj", "up_proj", "down_proj")
 
 
+class RouterCounter:
+    """A :class:`gpu_worker.routed_experts.RoutedExperts` that runs every expert on the
+    backend, as ``Model.forward`` without one does, and counts the router's picks:
+    ``counts[layer]`` int64 [E], every row adds its top-k experts once."""
+
+    def __init__(self, model) -> None:
+        cfg = model.cfg
+        self.model = model
+        self.counts = {i: np.zeros(cfg.num_experts, np.int64)
+                       for i in range(cfg.num_hidden_layers) if cfg.is_sparse(i)}
+
+    def moe_norm(self, x, weight, eps: float, zero_centered: bool):
+        return self.model.ops.rms_norm(x, weight, eps, zero_centered=zero_centered), None
+
+    def __call__(self, layer: int, x, ids, weights, quant):
+        from gpu_worker.backend import to_numpy  # noqa: PLC0415
+        from gpu_worker.model.moe import expert_stacks, experts_local  # noqa: PLC0415
+
+        self.counts[layer] += np.bincount(to_numpy(ids).reshape(-1),
+                                          minlength=self.model.cfg.num_experts)
+        return experts_local(self.model.ops, *expert_stacks(self.model.layers[layer].mlp), x,
+                             ids, weights)
+
+    def run_step(self, forward):
+        return forward()
+
+    def take_stats(self) -> dict[str, float]:
+        return {}
+
+
 def count_routing(model, chunks: list[np.ndarray]) -> dict[int, np.ndarray]:
     """Router picks per MoE layer over ``chunks`` of token ids, each run as one prompt from
     position 0: ``{layer: int64 [E]}``; every row adds its top-k experts once."""
-    from gpu_worker.backend import to_numpy  # noqa: PLC0415
     from gpu_worker.model.batch import RaggedBatch  # noqa: PLC0415
-    from gpu_worker.model.moe import expert_stacks, experts_local  # noqa: PLC0415
 
-    cfg = model.cfg
-    counts = {i: np.zeros(cfg.num_experts, np.int64) for i in range(cfg.num_hidden_layers)
-              if cfg.is_sparse(i)}
-
-    def counting(layer: int, x, ids, weights, **_):
-        counts[layer] += np.bincount(to_numpy(ids).reshape(-1), minlength=cfg.num_experts)
-        return experts_local(model.ops, *expert_stacks(model.layers[layer].mlp), x, ids,
-                             weights)
-
+    counter = RouterCounter(model)
     longest = max((len(c) for c in chunks), default=1)
     caches = model.new_caches(1, longest)
     for chunk in chunks:
         if len(chunk):
             model.forward(RaggedBatch.build([(0, 0, np.asarray(chunk, np.int64))]), caches,
-                          np.asarray([len(chunk) - 1]), counting)
+                          np.asarray([len(chunk) - 1]), counter)
             caches.reset_slot(0)
-    return counts
+    return counter.counts
 
 
 def save_counts(path: str | Path, counts: dict[int, np.ndarray], *, model: str,

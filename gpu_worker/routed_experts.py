@@ -3,11 +3,14 @@
 The model computes attention, routers, shared experts and dense MLPs itself. For the routed
 experts of a MoE layer it asks one object, handed to ``Model.forward`` and to the ``Runner``:
 
-    model (gpu_worker/model/model.py) -> RoutedExperts -> ExpertPlacement
-        -> the host path (CpuExpertPool.dispatch) or the launched path (the pinned ring)
+    model (gpu_worker/model/model.py) -> RoutedExperts
+        -> ExpertPlacement (gpu_worker/experts/placement.py)
+            -> HostPath (CpuExpertPool.dispatch[_quantized], through host memory)
+            -> LaunchedPath -> PinnedRing (GPU kernels ring the CPU workers)
 
 ``None`` in their place means "every expert is on the backend" (the model's own grouped or
-looped kernels, gpu_worker/model/moe.py).
+looped kernels, gpu_worker/model/moe.py). ``expert_stats.RouterCounter`` is the other
+implementation (all experts on the backend, counting the router's picks).
 """
 
 from __future__ import annotations

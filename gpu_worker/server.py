@@ -1,10 +1,12 @@
-"""The GPU worker process: READY handshake, then one StepPlan at a time.
+"""The GPU worker process: READY handshake, then one StepPlan at a time, heartbeats between.
 
-    python -m gpu_worker.server --run-dir DIR --model PATH [--dtype float32] ...
+    python -m gpu_worker.server --config '{"run_dir": ..., "model": ..., ...}'
 
-It connects to the daemon's worker socket in DIR, loads the model, starts the CPU expert
-workers where the placement asks for them, sends ReadyMsg, and answers every StepPlan with
-a StepResult (or a typed WorkerError). It dies with its parent (PR_SET_PDEATHSIG).
+The one argument is a `protocol.worker_config.WorkerConfig` as JSON (the daemon builds it).
+The worker connects to the daemon's worker socket in its run_dir, loads the model, starts the
+CPU expert workers where the placement asks for them, sends ReadyMsg (with what the daemon
+needs to know of the model and the KV pool), and answers every StepPlan with a StepResult (or
+a typed WorkerError). It dies with its parent (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -15,25 +17,31 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 
-from gpu_worker.engine import DTYPES, load_model
+from cpu_experts.errors import CpuWorkerDied
+from gpu_worker.engine import load_model
+from gpu_worker.kv_cache import block_bytes
 from gpu_worker.loader import CheckpointError, load_generation_config
 from gpu_worker.runner import PlanError, Runner
 from protocol.errors import ProtocolError
 from protocol.messages import (
-    CAPABILITIES,
     PROTOCOL_VERSION,
+    Heartbeat,
+    KvLayout,
     ModelInfo,
     Ping,
     Pong,
     ReadyMsg,
+    SamplingDefaults,
     Shutdown,
     StepPlan,
     WorkerError,
     WorkerErrorCode,
 )
 from protocol.sockets import WorkerToDaemon
+from protocol.worker_config import WorkerConfig
 
 
 def _die_with_parent() -> None:
@@ -53,76 +61,113 @@ def _log(event: str, **fields) -> None:
                       **fields}), file=sys.stderr, flush=True)
 
 
-def build_runner(args: argparse.Namespace):
-    model, pool = load_model(args.model, dtype=args.dtype, backend=args.backend,
-                             placement=args.placement,
-                             cpu_experts_per_layer=args.cpu_experts_per_layer,
-                             cpu_workers=args.cpu_workers,
-                             cpu_cores=parse_core_groups(args.cpu_cores),
-                             cpu_isa=args.cpu_isa, cpu_dispatch=args.cpu_dispatch,
-                             hot_experts=args.hot_experts or None)
+def build_runner(cfg: WorkerConfig) -> tuple[Runner, object, ModelInfo]:
+    """The model, its CPU expert workers (or None) and the Runner, plus what READY reports."""
+    model, pool = load_model(cfg.model, dtype=cfg.dtype, backend=cfg.backend,
+                             placement=cfg.placement,
+                             cpu_experts_per_layer=cfg.cpu_experts_per_layer,
+                             cpu_workers=cfg.cpu_workers,
+                             cpu_cores=[list(g) for g in cfg.cpu_cores] or None,
+                             cpu_isa=cfg.cpu_isa, hot_experts=cfg.hot_experts or None)
     if pool is not None:
         for info in pool.pool.ready_info:  # one line per CPU expert worker, what it holds
-            _log("cpu expert worker ready", placement=args.placement, **info,
+            _log("cpu expert worker ready", placement=cfg.placement, **info,
                  cpu_experts_per_layer=int(next(iter(pool.on_cpu.values())).sum()))
         if pool.hot_share:  # what the calibration says the GPU's experts will serve
             shares = list(pool.hot_share.values())
-            _log("hot experts on the gpu", file=args.hot_experts,
+            _log("hot experts on the gpu", file=cfg.hot_experts,
                  router_picks_on_gpu_mean=round(sum(shares) / len(shares), 4),
                  router_picks_on_gpu_min=round(min(shares), 4))
-    blocks_per_slot = -(-args.max_context // args.block_size)
-    runner = Runner(model, max_slots=args.max_slots, max_context=args.max_context,
-                    block_size=args.block_size, extra_blocks=args.extra_blocks,
-                    kv_int8=args.kv_cache_dtype == "int8",
-                    experts=pool.experts if pool else None,
-                    expert_stats=pool.take_stats if pool else None,
-                    expert_step=pool.step if pool else None)
-    capacity = (args.max_slots * blocks_per_slot + args.extra_blocks) * args.block_size
+    mc = model.cfg
+    layers = len(mc.full_attention_layers) + min(mc.num_mtp_layers, 1)  # MTP's KV: one more
+    size = block_bytes(layers, cfg.block_size, mc.num_key_value_heads, mc.head_dim,
+                       8 if cfg.dtype == "float64" else 4, quant=cfg.kv_cache_dtype == "int8")
+    extra_blocks = cfg.prefix_blocks(size)
+    runner = Runner(model, max_slots=cfg.max_slots, max_context=cfg.max_context,
+                    block_size=cfg.block_size, extra_blocks=extra_blocks,
+                    kv_int8=cfg.kv_cache_dtype == "int8",
+                    experts=pool if pool else None)
     kv = runner.caches.kv
-    _log("kv cache", dtype="int8" if kv.quant else str(kv.k.dtype), blocks=kv.num_blocks,
-         block_size=kv.block_size, layers=kv.num_layers,
-         mib=round(kv.nbytes / 2**20, 1))
-    eos = load_generation_config(args.model).get("eos_token_ids", [])
-    info = ModelInfo(name=args.name or os.path.basename(os.path.normpath(args.model)),
-                     vocab_size=model.cfg.vocab_size, max_slots=args.max_slots,
-                     kv_capacity_tokens=capacity, max_seq_len=args.max_context,
-                     eos_token_ids=list(eos))
+    layout = KvLayout(block_size=kv.block_size, block_bytes=kv.nbytes // max(kv.num_blocks, 1),
+                      num_blocks=kv.num_blocks, prefix_blocks=extra_blocks,
+                      dtype="int8" if kv.quant else str(kv.k.dtype))
+    _log("kv cache", dtype=layout.dtype, blocks=kv.num_blocks, block_size=kv.block_size,
+         layers=kv.num_layers, mib=round(kv.nbytes / 2**20, 1), prefix_blocks=extra_blocks)
+    gen = load_generation_config(cfg.model)
+    try:
+        defaults = SamplingDefaults(**{k: gen[k] for k in ("temperature", "top_p", "top_k",
+                                                           "min_p") if k in gen})
+    except ValueError as exc:
+        raise CheckpointError(f"{cfg.model}/generation_config.json: {exc}") from None
+    info = ModelInfo(name=cfg.name or os.path.basename(os.path.normpath(cfg.model)),
+                     vocab_size=mc.vocab_size, max_slots=cfg.max_slots,
+                     max_context=cfg.max_context, eos_token_ids=list(gen["eos_token_ids"]),
+                     generation_defaults=defaults, kv=layout)
     return runner, pool, info
 
 
-def serve(args: argparse.Namespace) -> int:
+class _Beat:
+    """The worker's heartbeat: one Heartbeat per `interval` seconds while idle, and one
+    after a step when it is due."""
+
+    def __init__(self, sock: WorkerToDaemon, interval: float) -> None:
+        self.sock, self.interval = sock, interval
+        self.seq = 0
+        self.due = time.monotonic() + interval
+
+    def wait(self) -> float:
+        """Seconds until the next heartbeat is due (what recv may wait)."""
+        return max(self.due - time.monotonic(), 0.0)
+
+    def send_if_due(self) -> None:
+        if time.monotonic() < self.due:
+            return
+        try:  # NOTE: a daemon too busy to read may miss one; it never blocks the worker long
+            self.sock.send(Heartbeat(seq=self.seq, time_ns=time.monotonic_ns()), timeout=1)
+        except TimeoutError:
+            pass
+        self.seq += 1
+        self.due = time.monotonic() + self.interval
+
+
+def serve(cfg: WorkerConfig) -> int:
     _die_with_parent()
-    sock = WorkerToDaemon.in_run_dir(args.run_dir)
+    sock = WorkerToDaemon.in_run_dir(cfg.run_dir)
     try:
-        runner, pool, info = build_runner(args)
+        runner, pool, info = build_runner(cfg)
     except (CheckpointError, ValueError, OSError, RuntimeError) as exc:
         sock.send(WorkerError(code=WorkerErrorCode.MODEL_LOAD, message=str(exc), fatal=True),
                   timeout=5)
         sock.close()
         return 1
-    sock.send(ReadyMsg(protocol_version=PROTOCOL_VERSION, capabilities=list(CAPABILITIES),
-                       model=info, pid=os.getpid()), timeout=30)
+    sock.send(ReadyMsg(protocol_version=PROTOCOL_VERSION, model=info, pid=os.getpid()),
+              timeout=30)
+    beat = _Beat(sock, cfg.heartbeat_s)
     try:
         while True:
             try:
-                msg = sock.recv()
+                msg = sock.recv(timeout=beat.wait())
+            except TimeoutError:
+                beat.send_if_due()
+                continue
             except ProtocolError as exc:
                 sock.send(WorkerError(code=WorkerErrorCode.PROTOCOL, message=str(exc)))
                 continue
             if isinstance(msg, Shutdown):
+                _log("shutting down", reason=msg.reason)
                 return 0
             if isinstance(msg, Ping):
                 sock.send(Pong(nonce=msg.nonce, time_ns=msg.time_ns))
-                continue
-            if not isinstance(msg, StepPlan):
+            elif not isinstance(msg, StepPlan):
                 sock.send(WorkerError(code=WorkerErrorCode.PROTOCOL,
                                       message=f"unexpected {type(msg).__name__}"))
-                continue
-            try:
-                sock.send(_execute(runner, pool, msg))
-            except _Fatal as fatal:
-                sock.send(fatal.error, timeout=2)
-                return 1
+            else:
+                try:
+                    sock.send(_execute(runner, pool, msg))
+                except _Fatal as fatal:
+                    sock.send(fatal.error, timeout=2)
+                    return 1
+            beat.send_if_due()
     finally:
         if pool is not None:
             pool.close()
@@ -137,7 +182,7 @@ def _execute(runner: Runner, pool, plan: StepPlan):
     except PlanError as exc:
         return WorkerError(code=WorkerErrorCode.BAD_PLAN, message=str(exc), step_id=plan.step_id)
     except Exception as exc:  # a bug or a dead CPU worker: report it, then exit for a restart
-        died = type(exc).__name__ == "CpuWorkerDied"
+        died = isinstance(exc, CpuWorkerDied)
         code = WorkerErrorCode.CPU_WORKER_DIED if died else WorkerErrorCode.INTERNAL
         traceback.print_exc(file=sys.stderr)
         err = WorkerError(code=code, message=f"{type(exc).__name__}: {exc}", fatal=True,
@@ -151,40 +196,16 @@ class _Fatal(Exception):
         self.error = error
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="gpu_worker.server")
-    p.add_argument("--run-dir", required=True)
-    p.add_argument("--model", required=True)
-    p.add_argument("--name", default="")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
-    p.add_argument("--backend", default="numpy")
-    p.add_argument("--max-slots", type=int, default=4)
-    p.add_argument("--max-context", type=int, default=4096)
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--extra-blocks", type=int, default=0)
-    p.add_argument("--kv-cache-dtype", choices=("model", "int8"), default="model")
-    p.add_argument("--placement", choices=("gpu", "cpu", "split"), default="gpu")
-    p.add_argument("--cpu-experts-per-layer", type=int, default=0)
-    p.add_argument("--cpu-workers", type=int, default=0, help="0: one per NUMA node")
-    p.add_argument("--cpu-cores", default="", help='per worker core lists: "0,1,2;3,4,5"')
-    p.add_argument("--cpu-isa", choices=("auto", "portable", "avx2", "avx512vnni"),
-                   default="auto", help="CPU expert kernels (auto: the best this CPU has)")
-    p.add_argument("--hot-experts", default="",
-                   help="split: router counts (tandem expert-stats); the GPU keeps the hottest")
-    p.add_argument("--cpu-dispatch", choices=("launched", "sync"), default="launched",
-                   help="cupy: GPU kernels ring the CPU workers (launched) or the host does")
-    return p.parse_args(argv)
-
-
-def parse_core_groups(text: str) -> list[list[int]] | None:
-    """"0,1;2,3" -> [[0, 1], [2, 3]]; "" -> None (derive from NUMA nodes)."""
-    if not text:
-        return None
-    return [[int(c) for c in group.split(",") if c] for group in text.split(";")]
-
-
 def main(argv: list[str] | None = None) -> int:
-    return serve(parse_args(argv))
+    p = argparse.ArgumentParser(prog="gpu_worker.server")
+    p.add_argument("--config", required=True,
+                   help="a WorkerConfig as JSON (protocol/worker_config.py)")
+    args = p.parse_args(argv)
+    try:
+        cfg = WorkerConfig.from_json(args.config)
+    except ValueError as exc:
+        p.error(f"--config: {exc}")
+    return serve(cfg)
 
 
 if __name__ == "__main__":

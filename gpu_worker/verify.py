@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpu_worker.sampling import SamplingParams, sample
+from gpu_worker.sampling import sample
 from protocol.messages import SlotWork
 
 
@@ -20,7 +20,7 @@ def sample_and_match(w: SlotWork, logits: np.ndarray, row: int | None
     asked for none). Returns (accepted drafts + one sampled token, drafts accepted)."""
     if row is None:
         return [], 0
-    params = _sampling(w)
+    params = w.sampling  # NOTE: its seed is set (the runner checked: PlanError otherwise)
     pos = w.start_pos + w.num_tokens
     tokens: list[int] = []
     for j, draft in enumerate(w.draft_ids):
@@ -32,9 +32,3 @@ def sample_and_match(w: SlotWork, logits: np.ndarray, row: int | None
     tokens.append(sample(logits[row + k], params, pos + k))
     return tokens, k
 
-
-def _sampling(w: SlotWork) -> SamplingParams:
-    # NOTE: the runner checked that the seed is set (PlanError otherwise)
-    s = w.sampling
-    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                          min_p=s.min_p, seed=s.seed % (2**63))

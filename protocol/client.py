@@ -134,6 +134,18 @@ def _garbled(exc: ProtocolError) -> TandemError:
     return TandemError(f"daemon sent a malformed message: {exc}")
 
 
+def _ends(item: TokenEvent | TandemError) -> bool:
+    """Whether a stream's item is its last (an error or a finished event)."""
+    return isinstance(item, TandemError) or item.finish_reason is not None
+
+
+def _event(item: TokenEvent | TandemError) -> TokenEvent:
+    """The event, or raise the error that ends the stream."""
+    if isinstance(item, TandemError):
+        raise item
+    return item
+
+
 class TandemClient(_Core):
     """Blocking client. `timeout` bounds every wait for the daemon (seconds between events)."""
 
@@ -196,11 +208,8 @@ class TandemClient(_Core):
                 while not inbox:
                     self._pump(wait)
                 item = inbox.popleft()
-                if isinstance(item, TandemError):
-                    done = True
-                    raise item
-                done = item.finish_reason is not None
-                yield item
+                done = _ends(item)
+                yield _event(item)
                 if done:
                     return
         finally:
@@ -320,11 +329,8 @@ class AsyncTandemClient(_Core):
                 except TimeoutError:
                     raise TandemTimeoutError(f"no event within {wait}s",
                                              request_id=request_id) from None
-                if isinstance(item, TandemError):
-                    done = True
-                    raise item
-                done = item.finish_reason is not None
-                yield item
+                done = _ends(item)
+                yield _event(item)
                 if done:
                     return
         finally:

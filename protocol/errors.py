@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-from protocol.messages import ErrorCode, ErrorReply
+from protocol.client_messages import ErrorCode, ErrorReply
 
 
 class ProtocolErrorCode(IntEnum):
@@ -66,10 +66,6 @@ class BadRequestError(TandemError):
     code = ErrorCode.BAD_REQUEST
 
 
-class RequestTooLargeError(TandemError):
-    code = ErrorCode.TOO_LARGE
-
-
 class QueueFullError(TandemError):
     """The daemon's admission queue is full; retry after `retry_after_s` seconds."""
 
@@ -81,11 +77,10 @@ class QueueFullError(TandemError):
         self.retry_after_s = retry_after_s
 
 
-class UnauthorizedError(TandemError):
-    code = ErrorCode.UNAUTHORIZED
-
-
 class InternalServerError(TandemError):
+    """A fault of the daemon (it logged the traceback); also any code this client does not
+    know."""
+
     code = ErrorCode.INTERNAL
 
 
@@ -107,8 +102,8 @@ class TandemTimeoutError(TandemError, TimeoutError):
 
 _BY_CODE: dict[ErrorCode, type[TandemError]] = {
     cls.code: cls
-    for cls in (BadRequestError, RequestTooLargeError, QueueFullError, UnauthorizedError,
-                InternalServerError, WorkerDiedError, ProtocolViolationError)
+    for cls in (BadRequestError, QueueFullError, InternalServerError, WorkerDiedError,
+                ProtocolViolationError)
     if cls.code is not None
 }
 

@@ -1,6 +1,6 @@
-"""The concurrency benchmark of ../shared/BENCHMARKS.md: four streams, two workloads, arms.
+"""The concurrency benchmark: four streams, two workloads, speculation arms.
 
-    python scripts/bench_concurrency.py --out-dir docs/bench/concurrency_cpu
+    python -m scripts.bench_concurrency --out-dir docs/bench/concurrency_cpu
 
 Workloads (fixed prompts and seeds, temperature 0.85, thinking disabled):
 
@@ -36,19 +36,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
-from bench_serving import sse_chunks, wait_ready
-from prometheus_client.parser import text_string_to_metric_families
+
+from scripts.bench_common import command_line, delta, machine, scrape, served, sse_chunks
 
 TEMPERATURE = 0.85
 STREAMS = 4
@@ -87,19 +84,6 @@ SYSTEM = ("You are a coding agent. Work only through the tools: write the module
           "write_file, check it with run_check, fix it if the check fails, then reply with a "
           "one-line summary.")
 NUDGE = "Use the tools: write the module with write_file, then check it with run_check."
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """Every sample of the server's /metrics, keyed by (name, sorted labels)."""
-    with urllib.request.urlopen(url + "/metrics") as r:
-        text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
-def delta(after: dict, before: dict, name: str, **labels: str) -> float:
-    key = (name, tuple(sorted(labels.items())))
-    return after.get(key, 0.0) - before.get(key, 0.0)
 
 
 async def chat(session: aiohttp.ClientSession, url: str, model: str, messages: list[dict],
@@ -151,7 +135,8 @@ def run_tool(workdir: Path, name: str, arguments: str) -> str:
     return f"error: no tool named {name!r}"
 
 
-async def agent_loop(session, url: str, model: str, i: int, max_tokens: int) -> dict:
+async def agent_loop(session: aiohttp.ClientSession, url: str, model: str, i: int,
+                     max_tokens: int) -> dict:
     """One coding agent: up to MAX_TURNS turns (it ends early when the model answers without
     a tool call after a passing check); returns tokens, turns and tool calls made."""
     filename, what = TASKS[i]
@@ -182,13 +167,15 @@ async def agent_loop(session, url: str, model: str, i: int, max_tokens: int) -> 
     return {"tokens": tokens, "turns": turns, "tool_calls": calls}
 
 
-async def essay(session, url: str, model: str, i: int, max_tokens: int) -> dict:
+async def essay(session: aiohttp.ClientSession, url: str, model: str, i: int,
+                max_tokens: int) -> dict:
     res = await chat(session, url, model, [{"role": "user", "content": ESSAYS[i]}],
                      max_tokens, 1000 + i)
     return {"tokens": res["tokens"], "turns": 1, "tool_calls": 0}
 
 
-async def workload(url: str, model: str, name: str, args) -> tuple[list[dict], float]:
+async def workload(url: str, model: str, name: str, args: argparse.Namespace
+                   ) -> tuple[list[dict], float]:
     fn, max_tokens = ((essay, args.essay_tokens) if name == "essay"
                       else (agent_loop, args.coding_tokens))
     timeout = aiohttp.ClientTimeout(total=None)
@@ -199,15 +186,8 @@ async def workload(url: str, model: str, name: str, args) -> tuple[list[dict], f
         return streams, time.monotonic() - t0
 
 
-def one_run(args, name: str, arm: str, pair: int) -> dict:
-    url = f"http://127.0.0.1:{args.port}"
-    cmd = [sys.executable, "-m", "daemon.cli", "serve", "--config", args.config, "--port",
-           str(args.port), "--speculation", arm, "--proposer", args.proposer]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_ready(url, proc)
-        with urllib.request.urlopen(url + "/v1/models") as r:
-            model = json.load(r)["data"][0]["id"]
+def one_run(args: argparse.Namespace, name: str, arm: str, pair: int) -> dict:
+    with served(args.config, args.port, arm, args.proposer) as (url, model):
 
         async def warm_up() -> None:
             async with aiohttp.ClientSession() as s:
@@ -217,9 +197,6 @@ def one_run(args, name: str, arm: str, pair: int) -> dict:
         before = scrape(url)
         streams, wall = asyncio.run(workload(url, model, name, args))
         after = scrape(url)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
     steady_s = delta(after, before, "tandem_steady_decode_seconds_total", slots=str(STREAMS))
     steady_t = delta(after, before, "tandem_steady_decode_tokens_total", slots=str(STREAMS))
     tokens = sum(s["tokens"] for s in streams)
@@ -233,7 +210,7 @@ def one_run(args, name: str, arm: str, pair: int) -> dict:
                                              "tandem_spec_accepted_by_source_tokens_total",
                                              source=source) / verifies}
     return {"workload": name, "arm": arm, "pair": pair, "proposer": args.proposer,
-            "config": args.config, "machine": f"{platform.node()} ({os.cpu_count()} cores)",
+            "config": args.config, "machine": machine(),
             "four_stream_decode_tps": steady_t / steady_s if steady_s else None,
             "four_stream_seconds": steady_s, "four_stream_tokens": steady_t,
             "whole_run_tps": tokens / wall, "wall_s": wall, "completion_tokens": tokens,
@@ -289,7 +266,7 @@ def main() -> int:
                 print(f"{name:6s} {arm:6s} pair {pair}: four-stream "
                       f"{'-' if tps is None else f'{tps:.1f}'} tok/s, whole run "
                       f"{run['whole_run_tps']:.1f} tok/s, drafts {run['drafts']}", flush=True)
-    summary = {"command": " ".join(["python", "scripts/bench_concurrency.py", *sys.argv[1:]]),
+    summary = {"command": command_line(),
                "arms": arms, "runs": len(runs), "by_workload": summarize(runs, arms)}
     (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary["by_workload"], indent=1))

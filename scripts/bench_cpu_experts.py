@@ -9,8 +9,11 @@ Extra records: ``one_expert`` (every row on one expert: the cost of rows) and ``
 pair on the CPU: pure dispatch overhead). Weights are random int8 with small fp16 scales;
 enough layers are cycled that the working set is several times the L3.
 
-    python scripts/bench_cpu_experts.py --out docs/bench/cpu_experts_h200.json
-    python scripts/bench_cpu_experts.py --quick   # small sizes, for a smoke run
+    python -m scripts.bench_cpu_experts --out docs/bench/cpu_experts_h200.json
+    python -m scripts.bench_cpu_experts --quick   # small sizes, for a smoke run
+
+Workload: ``bench_cpu_workload.py``; DRAM and page-size figures: ``bench_cpu_memory.py``;
+``--table``: ``bench_cpu_tables.py``.
 """
 
 from __future__ import annotations
@@ -22,71 +25,15 @@ import platform
 import time
 
 import numpy as np
-from numba import get_num_threads, njit, prange, set_num_threads
+from numba import get_num_threads, set_num_threads
 
+from cpu_experts.dispatch_timer import DispatchTimer
 from cpu_experts.pool import CpuExpertPool
 from cpu_experts.quant import quantize
-from cpu_experts.shard import QuantizedLayer
-
-H = 2048
-ROWS = (1, 4, 8, 12, 16)
-
-
-@njit(parallel=True, cache=True)
-def _parallel_sum(a):
-    s = 0
-    for i in prange(a.shape[0]):
-        s += a[i]
-    return s
-
-
-def dram_read_gbps(threads: int, nbytes: int = 2 << 30) -> float:
-    """Best of 5 parallel sums over ``nbytes`` of uint64 (read bandwidth, cold caches)."""
-    set_num_threads(threads)
-    a = np.ones(nbytes // 8, np.uint64)
-    _parallel_sum(a[:1024])
-    best = min(_timed(_parallel_sum, a) for _ in range(5))
-    return nbytes / best / 1e9
-
-
-def _timed(fn, *args) -> float:
-    t0 = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - t0
-
-
-def random_layers(E: int, I: int, n_layers: int, seed: int) -> dict[int, QuantizedLayer]:
-    rng = np.random.default_rng(seed)
-
-    def q(shape):  # the canonical quantizer's range: [-127, 127]
-        return np.maximum(np.frombuffer(rng.bytes(int(np.prod(shape))), np.int8),
-                          np.int8(-127)).reshape(shape)
-
-    table = (rng.random(4099, np.float32) * 1e-3 + 1e-4).astype(np.float16)
-
-    def s(shape):  # scale values do not change the timing: tile a small random table
-        return np.resize(table, shape)
-
-    return {l: QuantizedLayer(q((E, I, H)), s((E, I, H // 32)), q((E, I, H)), s((E, I, H // 32)),
-                              q((E, H, I)), s((E, H, I // 32))) for l in range(n_layers)}
-
-
-def routings(kind: str, E: int, topk: int, rows: int, n: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    if kind == "none":
-        return [np.full((rows, topk), -1, np.int32) for _ in range(n)]
-    if kind == "one_expert":
-        return [np.full((rows, 1), rng.integers(E), np.int32) for _ in range(n)]
-    p = None
-    if kind == "skewed":  # Zipf-like popularity, a fresh ranking per layer
-        p = 1.0 / np.arange(1, E + 1) ** 1.2
-        p /= p.sum()
-    out = []
-    for _ in range(n):
-        perm = rng.permutation(E)
-        ids = np.stack([perm[rng.choice(E, topk, replace=False, p=p)] for _ in range(rows)])
-        out.append(ids.astype(np.int32))
-    return out
+from scripts.bench_common import cpu_model
+from scripts.bench_cpu_memory import dram_read_gbps, page_experiment
+from scripts.bench_cpu_tables import markdown_tables
+from scripts.bench_cpu_workload import ROWS, H, random_layers, routings
 
 
 def measure(pool: CpuExpertPool, n_layers: int, ids_list: list[np.ndarray], I: int,
@@ -96,6 +43,7 @@ def measure(pool: CpuExpertPool, n_layers: int, ids_list: list[np.ndarray], I: i
     q, d = quantize(x)
     walls, kernels, distinct, parts = [], [], [], []
     out = np.zeros((rows, H), np.float32)  # reused, as the GPU worker reuses its buffer
+    pool.timer = timer = DispatchTimer()
     for i, ids in enumerate(ids_list):
         w = np.full(ids.shape, 1.0 / ids.shape[1], np.float32)
         t0 = time.perf_counter_ns()
@@ -104,9 +52,9 @@ def measure(pool: CpuExpertPool, n_layers: int, ids_list: list[np.ndarray], I: i
         if i >= warmup:
             walls.append(wall)
             kernels.append(int(pool.last_kernel_ns.max()))
-            parts.append((pool.last_wake_ns, pool.last_notice_ns, pool.last_client_ns,
-                          pool.last_pre_ns))
+            parts.append((timer.wake_ns, timer.notice_ns, timer.client_ns, timer.pre_ns))
             distinct.append(len(np.unique(ids[ids >= 0])))
+    pool.timer = None
     expert_bytes = 3 * I * H * (1 + 4 / 32)  # int8 weights + float32 block scales, as stored
     wall_us = float(np.median(walls)) / 1e3
     kernel_us = float(np.median(kernels)) / 1e3
@@ -121,12 +69,11 @@ def measure(pool: CpuExpertPool, n_layers: int, ids_list: list[np.ndarray], I: i
                for i, name in enumerate(("wake", "notice", "client", "pre"))}}
 
 
-def measure_gpu(pool: CpuExpertPool, link, n_layers: int, ids_list: list[np.ndarray], I: int,
+def measure_gpu(pool: CpuExpertPool, n_layers: int, ids_list: list[np.ndarray], I: int,
                 warmup: int, path: str) -> dict:
-    """The GPU worker's view of one layer: quantized activations, ids and weights in GPU
-    memory -> the summed CPU partials in GPU memory, stream synchronized. ``link``: through
-    the pinned ring (gpu_worker/cpu_link.py); None: the host path (copies to NumPy,
-    ``dispatch_quantized``, copy back)."""
+    """The GPU worker's view of one layer on the host path: quantized activations, ids and
+    weights in GPU memory -> copies to NumPy, ``dispatch_quantized``, copy back -> the
+    summed CPU partials in GPU memory, stream synchronized."""
     import cupy  # noqa: PLC0415
 
     rows = ids_list[0].shape[0]
@@ -135,40 +82,25 @@ def measure_gpu(pool: CpuExpertPool, link, n_layers: int, ids_list: list[np.ndar
     q_dev, d_dev = cupy.asarray(q), cupy.asarray(d)
     stream = cupy.cuda.get_current_stream()
     host_out = np.zeros((rows, H), np.float32)
-    walls, kernels, splits = [], [], []
+    walls, kernels = [], []
     for i, ids in enumerate(ids_list):
         ids_dev = cupy.asarray(ids, dtype=cupy.int64)  # the router's dtype
         w_dev = cupy.full(ids.shape, 1.0 / ids.shape[1], cupy.float32)
         stream.synchronize()
         t0 = time.perf_counter_ns()
-        if link is not None:
-            link.stage(q_dev, d_dev, ids_dev, w_dev)
-            t1 = time.perf_counter_ns()
-            link.start(i % n_layers, *ids.shape)
-            t2 = time.perf_counter_ns()
-            out = link.collect()
-            t3 = time.perf_counter_ns()
-        else:
-            pool.dispatch_quantized(i % n_layers, q_dev.get(), d_dev.get(), ids_dev.get(),
-                                    w_dev.get(), out=host_out)
-            out = cupy.asarray(host_out)
+        pool.dispatch_quantized(i % n_layers, q_dev.get(), d_dev.get(), ids_dev.get(),
+                                w_dev.get(), out=host_out)
+        out = cupy.asarray(host_out)
         stream.synchronize()
         wall = time.perf_counter_ns() - t0
         del out
         if i >= warmup:
             walls.append(wall)
             kernels.append(int(pool.last_kernel_ns.max()))
-            if link is not None:  # stage, start, wake, notice, collect (after seen), sync
-                splits.append((t1 - t0, t2 - t1, pool.last_wake_ns, pool.last_notice_ns,
-                               t3 - pool.last_seen_ns, t0 + wall - t3))
-    rec = {"path": path,
-           "us_per_layer": float(np.median(walls)) / 1e3,
-           "kernel_us": float(np.median(kernels)) / 1e3,
-           "dispatch_us": float(np.median(np.subtract(walls, kernels))) / 1e3}
-    for j, name in enumerate(("stage", "start", "wake", "notice", "collect", "sync")):
-        if splits:
-            rec[f"{name}_us"] = float(np.median([sp[j] for sp in splits])) / 1e3
-    return rec
+    return {"path": path,
+            "us_per_layer": float(np.median(walls)) / 1e3,
+            "kernel_us": float(np.median(kernels)) / 1e3,
+            "dispatch_us": float(np.median(np.subtract(walls, kernels))) / 1e3}
 
 
 def measure_gpu_launched(pool: CpuExpertPool, link, n_layers: int, ids_list: list[np.ndarray],
@@ -279,7 +211,7 @@ def main() -> None:
             json.dump(page_experiment(len(worker_cores), args.iters), f, indent=1)
     os.sched_setaffinity(0, client)  # the dispatching thread gets its own core(s)
     set_num_threads(1)
-    machine = {"machine": platform.node(), "cpu": _cpu_model(), "threads": len(worker_cores),
+    machine = {"machine": platform.node(), "cpu": cpu_model(), "threads": len(worker_cores),
                "workers": args.workers, "dram_read_gbps": round(dram, 1)}
     print(json.dumps(machine), flush=True)
     combos = [(512, 16)] if args.quick else [(512, 128), (768, 128), (512, 512), (768, 512)]
@@ -332,26 +264,20 @@ def main() -> None:
 
 def gpu_cases(pool: CpuExpertPool, machine: dict, I: int, E: int, n_layers: int, iters: int,
               rows_run: list[int], per_step: int) -> list[dict]:
-    """Top-8 random layers and the no-CPU-work case through every GPU path (``--gpu``); the
-    one-expert layers through the launched paths."""
+    """Top-8 random layers and the no-CPU-work case through both GPU paths (``--gpu``); the
+    one-expert layers through the launched path."""
     import cupy  # noqa: PLC0415
 
-    from gpu_worker.cpu_link import PinnedRing  # noqa: PLC0415
+    from gpu_worker.experts.pinned_ring import PinnedRing  # noqa: PLC0415
 
-    link = PinnedRing(pool, cupy)  # one registration of the ring; its two modes set per path
-    # in / out: a kernel on the mapped ring or a DMA copy (PinnedRing's kernel_in/kernel_out)
-    paths = {f"gpu_pinned_{a}_{b}": (a == "kernel", b == "kernel")
-             for a, b in (("kernel", "memcpy"), ("kernel", "kernel"), ("memcpy", "memcpy"))}
-    paths["gpu_host_copies"] = None
-    launched = {"gpu_launch_memcpy": False, "gpu_launch_kernel": True}  # kernel_out
+    link = PinnedRing(pool, cupy)  # one registration of the ring
     out = []
     try:
         for rows, kind in [(r, "random") for r in rows_run] + [(16, "none")] + [
                 (r, "one_expert") for r in rows_run]:
             ids = routings(kind, E, 1 if kind == "one_expert" else 8, rows,
                            max(iters + 4, 3 * per_step), seed=rows * 100 + 8)
-            for path, kernel_out in launched.items():
-                link.kernel_in, link.kernel_out = True, kernel_out
+            for path in ("gpu_launch_kernel",):
                 rec = dict(machine, H=H, I=I, E=E, topk=ids[0].shape[1], rows=rows,
                            routing=kind, **measure_gpu_launched(pool, link, n_layers, ids, I,
                                                                 path, per_step))
@@ -364,139 +290,17 @@ def gpu_cases(pool: CpuExpertPool, machine: dict, I: int, E: int, n_layers: int,
             if kind == "one_expert":
                 continue
             ids = ids[:iters + 4]
-            for path, modes in paths.items():
-                if modes is not None:
-                    link.kernel_in, link.kernel_out = modes
+            for path in ("gpu_host_copies",):
                 rec = dict(machine, H=H, I=I, E=E, topk=8, rows=rows, routing=kind,
-                           **measure_gpu(pool, link if modes else None, n_layers, ids, I, 4,
-                                         path))
+                           **measure_gpu(pool, n_layers, ids, I, 4, path))
                 out.append(rec)
-                split = " ".join(f"{n}={rec[n + '_us']:.0f}" for n in
-                                 ("stage", "start", "wake", "notice", "collect", "sync")
-                                 if n + "_us" in rec)
+                split = ""
                 print(f"GPU {rec['path']:16s} I={I:4d} E={E:4d} rows={rows:2d} {kind:16s} "
                       f"layer={rec['us_per_layer']:8.1f} us kernel={rec['kernel_us']:8.1f} us "
                       f"dispatch={rec['dispatch_us']:5.1f} us {split}", flush=True)
     finally:
         link.close()
     return out
-
-
-def page_experiment(threads: int, iters: int, I: int = 768, E: int = 128) -> list[dict]:
-    """The layer kernel called in-process (no pool) on the same tiled weights in 4 KiB pages
-    and in anonymous memory advised for 2 MiB pages: does the page size change the streaming
-    rate? 1 row, top-8 random routing, enough layers to exceed the L3."""
-    import mmap
-
-    from cpu_experts import isa as cpu_isa
-    from cpu_experts import kernels, shard
-
-    set_num_threads(threads)
-    layers = random_layers(E, I, 3, seed=1)
-    manifest, size = shard.plan_shard(layers, {k: (0, I) for k in layers})
-    kernel = kernels.layer_kernel(cpu_isa.select())
-    x = np.random.default_rng(0).standard_normal((1, H)).astype(np.float32)
-    q, d = quantize(x)
-    out = np.empty((1, H), np.float32)
-    results = []
-    for pages in ("4k", "2m"):
-        buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if pages == "4k":
-            buf.madvise(mmap.MADV_NOHUGEPAGE)
-        else:
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        shard.write_shard(buf, manifest, layers, {k: (0, I) for k in layers})
-        views = shard.views(buf, manifest)
-        ids_list = routings("random", E, 8, 1, iters + 4, seed=3)
-        times = []
-        for i, ids in enumerate(ids_list):
-            t0 = time.perf_counter_ns()
-            kernel(*views[i % len(views)], q, d.view(np.uint16), ids,
-                   np.ones(ids.shape, np.float32), out, kernels.PREFETCH_AHEAD)
-            if i >= 4:
-                times.append(time.perf_counter_ns() - t0)
-        us = float(np.median(times)) / 1e3
-        wbytes = 8 * 3 * I * H * (1 + 4 / 32)
-        rec = {"pages": pages, "I": I, "E": E, "rows": 1, "topk": 8, "threads": threads,
-               "kernel_us": us, "kernel_gbps": wbytes / us / 1e3,
-               "huge_kib": _smaps_anon_huge_kib()}
-        print("# pages", json.dumps(rec), flush=True)
-        results.append(rec)
-        del views  # the mapping goes with its last view
-    return results
-
-
-def _smaps_anon_huge_kib() -> int:
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return -1
-
-
-def markdown_tables(records: list[dict]) -> str:
-    """The tables of docs/cpu_experts.md: layers at top-k 8, the cost of rows on one expert,
-    and the dispatch overhead with no CPU work."""
-    gpu = [r for r in records if "path" in r]
-    records = [r for r in records if "path" not in r]
-    lines = ["| I | E | routing | rows | distinct experts | weight MB | us/layer | kernel us | "
-             "eff. GB/s | dispatch us (wake / notice / client / pre) |", "|" + "---|" * 10]
-    for r in records:
-        if r["topk"] == 8 and r["routing"] in ("random", "skewed") and r["rows"] in (1, 4, 16):
-            lines.append(
-                f"| {r['I']} | {r['E']} | {r['routing']} | {r['rows']} | "
-                f"{r['distinct_experts']:.1f} | {r['weight_bytes'] / 1e6:.0f} | "
-                f"{r['us_per_layer']:.0f} | {r['kernel_us']:.0f} | {r['effective_gbps']:.1f} | "
-                f"{r['dispatch_us']:.0f} ({r.get('wake_us', 0):.0f} / "
-                f"{r.get('notice_us', 0):.0f} / {r.get('client_us', 0):.0f} / "
-                f"{r.get('pre_us', 0):.0f}) |")
-    lines += ["", "| I | E | " + " | ".join(f"{n} row{'s' * (n > 1)}" for n in ROWS)
-              + " | 16 / 1 |", "|" + "---|" * (len(ROWS) + 3)]
-    one: dict[tuple[int, int], dict[int, float]] = {}
-    for r in records:
-        if r["routing"] == "one_expert":
-            one.setdefault((r["I"], r["E"]), {})[r["rows"]] = r["us_per_layer"]
-    for (i, e), by_rows in one.items():
-        cells = " | ".join(f"{by_rows.get(n, float('nan')):.0f}" for n in ROWS)
-        lines.append(f"| {i} | {e} | {cells} | {by_rows[16] / by_rows[1]:.2f} |")
-    lines += ["", "| I | E | no CPU pair, 16 rows: us/layer | kernel us | dispatch us |",
-              "|---|---|---|---|---|"]
-    for r in records:
-        if r["routing"] == "none":
-            lines.append(f"| {r['I']} | {r['E']} | {r['us_per_layer']:.0f} | "
-                         f"{r['kernel_us']:.0f} | {r['dispatch_us']:.0f} |")
-    launched = [r for r in gpu if r["path"].startswith("gpu_launch")]
-    synced = [r for r in gpu if not r["path"].startswith("gpu_launch")]
-    if launched:
-        lines += ["", "| I | E | routing | rows | path | us/layer | kernel us | dispatch + "
-                  "transfer us | host enqueue us | GPU clock: latency / gap us |",
-                  "|" + "---|" * 10]
-        for r in launched:
-            lines.append(f"| {r['I']} | {r['E']} | {r['routing']} | {r['rows']} | "
-                         f"{r['path']} | {r['us_per_layer']:.0f} | {r['kernel_us']:.0f} | "
-                         f"{r['dispatch_us']:.0f} | {r['enqueue_us']:.0f} | "
-                         f"{r['latency_us']:.0f} / {r['gap_us']:.0f} |")
-    if synced:
-        lines += ["", "| I | E | routing | rows | path | us/layer | kernel us | dispatch + "
-                  "transfer us |", "|" + "---|" * 8]
-        for r in synced:
-            lines.append(f"| {r['I']} | {r['E']} | {r['routing']} | {r['rows']} | {r['path']} | "
-                         f"{r['us_per_layer']:.0f} | {r['kernel_us']:.0f} | "
-                         f"{r['dispatch_us']:.0f} |")
-    return "\n".join(lines)
-
-
-def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -2,16 +2,15 @@
 expert (H=2048, I=512 and 768, weights cached after the first call) at 1/4/16 rows for every
 instruction set this CPU runs (or the ones given), the cost of an empty parallel region, and
 the SiLU + re-quantization stage (16 x 768) on one thread. For comparing kernel changes on a
-development machine; DRAM figures come from bench_cpu_experts.py on the GPU machine.
+development machine; DRAM figures come from bench_cpu_experts on the GPU machine.
 
-    python scripts/bench_cpu_kernels_inprocess.py [--stages] [--isa avx512vnni] [--out FILE.json]
+    python -m scripts.bench_cpu_kernels_inprocess [--stages] [--isa avx512vnni] [--out FILE.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
 from functools import partial
 
 import numba
@@ -21,6 +20,7 @@ from numba import njit, prange
 from cpu_experts import isa as cpu_isa
 from cpu_experts import kernels, shard
 from cpu_experts.quant import quantize
+from scripts.bench_common import best_us
 
 H = 2048
 SIZES = (512, 768)  # intermediate sizes I of the one expert
@@ -83,16 +83,6 @@ def stage_times(which: int, weights, I: int, rng, rows_list=(1, 4, 16)) -> list[
                                           kernels.PREFETCH_AHEAD))
         records.append(rec)
     return records
-
-
-def best_us(fn, reps: int = 15) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - t0)
-    return min(times) / 1e3
 
 
 def expert_weights(I: int, rng) -> tuple[np.ndarray, np.ndarray]:

@@ -2,7 +2,7 @@
 (gpu_worker/kernels/moe_experts.py), wall time per layer as a Python-driven step sees it
 (enqueue + run, synchronized after each layer). A GPU benchmark.
 
-    python3 scripts/bench_gpu_experts.py --out docs/bench/gpu_experts_h200.json
+    python -m scripts.bench_gpu_experts --out docs/bench/gpu_experts_h200.json
 
 ``--model`` also decodes with the tiny test models (every expert on the GPU) through
 ``Engine.generate``, the loop (``GROUPED_MAX_ROWS = 0``) against the grouped kernels.
@@ -13,47 +13,32 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 
 import numpy as np
+
+from scripts.bench_common import greedy_ms_per_token, timings, tiny_checkpoint
 
 
 def _time(cp, routings: list, fn) -> tuple[float, object]:
     """Median wall microseconds of ``fn(ids)`` synchronized, after 3 warm-up calls; the last
     output."""
-    times = []
-    for n, ids in enumerate(routings):
-        cp.cuda.Device().synchronize()
-        t0 = time.perf_counter()
-        out = fn(ids)
-        cp.cuda.Device().synchronize()
-        if n >= 3:
-            times.append(time.perf_counter() - t0)
+    times, out = timings(fn, routings, warmup=3, sync=cp.cuda.Device().synchronize)
     return float(np.median(times)) * 1e6, out
 
 
 def model_decode(tokens: int = 100) -> list[dict]:
     """ms per decoded token of the tiny models on CuPy, loop vs grouped experts."""
-    import tempfile  # noqa: PLC0415
-
     from gpu_worker.engine import Engine  # noqa: PLC0415
     from gpu_worker.model import moe  # noqa: PLC0415
-    from protocol.messages import SamplingParams  # noqa: PLC0415
-    from scripts.tiny_model import make_tiny_model  # noqa: PLC0415
 
     limit, out = moe.GROUPED_MAX_ROWS, []
-    prompt = np.arange(3, 40) * 11 % 500
     for arch in ("qwen3_moe", "qwen3_next"):
-        path = make_tiny_model(tempfile.mkdtemp(), arch, seed=9, tokenizer=False)
+        path = tiny_checkpoint(arch)
         engine = Engine.from_dir(path, backend="cupy", max_slots=1, max_len=tokens + 64)
         got = {}
         for name, rows in (("loop", 0), ("grouped", limit), ("loop", 0), ("grouped", limit)):
             moe.GROUPED_MAX_ROWS = rows
-            engine.generate(prompt, params=SamplingParams(temperature=0), max_tokens=4)
-            t0 = time.perf_counter()
-            toks = engine.generate(prompt, params=SamplingParams(temperature=0),
-                                   max_tokens=tokens)
-            got.setdefault(name, []).append(((time.perf_counter() - t0) / tokens * 1e3, toks))
+            got.setdefault(name, []).append(greedy_ms_per_token(engine, tokens, warmup_tokens=4))
         moe.GROUPED_MAX_ROWS = limit
         rec = {"arch": arch, "tokens": tokens,
                **{f"{n}_ms_per_token": [round(ms, 2) for ms, _ in v] for n, v in got.items()},

@@ -1,7 +1,7 @@
 """Decode speed of a CuPy model with every expert on a CPU worker, per dispatch path and core
 layout (a GPU benchmark; the machine's CPU count decides what "reserved" means).
 
-Arms: ``sync`` / ``launched`` (gpu_worker/cpu_link.py) x core layouts:
+Arms: ``host`` / ``launched`` (gpu_worker/experts/) x core layouts:
 
 * ``shared``: the worker on every usable core, this process unpinned;
 * ``default``: :func:`cpu_experts.cores.default_core_groups` (cores 0-1 kept for this process
@@ -10,7 +10,7 @@ Arms: ``sync`` / ``launched`` (gpu_worker/cpu_link.py) x core layouts:
 
 Every arm must give the same greedy tokens (checked: ``same_tokens``).
 
-    python3 scripts/bench_model_dispatch.py --out docs/bench/model_dispatch_h200.json
+    python -m scripts.bench_model_dispatch --out docs/bench/model_dispatch_h200.json
 """
 
 from __future__ import annotations
@@ -19,17 +19,10 @@ import argparse
 import json
 import os
 import platform
-import tempfile
-import time
-
-import numpy as np
 
 from cpu_experts.cores import default_core_groups, reserved_cores
 from gpu_worker.engine import Engine
-from protocol.messages import SamplingParams
-from scripts.tiny_model import make_tiny_model
-
-PROMPT = np.arange(3, 40) * 11 % 500
+from scripts.bench_common import greedy_ms_per_token, tiny_checkpoint
 
 
 def run(path: str, tokens: int, dispatch: str, cores: list[list[int]],
@@ -37,14 +30,11 @@ def run(path: str, tokens: int, dispatch: str, cores: list[list[int]],
     """Milliseconds per decoded token (after a warm-up request) and the tokens."""
     os.sched_setaffinity(0, host)
     engine = Engine.from_dir(path, backend="cupy", placement="cpu", cpu_workers=len(cores),
-                             cpu_cores=cores, max_slots=1, max_len=tokens + 64,
-                             cpu_dispatch=dispatch)
+                             cpu_cores=cores, max_slots=1, max_len=tokens + 64)
     try:
-        greedy = SamplingParams(temperature=0)
-        engine.generate(PROMPT, params=greedy, max_tokens=8)
-        t0 = time.perf_counter()
-        out = engine.generate(PROMPT, params=greedy, max_tokens=tokens)
-        return (time.perf_counter() - t0) / tokens * 1e3, out
+        if dispatch == "host":
+            engine.placement.use_host_path()
+        return greedy_ms_per_token(engine, tokens, warmup_tokens=8)
     finally:
         engine.close()
 
@@ -54,8 +44,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=120)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    path = make_tiny_model(tempfile.mkdtemp(), "qwen3_moe", seed=9, tokenizer=False,
-                           moe_intermediate=64, std=0.1)
+    path = tiny_checkpoint("qwen3_moe", moe_intermediate=64, std=0.1)
     usable = sorted(os.sched_getaffinity(0))
     reserved = reserved_cores(usable)
     layouts = {"shared": ([usable], set(usable)),
@@ -64,7 +53,7 @@ def main() -> None:
         layouts["pinned"] = (default_core_groups(1), {reserved[0]})
     records, first = [], None
     for name, (cores, host) in layouts.items():
-        for dispatch in ("sync", "launched"):
+        for dispatch in ("host", "launched"):
             ms, out = run(path, args.tokens, dispatch, cores, host)
             first = out if first is None else first
             rec = {"machine": platform.node(), "cpus": len(usable), "layout": name,

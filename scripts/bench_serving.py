@@ -1,6 +1,6 @@
 """Serving throughput at 1..4 concurrent streams against a fresh `tandem serve` process.
 
-    python scripts/bench_serving.py --config configs/tiny.toml --out docs/bench/serving_cpu.json
+    python -m scripts.bench_serving --config configs/tiny.toml --out docs/bench/serving_cpu.json
 
 For each concurrency N it sends N streaming chat requests at once (fixed prompts, seeded
 sampling, fixed max_tokens, EOS ignored so every stream does equal work) and reports the
@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import aiohttp
+
+from scripts.bench_common import command_line, delta, machine, scrape, served, sse_chunks
 
 PROMPTS = [
     "Write a Python function that parses a CSV line into fields.",
@@ -30,13 +30,6 @@ PROMPTS = [
     "Write a class that implements a least-recently-used cache.",
     "Describe how to read a file line by line in Python.",
 ]
-
-
-async def sse_chunks(response: aiohttp.ClientResponse):
-    """The JSON chunks of a streamed OpenAI answer (``data: {...}`` lines), in order."""
-    async for line in response.content:
-        if line.startswith(b"data: {"):
-            yield json.loads(line[6:])
 
 
 async def _stream(session: aiohttp.ClientSession, url: str, model: str, prompt: str,
@@ -58,23 +51,14 @@ async def _stream(session: aiohttp.ClientSession, url: str, model: str, prompt: 
     return {"start": t0, "first": first, "end": last, "tokens": tokens}
 
 
-def _counter(url: str, name: str) -> float:
-    import urllib.request
-
-    with urllib.request.urlopen(url + "/metrics") as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return 0.0
-
-
 async def _round(url: str, model: str, n: int, max_tokens: int) -> dict:
-    drafts0 = [_counter(url, f"tandem_spec_{k}_tokens_total") for k in ("draft", "accepted")]
+    before = scrape(url)
     async with aiohttp.ClientSession() as s:
         t0 = time.monotonic()
         res = await asyncio.gather(*(_stream(s, url, model, PROMPTS[i], max_tokens, i)
                                      for i in range(n)))
         t1 = time.monotonic()
+    after = scrape(url)
     all_on = max(r["first"] for r in res)
     first_done = min(r["end"] for r in res)
     # tokens emitted while all n streams were active: assume a steady rate per stream
@@ -86,24 +70,8 @@ async def _round(url: str, model: str, n: int, max_tokens: int) -> dict:
             "all_active_tps": sum(rates) if window > 0 else None,
             "all_active_window_s": window,
             "mean_ttft_s": sum(r["first"] - r["start"] for r in res) / n,
-            "drafts_proposed": _counter(url, "tandem_spec_draft_tokens_total") - drafts0[0],
-            "drafts_accepted": _counter(url, "tandem_spec_accepted_tokens_total") - drafts0[1]}
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/ready", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise SystemExit("server not ready")
+            "drafts_proposed": delta(after, before, "tandem_spec_draft_tokens_total"),
+            "drafts_accepted": delta(after, before, "tandem_spec_accepted_tokens_total")}
 
 
 def main() -> int:
@@ -115,27 +83,11 @@ def main() -> int:
     p.add_argument("--speculation", choices=("off", "narrow", "wide"), default="off")
     p.add_argument("--proposer", choices=("suffix", "mtp"), default="suffix")
     args = p.parse_args()
-    url = f"http://127.0.0.1:{args.port}"
-    cmd = [sys.executable, "-m", "daemon.cli", "serve", "--config", args.config,
-           "--port", str(args.port), "--speculation", args.speculation,
-           "--proposer", args.proposer]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_ready(url, proc)
-        import urllib.request
-
-        with urllib.request.urlopen(url + "/v1/models") as r:
-            model = json.load(r)["data"][0]["id"]
+    with served(args.config, args.port, args.speculation, args.proposer) as (url, model):
         asyncio.run(_round(url, model, 1, 8))  # warm-up, excluded
         rounds = [asyncio.run(_round(url, model, n, args.max_tokens)) for n in (1, 2, 3, 4)]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    report = {"machine": f"{platform.node()} ({platform.processor() or platform.machine()}, "
-                         f"{__import__('os').cpu_count()} cores)",
-              "command": " ".join(["python", "scripts/bench_serving.py", *sys.argv[1:]]),
-              "config": args.config, "speculation": args.speculation, "proposer": args.proposer,
-              "rounds": rounds}
+    report = {"machine": machine(), "command": command_line(), "config": args.config,
+              "speculation": args.speculation, "proposer": args.proposer, "rounds": rounds}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     for r in rounds:

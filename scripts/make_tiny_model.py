@@ -1,6 +1,6 @@
 """Write a tiny random Qwen3-MoE / Qwen3-Next checkpoint (plus a small BPE tokenizer).
 
-    python scripts/make_tiny_model.py --arch qwen3_next --out models/tiny-next --seed 0
+    python -m scripts.make_tiny_model --arch qwen3_next --out models/tiny-next --seed 0
 
 Only NumPy, safetensors and tokenizers are used (no torch). See scripts/tiny_model.py.
 """

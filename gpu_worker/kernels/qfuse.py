@@ -3,8 +3,9 @@
 One pass over each row emits the normalized float activations (for GPU experts and the
 shared expert) and the int8 blocks of 32 with fp16 scales (for the CPU experts), quantized
 by the rule documented in ``cpu_experts/quant.py`` -- byte-identical to its NumPy reference.
-``quantize`` is the standalone form of the same quantizer. The module imports without CuPy;
-only calling a kernel needs it.
+``quantize`` is the standalone form of the same quantizer (tests compare the two). The module
+imports without CuPy; only calling a kernel needs it. :class:`FusedMoeNorm` is the norm the
+expert placement gives the model on CuPy float32 (gpu_worker/experts/placement.py).
 
 Exactness notes: the kernels are compiled with ``--fmad=false`` (no mul+add contraction),
 divisions are ``__fdiv_rn`` (IEEE), the scale's fp16 rounding is exact double arithmetic
@@ -17,7 +18,8 @@ same ``y`` (QFUSE off = this y, quantized by the standalone quantizer: identical
 
 from __future__ import annotations
 
-from cpu_experts.quant import BLOCK, NonFiniteActivation
+from cpu_experts.errors import NonFiniteActivation
+from cpu_experts.quant import BLOCK
 from gpu_worker.kernels import raw_module
 
 try:  # NOTE: CuPy is optional; CI and laptops run without it
@@ -163,3 +165,24 @@ def rmsnorm_qfuse(x, weight, eps: float, *, zero_centered: bool = False, quantiz
     if check and not shared:
         _raise_if_flagged(err)
     return y, q, d16.view(cp.float16)
+
+
+class FusedMoeNorm:
+    """The RMSNorm before a MoE block with the CPU experts' quantizer fused into it:
+    ``(x [R, H] float32, weight [H], eps, zero_centered) -> (y [R, H], (q [R, H] int8,
+    d16 [R, H/32] float16))``. Non-finite activations set a device flag instead of a host
+    sync per layer; :meth:`take_flag` reads (and clears) it once per step."""
+
+    def __init__(self) -> None:
+        self.err = cp.zeros(1, cp.int32)
+
+    def __call__(self, x, weight, eps: float, zero_centered: bool):
+        y, q, d16 = rmsnorm_qfuse(x, weight, eps, zero_centered=zero_centered, err=self.err)
+        return y, (q, d16)
+
+    def take_flag(self) -> bool:
+        """Whether inf/nan reached the quantizer since the last call (a host sync)."""
+        flagged = bool(int(self.err.get()[0]))
+        if flagged:
+            self.err[...] = 0
+        return flagged

@@ -10,9 +10,9 @@ the last accepted row.
 
 from __future__ import annotations
 
-from gpu_worker.model_config import ModelConfig
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.ops import Array, Ops
+from gpu_worker.model_config import ModelConfig
 from gpu_worker.states import RecurrentStates
 
 

@@ -6,13 +6,14 @@ import dataclasses
 
 import numpy as np
 
-from gpu_worker.model_config import ModelConfig
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model.attention import full_attention
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.gdn import gated_deltanet
 from gpu_worker.model.moe import dense_mlp, sparse_moe
 from gpu_worker.model.ops import Array, Ops
+from gpu_worker.model_config import ModelConfig
+from gpu_worker.routed_experts import RoutedExperts
 from gpu_worker.states import RecurrentStates
 
 
@@ -46,6 +47,7 @@ class _Layer:
     full: bool
     sparse: bool
     cache_index: int  # index among full-attention (KV) or linear-attention (state) layers
+    index: int  # the layer's number (the MTP layer: num_hidden_layers)
 
 
 class Model:
@@ -68,26 +70,24 @@ class Model:
         for i in range(config.num_hidden_layers):
             full = config.is_full_attention(i)
             self.layers.append(self._make_layer(w, f"model.layers.{i}.", full,
-                                                config.is_sparse(i), full_i if full else linear_i))
+                                                config.is_sparse(i), full_i if full else linear_i,
+                                                i))
             full_i, linear_i = full_i + full, linear_i + (not full)
-        # (x, w, eps, zero_centered) -> (normed, quantized or None) for the norm before each
-        # MoE block; set by ExpertPlacement to fuse the CPU experts' quantizer into it (QFUSE)
-        self.moe_norm = None
         self.mtp: dict[str, Array] | None = None
         self.mtp_layer: _Layer | None = None
         if config.num_mtp_layers and "mtp.fc.weight" in w:
             self.mtp = _sub(w, "mtp.")
             # its KV: the layer after the model's full-attention layers in the same cache
             self.mtp_layer = self._make_layer(w, "mtp.layers.0.", True, config.num_experts > 0,
-                                              full_i)
+                                              full_i, config.num_hidden_layers)
 
     @staticmethod
     def _make_layer(w: dict[str, Array], prefix: str, full: bool, sparse: bool,
-                    index: int) -> _Layer:
+                    cache_index: int, index: int) -> _Layer:
         p = _sub(w, prefix)
         return _Layer(p["input_layernorm.weight"], p["post_attention_layernorm.weight"],
                       _sub(p, "self_attn." if full else "linear_attn."), _sub(p, "mlp."),
-                      full, sparse, index)
+                      full, sparse, cache_index, index)
 
     # ---- caches ------------------------------------------------------------------------
     def new_caches(self, max_slots: int, max_tokens_per_slot: int, block_size: int = 16,
@@ -106,17 +106,16 @@ class Model:
 
     # ---- forward -----------------------------------------------------------------------
     def forward(self, batch: RaggedBatch, caches: Caches, logit_rows=None,
-                experts=None) -> ForwardOut:
+                experts: RoutedExperts | None = None) -> ForwardOut:
         """Run every row of ``batch``; logits only for ``logit_rows`` (default: each
-        segment's last row). ``experts(layer, x, ids, weights)`` overrides routed experts."""
+        segment's last row). ``experts``: the MoE layers' norm and routed experts (e.g. an
+        ExpertPlacement, gpu_worker/experts/placement.py); None: every expert here."""
         cfg, ops, xp = self.cfg, self.ops, self.xp
         x = self.embed[xp.asarray(batch.tokens)]  # [R, H]
         positions = xp.asarray(batch.positions)
         cos, sin = ops.rope_tables(positions, cfg.rotary_dim, cfg.rope_theta)  # [R, rot]
-        for i, layer in enumerate(self.layers):
-            fn = None if experts is None else (
-                lambda h, ids, wts, i=i, **kw: experts(i, h, ids, wts, **kw))
-            x = self._layer(layer, x, batch, cos, sin, caches.kv, caches.states, fn)
+        for layer in self.layers:
+            x = self._layer(layer, x, batch, cos, sin, caches.kv, caches.states, experts)
         hidden = ops.rms_norm(x, self.final_norm, cfg.rms_norm_eps,
                               zero_centered=cfg.zero_centered_norms)  # [R, H]
         rows = batch.last_rows() if logit_rows is None else np.asarray(logit_rows)
@@ -124,7 +123,8 @@ class Model:
         return ForwardOut(logits, hidden)
 
     def _layer(self, layer: _Layer, x: Array, batch: RaggedBatch, cos: Array, sin: Array,
-               kv: KVCache, states: RecurrentStates | None, experts) -> Array:
+               kv: KVCache, states: RecurrentStates | None,
+               experts: RoutedExperts | None) -> Array:
         cfg, ops = self.cfg, self.ops
         zc, eps = cfg.zero_centered_norms, cfg.rms_norm_eps
         h = ops.rms_norm(x, layer.input_norm, eps, zero_centered=zc)
@@ -133,13 +133,13 @@ class Model:
                                    layer.cache_index)
         else:
             x = x + gated_deltanet(ops, cfg, layer.attn, h, batch, states, layer.cache_index)
-        if layer.sparse and self.moe_norm is not None and experts is not None:
-            h, quant = self.moe_norm(x, layer.post_norm, eps, zc)  # [R, H], (q, scales)
-            return x + sparse_moe(ops, cfg, layer.mlp, h,
-                                  lambda h, ids, w: experts(h, ids, w, quant=quant))
+        if layer.sparse and experts is not None:
+            # [R, H], and (q [R, H] int8, d16 [R, H/32]) where the norm quantizes, else None
+            h, quant = experts.moe_norm(x, layer.post_norm, eps, zc)
+            return x + sparse_moe(ops, cfg, layer.mlp, h, experts, layer.index, quant)
         h = ops.rms_norm(x, layer.post_norm, eps, zero_centered=zc)
         if layer.sparse:
-            return x + sparse_moe(ops, cfg, layer.mlp, h, experts)
+            return x + sparse_moe(ops, cfg, layer.mlp, h)
         return x + dense_mlp(ops, layer.mlp, h)
 
     def mtp_forward(self, batch: RaggedBatch, hidden: Array, caches: Caches,

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from gpu_worker.model_config import ModelConfig
 from gpu_worker.model.ops import Array, Ops
+from gpu_worker.model_config import ModelConfig
+from gpu_worker.routed_experts import Quantized, RoutedExperts
 
 # CuPy: row counts up to this (the default prefill chunk) use the grouped expert kernels:
 # every (row, expert) pair on its own, an expert's weights read once per pair (from L2 when
@@ -68,16 +69,16 @@ def experts_loop(ops: Ops, gate: Array, up: Array, down: Array, x: Array,
 
 
 def sparse_moe(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
-               experts=None) -> Array:
-    """Qwen3 sparse MoE block; Qwen3-Next adds the sigmoid-gated shared expert.
-
-    ``experts(x, ids, weights)`` computes the routed part; the default runs all experts here.
-    """
-    ids, weights = route(ops, cfg, p["gate.weight"], x)
+               experts: RoutedExperts | None = None, layer: int = -1,
+               quant: Quantized | None = None) -> Array:
+    """Qwen3 sparse MoE block of layer ``layer``; Qwen3-Next adds the sigmoid-gated shared
+    expert. ``experts`` computes the routed part (``quant``: ``x`` quantized by its
+    ``moe_norm``); None runs all experts here."""
+    ids, weights = route(ops, cfg, p["gate.weight"], x)  # [R, k], [R, k]
     if experts is None:
         out = experts_local(ops, *expert_stacks(p), x, ids, weights)
     else:
-        out = experts(x, ids, weights)
+        out = experts(layer, x, ids, weights, quant)  # [R, H]
     if "shared_expert.gate_proj.weight" in p:
         shared = swiglu(ops, x, p["shared_expert.gate_proj.weight"],
                         p["shared_expert.up_proj.weight"], p["shared_expert.down_proj.weight"])

@@ -1,5 +1,6 @@
-"""The pinned-ring dispatch (gpu_worker/cpu_link.py): CuPy arrays in, CuPy array out, by DMA
-through the pool's registered ring. Bit-identical to the host path, also inside a model."""
+"""The launched path's pinned ring (gpu_worker/experts/pinned_ring.py): CuPy arrays in, CuPy
+array out, GPU kernels on the pool's registered ring. Bit-identical to the host path, also
+inside a model."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from cpu_experts.pool import CpuExpertError, CpuExpertPool
+from cpu_experts.errors import CpuExpertError
+from cpu_experts.pool import CpuExpertPool
 from cpu_experts.quant import quantize
 from gpu_worker.engine import Engine
 from protocol.messages import SamplingParams
@@ -19,10 +21,8 @@ cupy = pytest.importorskip("cupy")
 E, I, H = 6, 96, 256
 
 
-@pytest.mark.parametrize("kernel_in,kernel_out", [(True, False), (True, True), (False, False)],
-                         ids=["kernel-memcpy", "kernel-kernel", "memcpy-memcpy"])
-def test_pinned_ring_equals_host_dispatch(kernel_in, kernel_out):
-    from gpu_worker.cpu_link import PinnedRing
+def test_pinned_ring_equals_host_dispatch():
+    from gpu_worker.experts.pinned_ring import PinnedRing, device_can_map
 
     rng = np.random.default_rng(3)
     layers = {1: tuple((rng.standard_normal(s) * 0.08).astype(np.float32)
@@ -31,8 +31,18 @@ def test_pinned_ring_equals_host_dispatch(kernel_in, kernel_out):
     first = 4  # global expert ids 4..4+E-1 are the pool's 0..E-1
     mask = cupy.asarray(np.arange(first + E) >= first)
     with CpuExpertPool(layers, cores=[cores[:2], cores[2:]], max_rows=16) as pool:
-        link = PinnedRing(pool, cupy, kernel_in=kernel_in, kernel_out=kernel_out)
-        assert (link.kernel_in, link.kernel_out) == (kernel_in, kernel_out)  # x86 Linux
+        assert device_can_map(cupy)  # x86 Linux
+        link = PinnedRing(pool, cupy)
+
+        def run(ids_, w_, on_cpu=None, first_cpu=0, base=None):
+            """One layer through launch/gather/end_step: (output, ring ids, ring weights)."""
+            link.launch(1, cupy.asarray(q), cupy.asarray(d), cupy.asarray(ids_),
+                        cupy.asarray(w_), on_cpu, first_cpu)
+            out = link.gather(base=base)
+            link.end_step()
+            rids_, w_ring = pool.ring.pairs(*ids_.shape)
+            return out, rids_.copy(), w_ring.copy()
+
         try:
             for rows, k in ((1, 1), (5, 3), (16, 4), (3, 2)):
                 x = rng.standard_normal((rows, H)).astype(np.float32)
@@ -41,35 +51,25 @@ def test_pinned_ring_equals_host_dispatch(kernel_in, kernel_out):
                 base = rng.standard_normal((rows, H)).astype(np.float32)
                 q, d = quantize(x)
                 host = pool.dispatch_quantized(1, q, d, ids, w)
-                gids, rids = link.stage(cupy.asarray(q), cupy.asarray(d), cupy.asarray(ids),
-                                        cupy.asarray(w))
-                assert (gids == ids).all() and (rids == ids).all()
-                assert pool.ring.pairs(rows, k)[1].tobytes() == w.tobytes()
-                link.start(1, rows, k)
-                got = link.collect()
+                got, rids, w_ring = run(ids, w)
+                assert (rids == ids).all()
+                assert w_ring.tobytes() == w.tobytes()
                 assert isinstance(got, cupy.ndarray)
                 assert got.get().tobytes() == host.tobytes(), (rows, k)
                 # global ids through the layer's mask (0..3: GPU experts), onto a base
                 glob = np.where(ids >= 0, ids + first, rng.integers(0, first, ids.shape))
-                gids, rids = link.stage(cupy.asarray(q), cupy.asarray(d), cupy.asarray(glob),
-                                        cupy.asarray(w), mask, first)
-                assert (gids == glob).all() and (rids == ids).all()
-                link.start(1, rows, k)
-                got = link.collect(base=cupy.asarray(base))
+                got, rids, _ = run(glob, w, mask, first, cupy.asarray(base))
+                assert (rids == ids).all()
                 assert got.get().tobytes() == (base + host).tobytes()
             for bad, on_cpu in ((E, None), (first + E, mask), (-3, mask)):
-                link.stage(cupy.asarray(q), cupy.asarray(d), cupy.full((3, 2), bad),
-                           cupy.asarray(w), on_cpu, first)
-                link.start(1, 3, 2)
                 with pytest.raises(CpuExpertError, match="expert id"):
-                    link.collect()
+                    run(np.full((3, 2), bad), w[:3, :2], on_cpu, first)
             assert pool.dispatch_quantized(1, q, d, ids, w).tobytes() == host.tobytes()
         finally:
             link.close()
 
 
-@pytest.mark.parametrize("dispatch", ["sync", "launched"])
-def test_split_placement_pinned_equals_host_path(tmp_path, dispatch):
+def test_split_placement_pinned_equals_host_path(tmp_path):
     """GPU experts plus CPU experts on CuPy: the pinned path (GPU experts overlapping the CPU
     workers) and the host path (copies through NumPy) give the same logits, bit for bit."""
     path = make_tiny_model(tmp_path, "qwen3_next", seed=5, tokenizer=False,
@@ -79,13 +79,11 @@ def test_split_placement_pinned_equals_host_path(tmp_path, dispatch):
     for pinned in (True, False):
         engine = Engine.from_dir(path, backend="cupy", placement="split",
                                  cpu_experts_per_layer=3, cpu_workers=1, max_slots=1,
-                                 max_len=256, cpu_dispatch=dispatch)
+                                 max_len=256)
         try:
-            assert engine.placement.link is not None
-            assert engine.placement.launched == (dispatch == "launched")
+            assert engine.placement.launched
             if not pinned:
-                engine.placement.link.close()
-                engine.placement.link = None
+                engine.placement.use_host_path()
             tokens = engine.generate(prompt, params=SamplingParams(temperature=0),
                                      max_tokens=64)
             logits = engine.score(np.concatenate([prompt, tokens]))
@@ -98,6 +96,27 @@ def test_split_placement_pinned_equals_host_path(tmp_path, dispatch):
     assert runs[0][1].tobytes() == runs[1][1].tobytes()
 
 
+def test_launched_path_chunks_rows_above_the_ring(tmp_path):
+    """A prefill of more rows than the ring holds (pool.max_rows = 256) stays on the launched
+    path, in two loads per layer, and gives the host path's logits bit for bit."""
+    path = make_tiny_model(tmp_path, "qwen3_moe", seed=5, tokenizer=False,
+                           moe_intermediate=64, std=0.1)
+    prompt = np.arange(5, 305) * 7 % 500  # 300 rows in one prefill chunk
+    runs = []
+    for pinned in (True, False):
+        engine = Engine.from_dir(path, backend="cupy", placement="split",
+                                 cpu_experts_per_layer=3, cpu_workers=1, max_slots=1,
+                                 max_len=512)
+        try:
+            assert engine.placement.pool.max_rows < len(prompt)
+            if not pinned:
+                engine.placement.use_host_path()
+            runs.append(engine.score(prompt))
+        finally:
+            engine.close()
+    assert runs[0].tobytes() == runs[1].tobytes()
+
+
 def _pool_and_layers(rng, num_workers=2, **kw):
     layers = {L: tuple((rng.standard_normal(s) * 0.08).astype(np.float32)
                        for s in ((E, I, H), (E, I, H), (E, H, I))) for L in (1, 3)}
@@ -106,20 +125,19 @@ def _pool_and_layers(rng, num_workers=2, **kw):
     return CpuExpertPool(layers, cores=groups, max_rows=16, spin_us=200, **kw)
 
 
-@pytest.mark.parametrize("kernel_out", [False, True], ids=["wait-memcpy", "wait-kernel"])
-def test_launched_layers_equal_host_dispatch(kernel_out):
+def test_launched_layers_equal_host_dispatch():
     """launch()/gather() over many layers with no host wait between them (the workers rung
     by the GPU's store to SEQ_IN, waited for by a kernel): every layer's output is the host
     path's, bit for bit; a layer without CPU pairs returns its base untouched; the distinct
     expert counts are numpy's."""
-    from gpu_worker.cpu_link import PinnedRing
+    from gpu_worker.experts.pinned_ring import PinnedRing
 
     rng = np.random.default_rng(11)
     first = 4
     mask_h = np.arange(first + E) >= first
     mask = cupy.asarray(mask_h)
     with _pool_and_layers(rng) as pool:
-        link = PinnedRing(pool, cupy, kernel_in=True, kernel_out=kernel_out)
+        link = PinnedRing(pool, cupy)
         try:
             for session in range(2):
                 cases, want_gpu, want_cpu = [], 0, 0
@@ -168,12 +186,12 @@ def test_launch_errors_surface_at_end_step():
     import signal
     import time
 
-    from cpu_experts.pool import CpuWorkerDied
-    from gpu_worker.cpu_link import PinnedRing
+    from cpu_experts.errors import CpuWorkerDied
+    from gpu_worker.experts.pinned_ring import PinnedRing
 
     rng = np.random.default_rng(12)
     with _pool_and_layers(rng) as pool:
-        link = PinnedRing(pool, cupy, kernel_in=True, timeout_s=0.5)
+        link = PinnedRing(pool, cupy, timeout_s=0.5)
         try:
             x = rng.standard_normal((3, H)).astype(np.float32)
             q, d = quantize(x)

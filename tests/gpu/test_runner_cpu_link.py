@@ -1,5 +1,5 @@
 """The serving path on CuPy with CPU experts: the scheduler drives the real Runner, whose every
-forward ends in ExpertPlacement.step (the launched CPU-expert path: the GPU rings the workers
+forward ends in ExpertPlacement.run_step (the launched CPU-expert path: the GPU rings the workers
 and waits for them). Three concurrent requests give the tokens of the host path."""
 
 from __future__ import annotations
@@ -21,16 +21,14 @@ pytest.importorskip("cupy")
 
 def _serve(path, prompts, launched: bool) -> tuple[list[list[int]], list[dict]]:
     engine = Engine.from_dir(path, backend="cupy", placement="split", cpu_experts_per_layer=3,
-                             cpu_workers=1, max_slots=3, max_len=128, cpu_dispatch="launched")
+                             cpu_workers=1, max_slots=3, max_len=128)
     try:
         placement = engine.placement
-        assert placement.link is not None and placement.launched
+        assert placement.launched
         if not launched:
-            placement.link.close()
-            placement.link = None
+            placement.use_host_path()
         runner = Runner(engine.model, max_slots=3, max_context=128, block_size=4,
-                        extra_blocks=32, experts=placement.experts,
-                        expert_stats=placement.take_stats, expert_step=placement.step)
+                        extra_blocks=32, experts=placement)
         sched = Scheduler(max_slots=3, max_context=128, max_queue=4, prefill_chunk=16,
                           block_size=4, checkpoint_interval=8, prefix_blocks=32)
         worker = InProcessWorker(runner)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from cpu_experts import reference, rings, shard
-from cpu_experts.pool import CpuExpertError, CpuExpertPool, CpuWorkerDied
+from cpu_experts.errors import CpuExpertError, CpuWorkerDied
+from cpu_experts.pool import CpuExpertPool
 from cpu_experts.quant import NonFiniteActivation, quantize, quantize_ref
 
 E, I, H = 5, 96, 128
@@ -92,13 +93,6 @@ def test_bad_inputs_raise_and_pool_keeps_serving(pool) -> None:
     with pytest.raises(ValueError, match="rows"):
         pool.dispatch(2, x[:, :64], ids, w)
     assert pool.dispatch(2, x, ids, w).tobytes() == expected(pool, 2, x, ids, w).tobytes()
-
-
-def test_qfuse_off_matches_on(layers) -> None:
-    x, ids, w = routing(6, 5)
-    with CpuExpertPool(layers, num_workers=1, cores=core_groups(1), qfuse=False) as p:
-        off = p.dispatch(5, x, ids, w)
-        assert off.tobytes() == expected(p, 5, x, ids, w).tobytes()
 
 
 def test_worker_death_is_detected_and_close_cleans_up(layers) -> None:
@@ -204,7 +198,7 @@ def test_split_dispatch_through_ring_views(pool) -> None:
 
 
 def _ring_like_a_gpu(pool: CpuExpertPool, layer: int, x, ids, w) -> int:
-    """What cpu_link's kernels do: write the inputs and header into the ring, then store a
+    """What the pinned ring's kernels do: write the inputs and header into the ring, then store a
     new SEQ_IN for every worker, with no eventfd. Returns the sequence number."""
     ring = pool.ring
     rows, k = ids.shape

@@ -314,7 +314,7 @@ def test_speculation_over_http_equals_generate_alone(model, tmp_path, proposer):
 def test_reasoning_block_of_the_embedded_model(tmp_path, split):
     """The embedded model opens every chat answer with an empty <think></think> block: it is
     not part of `content` (streamed or not) unless `[server] split_reasoning = false`."""
-    from daemon.cli import DEFAULT_MODEL
+    from daemon.config import DEFAULT_MODEL
 
     srv = Server(tmp_path, DEFAULT_MODEL, server={"split_reasoning": split}).start()
     try:

@@ -9,6 +9,8 @@ import aiohttp
 import pytest
 
 from protocol.client import TandemClient
+from protocol.errors import BadRequestError
+from protocol.messages import penalty_error
 from scripts.tiny_model import make_tiny_model
 from tests.integration.server import Server, generate_alone
 
@@ -105,3 +107,49 @@ def test_zmq_cancel_frees_the_slot(server):
     while server.get("/v1/slots")[1]["slots"][0]["request_id"] is not None:
         assert time.monotonic() < deadline
         time.sleep(0.02)
+
+
+def _http_error(server, body: dict) -> tuple[int, str]:
+    async def go():
+        async with aiohttp.ClientSession(headers=AUTH) as s:
+            async with s.post(server.url + "/v1/completions", json=body) as r:
+                return r.status, (await r.json())["error"]["message"]
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("ask", [
+    {"presence_penalty": 0.5},  # penalties: refused alike on both APIs
+    {"prompt_ids": [10 ** 6]},  # past the vocabulary the worker reported: never reaches it
+])
+def test_zmq_refuses_like_http_and_keeps_serving(server, ask):
+    http_body = _body("hi", 2, **ask)
+    if "prompt_ids" in ask:
+        http_body["prompt"] = http_body.pop("prompt_ids")
+    status, http_message = _http_error(server, http_body)
+    assert status == 400
+    with TandemClient(server.zmq_address, timeout=30) as client:
+        prompt = None if "prompt_ids" in ask else "hi"
+        with pytest.raises(BadRequestError) as err:
+            client.generate(prompt, max_tokens=2, temperature=0, **ask)
+        assert err.value.message == http_message
+        if "presence_penalty" in ask:
+            assert http_message == penalty_error("presence_penalty")
+        else:
+            assert "out of range" in http_message
+        assert client.generate("hi", max_tokens=2, temperature=0).finish_reason in (
+            "length", "stop")
+
+
+def test_health_shows_the_worker_heartbeat(server):
+    deadline = time.monotonic() + 10
+    while True:
+        status, body = server.get("/health")
+        worker = body["worker"]
+        if worker["heartbeats"] >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert status == 200 and worker["ready"] and worker["pid"] == server.child_pid(
+        "gpu_worker.server")
+    assert worker["heartbeats"] >= 2  # one a second while idle (WorkerConfig.heartbeat_s)
+    assert 0 <= worker["last_heard_s"] < 3

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from daemon.cli import DEFAULT_MODEL
+from daemon.config import DEFAULT_MODEL
 from gpu_worker.engine import Engine
 from gpu_worker.model.batch import RaggedBatch
 

@@ -4,13 +4,10 @@ the benchmark's agents see back must be right, or the workload measures nothing.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-bench = pytest.importorskip("bench_concurrency")
+bench = pytest.importorskip("scripts.bench_concurrency")
 
 
 def _call(tmp_path, name: str, **args) -> str:

@@ -9,13 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.scripts_loader import load_script
+from scripts import build_corpus, corpus_chat, corpus_functions, corpus_sources
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "models" / "tandem-tiny"
 
-
-bc = load_script("build_corpus")
 
 
 def _jinja_render(messages: list[dict], tools: list[dict] | None = None, **kw) -> str:
@@ -54,12 +52,12 @@ TOOL_CHAT = [
 
 @pytest.mark.parametrize("messages", CHATS)
 def test_render_chat_matches_template(messages: list[dict]) -> None:
-    assert bc.render_chat(messages) == _jinja_render(messages)
+    assert corpus_chat.render_chat(messages) == _jinja_render(messages)
 
 
 def test_render_tool_chat_matches_template() -> None:
-    got = bc.render_chat(TOOL_CHAT, bc.TOOLS)
-    assert got == _jinja_render(TOOL_CHAT, bc.TOOLS)
+    got = corpus_chat.render_chat(TOOL_CHAT, corpus_chat.TOOLS)
+    assert got == _jinja_render(TOOL_CHAT, corpus_chat.TOOLS)
     assert '<tool_call>\n{"name": "read_file", "arguments": {"path": "Lib/x.py"}}\n</tool_call>' \
         in got
     assert "<|im_start|>user\n<tool_response>\nOK\n</tool_response>\n<tool_response>" in got
@@ -73,22 +71,22 @@ def test_generation_prompt_is_qwen3() -> None:
 
 
 def test_split_key_groups_tests_with_their_module() -> None:
-    assert bc.split_key("json.decoder") == "json"
-    assert bc.split_key("test.test_json.test_fail") == "json"
-    assert bc.split_key("_pydecimal") == "pydecimal"
-    assert bc.is_heldout("distutils") == bc.is_heldout("distutils")
+    assert corpus_sources.split_key("json.decoder") == "json"
+    assert corpus_sources.split_key("test.test_json.test_fail") == "json"
+    assert corpus_sources.split_key("_pydecimal") == "pydecimal"
+    assert corpus_sources.is_heldout("distutils") == corpus_sources.is_heldout("distutils")
 
 
 def test_third_person() -> None:
-    assert bc.third_person("Return the sum.") == "returns the sum"
-    assert bc.third_person("Copy data") == "copies data"
-    assert bc.third_person("Push it") == "pushes it"
-    assert bc.third_person("The thing.") is None
+    assert corpus_chat.third_person("Return the sum.") == "returns the sum"
+    assert corpus_chat.third_person("Copy data") == "copies data"
+    assert corpus_chat.third_person("Push it") == "pushes it"
+    assert corpus_chat.third_person("The thing.") is None
 
 
 def test_extract_functions_strips_docstring() -> None:
     src = 'def f(a,\n      b):\n    """Add a and b."""\n    total = a + b\n    return total\n'
-    mod_doc, funcs, classes = bc.extract_functions(src)
+    mod_doc, funcs, classes = corpus_functions.extract_functions(src)
     assert mod_doc is None and not classes
     assert len(funcs) == 1
     assert funcs[0].signature == "def f(a,\n      b):"
@@ -111,8 +109,8 @@ def test_build_is_deterministic_and_deduplicated(tmp_path: Path) -> None:
     lib = tmp_path / "lib"
     lib.mkdir()
     _fake_stdlib(lib)
-    m1 = bc.build(tmp_path / "a", lib)
-    m2 = bc.build(tmp_path / "b", lib)
+    m1 = build_corpus.build(tmp_path / "a", lib)
+    m2 = build_corpus.build(tmp_path / "b", lib)
     assert m1["sha256"] == m2["sha256"]
     docs = [json.loads(line) for s in ("train", "heldout")
             for line in (tmp_path / "a" / f"{s}.jsonl").read_text().splitlines()]
@@ -122,7 +120,7 @@ def test_build_is_deterministic_and_deduplicated(tmp_path: Path) -> None:
     kinds = {d["kind"] for d in docs}
     assert kinds >= {"code", "prose", "chat"}
     for d in docs:  # every document lands in the split its key says
-        split = "heldout" if bc.is_heldout(d["key"]) else "train"
+        split = "heldout" if corpus_sources.is_heldout(d["key"]) else "train"
         assert d in [json.loads(x) for x in
                      (tmp_path / "a" / f"{split}.jsonl").read_text().splitlines()]
 
@@ -141,7 +139,7 @@ def test_wheels_and_function_documents_go_to_train_only(tmp_path: Path) -> None:
     lib = tmp_path / "lib"
     lib.mkdir()
     _fake_stdlib(lib)
-    assert bc.is_heldout("logging") and not bc.is_heldout("alpha")
+    assert corpus_sources.is_heldout("logging") and not corpus_sources.is_heldout("alpha")
     heldout_src = "".join(f"def handler_{i}(record):\n    return format_record_with_level(record, "
                           f"level={i})\n\n" for i in range(20))
     (lib / "logging.py").write_text(heldout_src)
@@ -150,8 +148,8 @@ def test_wheels_and_function_documents_go_to_train_only(tmp_path: Path) -> None:
     _fake_wheel(lib, {"fake/__init__.py": fresh,
                       "fake/_vendor/logcopy.py": heldout_src,  # copies held-out code: skipped
                       "fake/table.py": "T = [" + "0x1f, 0x2e, 0x3d, " * 200 + "]\n"})
-    m0 = bc.build(tmp_path / "stdlib_only", lib, wheels=False, functions=False)
-    m1 = bc.build(tmp_path / "full", lib)
+    m0 = build_corpus.build(tmp_path / "stdlib_only", lib, wheels=False, functions=False)
+    m1 = build_corpus.build(tmp_path / "full", lib)
     # the held-out split and the held-out functions do not change; the train split only grows
     for name in ("heldout.jsonl", "heldout_functions.jsonl"):
         assert m0["sha256"][name] == m1["sha256"][name]
@@ -159,7 +157,7 @@ def test_wheels_and_function_documents_go_to_train_only(tmp_path: Path) -> None:
     assert (tmp_path / "full" / "train.jsonl").read_bytes().startswith(before)
     assert m1["wheel_files_skipped"] == {"data": 1, "heldout_overlap": 1}
     docs = [json.loads(x) for x in (tmp_path / "full" / "train.jsonl").read_text().splitlines()]
-    wheel = [d for d in docs if d["key"].startswith(bc.WHEEL_KEY_PREFIX)]
+    wheel = [d for d in docs if d["key"].startswith(corpus_sources.WHEEL_KEY_PREFIX)]
     assert {d["key"] for d in wheel} == {"wheel:fake:fake"}
     assert any(d["kind"] == "code" and d["text"] == fresh for d in wheel)
     # a function document is the compile-rate prompt followed by the body
@@ -225,7 +223,7 @@ def test_heldout_function_selection() -> None:
     funcs = [json.loads(x) for x in lines]
     assert len(funcs) == 100
     for f in funcs:
-        assert bc.is_heldout(bc.split_key(f["module"]))
+        assert corpus_sources.is_heldout(corpus_sources.split_key(f["module"]))
         compile(f["prompt"], f["name"], "exec")  # signature + docstring alone is valid
         assert f["source"].lstrip().startswith(("def ", "async def ", "@"))
 

@@ -1,5 +1,5 @@
 """daemon.config: TOML -> validated frozen dataclasses, errors naming the key; the shipped
-configs; `tandem check-config` and `serve` argument handling (daemon.commands)."""
+configs; `tandem check-config` and `serve` argument handling (daemon.cli, daemon.commands)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon import commands
-from daemon.cli import DEFAULT_MODEL, REPO_ROOT
-from daemon.config import Config, ConfigError, ServerSection, load_config
+from daemon import cli, commands
+from daemon.config import DEFAULT_MODEL, REPO_ROOT, Config, ConfigError, ServerSection, load_config
 from scripts.tiny_model import DEFAULT_SIZES, build_config
 
 CONFIGS = REPO_ROOT / "configs"
@@ -111,7 +110,6 @@ def test_qwen3_next_example_names_its_missing_model(tmp_path):
      "placement = 'split'"),
     ("[experts]\nplacement = \"disk\"\n", "experts.placement: must be one of"),
     ("[experts]\ncpu_isa = \"sse9\"\n", "experts.cpu_isa: must be one of"),
-    ("[experts]\ncpu_dispatch = \"async\"\n", "experts.cpu_dispatch: must be one of"),
     ("[experts]\ncpu_workers = 2\ncpu_cores = [[0, 1]]\n", "experts.cpu_cores: must have one "
      "list per worker (2)"),
     ("[experts]\ncpu_cores = [[0, 1], [1, 2]]\n", "experts.cpu_cores: a core must belong to one "
@@ -216,9 +214,7 @@ def test_sections_are_frozen_and_validate_directly():
 
 # ---- commands -----------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem")
-    commands.register(parser.add_subparsers(dest="command", required=True))
-    return parser
+    return cli.build_parser()
 
 
 def test_check_config_ok_prints_a_summary(tmp_path, capsys):
@@ -297,8 +293,7 @@ def test_unit_file_command_line_parses():
 
 def test_check_config_as_a_process(tmp_path):
     file = _write(tmp_path, "[experts]\nplacement = \"split\"\n")
-    code = ("import sys, argparse; from daemon import commands; p = argparse.ArgumentParser(); "
-            "commands.register(p.add_subparsers(dest='c')); a = p.parse_args(sys.argv[1:]); "
+    code = ("import sys; from daemon import cli; a = cli.build_parser().parse_args(sys.argv[1:]); "
             "sys.exit(a.func(a))")
     proc = subprocess.run([sys.executable, "-c", code, "check-config", str(file)],
                           capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)

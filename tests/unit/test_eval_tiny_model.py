@@ -1,5 +1,6 @@
-"""scripts/eval_tiny_model.py: window offsets, stopping rules, and its measurements on the
-shipped tandem-tiny against transformers' reference logits."""
+"""scripts/eval_tiny_model.py (eval_heldout, eval_compile, compile_rule): window offsets,
+stopping rules, and its measurements on the shipped tandem-tiny against transformers'
+reference logits."""
 
 from __future__ import annotations
 
@@ -8,13 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.scripts_loader import load_script
+from scripts import compile_rule as rule
+from scripts import eval_compile, eval_heldout
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models" / "tandem-tiny"
 
-
-ev = load_script("eval_tiny_model")
 
 
 @pytest.mark.parametrize(("n_tokens", "windows", "head", "tail", "total"), [
@@ -26,44 +26,44 @@ ev = load_script("eval_tiny_model")
 ])
 def test_offsets_match_torch_linspace(n_tokens: int, windows: int, head: list[int],
                                       tail: list[int], total: int) -> None:
-    offs = ev.eval_offsets(n_tokens, 512, windows)
+    offs = eval_heldout.eval_offsets(n_tokens, 512, windows)
     assert offs[:3].tolist() == head and offs[-3:].tolist() == tail
     assert int(offs.sum()) == total
 
 
 def test_offsets_fused_multiply_add_cases() -> None:
     # plain float32 (no FMA) gets these two one lower than torch does
-    assert ev.eval_offsets(680727, 512, 100)[62] == 425991
-    assert ev.eval_offsets(723629, 512, 32)[24] == 559830
+    assert eval_heldout.eval_offsets(680727, 512, 100)[62] == 425991
+    assert eval_heldout.eval_offsets(723629, 512, 32)[24] == 559830
 
 
 def test_offsets_short_stream() -> None:
-    assert ev.eval_offsets(1000, 512, 128).tolist() == [0]
+    assert eval_heldout.eval_offsets(1000, 512, 128).tolist() == [0]
 
 
 def test_body_rules() -> None:
     # the body ends at the first non-blank line at column 0, not at the second line's indent
-    assert not ev.body_ended("    x = 1\n   ")
-    assert not ev.body_ended("    if x:\n        y = 1\n\n    return y\n")
-    assert ev.body_ended("    x = 1\n\ndef")
-    assert ev.body_of("    x = 1\n\ndef f():\n    pass") == "    x = 1\n"
-    assert ev.extract_body("    x = 1\n\ndef f():\n    pass", "dedent") == "    x = 1\n"
-    assert ev.extract_body("    x = 1\n    return x", "eos") == "    x = 1\n    return x"
+    assert not rule.body_ended("    x = 1\n   ")
+    assert not rule.body_ended("    if x:\n        y = 1\n\n    return y\n")
+    assert rule.body_ended("    x = 1\n\ndef")
+    assert rule.body_of("    x = 1\n\ndef f():\n    pass") == "    x = 1\n"
+    assert rule.extract_body("    x = 1\n\ndef f():\n    pass", "dedent") == "    x = 1\n"
+    assert rule.extract_body("    x = 1\n    return x", "eos") == "    x = 1\n    return x"
     # cut by the token limit: the trailing partial line goes, complete lines stay
-    assert ev.extract_body("    x = 1\n    return (x", "limit") == "    x = 1\n"
-    assert ev.extract_body("    x = 1\n    y = 2\n", "limit") == "    x = 1\n    y = 2\n"
-    assert ev.extract_body("    return (x", "limit") == ""
+    assert rule.extract_body("    x = 1\n    return (x", "limit") == "    x = 1\n"
+    assert rule.extract_body("    x = 1\n    y = 2\n", "limit") == "    x = 1\n    y = 2\n"
+    assert rule.extract_body("    return (x", "limit") == ""
     # the old rule fired at the indentation of the second line
-    assert ev.first_line_rule("    x = 1\n   ")
-    assert not ev.first_line_rule("    x = 1\n")
+    assert eval_compile.first_line_rule("    x = 1\n   ")
+    assert not eval_compile.first_line_rule("    x = 1\n")
 
 
 def test_compiles() -> None:
-    assert ev.compiles("def f():\n", "    return 1")
-    assert ev.compiles("def f(x):\n", "    if x:\n        return 1\n    return 2\n")
-    assert not ev.compiles("def f(x):\n", "    if x:\n")  # a block header cut off
-    assert not ev.compiles("def f():\n", "    return (1")
-    assert not ev.compiles("def f():\n", "  \n")
+    assert rule.compiles("def f():\n", "    return 1")
+    assert rule.compiles("def f(x):\n", "    if x:\n        return 1\n    return 2\n")
+    assert not rule.compiles("def f(x):\n", "    if x:\n")  # a block header cut off
+    assert not rule.compiles("def f():\n", "    return (1")
+    assert not rule.compiles("def f():\n", "  \n")
 
 
 class _FakeTok:
@@ -105,8 +105,8 @@ EOS = 12
 
 def _run(script: list[int], max_new: int = 160) -> tuple[list[int], str, str]:
     tok, eng = _FakeTok(PIECES), _FakeEngine(script, 13)
-    out, stop, _ = ev.greedy_completion(eng, tok, [1, 2], max_new, (EOS,))  # type: ignore[arg-type]
-    return out, stop, ev.extract_body(tok.decode(out, skip_special_tokens=True), stop)
+    out, stop, _ = eval_compile.greedy_completion(eng, tok, [1, 2], max_new, (EOS,))  # type: ignore[arg-type]
+    return out, stop, rule.extract_body(tok.decode(out, skip_special_tokens=True), stop)
 
 
 def test_greedy_completion_stops_at_dedent() -> None:
@@ -116,7 +116,7 @@ def test_greedy_completion_stops_at_dedent() -> None:
     out, stop, body = _run(script)
     assert stop == "dedent" and out == script[:11]
     assert body == "    if x:\n        return 1\n    return 2\n"
-    assert ev.compiles("def f(x):\n", body)
+    assert rule.compiles("def f(x):\n", body)
 
 
 def test_greedy_completion_stops_at_eos() -> None:
@@ -124,7 +124,7 @@ def test_greedy_completion_stops_at_eos() -> None:
     out, stop, body = _run(script)
     assert stop == "eos" and out == script[:6]  # EOS excluded
     assert body == "    if x:\n        return 1"
-    assert ev.compiles("def f(x):\n", body)
+    assert rule.compiles("def f(x):\n", body)
 
 
 def test_greedy_completion_cut_by_limit() -> None:
@@ -133,7 +133,7 @@ def test_greedy_completion_cut_by_limit() -> None:
     assert stop == "limit" and out == script[:9]
     # "    x = [" is the partial last line: dropped
     assert body == "    if x:\n        return 1\n"
-    assert ev.compiles("def f(x):\n", body)
+    assert rule.compiles("def f(x):\n", body)
     # a column-0 line exactly at the limit ends the body (not cut)
     out, stop, body = _run([0, 5, 3, 7, 0], max_new=4)
     assert stop == "dedent" and body == "    return 1"
@@ -154,7 +154,7 @@ def test_window_matches_transformers_reference(engine) -> None:  # noqa: ANN001
     ref = np.load(MODEL / "reference_logits.npz")
     for b in range(ref["input_ids"].shape[0]):
         ids = ref["input_ids"][b].astype(np.int64)  # 48 tokens: a window of seq 47
-        r = ev.eval_window(engine, ids, True)
+        r = eval_heldout.eval_window(engine, ids, True)
         main = ref["top32_idx"][b, :, 0]  # transformers' argmax at t, predicts t+1
         mtp = ref["mtp_top32_idx"][b, :, 0]  # MTP argmax at t, predicts t+2
         assert r["n"] == 47 and r["mtp_n"] == 46
@@ -174,10 +174,10 @@ def test_greedy_completion_matches_engine_generate(engine) -> None:  # noqa: ANN
     tok = Tokenizer.from_dir(MODEL)
     eos = tuple(tok.eos_token_ids)
     prompt = tok.encode('def add(a, b):\n    """Return the sum of a and b."""\n')
-    out, stop, old_stop = ev.greedy_completion(engine, tok, prompt, 24, eos)
+    out, stop, old_stop = eval_compile.greedy_completion(engine, tok, prompt, 24, eos)
     ref = engine.generate(prompt, params=SamplingParams(temperature=0), max_tokens=24,
                           eos_ids=eos)
     assert out == ref[: len(out)]
     assert stop in ("dedent", "eos", "limit")
-    assert (stop == "limit") == (len(out) == 24 and not ev.body_ended(tok.decode(out)))
+    assert (stop == "limit") == (len(out) == 24 and not rule.body_ended(tok.decode(out)))
     assert old_stop is None or 1 <= old_stop <= len(out)

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 from cpu_experts import shard
-from daemon.cli import DEFAULT_MODEL
 from daemon.cli import main as tandem
-from daemon.config import ConfigError, load_config
+from daemon.config import DEFAULT_MODEL, ConfigError, load_config
 from gpu_worker.engine import Engine
 from gpu_worker.expert_stats import (
     count_routing,

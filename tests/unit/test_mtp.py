@@ -153,13 +153,12 @@ def test_the_heads_kv_travels_with_shared_prefix_blocks_and_swaps(tmp_path):
     assert kv.tables[1][0] == kv.tables[0][0] and kv.tables[1][1] != kv.tables[0][1]
     np.testing.assert_array_equal(kv.read(mtp, 0, 11)[0], k0)  # slot 0 unchanged by slot 1
 
-    from gpu_worker.runner import Runner
+    from gpu_worker.cache_ops import CacheOps
 
-    runner = Runner(model, max_slots=3, max_context=64, block_size=4)
-    runner.caches = caches
-    runner.lengths[0] = 11
-    entry = runner._swap_out(0)
+    ops = CacheOps(caches, max_slots=3)
+    ops.lengths[0] = 11
+    entry = ops.swap_out(0)
     assert 0 not in kv.tables
-    runner._swap_in(2, entry)
+    ops.swap_in(2, entry)
     np.testing.assert_array_equal(kv.read(mtp, 2, 11)[0], k0)
     np.testing.assert_array_equal(kv.read(mtp, 2, 11)[1], v0)

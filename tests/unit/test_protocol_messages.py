@@ -11,21 +11,20 @@ from protocol.errors import (
     error_from_reply,
 )
 from protocol.messages import (
-    CAP_PROMPT_PHASE_METADATA,
-    CAPABILITIES,
     CLIENT_TO_DAEMON,
     DAEMON_TO_CLIENT,
     DAEMON_TO_WORKER,
     MESSAGE_TYPES,
-    PROTOCOL_VERSION,
     WORKER_TO_DAEMON,
     CacheOp,
     CacheOpKind,
     ErrorCode,
     ErrorReply,
-    ModelInfo,
+    KvLayout,
     MsgKind,
-    ReadyMsg,
+    Phase,
+    PromptPhase,
+    SamplingDefaults,
     SamplingParams,
     SlotResult,
     SlotWork,
@@ -100,10 +99,10 @@ def test_slot_work_checks_rows_and_drafts():
 
 
 def test_cache_ops_need_their_arguments():
-    CacheOp(op=CacheOpKind.SHARE_PREFIX, slot=1, num_tokens=64, src_slot=0)
+    CacheOp(op=CacheOpKind.SHARE_PREFIX, slot=1, num_tokens=64, entry_id=2)
     CacheOp(op=CacheOpKind.DROP_CHECKPOINT, entry_id=3)
     for bad in [dict(op=CacheOpKind.SHARE_PREFIX, slot=1, num_tokens=64),
-                dict(op=CacheOpKind.SHARE_PREFIX, slot=1, num_tokens=64, src_slot=0, entry_id=2),
+                dict(op=CacheOpKind.SHARE_PREFIX, slot=1, num_tokens=0, entry_id=2),
                 dict(op=CacheOpKind.CHECKPOINT, slot=1),
                 dict(op=CacheOpKind.FREE),
                 dict(op=CacheOpKind.DROP_CHECKPOINT, slot=1, entry_id=3),
@@ -113,11 +112,10 @@ def test_cache_ops_need_their_arguments():
 
 
 def test_slot_result_checks_acceptance_count():
+    prompt = PromptPhase(phase=Phase.DECODE, prompt_tokens_this_step=0, prompt_len=4,
+                         cached_len=0)
     with pytest.raises(ValueError):
-        SlotResult(slot=0, request_id="r", token_ids=[1], num_accepted=1, prompt=None)
-    with pytest.raises(ValueError):
-        SlotResult(slot=0, request_id="r", token_ids=[1, 2], num_accepted=1, prompt=None,
-                   logprobs=[0.0])
+        SlotResult(slot=0, request_id="r", token_ids=[1], num_accepted=1, prompt=prompt)
 
 
 def test_token_array_refuses_out_of_range_ids():
@@ -136,10 +134,15 @@ def test_error_replies_map_to_typed_exceptions():
                       WorkerDiedError)
 
 
-def test_ready_reports_capabilities():
-    ready = ReadyMsg(protocol_version=PROTOCOL_VERSION, capabilities=list(CAPABILITIES), pid=1,
-                     model=ModelInfo(name="tiny", vocab_size=8, max_slots=1,
-                                     kv_capacity_tokens=64, max_seq_len=64))
-    assert ready.supports(CAP_PROMPT_PHASE_METADATA)
-    old = ReadyMsg(protocol_version=PROTOCOL_VERSION, capabilities=[], pid=1, model=ready.model)
-    assert not old.supports(CAP_PROMPT_PHASE_METADATA)
+def test_ready_reports_the_kv_pool_and_sampling_defaults():
+    kv = KvLayout(block_size=16, block_bytes=1024, num_blocks=10, prefix_blocks=4,
+                  dtype="float32")
+    assert kv.capacity_tokens == 160
+    with pytest.raises(ValueError):
+        KvLayout(block_size=16, block_bytes=1024, num_blocks=10, prefix_blocks=11,
+                 dtype="float32")
+    assert SamplingDefaults(temperature=0.7, top_k=20).as_dict() == {"temperature": 0.7,
+                                                                      "top_k": 20}
+    for bad in ({"temperature": "hot"}, {"top_k": 2.5}, {"top_p": True}):
+        with pytest.raises(ValueError):
+            SamplingDefaults(**bad)

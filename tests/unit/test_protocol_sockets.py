@@ -68,7 +68,7 @@ def test_worker_link_round_trip_over_ipc(run_dir):
         assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
         # The worker can speak first (READY) without waiting for the daemon.
         worker.send(Heartbeat(seq=1, time_ns=5), timeout=2)
-        assert daemon.recv(timeout=2) == Heartbeat(seq=1, time_ns=5, busy_step_id=None)
+        assert daemon.recv(timeout=2) == Heartbeat(seq=1, time_ns=5)
         daemon.send(prefill(100_000), timeout=2)
         plan = worker.recv(timeout=2)
         assert isinstance(plan, StepPlan)
@@ -139,7 +139,7 @@ async def test_async_roles_round_trip(run_dir):
     with AsyncDaemonToWorker.in_run_dir(run_dir) as daemon, \
             AsyncWorkerToDaemon.in_run_dir(run_dir) as worker:
         await worker.send(Heartbeat(seq=2, time_ns=3), timeout=2)
-        assert await daemon.recv(timeout=2) == Heartbeat(seq=2, time_ns=3, busy_step_id=None)
+        assert await daemon.recv(timeout=2) == Heartbeat(seq=2, time_ns=3)
         await daemon.send(prefill(5000), timeout=2)
         plan = await worker.recv(timeout=2)
         assert plan.slots[0].input_ids.tolist() == list(range(5000))

@@ -179,7 +179,7 @@ def test_mtp_drafts_give_the_tokens_of_plain_decoding(model, temperature):
 def test_mtp_drafts_of_the_embedded_model_are_often_right():
     """The shipped model's MTP head (trained; 70 % agreement on code) through the scheduler:
     plain tokens, and a good share of its drafts accepted."""
-    from daemon.cli import DEFAULT_MODEL
+    from daemon.config import DEFAULT_MODEL
     from daemon.tokenizer import Tokenizer
 
     engine = Engine.from_dir(DEFAULT_MODEL, dtype="float64", max_slots=SLOTS, max_len=CONTEXT)

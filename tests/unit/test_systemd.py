@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from daemon import systemd
-from daemon.cli import REPO_ROOT
+from daemon.config import REPO_ROOT
 
 
 @pytest.fixture

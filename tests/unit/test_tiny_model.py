@@ -153,7 +153,7 @@ def test_rejects_bad_options(tmp_path):
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "scripts/make_tiny_model.py"), *args],
+    return subprocess.run([sys.executable, "-m", "scripts.make_tiny_model", *args],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
 
 

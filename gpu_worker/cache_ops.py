@@ -1,0 +1,135 @@
+"""The interpreter of a StepPlan's cache commands (protocol ``CacheOp``) over the caches of
+every slot: KV blocks (gpu_worker/kv_cache.py) and GDN recurrent states (states.py).
+
+It owns how many tokens each allocated slot's cache holds (``lengths``) and the saved slot
+states the daemon names by entry id (``entries``): prefix checkpoints, which hold device KV
+blocks by reference, and swapped-out slots, whose KV and states wait in host memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from gpu_worker.backend import to_numpy
+from gpu_worker.model.model import Caches
+from protocol.messages import CacheOp, CacheOpKind
+
+
+class PlanError(ValueError):
+    """A StepPlan that names an unknown slot or entry or breaks a cache invariant."""
+
+
+@dataclasses.dataclass
+class Entry:
+    """A saved slot state: a prefix checkpoint (KV block refs on the device) or a swapped-out
+    slot (KV copied to host memory, blocks freed)."""
+
+    num_tokens: int
+    blocks: list[int]  # device KV blocks held by reference (checkpoints)
+    state: tuple | None  # recurrent-state snapshot at exactly num_tokens
+    host_kv: tuple | None = None  # swapped-out pools (KVCache.gather), on the host
+
+
+class CacheOps:
+    """Applies cache commands to ``caches``; ``on_release(slot)`` hears of every slot whose
+    cache is emptied or replaced (so per-slot state kept elsewhere can be dropped)."""
+
+    def __init__(self, caches: Caches, max_slots: int,
+                 on_release: Callable[[int], None] | None = None) -> None:
+        self.caches = caches
+        self.kv = caches.kv
+        self.states = caches.states
+        self.max_slots = max_slots
+        self.on_release = on_release
+        self.entries: dict[int, Entry] = {}
+        self.lengths: dict[int, int] = {}  # tokens in each allocated slot's cache
+
+    def apply(self, op: CacheOp) -> None:
+        """One command; a wire kind removed from CacheOpKind is one branch deleted here."""
+        kind = op.op
+        if op.slot is not None and not 0 <= op.slot < self.max_slots:
+            raise PlanError(f"{kind.name}: slot {op.slot} out of range")
+        if kind == CacheOpKind.ALLOCATE:
+            self.release(op.slot)
+            self.lengths[op.slot] = 0
+        elif kind == CacheOpKind.FREE:
+            self.release(op.slot)
+        elif kind == CacheOpKind.CHECKPOINT:
+            self.entries[op.entry_id] = self.checkpoint(op.slot, op.num_tokens)
+        elif kind == CacheOpKind.SHARE_PREFIX:
+            self.share(op)
+        elif kind == CacheOpKind.SWAP_OUT:
+            self.entries[op.entry_id] = self.swap_out(op.slot)
+        elif kind == CacheOpKind.SWAP_IN:
+            self.swap_in(op.slot, self.entries.pop(self._check_entry(op.entry_id)))
+        elif kind == CacheOpKind.DROP_CHECKPOINT:
+            self.kv.allocator.free(self.entries.pop(self._check_entry(op.entry_id)).blocks)
+        else:
+            raise PlanError(f"unknown cache command {kind!r}")
+
+    def release(self, slot: int) -> None:
+        self.caches.reset_slot(slot)
+        self.lengths.pop(slot, None)
+        if self.on_release is not None:
+            self.on_release(slot)
+
+    def entry(self, entry_id: int) -> Entry:
+        return self.entries[self._check_entry(entry_id)]
+
+    def _check_entry(self, entry_id: int) -> int:
+        if entry_id not in self.entries:
+            raise PlanError(f"unknown cache entry {entry_id}")
+        return entry_id
+
+    def _snapshot(self, slot: int) -> tuple | None:
+        return self.states.snapshot(slot) if self.states is not None else None
+
+    def checkpoint(self, slot: int, num_tokens: int) -> Entry:
+        if self.lengths.get(slot) != num_tokens:
+            raise PlanError(f"CHECKPOINT slot {slot} at {num_tokens} tokens, but it holds "
+                            f"{self.lengths.get(slot)}")
+        blocks = self.kv.tables.get(slot, [])[: self.kv.blocks_for(num_tokens)]
+        self.kv.allocator.incref(blocks)
+        return Entry(num_tokens, list(blocks), self._snapshot(slot))
+
+    def share(self, op: CacheOp) -> None:
+        """slot <- the first num_tokens of an entry (with its recurrent state)."""
+        n = op.num_tokens
+        entry = self.entry(op.entry_id)
+        if n > entry.num_tokens or (entry.state is not None and n != entry.num_tokens):
+            raise PlanError(f"SHARE_PREFIX of {n} tokens from entry {op.entry_id} holding "
+                            f"{entry.num_tokens}")
+        blocks, state = entry.blocks, entry.state
+        self.release(op.slot)
+        self.kv.share(op.slot, blocks[: self.kv.blocks_for(n)])
+        if state is not None:
+            self.states.restore(op.slot, state)
+        self.lengths[op.slot] = n
+
+    def swap_out(self, slot: int) -> Entry:
+        """The slot's committed KV and its states -> host memory; the slot is freed."""
+        n = self.lengths.get(slot)
+        if n is None:
+            raise PlanError(f"SWAP_OUT of unallocated slot {slot}")
+        # NOTE: only the blocks of the committed tokens: rejected drafts may have grown the
+        # table past them (their rows are never read)
+        blocks = self.kv.tables.get(slot, [])[: self.kv.blocks_for(n)]
+        host = tuple(to_numpy(a).copy() for a in self.kv.gather(blocks))
+        state = self._snapshot(slot)
+        if state is not None:
+            state = tuple(to_numpy(s).copy() for s in state)
+        self.release(slot)
+        return Entry(n, [], state, host)
+
+    def swap_in(self, slot: int, entry: Entry) -> None:
+        if entry.host_kv is None:
+            raise PlanError("SWAP_IN of an entry that was not swapped out")
+        self.release(slot)
+        self.kv.ensure(slot, entry.num_tokens)
+        if entry.num_tokens:
+            self.kv.scatter(self.kv.tables.get(slot, []), entry.host_kv)
+        if entry.state is not None:
+            xp = self.states.xp
+            self.states.restore(slot, tuple(xp.asarray(s) for s in entry.state))
+        self.lengths[slot] = entry.num_tokens

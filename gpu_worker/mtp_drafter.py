@@ -1,0 +1,108 @@
+"""The MTP head run after a pass: it keeps its own KV complete and proposes a slot's drafts.
+
+Row t of the head holds token t+1 and the main model's final hidden state h_t, at position t.
+After each pass the head runs over every committed position of the slots that asked
+(``SlotWork.mtp_drafts``), so its KV (the last layer of the main cache) never has holes; then,
+from each slot's last committed row, it drafts up to ``mtp_drafts`` argmax tokens, each
+chained on the head's own previous output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpu_worker.backend import to_numpy
+from gpu_worker.model.batch import RaggedBatch
+from gpu_worker.model.model import Caches, Model
+from gpu_worker.model.ops import Array
+from protocol.messages import SlotWork
+
+# slot -> (rows of the pass committed, tokens sampled after them)
+Committed = dict[int, tuple[int, list[int]]]
+
+
+class MtpDrafter:
+    def __init__(self, model: Model, caches: Caches, max_context: int) -> None:
+        self.model = model
+        self.caches = caches
+        self.max_context = max_context
+        # a slot's last committed row whose next token was not known yet (a non-final
+        # prefill chunk): (position, final hidden row [H]); its head row runs next step
+        self.pending: dict[int, tuple[int, Array]] = {}
+
+    def forget(self, slot: int) -> None:
+        """The slot's cache was emptied or replaced: its pending row is stale."""
+        self.pending.pop(slot, None)
+
+    def draft(self, work: list[SlotWork], batch: RaggedBatch, hidden: Array,
+              committed: Committed) -> dict[int, list[int]]:
+        """After the pass over ``batch`` (``hidden`` [R, H] its final-normed rows): the
+        head's rows for every committed position, then each slot's drafts."""
+        xp = self.model.xp
+        parts, rows_h, last_pos = self._head_rows(work, batch, hidden, committed)
+        if not parts:
+            return {}
+        mbatch = RaggedBatch.build(parts)
+        ends = {seg.slot: seg.row0 + seg.num - 1 for seg in mbatch.segments}
+        want = [s for s, _, _ in parts if s in last_pos]
+        last_rows = np.asarray([ends[s] for s in want], dtype=np.int64)
+        out = self.model.mtp_forward(mbatch, xp.concatenate(rows_h, axis=0), self.caches,
+                                     last_rows)
+        if not want:  # prompt chunks only: the head's KV is written, nothing to propose
+            return {}
+        k_of = {w.slot: w.mtp_drafts for w in work}
+        limit = {s: min(k_of[s], self.max_context - 1 - last_pos[s]) for s in want}
+        return self._chain(want, limit, last_pos, to_numpy(out.logits),
+                           out.hidden[xp.asarray(last_rows)])
+
+    def _head_rows(self, work: list[SlotWork], batch: RaggedBatch, hidden: Array,
+                   committed: Committed
+                   ) -> tuple[list[tuple[int, int, list[int]]], list[Array], dict[int, int]]:
+        """Per slot that asked: (slot, start, next token of each row) and its hidden rows
+        [n, H] (a pending row of the last step first); the position of its last committed
+        row where a token was sampled (so drafting starts there)."""
+        xp = self.model.xp
+        parts, rows_h, last_pos = [], [], {}
+        for w, seg in zip(work, batch.segments, strict=True):
+            if not w.mtp_drafts:
+                self.pending.pop(w.slot, None)
+                continue
+            count, tokens = committed[w.slot]
+            ids = [int(t) for t in np.concatenate([w.input_ids, w.draft_ids])]
+            nxt = ids[1:count] + ([tokens[-1]] if tokens else [])  # token after each row
+            start, known = w.start_pos, hidden[seg.row0:seg.row0 + len(nxt)]
+            pending = self.pending.pop(w.slot, None)
+            if pending is not None and pending[0] == w.start_pos - 1:
+                start, nxt = w.start_pos - 1, [ids[0]] + nxt
+                known = xp.concatenate([pending[1][None], known], axis=0)
+            if not tokens:  # nothing sampled: the last row's next token comes next step
+                self.pending[w.slot] = (w.start_pos + count - 1, hidden[seg.row0 + count - 1])
+            if not nxt:
+                continue
+            parts.append((w.slot, start, nxt))
+            rows_h.append(known)
+            if tokens:
+                last_pos[w.slot] = start + len(nxt) - 1
+        return parts, rows_h, last_pos
+
+    def _chain(self, live: list[int], limit: dict[int, int], last_pos: dict[int, int],
+               logits: np.ndarray, h: Array) -> dict[int, list[int]]:
+        """Argmax drafts from the head's output rows (``logits`` [n, V], ``h`` [n, H], one per
+        slot of ``live``); each further draft is one more head row at the next position, on
+        the head's own output, until the slot has ``limit`` drafts."""
+        xp = self.model.xp
+        drafts: dict[int, list[int]] = {s: [] for s in live}
+        while live:
+            picks = logits.argmax(axis=-1)
+            for s, d in zip(live, picks, strict=True):
+                drafts[s].append(int(d))
+            keep = [i for i, s in enumerate(live) if len(drafts[s]) < limit[s]]
+            if not keep:
+                break
+            live = [live[i] for i in keep]
+            cbatch = RaggedBatch.build([(s, last_pos[s] + len(drafts[s]), [drafts[s][-1]])
+                                        for s in live])
+            out = self.model.mtp_forward(cbatch, h[xp.asarray(np.asarray(keep, np.int64))],
+                                         self.caches)
+            logits, h = to_numpy(out.logits), out.hidden
+        return drafts

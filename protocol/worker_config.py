@@ -1,0 +1,114 @@
+"""Everything the GPU worker process is started with: one frozen, validated dataclass.
+
+The daemon builds it from its Config (daemon/lifecycle.py) and hands it to
+``python -m gpu_worker.server --config JSON``; the worker decodes it with `from_json` and
+reads nothing else. The choice lists below are the only ones: daemon/config.py checks its
+keys against them too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+
+DTYPES = ("float32", "float64")
+BACKENDS = ("numpy", "cupy", "auto")
+KV_CACHE_DTYPES = ("model", "int8")  # model: the compute dtype; int8: + an fp16 scale per 32
+PLACEMENTS = ("gpu", "cpu", "split")  # where the routed experts run
+CPU_ISAS = ("auto", "portable", "avx2", "avx512vnni")  # CPU expert kernels (cpu_experts/isa.py)
+HEARTBEAT_S = 1.0
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _count(name: str, value: object, lo: int) -> None:
+    if type(value) is not int or value < lo:
+        raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerConfig:
+    """The GPU worker's whole configuration (see docs/configuration.md for the keys it
+    comes from)."""
+
+    run_dir: str  # the worker link's socket lives here
+    model: str  # the model directory
+    name: str = ""  # served name; "" -> the directory's name
+    dtype: str = "float32"
+    backend: str = "numpy"
+    max_slots: int = 4
+    max_context: int = 4096
+    block_size: int = 64  # KV tokens per block
+    kv_cache_dtype: str = "model"
+    prefix_cache: bool = True
+    prefix_cache_max_mb: int = 1024  # the prefix cache's KV budget (blocks beyond the slots')
+    placement: str = "gpu"
+    cpu_experts_per_layer: int = 0
+    cpu_workers: int = 0  # 0: one per NUMA node
+    cpu_cores: tuple[tuple[int, ...], ...] = ()  # one core list per CPU expert worker
+    cpu_isa: str = "auto"  # auto: the best this CPU has
+    hot_experts: str = ""  # split: router counts file; the GPU keeps the hottest experts
+    heartbeat_s: float = HEARTBEAT_S  # a Heartbeat this often while idle
+
+    def __post_init__(self) -> None:
+        for name in ("run_dir", "model", "name", "hot_experts"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string")
+        if not self.run_dir or not self.model:
+            raise ValueError("run_dir and model must be set")
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("backend", self.backend, BACKENDS)
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _choice("placement", self.placement, PLACEMENTS)
+        _choice("cpu_isa", self.cpu_isa, CPU_ISAS)
+        for name, lo in (("max_slots", 1), ("max_context", 1), ("block_size", 1),
+                         ("prefix_cache_max_mb", 0), ("cpu_experts_per_layer", 0),
+                         ("cpu_workers", 0)):
+            _count(name, getattr(self, name), lo)
+        if type(self.prefix_cache) is not bool:
+            raise ValueError(f"prefix_cache must be a bool, got {self.prefix_cache!r}")
+        if not all(isinstance(g, tuple) and g and all(type(c) is int and c >= 0 for c in g)
+                   for g in self.cpu_cores):
+            raise ValueError("cpu_cores must be non-empty tuples of core numbers >= 0")
+        if self.hot_experts and self.placement != "split":
+            raise ValueError("hot_experts needs placement 'split'")
+        if not (isinstance(self.heartbeat_s, int | float) and math.isfinite(self.heartbeat_s)
+                and self.heartbeat_s > 0):
+            raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s!r}")
+
+    @property
+    def blocks_per_slot(self) -> int:
+        return -(-self.max_context // self.block_size)
+
+    def prefix_blocks(self, block_bytes: int) -> int:
+        """KV blocks the prefix cache may pin: prefix_cache_max_mb of blocks of
+        `block_bytes`, at most four slots' worth per slot; 0 with the cache off."""
+        if not self.prefix_cache:
+            return 0
+        return max(1, min(self.prefix_cache_max_mb * 2**20 // max(block_bytes, 1),
+                          4 * self.blocks_per_slot * self.max_slots))
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerConfig:
+        """Raises ValueError for anything but a JSON object of known keys and good values."""
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("a WorkerConfig is a JSON object")
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown WorkerConfig key(s) {sorted(unknown)}")
+        if isinstance(data.get("cpu_cores"), list):
+            data["cpu_cores"] = tuple(tuple(g) if isinstance(g, list) else g
+                                      for g in data["cpu_cores"])
+        try:
+            return cls(**data)
+        except TypeError as exc:  # a missing key
+            raise ValueError(f"WorkerConfig: {exc}") from None
