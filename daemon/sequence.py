@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
+from daemon.proposers.suffix import SuffixProposer
 from daemon.request import GenerationRequest, RequestEvent, RequestHandle, Usage
+
+if TYPE_CHECKING:
+    from daemon.tokenizer import IncrementalDetokenizer
 
 
 @dataclasses.dataclass(eq=False)
@@ -13,7 +18,7 @@ class Sequence:
     req: GenerationRequest
     handle: RequestHandle
     seed: int
-    detok: object | None  # IncrementalDetokenizer, or None for a model without tokenizer
+    detok: IncrementalDetokenizer | None  # None for a model without tokenizer
     eos_ids: frozenset[int]
     order: int  # admission order (FIFO within a priority)
     slot: int | None = None
@@ -28,7 +33,7 @@ class Sequence:
     cancel_requested: bool = False
     t_submit: float = dataclasses.field(default_factory=time.monotonic)
     t_last: float | None = None
-    proposer: object | None = None  # SuffixProposer once speculation drafts for it
+    proposer: SuffixProposer | None = None  # once speculation drafts suffixes for it
     mtp_drafts: list[int] = dataclasses.field(default_factory=list)  # the worker's, last step
 
     @property

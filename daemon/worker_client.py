@@ -77,8 +77,12 @@ class WorkerProcess:
         self.sock = AsyncDaemonToWorker.in_run_dir(run_dir)
         self._reader = asyncio.create_task(self._read(self.sock))
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = await asyncio.create_subprocess_exec(*worker_argv(self.config), env=env,
-                                                         stdin=asyncio.subprocess.DEVNULL)
+        try:
+            self.proc = await asyncio.create_subprocess_exec(*worker_argv(self.config), env=env,
+                                                             stdin=asyncio.subprocess.DEVNULL)
+        except OSError as exc:
+            await self._close_socket()
+            raise WorkerDied(f"cannot start the GPU worker: {exc}") from None
         try:
             msg = await self._next(timeout)
         except TimeoutError:

@@ -167,10 +167,12 @@ class PinnedRing:
         seq = pool.next_seq()
         stamp = n_mask = mask = 0
         if on_cpu is not None:
-            if not same_layer:  # a new tag: every expert counts once more
-                if self._stamp.size < on_cpu.size or self._tag >= TAG_LIMIT:
-                    self._stamp = cp.zeros(on_cpu.size, cp.int32)  # stream-ordered after users
-                    self._tag = 0
+            # NOTE: the size check holds for a continued layer too: the kernel indexes the
+            # stamps by expert id up to on_cpu.size (a smaller array: writes out of bounds)
+            if self._stamp.size < on_cpu.size or (not same_layer and self._tag >= TAG_LIMIT):
+                self._stamp = cp.zeros(on_cpu.size, cp.int32)  # stream-ordered after users
+                self._tag = 0
+            if not same_layer or not self._tag:  # a new tag: every expert counts once more
                 self._tag += 1
             stamp, n_mask, mask = self._stamp.data.ptr, on_cpu.size, on_cpu.data.ptr
         p = self._p

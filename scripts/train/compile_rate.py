@@ -124,7 +124,7 @@ def shipped_copy(model: TinyModel) -> TinyModel:
 
 def validate_compile(model: TinyModel, tok: object, funcs: list[dict], max_new: int,
                      eos_ids: tuple[int, ...], pad: int, bsz: int) -> dict:
-    """Strict compile figures (the rule of ``eval_tiny_model.py``) of the shipped weights on
+    """Strict compile figures (the rule of ``scripts/compile_rule.py``) of the shipped weights on
     ``funcs``, greedy, batched on the model's device."""
     twin = shipped_copy(model)
     prompts = [tok.encode(f["prompt"], add_special_tokens=False).ids for f in funcs]

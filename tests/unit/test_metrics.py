@@ -6,7 +6,7 @@ from __future__ import annotations
 import prometheus_client
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.metrics import Metrics
+from daemon.metrics import Metrics, NullMetrics, StepStats
 
 
 def _samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
@@ -79,6 +79,47 @@ def test_steps():
     assert _value(m, "tandem_step_rows_bucket", le="512.0") == 2
     assert _value(m, "tandem_step_prompt_tokens_total") == 510
     assert _value(m, "tandem_step_decode_tokens_total") == 10
+
+
+def _step(**over) -> StepStats:
+    fields = dict(seconds=0.5, rows=16, prompt_tokens=0, decode_tokens=16, emitted=20,
+                  active_slots=4, queue_depth=2, steady_seconds=0.6, steady_slots=4,
+                  counters={"kv_total_blocks": 100, "kv_free_blocks": 75, "moe_layers": 2,
+                            "gpu_experts": 10, "cpu_experts": 6, "cpu_expert_bytes": 4096},
+                  cpu_expert_seconds=0.002)
+    return StepStats(**{**fields, **over})
+
+
+def test_record_step_updates_every_figure_of_a_step():
+    m = Metrics()
+    m.record_step(_step())
+    assert _value(m, "tandem_step_seconds_count") == 1
+    assert _value(m, "tandem_step_decode_tokens_total") == 16
+    assert (_value(m, "tandem_active_slots"), _value(m, "tandem_queue_depth")) == (4, 2)
+    assert (_value(m, "tandem_kv_blocks_used"), _value(m, "tandem_kv_usage_ratio")) == (25, 0.25)
+    assert _value(m, "tandem_steady_decode_tokens_total", slots="4") == 20
+    assert _value(m, "tandem_steady_decode_seconds_total", slots="4") == 0.6
+    assert _value(m, "tandem_distinct_experts_per_step", device="cpu") == 6
+    assert _value(m, "tandem_cpu_experts_seconds_per_layer_sum") == 0.001
+    assert _value(m, "tandem_cpu_expert_weight_bytes_total") == 4096
+    assert _value(m, "tandem_prompt_throughput_tokens_per_second") is None
+    m.record_step(_step(prompt_tokens=100, steady_seconds=None, counters={}))
+    assert _value(m, "tandem_prompt_throughput_tokens_per_second") == 200
+    assert _value(m, "tandem_steady_decode_tokens_total", slots="4") == 20  # not steady
+    assert _value(m, "tandem_cpu_expert_weight_bytes_total") == 4096  # no MoE layers ran
+    assert _value(m, "tandem_kv_blocks_total") == 0
+
+
+def test_null_metrics_take_the_schedulers_calls():
+    m = NullMetrics()
+    m.record_step(_step())
+    m.request_finished("stop", 3, 2)
+    m.observe_ttft(0.1)
+    m.observe_itl(0.01)
+    m.observe_drafts("suffix", 3, 1)
+    m.set_queue_depth(0)
+    public = {n for n in dir(Metrics) if not n.startswith("_")}
+    assert {n for n in dir(NullMetrics) if not n.startswith("_")} <= public
 
 
 def test_prompt_throughput_is_absent_when_stale():

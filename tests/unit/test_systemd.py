@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import configparser
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -150,3 +151,15 @@ def test_unit_file_passes_systemd_analyze_verify(tmp_path):
     proc = subprocess.run([analyze, "verify", "--man=no", str(tmp_path / "tandem.service")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "tandem.service" not in proc.stderr, proc.stderr
+
+
+def test_unit_file_install_steps_put_tandem_where_systemd_looks():
+    """ExecStart names `tandem` bare: systemd (>= 239) looks it up in a fixed search path, so
+    the documented install step must link it into one of those directories."""
+    search_path = {Path(d) for d in ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin",
+                                     "/usr/bin")}
+    unit = (REPO_ROOT / "configs" / "tandem.service").read_text()
+    steps = [line.lstrip("#").strip() for line in unit.splitlines() if line.startswith("#")]
+    link = shlex.split(next(s for s in steps if s.startswith("ln ")).split("#")[0])
+    assert link[-2].endswith("/bin/tandem")  # the console script of the install step's venv
+    assert Path(link[-1]).parent in search_path and Path(link[-1]).name == "tandem"
