@@ -1,0 +1,43 @@
+"""The seam between a model's weights and where they come from.
+
+Every source (a Hugging Face safetensors directory, a synthetic generator, later GGUF) gives
+the canonical tensors of gpu_worker/weights_spec.py one at a time, so the placement can put
+each where it lives (backend, CPU experts' shared memory) without holding the whole model:
+
+    source.read("model.layers.3.mlp.experts.gate_proj", np.float32, experts=[0, 5])
+        -> [2, I, H]: experts 0 and 5 of layer 3 only
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from gpu_worker.model_config import ModelConfig
+
+Shape = tuple[int, ...]
+
+
+class WeightSource(Protocol):
+    """Canonical tensors (weights_spec.expected_tensors order and shapes), read on demand."""
+
+    config: ModelConfig
+    path: Path | None  # the directory or file it reads, None for a synthetic source
+
+    def shapes(self) -> dict[str, Shape]:
+        """Every canonical tensor this source provides, with its shape (validated up front:
+        a missing or malformed tensor is an error here, before any data is read)."""
+        ...
+
+    def nbytes(self, name: str) -> int:
+        """Bytes this source reads (or makes) for tensor ``name`` in its own storage dtype."""
+        ...
+
+    def read(self, name: str, dtype: np.dtype, *, experts: Sequence[int] | None = None
+             ) -> np.ndarray:
+        """Tensor ``name`` as a new C-contiguous host array of ``dtype``; for stacked expert
+        tensors ([E, ...]) ``experts`` selects rows of the first axis (None: all)."""
+        ...
