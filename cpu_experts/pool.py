@@ -1,8 +1,9 @@
 """CpuExpertPool: the GPU worker's handle on its cpu_experts processes.
 
 It quantizes and shards the CPU-resident experts (by intermediate dimension, one shard per
-worker), writes each shard into shared memory, starts one pinned worker process per shard
-(cpu_experts/processes.py), and dispatches one MoE layer for all rows at once: activations
+worker) straight into shared memory made at its final size, a run of experts at a time, starts
+one pinned worker process per shard (cpu_experts/processes.py), and dispatches one MoE layer
+for all rows at once: activations
 are quantized straight into the shared ring, every worker computes its partial
 ``sum_k w * expert_k(x)``, and the partials are summed here in worker order. A GPU may
 drive the same ring itself during a device session (gpu_worker/experts/pinned_ring.py).
@@ -23,9 +24,9 @@ from cpu_experts import rings, shard
 from cpu_experts.cores import default_core_groups
 from cpu_experts.dispatch_timer import DispatchTimer
 from cpu_experts.errors import ERR_OK, status_error
-from cpu_experts.processes import WorkerProcesses
+from cpu_experts.processes import ShardFiles, WorkerProcesses
 from cpu_experts.quant import BLOCK, quantize_rows_into, raise_non_finite
-from cpu_experts.shard import QuantizedLayer
+from cpu_experts.shard import LayerShape, QuantizedLayer
 
 CHECK_EVERY_NS = 5_000_000  # how often a host wait checks that the workers live
 
@@ -34,12 +35,16 @@ class CpuExpertPool:
     """Worker processes computing the CPU-resident experts of every MoE layer.
 
     ``layers``: ``{layer: (gate [E, I, H], up [E, I, H], down [E, H, I])}`` float arrays, or a
-    :class:`QuantizedLayer` per layer. ``num_workers``: processes (None: one per NUMA node);
+    :class:`QuantizedLayer` per layer: quantized into the shards and the workers started here.
+    Or a :class:`LayerShape` per layer (streaming load): the shards are made at their final
+    size, :meth:`fill` writes the experts a run at a time and :meth:`launch` starts the
+    workers. ``num_workers``: processes (None: one per NUMA node);
     ``cores``: one core list per worker (None: :func:`default_core_groups`).
     ``max_rows`` x ``max_k``: the ring's capacity per load (more rows go in several loads).
     ``isa``: the kernels' instruction set (cpu_experts/isa.py: ``portable``, ``avx2``,
     ``avx512vnni``; None: ``$TANDEM_CPU_ISA`` or the best this CPU has); every choice gives the
     same bits. ``prefetch_bytes``: how far ahead the kernels prefetch weights (None: default).
+    :attr:`layers` reads back what the workers hold (:class:`shard.TiledLayer`).
     """
 
     def __init__(self, layers: dict, *, num_workers: int | None = None,
@@ -52,12 +57,10 @@ class CpuExpertPool:
         self.prefetch_bytes = prefetch_bytes
         self._procs = WorkerProcesses()
         self._finalizer = weakref.finalize(self, self._procs.release)
-        self.layers: dict[int, QuantizedLayer] = {
-            int(k): v if isinstance(v, QuantizedLayer) else shard.quantize_layer(*v)
-            for k, v in layers.items()}
-        if not self.layers:
+        if not layers:
             raise ValueError("no layers given")
-        hidden = {ql.hidden for ql in self.layers.values()}
+        shapes = {int(k): shard.layer_shape(v) for k, v in layers.items()}
+        hidden = {s.hidden for s in shapes.values()}
         if len(hidden) != 1:
             raise ValueError(f"layers disagree on the hidden size: {sorted(hidden)}")
         self.hidden = hidden.pop()
@@ -68,55 +71,62 @@ class CpuExpertPool:
         self.cores = [sorted(int(c) for c in group) for group in cores]
         self.num_workers = len(self.cores)
         self.max_rows, self.max_k = max_rows, max_k
-        self.bounds = [{layer: shard.shard_bounds(ql.intermediate, self.num_workers)[w]
-                        for layer, ql in self.layers.items()} for w in range(self.num_workers)]
+        self.bounds = [{layer: shard.shard_bounds(s.intermediate, self.num_workers)[w]
+                        for layer, s in shapes.items()} for w in range(self.num_workers)]
         self._seq = 0
         self.timer: DispatchTimer | None = None  # set one to time host dispatches (benchmarks)
         self._in_flight: tuple[int, int] | None = None
         self._device = False  # a device session is open (device_begin)
         self._watchdog: threading.Thread | None = None  # started by the first device session
         self._session = threading.Event()  # the watchdog's view of _device
+        self._spin_us, self._start_timeout = spin_us, start_timeout
+        ring_size = rings.Ring.size(self.num_workers, max_rows, self.hidden, max_k)
         try:
-            self._start(spin_us, start_timeout)
+            self._files: ShardFiles | None = ShardFiles(self._procs, shapes, self.bounds,
+                                                        ring_size)
+            self.layers = self._files.layers
+            self.shard_bytes = sum(self._files.sizes)  # the CPU experts' resident memory
+            self.ring = rings.Ring(self._procs.files[0].buf, self.num_workers, max_rows,
+                                   self.hidden, max_k)
+            given = {int(k): v for k, v in layers.items() if not isinstance(v, LayerShape)}
+            if given and len(given) != len(layers):
+                raise ValueError("give every layer's weights, or only LayerShapes")
+            for layer, v in given.items():  # one layer quantized at a time
+                self.write(layer, 0, v if isinstance(v, QuantizedLayer)
+                           else shard.quantize_layer(*v))
+            if given:
+                self.launch()
         except BaseException:
             self.close()
             raise
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    def _start(self, spin_us: float, start_timeout: float) -> None:
-        W = self.num_workers
-        ring_file = rings.SharedFile.create(
-            rings.Ring.size(W, self.max_rows, self.hidden, self.max_k), "ring")
-        self._procs.files.append(ring_file)
-        self.ring = rings.Ring(ring_file.buf, W, self.max_rows, self.hidden, self.max_k)
-        specs = []
-        for w in range(W):
-            manifest, size = shard.plan_shard(self.layers, self.bounds[w])
-            wfile = rings.SharedFile.create(size, f"experts{w}")
-            self._procs.files.append(wfile)
-            shard.write_shard(wfile.buf, manifest, self.layers, self.bounds[w])
-            bell = rings.Doorbell()
-            self._procs.doorbells.append(bell)
-            specs.append({"index": w, "parent_pid": os.getpid(), "cores": self.cores[w],
-                          "ring_path": ring_file.path, "weights_path": wfile.path,
-                          "manifest": manifest, "num_workers": W, "max_rows": self.max_rows,
-                          "hidden": self.hidden, "max_k": self.max_k,
-                          "doorbell_fd": bell.fd, "spin_us": spin_us, "isa": self.isa})
-            if self.prefetch_bytes is not None:
-                specs[-1]["prefetch_bytes"] = self.prefetch_bytes
-        # Worker 0 first: it compiles the kernels into Numba's cache; the rest load them.
-        self._procs.spawn(specs[0])
-        self._procs.await_ready(0, start_timeout)
-        for spec in specs[1:]:
-            self._procs.spawn(spec)
-        for w in range(1, W):
-            self._procs.await_ready(w, start_timeout)
-        for f in self._procs.files[1:]:  # workers hold the weights now: drop our mapping and name
-            f.unlink()
-            f.close()
-        ring_file.unlink()  # nothing leaks in /dev/shm even if this process is killed
-        self._procs.files = [ring_file]
+    def fill(self, layer: int, first: int, gate: np.ndarray, up: np.ndarray,
+             down: np.ndarray) -> None:
+        """Quantize experts ``first..`` of ``layer`` (float ``gate/up [n, I, H]``, ``down
+        [n, H, I]``) straight into every worker's shard; before :meth:`launch`."""
+        self.write(layer, first, shard.quantize_layer(gate, up, down))
+
+    def write(self, layer: int, first: int, ql: QuantizedLayer) -> None:
+        """Tile quantized experts ``first..`` of ``layer`` into every worker's shard."""
+        if self._files is None:
+            raise RuntimeError("the workers run already: shards are written before launch()")
+        self._files.write(layer, first, ql)
+
+    def launch(self) -> None:
+        """Once every expert is written: unmap the shards here and start one worker per
+        shard; returns when all are READY (shared names unlinked then)."""
+        files, self._files = self._files, None
+        if files is None:
+            raise RuntimeError("launch() once")
+        files.seal()
+        common = {"parent_pid": os.getpid(), "num_workers": self.num_workers,
+                  "max_rows": self.max_rows, "hidden": self.hidden, "max_k": self.max_k,
+                  "spin_us": self._spin_us, "isa": self.isa}
+        if self.prefetch_bytes is not None:
+            common["prefetch_bytes"] = self.prefetch_bytes
+        self._procs.launch(files.specs(common, self.cores), self._start_timeout)
 
     def check_alive(self) -> None:
         """Raise :class:`CpuWorkerDied` naming the first worker that has exited."""
@@ -387,3 +397,4 @@ class CpuExpertPool:
             if now > next_check:
                 self.check_alive()
                 next_check = now + CHECK_EVERY_NS
+

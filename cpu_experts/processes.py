@@ -7,15 +7,17 @@ watchdog thread can run while an unclosed pool is being collected.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import select
+import shutil
 import subprocess
 import sys
 import threading
 
 import numpy as np
 
-from cpu_experts import rings
+from cpu_experts import rings, shard
 from cpu_experts.errors import CpuWorkerDied
 
 WATCH_EVERY_S = 0.005  # how often a device session's watchdog looks at the workers
@@ -30,6 +32,24 @@ class WorkerProcesses:
         self.doorbells: list[rings.Doorbell] = []
         self.stop = threading.Event()  # ends the watchdog thread
         self.ready_info: list[dict] = []  # each worker's READY line
+        self.fds: list[int] = []  # read-only handles on the unlinked shards (ShardFiles.read)
+
+    def launch(self, specs: list[dict], timeout: float) -> None:
+        """Start a worker per spec and wait for each READY; then unlink every shared file
+        (nothing leaks in /dev/shm even if this process is killed) and drop the shards
+        from :attr:`files` (``files[0]``, the ring, stays mapped)."""
+        # Worker 0 first: it compiles the kernels into Numba's cache; the rest load them.
+        self.spawn(specs[0])
+        self.await_ready(0, timeout)
+        for spec in specs[1:]:
+            self.spawn(spec)
+        for w in range(1, len(specs)):
+            self.await_ready(w, timeout)
+        for f in self.files[1:]:  # workers hold the weights now
+            f.unlink()
+            f.close()
+        self.files[0].unlink()
+        self.files = self.files[:1]
 
     def spawn(self, spec: dict) -> None:
         """Start one worker on ``spec`` (sent as one JSON line on its stdin)."""
@@ -91,7 +111,93 @@ class WorkerProcesses:
             f.close()
         for d in self.doorbells:
             d.close()
-        self.procs, self.files, self.doorbells = [], [], []
+        for fd in self.fds:
+            os.close(fd)
+        self.procs, self.files, self.doorbells, self.fds = [], [], [], []
+
+
+class ShardFiles:
+    """A pool's shared memory before its workers start: ``procs.files`` gets the ring (first)
+    and one shard per worker, each created at its final size from the manifest of the
+    layers' shapes (shard.plan_shard), then filled a run of experts at a time
+    (:meth:`write`): nothing is held twice. :meth:`seal` unmaps the shards here before the
+    workers start; :attr:`layers` reads them back on demand through read-only handles."""
+
+    def __init__(self, procs: WorkerProcesses, shapes: dict[int, shard.LayerShape],
+                 bounds: list[dict[int, tuple[int, int]]], ring_size: int) -> None:
+        self.procs, self.shapes = procs, shapes
+        plans = [shard.plan_shard(shapes, b) for b in bounds]
+        self.manifests = [m for m, _ in plans]
+        self.sizes = [size for _, size in plans]
+        _check_space(ring_size + sum(self.sizes))
+        procs.files.append(rings.SharedFile.create(ring_size, "ring"))
+        self._dst: list[dict] = []
+        for w, size in enumerate(self.sizes):
+            f = rings.SharedFile.create(size, f"experts{w}")
+            procs.files.append(f)
+            self._dst.append(shard.views(f.buf, self.manifests[w]))
+        self._filled = {layer: np.zeros(s.num_experts, bool) for layer, s in shapes.items()}
+        self.layers = {layer: shard.TiledLayer(s, [b[layer] for b in bounds],
+                                               lambda w, layer=layer: self.read(w, layer))
+                       for layer, s in shapes.items()}
+
+    def write(self, layer: int, first: int, ql: shard.QuantizedLayer) -> None:
+        """Tile experts ``first..first + n`` of ``layer`` into every worker's shard."""
+        want = self.shapes.get(layer)
+        if want is None:
+            raise KeyError(f"layer {layer} has no CPU experts (have {sorted(self.shapes)})")
+        n = ql.num_experts
+        if ((ql.intermediate, ql.hidden) != (want.intermediate, want.hidden)
+                or not 0 <= first <= first + n <= want.num_experts):
+            raise ValueError(f"layer {layer}: experts {first}..{first + n} of I={ql.intermediate}"
+                             f", H={ql.hidden} do not fit {want}")
+        for w, dst in enumerate(self._dst):
+            shard.write_experts(dst[layer], ql, self.layers[layer].bounds[w], first)
+        self._filled[layer][first:first + n] = True
+
+    def seal(self) -> None:
+        """Every expert written (else ValueError naming the first gap): keep a read-only
+        handle on each shard, drop this process's mapping (the workers map them)."""
+        for layer, filled in sorted(self._filled.items()):
+            if not filled.all():
+                raise ValueError(f"layer {layer}: expert {int(np.argmin(filled))} was never "
+                                 "written to the CPU workers' shards")
+        self._dst = []
+        for f in self.procs.files[1:]:
+            self.procs.fds.append(os.open(f.path, os.O_RDONLY))
+            f.close()
+
+    def specs(self, common: dict, cores: list[list[int]]) -> list[dict]:
+        """Each worker's start spec (``common`` plus its shard, cores and a new doorbell)."""
+        specs = []
+        for w, wfile in enumerate(self.procs.files[1:]):
+            bell = rings.Doorbell()
+            self.procs.doorbells.append(bell)
+            specs.append({**common, "index": w, "cores": cores[w], "doorbell_fd": bell.fd,
+                          "ring_path": self.procs.files[0].path, "weights_path": wfile.path,
+                          "manifest": self.manifests[w]})
+        return specs
+
+    def read(self, w: int, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of worker ``w``'s tiled ``(gu, down)`` of ``layer``."""
+        if self._dst:
+            return tuple(np.array(a) for a in self._dst[w][layer])
+        entries = [e for e in self.manifests[w] if e[0] == layer]
+        with mmap.mmap(self.procs.fds[w], self.sizes[w], prot=mmap.PROT_READ) as buf:
+            arrays = shard.views(buf, entries)[layer]
+            out = tuple(np.array(a) for a in arrays)
+            del arrays
+        return out
+
+
+def _check_space(need: int) -> None:
+    """Fail before any weight is read when shared memory cannot hold the experts."""
+    free = shutil.disk_usage(rings.shm_dir()).free
+    if need > free:
+        raise MemoryError(f"the CPU experts need {need / 2**30:.2f} GiB of shared memory, but "
+                          f"{rings.shm_dir()} has {free / 2**30:.2f} GiB free (enlarge it, "
+                          "e.g. mount -o remount,size=... /dev/shm, or put fewer experts on "
+                          "the CPU)")
 
 
 def _watch(procs: WorkerProcesses, session: threading.Event, header: np.ndarray) -> None:

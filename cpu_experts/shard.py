@@ -10,6 +10,7 @@ out in one flat shared-memory buffer.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +50,28 @@ class QuantizedLayer:
         return (self.gate_q[:, lo:hi], self.gate_s[:, lo:hi], self.up_q[:, lo:hi],
                 self.up_s[:, lo:hi], self.down_q[:, :, lo:hi],
                 self.down_s[:, :, lo // BLOCK:hi // BLOCK])
+
+
+@dataclass(frozen=True, slots=True)
+class LayerShape:
+    """A MoE layer's CPU experts before their weights exist: a pool made from these sizes its
+    shards at once and is filled expert by expert (CpuExpertPool.fill)."""
+
+    num_experts: int
+    intermediate: int
+    hidden: int
+
+
+def layer_shape(v: LayerShape | QuantizedLayer | tuple[np.ndarray, ...]) -> LayerShape:
+    """The sizes of one layer given as a LayerShape, a QuantizedLayer or float stacks
+    (gate, up, down); ValueError unless I and H are whole blocks of 32."""
+    if isinstance(v, (LayerShape, QuantizedLayer)):
+        E, I, H = v.num_experts, v.intermediate, v.hidden
+    else:
+        E, I, H = np.shape(v[0])
+    if H % BLOCK or I % BLOCK:
+        raise ValueError(f"H={H} and I={I} must be multiples of {BLOCK}")
+    return LayerShape(int(E), int(I), int(H))
 
 
 def quantize_layer(gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> QuantizedLayer:
@@ -103,10 +126,11 @@ def tile_into(q: np.ndarray, s: np.ndarray, out: np.ndarray) -> None:
         E, U // TU, nb, BLOCK_BYTES - TILE_BYTES)
 
 
-def plan_shard(layers: dict[int, QuantizedLayer],
+def plan_shard(layers: Mapping[int, LayerShape | QuantizedLayer],
                bounds: dict[int, tuple[int, int]]) -> tuple[list, int]:
     """Manifest ``[(layer, name, shape, dtype, offset), ...]`` and byte size of one worker's
-    shard, which holds the intermediate range ``bounds[layer]`` of every layer."""
+    shard, which holds the intermediate range ``bounds[layer]`` of every layer (sizes only:
+    ``layers`` may be :class:`LayerShape` s)."""
     manifest, off = [], 0
     for layer, ql in sorted(layers.items()):
         lo, hi = bounds[layer]
@@ -134,8 +158,63 @@ def write_shard(buf, manifest: list, layers: dict[int, QuantizedLayer],
     """Tile range ``bounds[layer]`` of every layer into ``buf`` as laid out by ``manifest``."""
     dst = views(buf, manifest)
     for layer, ql in layers.items():
-        gq, gs, uq, us, dq, ds = ql.shard(*bounds[layer])
-        gu, down = dst[layer]
-        tile_into(gq, gs, gu[:, 0])
-        tile_into(uq, us, gu[:, 1])
-        tile_into(dq, ds, down[:, 0])
+        write_experts(dst[layer], ql, bounds[layer], 0)
+
+
+def write_experts(dst: tuple[np.ndarray, np.ndarray], ql: QuantizedLayer,
+                  bounds: tuple[int, int], first: int) -> None:
+    """Tile the intermediate range ``bounds`` of experts ``ql`` (canonical, a run of a
+    layer's experts) into one shard's ``(gu, down)`` arrays, as experts ``first..``."""
+    gq, gs, uq, us, dq, ds = ql.shard(*bounds)
+    gu, down = dst
+    n = ql.num_experts
+    tile_into(gq, gs, gu[first:first + n, 0])
+    tile_into(uq, us, gu[first:first + n, 1])
+    tile_into(dq, ds, down[first:first + n, 0])
+
+
+def untile(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of :func:`tile_into`: ``[E, U/16, n/32, 576]`` int8 -> ``q [E, U, n] int8,
+    s [E, U, n/32] float16``."""
+    E, ut, nb, _ = t.shape
+    q = (t[..., :TILE_BYTES].reshape(E, ut, nb, GROUPS, TU, 4).transpose(0, 1, 4, 2, 3, 5)
+         .reshape(E, ut * TU, nb * BLOCK))
+    scales = np.ascontiguousarray(t[..., TILE_BYTES:]).view(np.float32).reshape(E, ut, nb, TU)
+    return q, scales.transpose(0, 1, 3, 2).reshape(E, ut * TU, nb).astype(np.float16)
+
+
+class TiledLayer:
+    """One MoE layer's CPU experts as the workers hold them: worker w has the intermediate
+    range ``bounds[w]``, tiled in its shard; ``read(w)`` returns a copy of that worker's
+    ``(gu, down)``. The canonical arrays (``gate_q`` ... ``down_s``, :meth:`shard`) are put
+    back together by untiling, on demand (tests, diagnostics): only the shards hold them."""
+
+    def __init__(self, shape: LayerShape, bounds: list[tuple[int, int]],
+                 read: Callable[[int], tuple[np.ndarray, np.ndarray]]) -> None:
+        self.num_experts, self.intermediate = shape.num_experts, shape.intermediate
+        self.hidden = shape.hidden
+        self.bounds, self._read = bounds, read
+
+    def canonical(self) -> QuantizedLayer:
+        """The whole layer in canonical form (a new copy, put together from every shard)."""
+        gate, up, down = [], [], []  # per worker (q, s)
+        for w in range(len(self.bounds)):
+            gu, dn = self._read(w)
+            gate.append(untile(gu[:, 0]))
+            up.append(untile(gu[:, 1]))
+            down.append(untile(dn[:, 0]))
+
+        def cat(pieces: list, k: int, axis: int) -> np.ndarray:
+            return np.concatenate([p[k] for p in pieces], axis=axis)
+
+        return QuantizedLayer(cat(gate, 0, 1), cat(gate, 1, 1), cat(up, 0, 1), cat(up, 1, 1),
+                              cat(down, 0, 2), cat(down, 1, 2))
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        # gate_q, gate_s, up_q, up_s, down_q, down_s as QuantizedLayer has them
+        if name in ("gate_q", "gate_s", "up_q", "up_s", "down_q", "down_s"):
+            return getattr(self.canonical(), name)
+        raise AttributeError(name)
+
+    def shard(self, lo: int, hi: int) -> tuple[np.ndarray, ...]:
+        return self.canonical().shard(lo, hi)

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from daemon import http_answer
 from daemon.config import Config
-from daemon.logs import bind_request
+from daemon.logs import AccessLog, bind_request
 from daemon.metrics import Metrics
 from daemon.openai_format import Formatter
 from daemon.openai_schema import ApiError, ParsedRequest, bad, parse_chat, parse_completion
@@ -73,9 +73,11 @@ def make_app(scheduler: Any, tokenizer: Any, config: Config, metrics: Metrics, *
 
 async def start_site(app: web.Application, config: Config) -> web.AppRunner:
     """Listen on config.server.host:port. `await runner.cleanup()` stops listening, drains
-    running requests (HttpApi.on_shutdown) and closes the connections."""
-    runner = web.AppRunner(app, access_log_format='%a "%r" %s %b %Tfs "%{User-Agent}i"',
-                           shutdown_timeout=CANCEL_WAIT_S)
+    running requests (HttpApi.on_shutdown) and closes the connections. A connection that
+    sends no complete request head within limits.body_timeout_s is closed (a half-sent
+    body is answered 408 by the handlers)."""
+    runner = web.AppRunner(app, access_log_class=AccessLog, shutdown_timeout=CANCEL_WAIT_S,
+                           keepalive_timeout=config.limits.body_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, config.server.host, config.server.port, reuse_address=True)
     await site.start()
@@ -221,13 +223,33 @@ class HttpApi:
         return await self._generate(request, parse_chat(await self._json(request)))
 
     async def _json(self, request: web.Request) -> Any:
-        raw = await request.read()  # raises HTTPRequestEntityTooLarge past client_max_size
+        kind = request.headers.get("Content-Type", "").partition(";")[0].strip().lower()
+        if kind and kind != "application/json" and not kind.endswith("+json"):
+            # NOTE: also what keeps a web page from posting here with a "simple" request
+            raise ApiError(415, f"the request body must be JSON: send 'Content-Type: "
+                           f"application/json', not {kind!r}", code="unsupported_media_type",
+                           reason="bad_content_type")
+        timeout = self.config.limits.body_timeout_s
+        try:  # raises HTTPRequestEntityTooLarge past client_max_size
+            raw = await asyncio.wait_for(request.read(), timeout)
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {timeout:g} s",
+                           code="request_timeout", reason="body_timeout",
+                           headers={"Connection": "close"}) from None
         try:
-            return json.loads(raw)
+            body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise bad(None, f"the request body is not valid JSON: {exc}") from None
         except RecursionError:
             raise bad(None, "the request body is nested too deeply") from None
+        if b"\\u" in raw:  # an escaped lone surrogate decodes to a str no one can encode
+            try:
+                json.dumps(body, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise bad(None, f"the request body holds an unpaired UTF-16 surrogate "
+                          f"({exc.object[exc.start]!a}): strings must be valid Unicode") \
+                    from None
+        return body
 
     async def _generate(self, request: web.Request, req: ParsedRequest) -> web.StreamResponse:
         if req.model is not None and req.model not in self.model_names:
@@ -249,10 +271,10 @@ class HttpApi:
         try:
             if req.stream:
                 return await http_answer.stream(request, handle, fmt, len(prompt_ids), timeout,
-                                                req.include_usage, tools=bool(req.tools),
+                                                req.include_usage, tools=_tool_names(req.tools),
                                                 reasoning=split)
             return await http_answer.collect(request, handle, fmt, len(prompt_ids), timeout,
-                                             tools=bool(req.tools), reasoning=split)
+                                             tools=_tool_names(req.tools), reasoning=split)
         except asyncio.CancelledError:
             log.info("client_disconnected")
             raise
@@ -271,10 +293,9 @@ class HttpApi:
             raise bad(_prompt_param(req), "this model has no tokenizer: send 'prompt' as a "
                       "list of token ids")
         try:
-            text = req.prompt if req.kind == "completion" else self.tokenizer.apply_chat_template(
-                req.messages, add_generation_prompt=True, tools=req.tools,
-                enable_thinking=req.enable_thinking)
-            ids = self.tokenizer.encode(text)
+            ids = (self.tokenizer.encode(req.prompt) if req.kind == "completion" else
+                   self.tokenizer.encode_chat(req.messages, tools=req.tools,
+                                              enable_thinking=req.enable_thinking))
         except TokenizerError as exc:
             raise bad(_prompt_param(req), str(exc)) from None
         if not ids:
@@ -333,6 +354,11 @@ class HttpApi:
             raise ApiError(400, str(exc), reason="rejected") from None
         except EngineUnavailable as exc:
             raise _unavailable(str(exc)) from None
+
+
+def _tool_names(tools: list[dict[str, Any]] | None) -> frozenset[str] | None:
+    """The functions a request offers (None: no tools, no tool-call parsing)."""
+    return frozenset(t["function"]["name"] for t in tools) if tools else None
 
 
 def _prompt_param(req: ParsedRequest) -> str:

@@ -9,6 +9,7 @@ import secrets
 
 from daemon.config import Config
 from daemon.logs import get_logger
+from daemon.openai_schema import PRIORITY_RANGE, ROLES
 from daemon.request import (
     EngineUnavailable,
     GenerationRequest,
@@ -16,6 +17,7 @@ from daemon.request import (
     RequestRejected,
 )
 from daemon.scheduler import Scheduler
+from daemon.tokenizer import TokenizerError
 from protocol.codec import Limits
 from protocol.curve import CurveServerKeys
 from protocol.errors import ProtocolError
@@ -23,12 +25,14 @@ from protocol.messages import (
     MAX_SEED,
     PROTOCOL_VERSION,
     CancelRequest,
+    ChatMessage,
     ErrorCode,
     ErrorReply,
     ModelInfo,
     Phase,
     Ping,
     Pong,
+    SamplingParams,
     SlotStatus,
     StatusReply,
     StatusRequest,
@@ -41,6 +45,7 @@ from protocol.messages import (
 from protocol.sockets import AsyncDaemonToClients
 
 log = get_logger("tandem.api_zmq")
+REAP_POLL_S = 0.25  # how often closed client connections are looked for
 PHASES = {"idle": None, "prefill": Phase.PREFILL, "decode": Phase.DECODE}
 
 
@@ -50,6 +55,7 @@ class ZmqApi:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.vocab_size: int | None = getattr(tokenizer, "vocab_size", None)
+        self.defaults: dict[str, float] = {}  # the model's sampling defaults (READY)
         server = config.server
         keys = None
         if server.zmq_endpoint.startswith("tcp://"):
@@ -67,13 +73,31 @@ class ZmqApi:
         self._streams: dict[tuple[bytes, str], asyncio.Task] = {}
 
     async def serve(self) -> None:
+        reaper = asyncio.create_task(self._reap())
+        try:
+            await self._serve()
+        finally:
+            reaper.cancel()
+
+    async def _reap(self) -> None:
+        """Cancel the requests of clients that went away (every kind of request: a
+        non-streaming one sends nothing until it ends, so no failed send would tell)."""
+        while True:
+            await asyncio.sleep(REAP_POLL_S)
+            for peer in self.sock.gone():
+                for p, rid in [k for k in self._streams if k[0] == peer]:
+                    if self.scheduler.cancel(_internal_id(p, rid)):
+                        log.info("client_disconnected", request_id=_internal_id(p, rid))
+
+    async def _serve(self) -> None:
         while True:
             try:
                 peer, msg = await self.sock.recv()
             except ProtocolError as exc:
+                log.info("zmq_protocol_error", error=str(exc), request_id=exc.request_id)
                 if exc.peer is not None:
-                    await self.sock.send_to(exc.peer, ErrorReply(code=ErrorCode.PROTOCOL,
-                                                                 message=str(exc)))
+                    await self.sock.send_to(exc.peer, ErrorReply(
+                        code=ErrorCode.PROTOCOL, message=str(exc), request_id=exc.request_id))
                 continue
             if isinstance(msg, SubmitRequest):
                 await self._submit(peer, msg)
@@ -85,8 +109,10 @@ class ZmqApi:
                 await self.sock.send_to(peer, Pong(nonce=msg.nonce, time_ns=msg.time_ns))
 
     def worker_ready(self, info: ModelInfo) -> None:
-        """The worker's READY: its vocabulary bounds prompt ids."""
+        """The worker's READY: its vocabulary bounds prompt ids; its sampling defaults fill
+        the fields a request leaves to the model (SubmitRequest.sampling_from_model)."""
         self.vocab_size = info.vocab_size
+        self.defaults = info.generation_defaults.as_dict()
 
     def close(self) -> None:
         for task in self._streams.values():
@@ -109,6 +135,9 @@ class ZmqApi:
         except Exception:  # a fault of ours: say so, keep serving the others
             log.exception("internal_error", request_id=rid)
             return await self._error(peer, ErrorCode.INTERNAL, "internal server error", rid)
+        log.info("zmq_request_submitted", request_id=req.request_id,
+                 prompt_tokens=len(req.prompt_ids), max_tokens=req.max_tokens,
+                 stream=msg.stream, priority=req.priority)
         task = asyncio.create_task(self._stream(peer, msg, handle))
         self._streams[(peer, rid)] = task
         task.add_done_callback(lambda _: self._streams.pop((peer, rid), None))
@@ -123,19 +152,28 @@ class ZmqApi:
         else:
             if self.tokenizer is None:
                 raise RequestRejected("this model has no tokenizer: send prompt_ids")
-            text = msg.prompt
-            if msg.messages is not None:
-                text = self.tokenizer.apply_chat_template(
-                    [{"role": m.role, "content": m.content} for m in msg.messages],
-                    add_generation_prompt=True)
-            ids = self.tokenizer.encode(text)
+            try:
+                if msg.messages is None:
+                    ids = self.tokenizer.encode(msg.prompt)
+                else:
+                    ids = self.tokenizer.encode_chat([_message(m) for m in msg.messages])
+            except TokenizerError as exc:
+                raise RequestRejected(str(exc)) from None
+            if not ids:
+                raise RequestRejected("the prompt encodes to zero tokens")
         if len(ids) > limits.max_prompt_tokens:
             raise RequestRejected(f"the prompt has {len(ids)} tokens; the limit is "
                                   f"{limits.max_prompt_tokens}")
         if msg.max_tokens > limits.max_tokens:
             raise RequestRejected(f"max_tokens {msg.max_tokens} exceeds the limit "
                                   f"{limits.max_tokens}")
+        lo, hi = PRIORITY_RANGE
+        if not lo <= msg.priority <= hi:
+            raise RequestRejected(f"priority must be in [{lo}, {hi}], got {msg.priority}")
         s = msg.sampling
+        model = {k: v for k, v in self.defaults.items() if k in msg.sampling_from_model}
+        neutral = {k: getattr(SamplingParams(), k) for k in msg.sampling_from_model}
+        s = dataclasses.replace(s, **{**neutral, **model})
         seed = s.seed if s.seed is not None else secrets.randbelow(MAX_SEED + 1)
         penalty = s.unsupported()
         if penalty is not None:  # the HTTP API refuses them alike
@@ -154,9 +192,14 @@ class ZmqApi:
                 usage = Usage(prompt_tokens=event.usage.prompt_tokens,
                               completion_tokens=event.usage.completion_tokens,
                               cached_tokens=event.usage.cached_tokens)
+            if event.finish_reason is not None:
+                log.info("request_finished", request_id=handle.request_id,
+                         finish_reason=event.finish_reason, error=event.error)
             if event.finish_reason == "error":
-                await self._error(peer, ErrorCode.WORKER_DIED, event.error or "error",
-                                  msg.request_id)
+                error = event.error or "error"
+                code = (ErrorCode.INTERNAL if error.startswith("internal error")
+                        else ErrorCode.WORKER_DIED)
+                await self._error(peer, code, error, msg.request_id)
                 return
             if not msg.stream:
                 ids += event.token_ids
@@ -186,6 +229,13 @@ class ZmqApi:
 
     async def _error(self, peer: bytes, code: ErrorCode, message: str, rid: str | None) -> None:
         await self.sock.send_to(peer, ErrorReply(code=code, message=message, request_id=rid))
+
+
+def _message(m: ChatMessage) -> dict[str, str]:
+    if m.role not in ROLES:
+        raise RequestRejected(f"message role must be one of {', '.join(ROLES)}, got "
+                              f"{m.role!r}")
+    return {"role": "system" if m.role == "developer" else m.role, "content": m.content}
 
 
 def _internal_id(peer: bytes, request_id: str) -> str:

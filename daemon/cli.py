@@ -18,7 +18,7 @@ DESCRIPTION = "Serve Mixture-of-Experts models on one GPU plus the host CPU."
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None,
                    help="Hugging Face model directory (default: the embedded tandem-tiny)")
-    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32")
     p.add_argument("--backend", choices=("numpy", "cupy", "auto"), default="numpy")
     p.add_argument("--placement", choices=("gpu", "cpu", "split"), default="gpu",
                    help="where routed experts run: the backend, CPU workers, or split")

@@ -30,17 +30,29 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def run_check_config(args: argparse.Namespace) -> int:
     """Validate a config file, and the config against its model's config.json; print a
-    summary (status 0) or the first error (status 2)."""
+    summary and the memory plan (status 0), or the first error (status 2): a plan that
+    cannot fit the GPU budget or host RAM is printed, then refused. No weight is read."""
     # the model check reads the checkpoint's config.json with the worker's loader
-    from daemon.inprocess import check_model  # noqa: PLC0415
+    from daemon.inprocess import PlanRefused, check_model  # noqa: PLC0415
 
     try:
         config = load_config(args.config)
-        check_model(config)
+        plan = check_model(config)
+    except PlanRefused as exc:
+        _print_plan(exc.lines)
+        print(f"tandem: memory plan refused: {exc}", file=sys.stderr)
+        return 2
     except ConfigError as exc:
         print(f"tandem: config error: {exc}", file=sys.stderr)
         return 2
     print(f"OK: {args.config}")
     for line in summary(config):
         print(f"  {line}")
+    _print_plan(plan)
     return 0
+
+
+def _print_plan(lines: list[str]) -> None:
+    print("memory plan (before any weight is read):")
+    for line in lines:
+        print(f"  {line}")

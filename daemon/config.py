@@ -159,6 +159,11 @@ def summary(config: Config) -> list[str]:
     auth = f"{len(s.api_keys)} API key(s)" if s.api_keys else "no API keys"
     cpu = ("" if e.placement == "gpu" else
            f", {e.num_cpu_workers or 'one per NUMA node'} CPU worker(s)")
+    if e.placement == "split":
+        cpu += (f", {e.cpu_experts_per_layer} experts per layer on the CPU"
+                if e.cpu_experts_per_layer else ", experts per layer chosen by the memory plan")
+    budget = (f"{e.gpu_memory_gb:g} GiB" if e.gpu_memory_gb is not None else
+              "the whole device" if m.backend != "numpy" else "no limit")
     return [
         f"model: {m.served_name} from {m.path} ({m.dtype}, {m.backend} backend)",
         f"http: http://{s.host}:{s.port} ({auth}), body <= {s.max_body_bytes} bytes",
@@ -168,7 +173,7 @@ def summary(config: Config) -> list[str]:
         f"preemption {sc.preemption}, kv cache {sc.kv_cache_dtype}",
         f"limits: prompt <= {config.max_prompt_tokens}, max_tokens <= {config.max_tokens}, "
         f"queue <= {config.limits.max_queue}",
-        f"experts: {e.placement}{cpu}",
+        f"experts: {e.placement}{cpu}; GPU budget {budget}",
         "speculation: off" if config.speculation.mode == "off" else
         f"speculation: {config.speculation.mode}, {config.speculation.num_drafts} "
         f"{config.speculation.proposer} drafts per slot",

@@ -4,6 +4,7 @@ on creation, and the defaults they fall back to (the embedded model, the run dir
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,10 +47,12 @@ class ModelSection:
     path: Path = field(default_factory=default_model)
     name: str = ""  # served model name; "" -> the directory's name
     aliases: tuple[str, ...] = ()  # other names accepted in requests' "model"
-    dtype: str = "float32"
+    dtype: str = ""  # "" -> bfloat16 on the cupy backend, else float32
     backend: str = "numpy"
 
     def __post_init__(self) -> None:
+        if self.dtype == "":
+            object.__setattr__(self, "dtype", "bfloat16" if self.backend == "cupy" else "float32")
         check_path("model.path", self.path)
         if not self.path.is_dir():
             fail("model.path", "must be an existing model directory", str(self.path))
@@ -138,6 +141,8 @@ class LimitsSection:
     max_tokens: int | None = None  # per request; None -> scheduler.max_context - 1
     max_queue: int = 64
     request_timeout_s: float = 600.0  # 0: no timeout
+    step_timeout_s: float = 120.0  # a worker step's deadline floor (grows with its size)
+    body_timeout_s: float = 30.0  # an HTTP request must arrive whole within it
 
     def __post_init__(self) -> None:
         if self.max_prompt_tokens is not None:
@@ -146,6 +151,8 @@ class LimitsSection:
             check_int("limits.max_tokens", self.max_tokens, 1)
         check_int("limits.max_queue", self.max_queue, 0)
         check_num("limits.request_timeout_s", self.request_timeout_s, 0)
+        check_num("limits.step_timeout_s", self.step_timeout_s, 1)
+        check_num("limits.body_timeout_s", self.body_timeout_s, 1)
 
 
 @dataclass(frozen=True)
@@ -184,9 +191,19 @@ class ExpertsSection:
     # split: per-layer router counts (`tandem expert-stats`); the GPU keeps the most-picked
     # experts, the CPU gets the rest. None: the last expert ids go to the CPU
     hot_experts: Path | None = None
+    # how much of the GPU Tandem may use, in GiB (2**30 bytes); None: the whole device on
+    # CuPy, no limit on NumPy. With placement = "split" and no cpu_experts_per_layer, the
+    # memory plan (gpu_worker/memory_plan.py) keeps as many experts on the GPU as fit
+    gpu_memory_gb: float | None = None
 
     def __post_init__(self) -> None:
         check_str("experts.placement", self.placement, PLACEMENTS)
+        if self.gpu_memory_gb is not None:
+            check_num("experts.gpu_memory_gb", self.gpu_memory_gb, -math.inf)
+            if self.gpu_memory_gb <= 0:
+                fail("experts.gpu_memory_gb", "must be > 0 (leave it out for the whole device)",
+                     self.gpu_memory_gb)
+            object.__setattr__(self, "gpu_memory_gb", float(self.gpu_memory_gb))
         check_str("experts.cpu_isa", self.cpu_isa, CPU_ISAS)
         if self.hot_experts is not None:
             check_path("experts.hot_experts", self.hot_experts)
@@ -196,9 +213,11 @@ class ExpertsSection:
                 fail("experts.hot_experts", "must be an existing file (`tandem expert-stats` "
                       "writes one)", str(self.hot_experts))
         check_int("experts.cpu_experts_per_layer", self.cpu_experts_per_layer, 0)
-        if self.placement == "split" and self.cpu_experts_per_layer < 1:
-            fail("experts.cpu_experts_per_layer", "must be >= 1 with placement = 'split'",
-                  self.cpu_experts_per_layer)
+        if (self.placement == "split" and self.cpu_experts_per_layer < 1
+                and self.gpu_memory_gb is None):
+            fail("experts.cpu_experts_per_layer", "must be >= 1 with placement = 'split' (or "
+                 "set experts.gpu_memory_gb and the memory plan chooses)",
+                 self.cpu_experts_per_layer)
         check_int("experts.cpu_workers", self.cpu_workers, 0, 64)
         cores = self.cpu_cores
         if not isinstance(cores, tuple) or not all(

@@ -52,7 +52,9 @@ async def events(request: web.Request, handle: RequestHandle,
             if done:
                 event, pending = pending.result(), None
                 yield event
-            elif request.transport is None or request.transport.is_closing():
+            # NOTE: checked after every event too: a busy request must notice its client left
+            if not handle.done and (request.transport is None
+                                    or request.transport.is_closing()):
                 raise ClientGone
             if loop.time() > deadline and not handle.done:
                 raise RequestTimeout(f"the request timed out after {timeout_s:g} s")
@@ -84,11 +86,12 @@ def _finished(start: float, finish_reason: str | None, usage: dict[str, Any]) ->
 
 
 async def collect(request: web.Request, handle: RequestHandle, fmt: Formatter, n_prompt: int,
-                  timeout_s: float, tools: bool = False,
+                  timeout_s: float, tools: frozenset[str] | None = None,
                   reasoning: bool = False) -> web.Response:
-    """The whole answer as one JSON object (ApiError when the request failed). With `tools`,
-    tool-call blocks of a completed answer become `tool_calls`; with `reasoning` (chat), a
-    leading <think> block becomes `reasoning_content`."""
+    """The whole answer as one JSON object (ApiError when the request failed). With `tools`
+    (the names of the functions offered), tool-call blocks of a completed answer that call
+    one of them become `tool_calls`; with `reasoning` (chat), a leading <think> block becomes
+    `reasoning_content`."""
     start, texts, count, last = time.monotonic(), [], 0, None
     try:
         async with contextlib.aclosing(events(request, handle, timeout_s)) as stream:
@@ -108,13 +111,13 @@ async def collect(request: web.Request, handle: RequestHandle, fmt: Formatter, n
     if reasoning and fmt.kind == "chat":
         thought, text = split_reasoning(text)
     if tools and finish == "stop":
-        text, calls = parse_tool_calls(text)
+        text, calls = parse_tool_calls(text, tools)
         finish = "tool_calls" if calls else finish
     return web.json_response(fmt.response(text, finish, usage, calls, thought))
 
 
 async def stream(request: web.Request, handle: RequestHandle, fmt: Formatter, n_prompt: int,
-                 timeout_s: float, include_usage: bool, tools: bool = False,
+                 timeout_s: float, include_usage: bool, tools: frozenset[str] | None = None,
                  reasoning: bool = False) -> web.StreamResponse:
     """Server-sent events. Errors after the headers went out become an error event. With
     `tools`, text from a `<tool_call>` tag on is held back and sent as `tool_calls`; with
@@ -128,7 +131,7 @@ async def stream(request: web.Request, handle: RequestHandle, fmt: Formatter, n_
         await response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
 
     start, count = time.monotonic(), 0
-    calls = ToolCallStream() if tools else None
+    calls = ToolCallStream(tools) if tools else None
     thought = ReasoningStream() if reasoning and fmt.kind == "chat" else None
 
     async def send_text(pieces: list[tuple[str, str]]) -> None:

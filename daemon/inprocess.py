@@ -17,18 +17,21 @@ from pathlib import Path
 import numpy as np
 
 from daemon.config import Config, ConfigError, default_model
+from daemon.lifecycle import worker_config
 from daemon.tokenizer import Tokenizer, TokenizerError
 from gpu_worker.backend import get_xp
 from gpu_worker.engine import Engine
-from gpu_worker.expert_stats import count_routing, save_counts
+from gpu_worker.expert_stats import count_routing, load_counts, save_counts
 from gpu_worker.loader import (
     CheckpointError,
     load_checkpoint,
     load_config,
     load_generation_config,
 )
+from gpu_worker.memory_parts import device_memory_bytes
+from gpu_worker.memory_plan import PlanError, describe, plan_for_worker
 from gpu_worker.model.model import Model
-from gpu_worker.model_config import ModelConfigError
+from gpu_worker.model_config import ModelConfig, ModelConfigError
 from protocol.messages import SamplingParams
 
 
@@ -47,9 +50,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
-def check_model(config: Config) -> None:
+class PlanRefused(ConfigError):
+    """The memory plan does not fit; ``lines`` describe the refused plan."""
+
+    def __init__(self, message: str, lines: list[str]) -> None:
+        super().__init__(message)
+        self.lines = lines
+
+
+def check_model(config: Config) -> list[str]:
     """The model directory must hold a config.json the loader accepts, and the config must
-    fit that model (ConfigError naming the key otherwise)."""
+    fit that model (ConfigError naming the key otherwise) and the memory (PlanRefused).
+    Returns the memory plan's lines; reads no weight."""
     try:
         model = load_config(config.model.path)
     except CheckpointError as exc:
@@ -66,6 +78,31 @@ def check_model(config: Config) -> None:
         raise ConfigError(f"experts.cpu_experts_per_layer: must be < the model's "
                           f"{model.num_experts} experts per layer with placement = 'split' "
                           f"(use placement = 'cpu' for all), got {cpu}")
+    return _memory_plan(config, model)
+
+
+def _memory_plan(config: Config, model: ModelConfig) -> list[str]:
+    """The worker's memory plan for `config` (gpu_worker/memory_plan.py), made from the
+    model's config.json alone, as lines; PlanRefused if it cannot fit."""
+    worker = worker_config(config)
+    backend = config.model.backend
+    if backend == "auto":
+        backend = "cupy" if device_memory_bytes() is not None else "numpy"
+    note = []
+    if backend == "cupy" and worker.gpu_memory_gb is None and device_memory_bytes() is None:
+        note = ["GPU budget: the whole device, but no CUDA device is visible here: the GPU "
+                "side is not checked"]
+    hot = None
+    if config.experts.hot_experts is not None:
+        try:
+            hot = load_counts(config.experts.hot_experts, model)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    try:
+        plan = plan_for_worker(worker, model, backend=backend, hot_counts=hot)
+    except PlanError as exc:
+        raise PlanRefused(str(exc), note + describe(exc.plan)) from None
+    return note + describe(plan)
 
 
 # ---- the commands ---------------------------------------------------------------------------

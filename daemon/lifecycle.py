@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import os
 import signal
 import sys
+
+import zmq
 
 from daemon import systemd
 from daemon.api_http import API, make_app, start_site
@@ -15,6 +18,7 @@ from daemon.config import Config
 from daemon.logs import configure_logging, get_logger
 from daemon.metrics import Metrics
 from daemon.prefix_cache import PrefixCache
+from daemon.run_dir import RunDirError, open_lock, secure_run_dir
 from daemon.scheduler import Scheduler
 from daemon.tokenizer import Tokenizer, TokenizerError
 from daemon.worker_client import WorkerDied, WorkerProcess
@@ -37,22 +41,40 @@ def worker_config(config: Config) -> WorkerConfig:
                         placement=e.placement, cpu_experts_per_layer=e.cpu_experts_per_layer,
                         cpu_workers=e.num_cpu_workers,
                         cpu_cores=tuple(tuple(g) for g in e.cpu_cores),
-                        cpu_isa=e.cpu_isa, hot_experts=str(e.hot_experts or ""))
+                        cpu_isa=e.cpu_isa, hot_experts=str(e.hot_experts or ""),
+                        gpu_memory_gb=e.gpu_memory_gb, prefill_chunk=sched.prefill_chunk,
+                        max_drafts=0 if config.speculation.mode == "off"
+                        else config.speculation.num_drafts)
 
 
 def serve(config: Config) -> int:
     configure_logging(config.logging.level, config.logging.json,
                       log_prompts=config.logging.log_prompts)
     run_dir = config.server.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with open(run_dir / "daemon.lock", "w") as lock:
+    try:
+        secure_run_dir(run_dir)
+        lock = open_lock(run_dir / "daemon.lock")
+    except RunDirError as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return 2
+    try:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             print(f"tandem: error: another tandem daemon uses run_dir {run_dir} "
                   f"(set [server] run_dir to serve a second one)", file=sys.stderr)
             return 2
-        return asyncio.run(Daemon(config).main())
+        try:
+            return asyncio.run(Daemon(config).main())
+        except ListenError as exc:
+            print(f"tandem: error: {exc}", file=sys.stderr)
+            return 2
+    finally:
+        os.close(lock)
+
+
+class ListenError(RuntimeError):
+    """An API cannot listen where the configuration says (e.g. the port is in use)."""
 
 
 class Daemon:
@@ -85,8 +107,12 @@ class Daemon:
         the prefix cache's share of the KV pool, vocabulary and sampling defaults."""
         if self.tokenizer is None:
             self.scheduler.eos_ids = frozenset(info.eos_token_ids)
+        self.scheduler.vocab_size = info.vocab_size
         kv = info.kv
-        self.scheduler.prefix = (PrefixCache(kv.prefix_blocks, kv.block_size)
+        budget = self.config.scheduler.prefix_cache_max_mb * 2**20
+        self.scheduler.prefix = (PrefixCache(kv.prefix_blocks, kv.block_size,
+                                             block_bytes=kv.block_bytes,
+                                             state_bytes=kv.state_bytes, max_bytes=budget)
                                  if kv.prefix_blocks else None)
         for api in self.apis:
             api.worker_ready(info)
@@ -100,8 +126,19 @@ class Daemon:
             loop.add_signal_handler(sig, self.stopping.set)
         app = make_app(self.scheduler, self.tokenizer, self.config, self.metrics,
                        worker_health=self.worker_health)
-        http = await start_site(app, self.config)
-        zmq_api = ZmqApi(self.config, self.scheduler, self.tokenizer)
+        server = self.config.server
+        try:
+            http = await start_site(app, self.config)
+        except OSError as exc:
+            raise ListenError(f"cannot listen on {server.host}:{server.port}: "
+                              f"{exc.strerror or exc} (set [server] port, or stop what uses "
+                              f"it)") from None
+        try:
+            zmq_api = ZmqApi(self.config, self.scheduler, self.tokenizer)
+        except zmq.ZMQError as exc:
+            await http.cleanup()
+            raise ListenError(f"cannot listen on {server.zmq_endpoint or 'the client socket'}"
+                              f": {exc}") from None
         self.apis = [app[API], zmq_api]
         zmq_task = asyncio.create_task(zmq_api.serve())
         log.info("http api listening", host=self.config.server.host,
@@ -114,6 +151,10 @@ class Daemon:
         stop = asyncio.create_task(self.stopping.wait())
         await asyncio.wait({supervisor, stop}, return_when=asyncio.FIRST_COMPLETED)
         status = 0 if self.stopping.is_set() else 1
+        if supervisor.done() and not supervisor.cancelled() and supervisor.exception():
+            exc = supervisor.exception()
+            log.error("the gpu worker cannot be served", error=str(exc),
+                      exc_info=None if isinstance(exc, WorkerDied) else exc)
         # ordered shutdown: tell systemd, stop taking requests, stop the worker, close sockets
         systemd.notify(stopping=True, status="stopping")
         log.info("shutting down")
@@ -133,7 +174,8 @@ class Daemon:
         """Start the worker, serve until it dies, restart it; fail only if it never starts."""
         failures, announced = 0, False
         while not self.stopping.is_set():
-            self.worker = WorkerProcess(worker_config(self.config))
+            self.worker = WorkerProcess(worker_config(self.config),
+                                        step_floor_s=self.config.limits.step_timeout_s)
             try:
                 ready = await self.worker.start()
             except WorkerDied as exc:
@@ -155,9 +197,28 @@ class Daemon:
             if not announced:
                 systemd.notify(ready=True, status="serving")
                 announced = True
-            await self.scheduler.run()  # returns when the worker died
+            await self.serve_worker(self.worker)  # returns when the worker died or hung
             await self.worker.kill()
             if self.stopping.is_set():
                 return
             self.metrics.worker_restarted("gpu_worker")
             log.warning("restarting the gpu worker")
+
+    async def serve_worker(self, worker: WorkerProcess) -> None:
+        """The scheduler's loop beside the worker's watch; returns when the worker died,
+        hung or broke (in-flight requests have been failed with the reason)."""
+        run = asyncio.create_task(self.scheduler.run())
+        watch = asyncio.create_task(worker.watch())
+        await asyncio.wait({run, watch}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (run, watch):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        error = None if watch.cancelled() else watch.exception()
+        if run.done() and not run.cancelled() and run.exception() is not None:
+            error = run.exception()  # a fault of the loop itself: log it, restart
+            log.error("scheduler loop failed", error=repr(error), exc_info=error)
+        elif error is not None:
+            log.error("gpu worker died", error=str(error))
+        if self.scheduler.worker is not None:  # the loop did not detach: fail in-flight work
+            self.scheduler.detach(f"the model worker died: {error}")

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 import structlog
+from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
 
 TEXT_KEYS = frozenset({"prompt", "prompt_text", "messages", "text", "completion", "output",
                        "stop", "tools"})
@@ -81,3 +83,16 @@ def bind_request(request_id: str, **fields: Any) -> Iterator[None]:
         yield
     finally:
         structlog.contextvars.reset_contextvars(**tokens)
+
+
+class AccessLog(AbstractAccessLogger):
+    """aiohttp's access log as one structured line per HTTP request, with the request id
+    the answer carries in X-Request-Id."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse,
+            time: float) -> None:
+        get_logger("tandem.access").info(
+            "http_access", request_id=response.headers.get("X-Request-Id"),
+            peer=request.remote, method=request.method, path=request.path,
+            status=response.status, bytes=response.body_length, seconds=round(time, 4),
+            user_agent=request.headers.get("User-Agent"))

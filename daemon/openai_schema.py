@@ -256,9 +256,11 @@ def _message(m: Any, where: str) -> dict[str, Any]:
     if calls is not None:
         if role != "assistant" or not isinstance(calls, list) or not all(
                 isinstance(c, dict) and isinstance(c.get("function"), dict)
-                and isinstance(c["function"].get("name"), str) for c in calls):
+                and isinstance(c["function"].get("name"), str)
+                and isinstance(c["function"].get("arguments"), str | dict) for c in calls):
             raise bad(f"{where}.tool_calls", f"{where}.tool_calls must be a list of "
-                      f"{{\"function\": {{\"name\", \"arguments\"}}}} on an assistant message")
+                      f"{{\"function\": {{\"name\": string, \"arguments\": JSON string or "
+                      f"object}}}} on an assistant message")
         out["tool_calls"] = calls
     return out
 

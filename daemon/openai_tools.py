@@ -5,7 +5,8 @@
     </tool_call>
 
 become OpenAI `tool_calls` entries. Only for requests that sent `tools`. A block that is not
-valid JSON with a string "name" stays in the content untouched.
+valid JSON with a string "name", or that calls a function the request did not offer in
+`tools`, is not a tool call: it stays in the content untouched.
 """
 
 from __future__ import annotations
@@ -13,19 +14,22 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Collection
 from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """(content without the parsed blocks, tool calls); (text, []) when there are none."""
+def parse_tool_calls(text: str, names: Collection[str] | None = None,
+                     ) -> tuple[str, list[dict[str, Any]]]:
+    """(content without the parsed blocks, tool calls); (text, []) when there are none.
+    `names`: the functions that may be called (None: any)."""
     calls: list[dict[str, Any]] = []
 
     def take(match: re.Match[str]) -> str:
         call = _call(match.group(1))
-        if call is None:
+        if call is None or (names is not None and call["function"]["name"] not in names):
             return match.group(0)
         calls.append(call)
         return ""
@@ -52,7 +56,8 @@ class ToolCallStream:
     """Streamed text -> content that can go out now; text from the first `<tool_call>` on is
     held back (as is a tail that may be the start of one) until `finish()` parses it."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: Collection[str] | None = None) -> None:
+        self.names = names
         self.held = ""
         self.in_call = False
 
@@ -75,4 +80,4 @@ class ToolCallStream:
         """(content still to send, tool calls) at the end of the stream; `parse=False` (an
         answer cut short) sends the held text as it is."""
         held, self.held = self.held, ""
-        return parse_tool_calls(held) if parse else (held, [])
+        return parse_tool_calls(held, self.names) if parse else (held, [])

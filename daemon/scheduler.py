@@ -22,7 +22,6 @@ import structlog
 
 from daemon.metrics import Metrics, NullMetrics, StepStats
 from daemon.prefix_cache import PrefixCache
-from daemon.proposers.suffix import SuffixProposer
 from daemon.request import (
     EngineUnavailable,
     GenerationRequest,
@@ -30,7 +29,7 @@ from daemon.request import (
     RequestHandle,
     RequestRejected,
 )
-from daemon.sequence import Sequence
+from daemon.sequence import Sequence, slot_status
 from daemon.worker_client import WorkerDied, WorkerStepError
 from protocol.messages import (
     CacheOp,
@@ -41,6 +40,7 @@ from protocol.messages import (
     StepResult,
     WorkKind,
     token_array,
+    vocab_error,
 )
 
 if TYPE_CHECKING:
@@ -82,6 +82,7 @@ class Scheduler:
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(eos_ids)
+        self.vocab_size: int | None = None  # the worker's (READY); prompt ids must be below
         self.metrics: Metrics | NullMetrics = metrics if metrics is not None else NullMetrics()
         self.prefix = PrefixCache(prefix_blocks, block_size) if prefix_blocks else None
         self.worker: StepWorker | None = None  # set by attach()
@@ -104,6 +105,9 @@ class Scheduler:
             raise EngineUnavailable("the model worker is not ready")
         if not req.prompt_ids:
             raise RequestRejected("the prompt is empty")
+        bad_ids = vocab_error(req.prompt_ids, self.vocab_size)
+        if bad_ids is not None:  # the worker would fail on it: refuse it here, whoever sent it
+            raise RequestRejected(bad_ids)
         total = len(req.prompt_ids) + req.max_tokens
         if total > self.max_context:
             raise RequestRejected(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens "
@@ -132,14 +136,7 @@ class Scheduler:
 
     def snapshot(self) -> dict:
         """What every slot is doing (GET /v1/slots)."""
-        slots = []
-        for i, seq in enumerate(self.slots):
-            slots.append({"slot": i, "request_id": seq.req.request_id if seq else None,
-                          "phase": seq.phase if seq else "idle",
-                          "prompt_tokens": len(seq.prompt) if seq else 0,
-                          "processed": min(seq.processed, len(seq.prompt)) if seq else 0,
-                          "cached": seq.cached if seq else 0,
-                          "generated": len(seq.generated) if seq else 0})
+        slots = [slot_status(i, seq) for i, seq in enumerate(self.slots)]
         return {"ready": self.ready, "queue_depth": len(self.queue), "slots": slots}
 
     # ---- the step loop -------------------------------------------------------------------
@@ -160,14 +157,20 @@ class Scheduler:
                 self._finish(seq, "error", error)
         heapq.heapify(self.queue)
         self._ops.clear()
-        self.prefix = PrefixCache(self.prefix.max_blocks, self.prefix.block_size) \
-            if self.prefix else None
+        self.prefix = self.prefix.emptied() if self.prefix else None
 
     async def run(self) -> None:
-        """Plan, run, commit until cancelled; returns when the worker dies."""
+        """Plan, run, commit until cancelled; returns when the worker dies or is broken (any
+        unexpected error of the worker link), for the supervisor to restart it. A fault in
+        one request's data fails that request only; one of a whole step, its requests."""
         while self.worker is not None:
             t_plan = time.monotonic()
-            plan = self.plan()
+            try:
+                plan = self.plan()
+            except Exception:  # a bug of ours that no single request explains
+                log.exception("planning failed")
+                self._fail_plan(None, "internal error while planning the step")
+                continue
             if not plan.slots and not plan.cache_ops:
                 self._wake.clear()
                 await self._wake.wait()
@@ -183,7 +186,15 @@ class Scheduler:
                 log.error("gpu worker died", error=str(exc))
                 self.detach(f"the model worker died: {exc}")
                 return
-            self.commit(plan, result, time.monotonic() - t0, t_plan)
+            except Exception as exc:
+                log.exception("gpu worker link broken", step=plan.step_id)
+                self.detach(f"the model worker failed: {type(exc).__name__}: {exc}")
+                return
+            try:
+                self.commit(plan, result, time.monotonic() - t0, t_plan)
+            except Exception:
+                log.exception("commit failed", step=plan.step_id)
+                self._fail_plan(plan, "internal error while committing the step")
 
     def plan(self) -> StepPlan:
         """The next step: cancellations, preemption and admission as cache ops, then one
@@ -202,8 +213,14 @@ class Scheduler:
         # plan, after this plan's checkpoints (which they may name) exist on the worker
         ops, self._ops = self._ops, []
         after: list[CacheOp] = []
-        work = [self._work_for(slot, seq, after) for slot, seq in enumerate(self.slots)
-                if seq is not None]
+        work = []
+        for slot, seq in enumerate(self.slots):
+            if seq is None:
+                continue
+            try:
+                work.append(self._work_for(slot, seq, after))
+            except Exception as exc:  # this request's data is bad: it alone fails
+                self._fail_request(slot, seq, exc)
         self._step_id += 1
         drafted = sum(1 for w in work if len(w.draft_ids))
         # wide: 2-4 drafted slots verified in one pass; narrow (and wide otherwise): one each
@@ -233,7 +250,11 @@ class Scheduler:
             if not res.token_ids:
                 continue
             emitted += len(res.token_ids)
-            event = seq.add_tokens(res.token_ids)
+            try:
+                event = seq.add_tokens(res.token_ids)
+            except Exception as exc:  # e.g. its detokenizer: this request alone fails
+                self._fail_request(work.slot, seq, exc)
+                continue
             self._observe_latency(seq, now)
             if event is not None:
                 seq.handle.push(event)
@@ -276,21 +297,8 @@ class Scheduler:
                         needs_logits=end == target, **common)
 
     def _drafts(self, seq: Sequence) -> list[int]:
-        """Draft tokens to verify after ``seq``'s next decode row: at most num_drafts, and
-        never more than the request may still emit after the row's own token or the context
-        can hold."""
-        spec = self.speculation
-        if spec is None:
-            return []
-        room = min(spec.num_drafts, seq.req.max_tokens - len(seq.generated) - 1,
-                   self.max_context - seq.processed - 1)
-        if spec.proposer == "mtp":  # the worker's MTP head proposed them with the last result
-            return seq.mtp_drafts[:max(room, 0)]
-        if seq.proposer is None:
-            seq.proposer = SuffixProposer(spec.min_match, spec.max_match)
-        total = len(seq.prompt) + len(seq.generated)
-        seq.proposer.extend(seq.tokens(len(seq.proposer), total))
-        return seq.proposer.propose(room)
+        """Draft tokens to verify after ``seq``'s next decode row (tests swap in an oracle)."""
+        return seq.drafts(self.speculation, self.max_context)
 
     def _checkpoint(self, slot: int, tokens: list[int], after: list[CacheOp]) -> None:
         if self.prefix.contains(tokens) or not self.prefix.fits(len(tokens)):
@@ -365,12 +373,19 @@ class Scheduler:
         self.metrics.request_finished(seq.finished, len(seq.prompt), len(seq.generated),
                                       seq.cached)
 
-    def _fail_plan(self, plan: StepPlan, error: str) -> None:
-        for work in plan.slots:
-            seq = self.slots[work.slot]
+    def _fail_plan(self, plan: StepPlan | None, error: str) -> None:
+        """Fail the plan's requests (None: every running request)."""
+        for slot in [w.slot for w in plan.slots] if plan else range(self.max_slots):
+            seq = self.slots[slot]
             if seq is not None:
                 self._finish(seq, "error", error)
-                self._release(work.slot)
+                self._release(slot)
+
+    def _fail_request(self, slot: int, seq: Sequence, exc: Exception) -> None:
+        log.error("request failed", request_id=seq.req.request_id, error=repr(exc),
+                  exc_info=exc)
+        self._finish(seq, "error", f"internal error: {type(exc).__name__}: {exc}")
+        self._release(slot)
 
     def _observe_latency(self, seq: Sequence, now: float) -> None:
         if seq.t_last is None:

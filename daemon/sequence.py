@@ -10,7 +10,18 @@ from daemon.proposers.suffix import SuffixProposer
 from daemon.request import GenerationRequest, RequestEvent, RequestHandle, Usage
 
 if TYPE_CHECKING:
+    from daemon.config import SpeculationSection
     from daemon.tokenizer import IncrementalDetokenizer
+
+
+def slot_status(slot: int, seq: Sequence | None) -> dict:
+    """One slot's row of GET /v1/slots."""
+    return {"slot": slot, "request_id": seq.req.request_id if seq else None,
+            "phase": seq.phase if seq else "idle",
+            "prompt_tokens": len(seq.prompt) if seq else 0,
+            "processed": min(seq.processed, len(seq.prompt)) if seq else 0,
+            "cached": seq.cached if seq else 0,
+            "generated": len(seq.generated) if seq else 0}
 
 
 @dataclasses.dataclass(eq=False)
@@ -62,6 +73,22 @@ class Sequence:
     def token_at(self, pos: int) -> int:
         n = len(self.prompt)
         return self.prompt[pos] if pos < n else self.generated[pos - n]
+
+    def drafts(self, spec: SpeculationSection | None, max_context: int) -> list[int]:
+        """Draft tokens to verify after the next decode row: at most num_drafts, and never
+        more than the request may still emit after the row's own token or the context can
+        hold."""
+        if spec is None:
+            return []
+        room = min(spec.num_drafts, self.req.max_tokens - len(self.generated) - 1,
+                   max_context - self.processed - 1)
+        if spec.proposer == "mtp":  # the worker's MTP head proposed them with the last result
+            return self.mtp_drafts[:max(room, 0)]
+        if self.proposer is None:
+            self.proposer = SuffixProposer(spec.min_match, spec.max_match)
+        total = len(self.prompt) + len(self.generated)
+        self.proposer.extend(self.tokens(len(self.proposer), total))
+        return self.proposer.propose(room)
 
     def add_tokens(self, ids: list[int]) -> RequestEvent | None:
         """Append sampled tokens; returns the event to emit (None when nothing is new)."""

@@ -9,6 +9,8 @@ sandboxed Jinja2 environment configured like transformers', and reads EOS ids fr
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -48,6 +50,7 @@ class Tokenizer:
             tok.content: i for i, tok in sorted(backend.get_added_tokens_decoder().items())
             if tok.special}
         self.chat_template = chat_template
+        self._plain: tokenizers.Tokenizer | None = None  # encode_plain's copy (lazily)
         self._template = _compile(chat_template, source) if chat_template is not None else None
 
     @classmethod
@@ -88,7 +91,37 @@ class Tokenizer:
         return self.backend.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`; special-token text (e.g. `<|im_start|>`) becomes that token."""
+        return self.backend.encode(_valid(text), add_special_tokens=False).ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` with special-token text encoded as ordinary text."""
+        if self._plain is None:
+            self._plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
+            self._plain.encode_special_tokens = True
+        return self._plain.encode(_valid(text), add_special_tokens=False).ids
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], *,
+                    tools: Sequence[dict[str, Any]] | None = None,
+                    enable_thinking: bool | None = None) -> list[int]:
+        """The prompt ids of a chat (generation prompt added). Special-token text that the
+        client typed (in contents, names, tool calls, tool definitions) stays text: it
+        cannot open a turn or a role of its own (role injection)."""
+        found: list[str] = []
+        nonce = secrets.token_hex(4)
+        defuse = _Defuser(self.special_tokens, nonce, found)
+        text = self.apply_chat_template(defuse(list(messages)), add_generation_prompt=True,
+                                        tools=defuse(list(tools)) if tools else None,
+                                        enable_thinking=enable_thinking)
+        if not found:
+            return self.encode(text)
+        ids: list[int] = []
+        for i, piece in enumerate(re.split(f"\ue000{nonce}:(\\d+)\ue001", text)):
+            if i % 2:  # a marker: the special-token text it stands for, as text
+                ids += self.encode_plain(found[int(piece)])
+            elif piece:
+                ids += self.encode(piece)
+        return ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -121,6 +154,48 @@ class Tokenizer:
             return self._template.render(**context)
         except jinja2.TemplateError as exc:
             raise TokenizerError(f"{self.source}: chat template error: {exc}") from None
+        except (TypeError, ValueError, LookupError, AttributeError) as exc:
+            # the template met a value of a shape it cannot render (e.g. a missing field)
+            raise TokenizerError(f"the chat template cannot render these messages: "
+                                 f"{type(exc).__name__}: {exc}") from None
+
+
+class _Defuser:
+    """Copies of messages/tools in which every special-token text inside a string is
+    replaced by a marker `\ue000<nonce>:<k>\ue001` (found[k] is the text it stands for)."""
+
+    def __init__(self, specials: dict[str, int], nonce: str, found: list[str]) -> None:
+        self.nonce, self.found = nonce, found
+        self.pattern = (re.compile("|".join(map(re.escape, sorted(specials, key=len,
+                                                                  reverse=True))))
+                        if specials else None)
+
+    def __call__(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return self.pattern.sub(self._mark, value) if self.pattern else value
+        if isinstance(value, dict):
+            return {k: self(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self(v) for v in value]
+        return value
+
+    def _mark(self, match: re.Match[str]) -> str:
+        self.found.append(match.group(0))
+        return f"\ue000{self.nonce}:{len(self.found) - 1}\ue001"
+
+
+def _valid(text: str) -> str:
+    """`text`, if it can be encoded (UTF-8); TokenizerError for an unpaired surrogate."""
+    if not isinstance(text, str):
+        raise TokenizerError(f"expected text, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start]
+        raise TokenizerError(f"the text contains an unpaired UTF-16 surrogate "
+                             f"(U+{ord(bad):04X} at character {exc.start}): it is not valid "
+                             f"Unicode") from None
+    return text
 
 
 class IncrementalDetokenizer:

@@ -20,11 +20,24 @@ from protocol.messages import (
     StepPlan,
     StepResult,
     WorkerError,
+    WorkKind,
 )
 from protocol.sockets import AsyncDaemonToWorker
 from protocol.worker_config import WorkerConfig
 
 READY_TIMEOUT_S = 300.0
+STEP_FLOOR_S = 120.0  # a step's deadline is never shorter (limits.step_timeout_s)
+PER_PROMPT_TOKEN_S = 0.02  # plus this per prefill token (a 50 tokens/s worst case)
+PER_ROW_S = 0.5  # plus this per decode row (input token or draft)
+WATCH_POLL_S = 0.5
+
+
+def step_deadline(plan: StepPlan, floor_s: float = STEP_FLOOR_S) -> float:
+    """Seconds the worker may take to answer `plan` (measured from the plan or the last
+    message heard, whichever is later): a generous floor (first-step compilation, swaps)
+    plus a share per prefill token and per decode row."""
+    prompt = sum(w.num_tokens for w in plan.slots if w.kind == WorkKind.PREFILL)
+    return floor_s + PER_PROMPT_TOKEN_S * prompt + PER_ROW_S * (plan.num_rows - prompt)
 
 
 class WorkerDied(RuntimeError):
@@ -50,8 +63,12 @@ class WorkerProcess:
     when the daemon last heard from the worker (`health()`), the rest wait for `step()`.
     """
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, step_floor_s: float = STEP_FLOOR_S) -> None:
         self.config = config
+        self.step_floor_s = step_floor_s  # also the longest idle silence (no heartbeat)
+        self._busy = False  # a step is in flight
+        self._idle_since = time.monotonic()
+        self._exit: asyncio.Future | None = None  # proc.wait()
         self.proc: asyncio.subprocess.Process | None = None
         self.sock: AsyncDaemonToWorker | None = None
         self.ready: ReadyMsg | None = None
@@ -100,6 +117,7 @@ class WorkerProcess:
             raise WorkerDied(f"GPU worker speaks protocol {msg.protocol_version}, the daemon "
                              f"{PROTOCOL_VERSION}")
         self.ready = msg
+        self._idle_since = time.monotonic()
         return msg
 
     async def step(self, plan: StepPlan) -> StepResult:
@@ -110,7 +128,11 @@ class WorkerProcess:
             await self.sock.send(plan, timeout=10)
         except TimeoutError:
             raise WorkerDied("the GPU worker does not take plans") from None
-        msg = await self._next(None)
+        self._busy = True
+        try:
+            msg = await self._reply(plan)
+        finally:
+            self._busy, self._idle_since = False, time.monotonic()
         if isinstance(msg, WorkerError):
             if msg.fatal:
                 await self.kill()
@@ -120,6 +142,36 @@ class WorkerProcess:
             await self.kill()
             raise WorkerDied(f"GPU worker answered step {plan.step_id} with {msg!r:.80}")
         return msg
+
+    async def _reply(self, plan: StepPlan) -> Any:
+        """The answer to `plan`; a worker silent past the step's deadline is hung: killed,
+        WorkerDied."""
+        budget = step_deadline(plan, self.step_floor_s)
+        start = time.monotonic()
+        while True:
+            left = max(start, self.last_heard or start) + budget - time.monotonic()
+            if left <= 0:
+                await self.kill()
+                raise WorkerDied(f"the GPU worker hung: no answer to step {plan.step_id} "
+                                 f"({plan.num_rows} rows) within {budget:.0f} s; restarting it")
+            with contextlib.suppress(TimeoutError):
+                return await self._next(left)
+
+    async def watch(self) -> None:
+        """Raises WorkerDied when the process exits, or when it is idle and silent (no
+        heartbeat) for longer than step_floor_s (it is killed then); a step's own deadline
+        is step()'s. Runs beside the scheduler's loop."""
+        while True:
+            if self._exit is None:
+                self._exit = asyncio.ensure_future(self.proc.wait())
+            done, _ = await asyncio.wait({self._exit}, timeout=WATCH_POLL_S)
+            if done:
+                raise WorkerDied(f"the GPU worker exited with status {self.proc.returncode}")
+            silent = time.monotonic() - max(self.last_heard or 0.0, self._idle_since)
+            if not self._busy and silent > self.step_floor_s:
+                await self.kill()
+                raise WorkerDied(f"the GPU worker hung: no heartbeat for {silent:.0f} s; "
+                                 f"restarting it")
 
     async def _read(self, sock: AsyncDaemonToWorker) -> None:
         while True:
@@ -174,6 +226,8 @@ class WorkerProcess:
         await self._close_socket()
 
     async def _close_socket(self) -> None:
+        if self._exit is not None and not self._exit.done():
+            self._exit.cancel()
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -6,57 +6,70 @@ The CLI uses it directly; the GPU worker process drives the same pieces from Ste
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from gpu_worker.backend import get_xp, to_numpy
-from gpu_worker.loader import load_checkpoint
+from gpu_worker.experts.split import ExpertSplit, plan_split
+from gpu_worker.kernels.bf16 import BF16
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.model import Caches, ForwardOut, Model
 from gpu_worker.sampling import sample
+from gpu_worker.weights.checkpoint import CheckpointSource
+from gpu_worker.weights.source import WeightSource
+from gpu_worker.weights.stream import CHUNK_BYTES, Log, stream_load
 from protocol.messages import SamplingParams
 
 if TYPE_CHECKING:  # numba, imported only where some experts run on CPU workers
     from gpu_worker.experts.placement import ExpertPlacement
 
-DTYPES = {"float32": np.float32, "float64": np.float64}
+# bfloat16: weight matrices stored in bf16, computed in float32 (gpu_worker/model/ops.py);
+# its checkpoint is read as float32 (exact for a bf16 checkpoint) and rounded at upload
+DTYPES = {"float32": np.float32, "float64": np.float64, "bfloat16": BF16}
+HOST_DTYPES = {**DTYPES, "bfloat16": np.float32}
 
 
-def load_model(path: str | Path, *, dtype: str = "float32", backend: str = "numpy",
-               exact: bool | None = None, placement: str = "gpu",
-               cpu_experts_per_layer: int = 0, cpu_workers: int = 0,
+def load_model(source: WeightSource | str | Path, *, dtype: str = "float32",
+               backend: str = "numpy", exact: bool | None = None, placement: str = "gpu",
+               cpu_experts_per_layer: int | Mapping[int, int] = 0, cpu_workers: int = 0,
                cpu_cores: list[list[int]] | None = None, cpu_isa: str = "auto",
-               hot_experts: str | Path | None = None) -> tuple[Model, ExpertPlacement | None]:
+               hot_experts: str | Path | None = None, expert_split: ExpertSplit | None = None,
+               progress: bool | None = None, log: Log | None = None,
+               chunk_bytes: int = CHUNK_BYTES) -> tuple[Model, ExpertPlacement | None]:
     """The model on its backend plus, unless ``placement`` is "gpu", the started CPU expert
     workers (an ExpertPlacement, gpu_worker/experts/placement.py, to be closed by the
-    caller). ``exact`` defaults to float64;
+    caller), streamed from ``source`` (a WeightSource, gpu_worker/weights/source.py, or a
+    checkpoint directory) one tensor or chunk of experts at a time
+    (gpu_worker/weights/stream.py). ``exact`` defaults to float64;
     ``cpu_isa`` picks the CPU expert kernels ("auto": ``$TANDEM_CPU_ISA`` or the best);
     ``hot_experts`` (split): a router counts file whose most-picked experts stay on the GPU
-    (gpu_worker/expert_stats.py)."""
+    (gpu_worker/expert_stats.py). ``expert_split``: which experts go where, decided by the
+    caller (a memory plan's experts per layer and order); None: from ``placement``,
+    ``cpu_experts_per_layer`` and ``hot_experts`` (gpu_worker/experts/split.py).
+    ``progress``: a tqdm bar on stderr (None: above 64 MB); ``log(event, **fields)``: one
+    line per load phase (None: the ``tandem.load`` logger)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    ckpt = load_checkpoint(path, dtype=DTYPES[dtype])
-    hot = None
-    if hot_experts is not None:
-        from gpu_worker.expert_stats import load_counts  # noqa: PLC0415
+    if not hasattr(source, "read"):
+        source = CheckpointSource(source)  # validated here, before any data is read
+    if expert_split is None:
+        hot = None
+        if hot_experts is not None:
+            from gpu_worker.expert_stats import load_counts  # noqa: PLC0415
 
-        if placement != "split":
-            raise ValueError("hot_experts needs placement 'split'")
-        hot = load_counts(hot_experts, ckpt.config)
+            if placement != "split":
+                raise ValueError("hot_experts needs placement 'split'")
+            hot = load_counts(hot_experts, source.config)
+        expert_split = plan_split(source.config, placement, cpu_experts_per_layer, hot)
     exact = (dtype == "float64") if exact is None else exact
-    model = Model(ckpt.config, ckpt.tensors, xp=get_xp(backend), dtype=DTYPES[dtype],
-                  exact=exact)
-    experts = None
-    if placement != "gpu":
-        from gpu_worker.experts.placement import ExpertPlacement  # noqa: PLC0415 (numba)
-
-        experts = ExpertPlacement.start(model, ckpt.tensors, placement=placement,
-                                        cpu_per_layer=cpu_experts_per_layer,
-                                        num_workers=cpu_workers, cores=cpu_cores,
-                                        isa=None if cpu_isa == "auto" else cpu_isa, hot=hot)
-    return model, experts
+    pool_options = {"num_workers": cpu_workers, "cores": cpu_cores,
+                    "isa": None if cpu_isa == "auto" else cpu_isa}
+    return stream_load(source, expert_split, xp=get_xp(backend), dtype=DTYPES[dtype],
+                       host_dtype=HOST_DTYPES[dtype], exact=exact, pool_options=pool_options,
+                       progress=progress, log=log, chunk_bytes=chunk_bytes)
 
 
 class Engine:
@@ -71,16 +84,20 @@ class Engine:
         self.caches: Caches = model.new_caches(max_slots, max_len, block_size)
 
     @classmethod
-    def from_dir(cls, path: str | Path, *, dtype: str = "float32", backend: str = "numpy",
-                 exact: bool | None = None, placement: str = "gpu",
+    def from_dir(cls, path: WeightSource | str | Path, *, dtype: str = "float32",
+                 backend: str = "numpy", exact: bool | None = None, placement: str = "gpu",
                  cpu_experts_per_layer: int = 0, cpu_workers: int = 0,
                  cpu_cores: list[list[int]] | None = None, cpu_isa: str = "auto",
-                 hot_experts: str | Path | None = None, **kwargs) -> Engine:
+                 hot_experts: str | Path | None = None, progress: bool | None = None,
+                 **kwargs) -> Engine:
+        """An engine over :func:`load_model` of ``path`` (a directory or a WeightSource);
+        ``kwargs`` go to the constructor."""
         model, experts = load_model(path, dtype=dtype, backend=backend, exact=exact,
                                     placement=placement,
                                     cpu_experts_per_layer=cpu_experts_per_layer,
                                     cpu_workers=cpu_workers, cpu_cores=cpu_cores,
-                                    cpu_isa=cpu_isa, hot_experts=hot_experts)
+                                    cpu_isa=cpu_isa, hot_experts=hot_experts,
+                                    progress=progress)
         return cls(model, placement=experts, **kwargs)
 
     def close(self) -> None:

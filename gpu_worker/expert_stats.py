@@ -34,6 +34,8 @@ class RouterCounter:
         self.model = model
         self.counts = {i: np.zeros(cfg.num_experts, np.int64)
                        for i in range(cfg.num_hidden_layers) if cfg.is_sparse(i)}
+        # per layer: [experts shared by consecutive rows, consecutive row pairs]
+        self.overlap = {i: np.zeros(2, np.int64) for i in self.counts}
 
     def moe_norm(self, x, weight, eps: float, zero_centered: bool):
         return self.model.ops.rms_norm(x, weight, eps, zero_centered=zero_centered), None
@@ -42,8 +44,10 @@ class RouterCounter:
         from gpu_worker.backend import to_numpy  # noqa: PLC0415
         from gpu_worker.model.moe import expert_stacks, experts_local  # noqa: PLC0415
 
-        self.counts[layer] += np.bincount(to_numpy(ids).reshape(-1),
+        host_ids = to_numpy(ids)
+        self.counts[layer] += np.bincount(host_ids.reshape(-1),
                                           minlength=self.model.cfg.num_experts)
+        self.overlap[layer] += consecutive_overlap(host_ids)  # rows: one sequence's tokens
         return experts_local(self.model.ops, *expert_stacks(self.model.layers[layer].mlp), x,
                              ids, weights)
 
@@ -54,9 +58,33 @@ class RouterCounter:
         return {}
 
 
+def consecutive_overlap(ids: np.ndarray) -> np.ndarray:
+    """[shared, pairs]: over consecutive rows of ``ids`` (int [R, k], one sequence's tokens
+    in order), how many experts row r shares with row r - 1, summed, and R - 1."""
+    ids = np.asarray(ids)
+    if len(ids) < 2:
+        return np.zeros(2, np.int64)
+    shared = (ids[1:, :, None] == ids[:-1, None, :]).any(axis=2).sum()
+    return np.array([shared, len(ids) - 1], np.int64)
+
+
+def routing_stats(model, chunks: list[np.ndarray]
+                  ) -> tuple[dict[int, np.ndarray], dict[int, float]]:
+    """:func:`count_routing`'s counts plus, per MoE layer, the mean fraction of a token's
+    k experts that the previous token of the same prompt also picked."""
+    counter = _run(model, chunks)
+    k = model.cfg.num_experts_per_tok
+    overlap = {i: float(o[0]) / max(1, int(o[1]) * k) for i, o in counter.overlap.items()}
+    return counter.counts, overlap
+
+
 def count_routing(model, chunks: list[np.ndarray]) -> dict[int, np.ndarray]:
     """Router picks per MoE layer over ``chunks`` of token ids, each run as one prompt from
     position 0: ``{layer: int64 [E]}``; every row adds its top-k experts once."""
+    return _run(model, chunks).counts
+
+
+def _run(model, chunks: list[np.ndarray]) -> RouterCounter:
     from gpu_worker.model.batch import RaggedBatch  # noqa: PLC0415
 
     counter = RouterCounter(model)
@@ -67,7 +95,7 @@ def count_routing(model, chunks: list[np.ndarray]) -> dict[int, np.ndarray]:
             model.forward(RaggedBatch.build([(0, 0, np.asarray(chunk, np.int64))]), caches,
                           np.asarray([len(chunk) - 1]), counter)
             caches.reset_slot(0)
-    return counter.counts
+    return counter
 
 
 def save_counts(path: str | Path, counts: dict[int, np.ndarray], *, model: str,

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -111,21 +112,89 @@ class SafetensorsFile:
         flat = self._map[info.begin:info.begin + info.nbytes].view(storage)
         return flat.reshape(info.shape)
 
-    def read(self, name: str, dtype: np.dtype | type = np.float32,
-             index: tuple[slice, ...] | None = None) -> np.ndarray:
-        """`name` (or the part `index` selects) converted to a float NumPy dtype, as a new
-        contiguous array; only the selected bytes are touched."""
+    def read(self, name: str, dtype: np.dtype | type = np.float32, *,
+             rows: Sequence[int] | None = None, part: slice | None = None) -> np.ndarray:
+        """`name` converted to a float NumPy dtype, as a new contiguous array.
+
+        ``rows`` picks entries of the first axis, in the given order (e.g. some experts of
+        a stacked [E, ...] tensor); ``part`` a contiguous range of the second axis (e.g. the
+        gate rows of gate_up_proj [E, 2I, H]). The bytes come by pread, never through a
+        mapping: they pass through the page cache but are not added to this process's
+        resident set, and only the selected bytes are read.
+        """
         info = self.tensors[name]
         if info.dtype not in FLOAT_DTYPES:
             raise SafetensorsError(f"{self.path}: tensor {name} has dtype {info.dtype}, "
                                    f"expected one of {', '.join(FLOAT_DTYPES)}")
-        raw = self.raw(name)
-        return to_float(raw if index is None else raw[index], info.dtype, dtype)
+        storage = STORAGE[info.dtype]
+        shape, runs = self._runs(info, rows, part)
+        # NOTE: read straight into the result when no conversion is needed
+        direct = info.dtype != "BF16" and storage == np.dtype(dtype).newbyteorder("<")
+        buf = np.empty(shape, np.dtype(dtype) if direct else storage)
+        self._pread(buf.reshape(-1).view(np.uint8), runs, name)
+        return buf if direct else to_float(buf, info.dtype, dtype)
+
+    def _runs(self, info: TensorInfo, rows: Sequence[int] | None, part: slice | None
+              ) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
+        """Output shape and the (file offset, bytes) runs to read, in output order."""
+        if rows is None and part is None:
+            return info.shape, [(info.begin, info.nbytes)]
+        if len(info.shape) < (2 if part is not None else 1):
+            raise ValueError(f"{self.path}: tensor {info.name} {info.shape}: cannot select "
+                             "rows or a part of it")
+        item = STORAGE[info.dtype].itemsize
+        n0, rest = info.shape[0], info.shape[1:]
+        row = math.prod(rest) * item  # bytes of one entry of the first axis
+        lo, inner, sub = 0, row, rest
+        if part is not None:
+            lo, hi, step = part.indices(rest[0])
+            if step != 1:
+                raise ValueError("part must be a contiguous slice")
+            inner = math.prod(rest[1:]) * item  # bytes of one entry of the second axis
+            sub = (hi - lo, *rest[1:])
+        ids = range(n0) if rows is None else [int(r) for r in rows]
+        if any(not 0 <= r < n0 for r in ids):
+            raise ValueError(f"{self.path}: tensor {info.name}: rows must lie in [0, {n0})")
+        seg = math.prod(sub) * item
+        runs: list[tuple[int, int]] = []
+        for r in ids:  # consecutive rows of whole entries merge into one read
+            off = info.begin + r * row + lo * inner
+            if runs and runs[-1][0] + runs[-1][1] == off:
+                runs[-1] = (runs[-1][0], runs[-1][1] + seg)
+            else:
+                runs.append((off, seg))
+        return (len(ids), *sub), runs
+
+    def _pread(self, out: np.ndarray, runs: list[tuple[int, int]], name: str) -> None:
+        """Fill the flat byte array ``out`` from the file's ``runs``, in order."""
+        view = memoryview(out)
+        pos = 0
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError as exc:
+            raise SafetensorsError(f"{self.path}: cannot read: {exc.strerror or exc}") from None
+        try:
+            for off, size in runs:
+                done = 0
+                while done < size:  # a read may return less (2 GiB cap per call)
+                    n = os.preadv(fd, [view[pos + done:pos + size]], off + done)
+                    if n <= 0:
+                        raise SafetensorsError(
+                            f"{self.path}: tensor {name}: file ends at byte {off + done} "
+                            "(truncated after it was opened?)")
+                    done += n
+                pos += size
+        except OSError as exc:
+            raise SafetensorsError(f"{self.path}: tensor {name}: cannot read: "
+                                   f"{exc.strerror or exc}") from None
+        finally:
+            os.close(fd)
 
 
 def to_float(raw: np.ndarray, st_dtype: str, dtype: np.dtype | type) -> np.ndarray:
     if st_dtype == "BF16":
-        wide = raw.astype(np.uint32) << 16  # [..] bf16 bits into the top half of f32
+        wide = raw.astype(np.uint32)
+        wide <<= 16  # [..] bf16 bits into the top half of f32 (in place: no second temporary)
         return np.ascontiguousarray(wide.view(np.float32).astype(dtype, copy=False))
     return np.array(raw, dtype=dtype, order="C", copy=True)
 
@@ -143,7 +212,7 @@ def write_file(path: str | Path, tensors: Mapping[str, np.ndarray], *,
     """Write `tensors` as one safetensors file.
 
     With `dtype` ("F32", "F16" or "BF16") every floating tensor is stored in that dtype;
-    otherwise each array keeps its own dtype.
+    otherwise each array keeps its own dtype (an ``ml_dtypes.bfloat16`` array: BF16).
     """
     header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
     blobs: list[bytes] = []
@@ -153,7 +222,9 @@ def write_file(path: str | Path, tensors: Mapping[str, np.ndarray], *,
         st_dtype = _NUMPY_TO_ST.get(arr.dtype.newbyteorder("<"))
         if dtype is not None and arr.dtype.kind == "f":
             st_dtype = dtype
-        if st_dtype == "BF16":
+        if arr.dtype.name == "bfloat16":  # ml_dtypes.bfloat16: its bits as they are
+            st_dtype, data = "BF16", np.ascontiguousarray(arr).view(np.uint16).tobytes()
+        elif st_dtype == "BF16":
             data = bf16_bits(arr).tobytes()
         elif st_dtype in STORAGE and st_dtype not in ("F8_E4M3", "F8_E5M2"):
             data = np.ascontiguousarray(arr, dtype=STORAGE[st_dtype]).tobytes()

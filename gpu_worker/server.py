@@ -68,7 +68,8 @@ def build_runner(cfg: WorkerConfig) -> tuple[Runner, object, ModelInfo]:
                              cpu_experts_per_layer=cfg.cpu_experts_per_layer,
                              cpu_workers=cfg.cpu_workers,
                              cpu_cores=[list(g) for g in cfg.cpu_cores] or None,
-                             cpu_isa=cfg.cpu_isa, hot_experts=cfg.hot_experts or None)
+                             cpu_isa=cfg.cpu_isa, hot_experts=cfg.hot_experts or None,
+                             log=_log)  # one line per load phase: bytes and seconds
     if pool is not None:
         for info in pool.pool.ready_info:  # one line per CPU expert worker, what it holds
             _log("cpu expert worker ready", placement=cfg.placement, **info,
@@ -87,10 +88,11 @@ def build_runner(cfg: WorkerConfig) -> tuple[Runner, object, ModelInfo]:
                     block_size=cfg.block_size, extra_blocks=extra_blocks,
                     kv_int8=cfg.kv_cache_dtype == "int8",
                     experts=pool if pool else None)
-    kv = runner.caches.kv
+    kv, states = runner.caches.kv, runner.caches.states
     layout = KvLayout(block_size=kv.block_size, block_bytes=kv.nbytes // max(kv.num_blocks, 1),
                       num_blocks=kv.num_blocks, prefix_blocks=extra_blocks,
-                      dtype="int8" if kv.quant else str(kv.k.dtype))
+                      dtype="int8" if kv.quant else str(kv.k.dtype),
+                      state_bytes=states.bytes_per_slot if states is not None else 0)
     _log("kv cache", dtype=layout.dtype, blocks=kv.num_blocks, block_size=kv.block_size,
          layers=kv.num_layers, mib=round(kv.nbytes / 2**20, 1), prefix_blocks=extra_blocks)
     gen = load_generation_config(cfg.model)

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.client_messages import MODEL_DEFAULT_FIELDS
 from protocol.codec import DEFAULT_LIMITS, Limits
 from protocol.curve import CurveClientKeys
 from protocol.errors import ProtocolError, TandemError, TandemTimeoutError, error_from_reply
@@ -60,24 +61,29 @@ class Completion:
 
 def build_submit(prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
                  messages: Sequence[dict | ChatMessage] | None = None, max_tokens: int = 256,
-                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                 min_p: float = 0.0, seed: int | None = None, stop: Sequence[str] = (),
-                 priority: int = 0, stream: bool = True, include_usage: bool = True,
-                 request_id: str | None = None, **penalties: float) -> SubmitRequest:
+                 temperature: float | None = None, top_p: float | None = None,
+                 top_k: int | None = None, min_p: float | None = None, seed: int | None = None,
+                 stop: Sequence[str] = (), priority: int = 0, stream: bool = True,
+                 include_usage: bool = True, request_id: str | None = None,
+                 **penalties: float) -> SubmitRequest:
     """A SubmitRequest from keyword arguments; raises ValueError on bad values.
+    temperature, top_p, top_k, min_p left out (None) take the model's generation defaults
+    (generation_config.json), as on the HTTP API; `seed` left out: a random one.
     `penalties`: repetition_penalty, presence_penalty, frequency_penalty."""
     chat = None
     if messages is not None:
         chat = [m if isinstance(m, ChatMessage) else ChatMessage(role=m["role"],
                                                                  content=m["content"])
                 for m in messages]
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                              seed=seed, **penalties)
+    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}
+    sampling = SamplingParams(seed=seed, **{k: v for k, v in given.items() if v is not None},
+                              **penalties)
     return SubmitRequest(
         request_id=request_id or uuid.uuid4().hex, prompt=prompt,
         prompt_ids=None if prompt_ids is None else token_array(prompt_ids), messages=chat,
         sampling=sampling, max_tokens=max_tokens, stop=list(stop), stream=stream,
-        priority=priority, include_usage=include_usage)
+        priority=priority, include_usage=include_usage,
+        sampling_from_model=[k for k in MODEL_DEFAULT_FIELDS if given[k] is None])
 
 
 class _Core(abc.ABC):

@@ -16,6 +16,9 @@ from protocol.worker_messages import Phase
 
 FINISH_REASONS = frozenset({"stop", "length", "cancelled", "error"})
 MAX_REQUEST_ID_LEN = 128
+# SamplingParams fields a client may leave to the model's generation defaults (READY's
+# ModelInfo.generation_defaults), as the HTTP API does for a field a request leaves out
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p")
 
 
 class ErrorCode(IntEnum):
@@ -45,8 +48,12 @@ class SubmitRequest:
     max_tokens: int = 256
     stop: list[str] = field(default_factory=list)
     stream: bool = True  # False: one TokenEvent with everything at the end
-    priority: int = 0  # higher may preempt lower
+    priority: int = 0  # higher may preempt lower; the daemon accepts -1000..1000
     include_usage: bool = False
+    # names of sampling's fields (of MODEL_DEFAULT_FIELDS) the client left out: the daemon
+    # takes the model's generation defaults for them (the client library lists every one its
+    # caller did not give); the fields named here are ignored in `sampling`
+    sampling_from_model: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         check(0 < len(self.request_id) <= MAX_REQUEST_ID_LEN,
@@ -55,6 +62,8 @@ class SubmitRequest:
         check(sum(given) == 1, "give exactly one of prompt, prompt_ids, messages")
         check(self.max_tokens >= 1, "max_tokens must be >= 1")
         check(all(self.stop), "stop strings must be non-empty")
+        check(set(self.sampling_from_model) <= set(MODEL_DEFAULT_FIELDS),
+              f"sampling_from_model may name only {', '.join(MODEL_DEFAULT_FIELDS)}")
 
 
 @dataclass(slots=True, kw_only=True)

@@ -28,7 +28,8 @@ class ProtocolErrorCode(IntEnum):
 class ProtocolError(Exception):
     """A message that breaks the wire contract, with the path of the offending field
     (e.g. `StepPlan.slots[1].input_ids`). `peer` is the ROUTER routing id of the sender
-    when a socket wrapper knows it (so the daemon can answer with an ErrorReply)."""
+    when a socket wrapper knows it (so the daemon can answer with an ErrorReply), and
+    `request_id` the failed message's request id when its body named one."""
 
     def __init__(self, code: ProtocolErrorCode, detail: str, *, peer: bytes | None = None):
         super().__init__(code, detail)
@@ -36,6 +37,7 @@ class ProtocolError(Exception):
         self.detail = detail
         self.path: list[str] = []
         self.peer = peer
+        self.request_id: str | None = None
 
     def at(self, segment: str) -> ProtocolError:
         """Prefix the field path (codec use, while the error climbs out of nested fields)."""

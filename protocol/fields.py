@@ -36,11 +36,14 @@ def token_array(ids: Any) -> np.ndarray:
 
 
 def vocab_error(ids: Sequence[int], vocab_size: int | None) -> str | None:
-    """The one message for prompt ids the model cannot embed (both APIs send it), or None.
-    The worker would fail on such an id, so the daemon refuses it at admission."""
-    if vocab_size is None or not len(ids):
+    """The one message for prompt ids the model cannot embed (both APIs send it), or None:
+    a negative id, or one >= vocab_size (when known). The worker would fail on such an id,
+    so the daemon refuses it at admission."""
+    if not len(ids):
         return None
-    top = max(int(i) for i in ids)
-    if top >= vocab_size:
+    low, top = min(int(i) for i in ids), max(int(i) for i in ids)
+    if low < 0:
+        return f"token id {low} is out of range: token ids must be >= 0"
+    if vocab_size is not None and top >= vocab_size:
         return f"token id {top} is out of range: the vocabulary has {vocab_size} tokens"
     return None

@@ -23,6 +23,7 @@ Not thread-safe: use a wrapper from one thread (or one event loop) only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import time
@@ -30,8 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+import msgpack
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from protocol.codec import DEFAULT_LIMITS, Limits, decode, encode
 from protocol.curve import CurveClientKeys, CurveServerKeys, make_client, make_server
@@ -40,6 +43,7 @@ from protocol.messages import (
     CLIENT_TO_DAEMON,
     DAEMON_TO_CLIENT,
     DAEMON_TO_WORKER,
+    MAX_REQUEST_ID_LEN,
     WORKER_TO_DAEMON,
     Message,
     MsgKind,
@@ -192,7 +196,25 @@ class _Endpoint:
             return peer, decode(frames, limits=self.limits, allowed=self._role.receives)
         except ProtocolError as exc:
             exc.peer = peer
+            exc.request_id = _request_id(frames, self.limits)
             raise
+
+
+def _request_id(frames: list, limits: Limits) -> str | None:
+    """The `request_id` a message that failed to decode names in its body, if any (so the
+    error reply can say which request failed)."""
+    if len(frames) < 2:
+        return None
+    body = memoryview(frames[1]).cast("B")
+    if body.nbytes > limits.max_body_bytes:
+        return None
+    try:
+        value = msgpack.unpackb(body, raw=False, strict_map_key=True,
+                                ext_hook=lambda code, data: None)
+    except Exception:  # msgpack raises a zoo of ValueError/TypeError subclasses
+        return None
+    rid = value.get("request_id") if type(value) is dict else None
+    return rid if type(rid) is str and 0 < len(rid) <= MAX_REQUEST_ID_LEN else None
 
 
 def _remaining(deadline: float | None, what: str) -> float:
@@ -316,7 +338,23 @@ class AsyncClientToDaemon(AsyncDaemonToWorker):
 
 
 class AsyncDaemonToClients(_AsyncIO):
+    """The daemon's end of the client link (asyncio). It also tells which clients went
+    away (`gone()`): a socket monitor reports closed connections by file descriptor, and
+    every received message records its peer's descriptor (zmq.SRCFD). Monitor events are
+    read before each message is decoded, so a descriptor that a new client reuses is never
+    taken for the old one's."""
+
     ROLE = "daemon_to_clients"
+
+    def __init__(self, address: str, **kwargs: Any) -> None:
+        super().__init__(address, **kwargs)
+        self._fd_of: dict[bytes, int] = {}  # peer -> descriptor of its connection
+        self._gone: list[bytes] = []
+        monitor = f"inproc://tandem-client-monitor-{id(self):x}"
+        self._sock.monitor(monitor, zmq.EVENT_DISCONNECTED)
+        self._monitor = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PAIR)
+        self._monitor.linger = 0
+        self._monitor.connect(monitor)
 
     async def send_to(self, peer: bytes, msg: Message) -> bool:
         return await self._send(msg, peer, None)
@@ -325,3 +363,30 @@ class AsyncDaemonToClients(_AsyncIO):
         peer, msg = await self._recv(timeout)
         assert peer is not None
         return peer, msg
+
+    def gone(self) -> list[bytes]:
+        """The peers whose connection closed since the last call."""
+        self._read_monitor()
+        gone, self._gone = self._gone, []
+        return gone
+
+    def _decode_in(self, frames: list) -> tuple[bytes | None, Message]:
+        self._read_monitor()
+        with contextlib.suppress(zmq.ZMQError, AttributeError):
+            self._fd_of[frames[0].bytes] = frames[-1].get(zmq.SRCFD)
+        return super()._decode_in(frames)
+
+    def _read_monitor(self) -> None:
+        while self._monitor.poll(0):
+            event = parse_monitor_message(self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                fd = event["value"]
+                for peer in [p for p, f in self._fd_of.items() if f == fd]:
+                    del self._fd_of[peer]
+                    self._gone.append(peer)
+
+    def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        super().close()

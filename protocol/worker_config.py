@@ -13,12 +13,16 @@ import json
 import math
 from dataclasses import dataclass
 
-DTYPES = ("float32", "float64")
+DTYPES = ("float32", "float64", "bfloat16")  # bfloat16: bf16 weights, float32 compute
 BACKENDS = ("numpy", "cupy", "auto")
 KV_CACHE_DTYPES = ("model", "int8")  # model: the compute dtype; int8: + an fp16 scale per 32
 PLACEMENTS = ("gpu", "cpu", "split")  # where the routed experts run
 CPU_ISAS = ("auto", "portable", "avx2", "avx512vnni")  # CPU expert kernels (cpu_experts/isa.py)
 HEARTBEAT_S = 1.0
+GIB = 2**30  # gpu_memory_gb counts GiB, the unit CUDA and nvidia-smi report devices in
+# NOTE: the daemon's PrefixCache holds at most this many checkpoints; each keeps a copy of
+# its slot's GDN states on the device, which the memory plan counts
+MAX_PREFIX_ENTRIES = 256
 
 
 def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
@@ -29,6 +33,15 @@ def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
 def _count(name: str, value: object, lo: int) -> None:
     if type(value) is not int or value < lo:
         raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+
+
+def prefix_blocks(enabled: bool, max_mb: int, block_bytes: int, blocks_per_slot: int,
+                  max_slots: int) -> int:
+    """KV blocks the prefix cache may pin: `max_mb` MiB of blocks of `block_bytes`, at most
+    four slots' worth per slot (and at least one); 0 with the cache off."""
+    if not enabled:
+        return 0
+    return max(1, min(max_mb * 2**20 // max(block_bytes, 1), 4 * blocks_per_slot * max_slots))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,6 +66,9 @@ class WorkerConfig:
     cpu_cores: tuple[tuple[int, ...], ...] = ()  # one core list per CPU expert worker
     cpu_isa: str = "auto"  # auto: the best this CPU has
     hot_experts: str = ""  # split: router counts file; the GPU keeps the hottest experts
+    gpu_memory_gb: float | None = None  # GPU budget in GiB; None: the whole device (CuPy)
+    prefill_chunk: int = 512  # the daemon's longest prefill segment (sizes the work space)
+    max_drafts: int = 0  # draft tokens per slot and step (0: speculation off)
     heartbeat_s: float = HEARTBEAT_S  # a Heartbeat this often while idle
 
     def __post_init__(self) -> None:
@@ -68,7 +84,7 @@ class WorkerConfig:
         _choice("cpu_isa", self.cpu_isa, CPU_ISAS)
         for name, lo in (("max_slots", 1), ("max_context", 1), ("block_size", 1),
                          ("prefix_cache_max_mb", 0), ("cpu_experts_per_layer", 0),
-                         ("cpu_workers", 0)):
+                         ("cpu_workers", 0), ("prefill_chunk", 1), ("max_drafts", 0)):
             _count(name, getattr(self, name), lo)
         if type(self.prefix_cache) is not bool:
             raise ValueError(f"prefix_cache must be a bool, got {self.prefix_cache!r}")
@@ -77,6 +93,9 @@ class WorkerConfig:
             raise ValueError("cpu_cores must be non-empty tuples of core numbers >= 0")
         if self.hot_experts and self.placement != "split":
             raise ValueError("hot_experts needs placement 'split'")
+        gb = self.gpu_memory_gb
+        if gb is not None and (type(gb) not in (int, float) or not math.isfinite(gb) or gb <= 0):
+            raise ValueError(f"gpu_memory_gb must be a number > 0 or None, got {gb!r}")
         if not (isinstance(self.heartbeat_s, int | float) and math.isfinite(self.heartbeat_s)
                 and self.heartbeat_s > 0):
             raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s!r}")
@@ -85,13 +104,15 @@ class WorkerConfig:
     def blocks_per_slot(self) -> int:
         return -(-self.max_context // self.block_size)
 
+    @property
+    def gpu_budget_bytes(self) -> int | None:
+        """gpu_memory_gb in bytes; None: no budget given."""
+        return None if self.gpu_memory_gb is None else int(self.gpu_memory_gb * GIB)
+
     def prefix_blocks(self, block_bytes: int) -> int:
-        """KV blocks the prefix cache may pin: prefix_cache_max_mb of blocks of
-        `block_bytes`, at most four slots' worth per slot; 0 with the cache off."""
-        if not self.prefix_cache:
-            return 0
-        return max(1, min(self.prefix_cache_max_mb * 2**20 // max(block_bytes, 1),
-                          4 * self.blocks_per_slot * self.max_slots))
+        """KV blocks the prefix cache may pin (:func:`prefix_blocks`)."""
+        return prefix_blocks(self.prefix_cache, self.prefix_cache_max_mb, block_bytes,
+                             self.blocks_per_slot, self.max_slots)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))

@@ -178,9 +178,11 @@ class KvLayout:
     num_blocks: int  # max_slots * ceil(max_context / block_size) + prefix_blocks
     prefix_blocks: int  # of num_blocks, what the daemon's prefix cache may pin (0: no cache)
     dtype: str  # "int8", or the compute dtype ("float32", ...)
+    state_bytes: int = 0  # one slot's recurrent (GDN) states: what each prefix entry copies
 
     def __post_init__(self) -> None:
         check(self.block_size > 0 and self.block_bytes >= 0, "block_size must be > 0")
+        check(self.state_bytes >= 0, "state_bytes must be >= 0")
         check(0 <= self.prefix_blocks <= self.num_blocks, "prefix_blocks out of range")
 
     @property

@@ -163,11 +163,41 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - reserved, min_frequency=2,
                                   initial_alphabet=alphabet, show_progress=False)
     tok.train_from_iterator(training_text().splitlines(keepends=True), trainer=trainer)
+    if tok.get_vocab_size() < vocab_size - reserved:  # the text ran out of merges
+        tok = _extend_merges(tok, vocab_size - reserved)
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     tok.add_tokens(list(EXTRA_TOKENS))
-    if tok.get_vocab_size() > vocab_size:  # cannot happen with the sizes above; keep it loud
+    if tok.get_vocab_size() != vocab_size:  # cannot happen with the sizes above; keep it loud
         raise ValueError(f"tokenizer has {tok.get_vocab_size()} ids, model vocab {vocab_size}")
     return tok
+
+
+def _extend_merges(tok: Tokenizer, size: int) -> Tokenizer:
+    """A BPE of exactly ``size`` ids: the trained one plus merges of a word-start token
+    ('Ġ' or a letter first) with a lowercase-ASCII continuation, lowest priority, pairs in
+    order of the sum of their ids. The training text has only ~3.4k ids' worth of merges;
+    a model's vocabulary (e.g. 151936) needs every id to decode to text."""
+    data = json.loads(tok.to_str())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    merges: list = data["model"]["merges"]
+    by_id = sorted(vocab, key=vocab.get)
+    starts = [t for t in by_id if t[:1] == "Ġ" and t[1:].isascii() and t[1:].isalpha()
+              or t.isascii() and t.isalpha()]
+    tails = [t for t in by_id if t.isascii() and t.isalpha() and t.islower()]
+    as_str = bool(merges) and isinstance(merges[0], str)
+    need = size - len(vocab)
+    for total in range(len(starts) + len(tails) - 1):
+        for i in range(max(0, total - len(tails) + 1), min(total, len(starts) - 1) + 1):
+            a, b = starts[i], tails[total - i]
+            if a + b in vocab:
+                continue
+            vocab[a + b] = len(vocab)
+            merges.append(f"{a} {b}" if as_str else [a, b])
+            need -= 1
+            if not need:
+                return Tokenizer.from_str(json.dumps(data))
+    raise ValueError(f"cannot build a tokenizer of {size} ids from {len(starts)} x "
+                     f"{len(tails)} token pairs")
 
 
 def write_tokenizer(out_dir: Path, vocab_size: int) -> dict[str, int]:

@@ -6,6 +6,6 @@
             -> LaunchedPath (launched_path.py) -> PinnedRing (pinned_ring.py, CUDA in
                ring_kernels.py): GPU kernels ring the CPU workers through the shared ring
 
-``split.py`` decides which experts go to the CPU workers (and cuts them from the backend);
+``split.py`` decides which experts go to the CPU workers before any weight is read;
 ``counters.py`` keeps the per-step counters the runner reports.
 """

@@ -18,7 +18,7 @@ import numpy as np
 from cpu_experts.errors import NonFiniteActivation
 from gpu_worker.experts.counters import ExpertCounters
 from gpu_worker.experts.host_path import HostPath
-from gpu_worker.experts.split import cpu_expert_bytes, drop_cpu_experts, split_experts
+from gpu_worker.experts.split import ExpertSplit, cpu_expert_bytes
 from gpu_worker.model.model import Model
 from gpu_worker.routed_experts import Array, Quantized
 
@@ -54,25 +54,14 @@ class ExpertPlacement:
                 self.path = LaunchedPath(model, pool, on_cpu, self.counters)
 
     @classmethod
-    def start(cls, model: Model, tensors: dict[str, np.ndarray], *, placement: str,
-              cpu_per_layer: int = 0, num_workers: int | None = None,
-              cores: list[list[int]] | None = None, isa: str | None = None,
-              hot: dict[int, np.ndarray] | None = None) -> ExpertPlacement:
-        """Quantize the CPU-resident experts and start their worker processes.
-
-        ``split`` puts the last ``cpu_per_layer`` expert ids of each MoE layer on the CPU,
-        ``cpu`` all of them; with ``hot`` (router counts per MoE layer,
-        gpu_worker/expert_stats.py) each layer's experts are first renumbered hottest first,
-        so the GPU keeps the most-picked ones (gpu_worker/experts/split.py).
-        """
-        from cpu_experts.pool import CpuExpertPool  # noqa: PLC0415 (numba, only when used)
-
-        on_cpu, layers, hot_share = split_experts(model, tensors, placement, cpu_per_layer, hot)
-        pool = CpuExpertPool(layers, num_workers=num_workers or None, cores=cores or None,
-                             isa=isa)
-        drop_cpu_experts(model, on_cpu)
+    def start(cls, model: Model, split: ExpertSplit, pool) -> ExpertPlacement:
+        """The placement over a started ``pool`` (:class:`cpu_experts.pool.CpuExpertPool`)
+        that holds, per MoE layer, the experts ``split`` puts on the CPU (renumbered hottest
+        first with router counts, gpu_worker/experts/split.py) while ``model`` holds the
+        others: gpu_worker/weights/stream.py reads each expert straight to its side. Closes
+        the pool if the placement cannot be made."""
         try:
-            return cls(model, on_cpu, pool, hot_share=hot_share)
+            return cls(model, split.on_cpu, pool, hot_share=split.hot_share)
         except BaseException:
             pool.close()
             raise

@@ -16,6 +16,10 @@ Every dot product is a warp's strided partial sums then a shuffle tree, in the s
 for every pair, so a row's result does not depend on the other rows of the batch (nor on the
 batch's size): batching stays bit-exact for speculation. The NumPy formula of the same math
 is ``gpu_worker.model.moe.experts_local``; ``tests/gpu/test_moe_experts_cupy.py`` compares.
+
+A bf16 model's experts are read as bf16 bits and widened exactly in the loads (``to_real``),
+so its arithmetic is the float32 kernels' own: float32 weights holding the same (bf16-rounded)
+values give the same bits (``tests/gpu/test_bf16_cupy.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpu_worker.kernels import raw_module
+from gpu_worker.kernels.bf16 import BITS
 
 try:
     import cupy as cp
@@ -32,21 +37,32 @@ except ImportError:  # CI and laptops: the NumPy backend never calls in here
 WARPS = 8  # warps per block: outputs per block of the two dot-product kernels
 MAX_K = 32  # experts per row the combine kernel sorts
 
-_TEMPLATE = r"""
-__device__ __forceinline__ REAL warp_sum_REAL(REAL v) {
+_HEADER = r"""
+// a weight element as compute type: float and double as they are; bf16 bits (unsigned short)
+// widened exactly to float (a bf16 is the top half of a float32)
+__device__ __forceinline__ float to_real(float v) { return v; }
+__device__ __forceinline__ double to_real(double v) { return v; }
+__device__ __forceinline__ float to_real(unsigned short u) {
+    return __uint_as_float(((unsigned int)u) << 16);
+}
+
+template <typename T> __device__ __forceinline__ T warp_sum(T v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
     return v;  // lane 0 holds the sum
 }
 
-__device__ __forceinline__ REAL sigmoid_REAL(REAL v) {
-    REAL e = exp(-fabs(v));  // split by sign: exp never overflows (as Ops.sigmoid)
-    return v >= 0 ? (REAL)1 / ((REAL)1 + e) : e / ((REAL)1 + e);
+template <typename T> __device__ __forceinline__ T sigmoid_t(T v) {
+    T e = exp(-fabs(v));  // split by sign: exp never overflows (as Ops.sigmoid)
+    return v >= 0 ? (T)1 / ((T)1 + e) : e / ((T)1 + e);
 }
+"""
 
+# REAL: the activations' (compute) type; WT: the weights' storage type; NAME: the suffix
+_EXPERTS = r"""
 // grid (P, ceil(I / WARPS)), block WARPS * 32
-extern "C" __global__ void moe_gate_up_REAL(
+extern "C" __global__ void moe_gate_up_NAME(
         const REAL* __restrict__ x, const long long* __restrict__ ids, int k,
-        const REAL* __restrict__ gate, const REAL* __restrict__ up, REAL* __restrict__ h,
+        const WT* __restrict__ gate, const WT* __restrict__ up, REAL* __restrict__ h,
         long long H, long long I) {
     long long i = (long long)blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
@@ -58,23 +74,23 @@ extern "C" __global__ void moe_gate_up_REAL(
         return;
     }
     const REAL* xr = x + (p / k) * H;
-    const REAL* g = gate + (e * I + i) * H;
-    const REAL* u = up + (e * I + i) * H;
+    const WT* g = gate + (e * I + i) * H;
+    const WT* u = up + (e * I + i) * H;
     REAL sg = 0, su = 0;
     for (long long c = lane; c < H; c += 32) {
         REAL xv = xr[c];
-        sg += g[c] * xv;
-        su += u[c] * xv;
+        sg += to_real(g[c]) * xv;
+        su += to_real(u[c]) * xv;
     }
-    sg = warp_sum_REAL(sg);
-    su = warp_sum_REAL(su);
-    if (lane == 0) h[p * I + i] = sg * sigmoid_REAL(sg) * su;
+    sg = warp_sum(sg);
+    su = warp_sum(su);
+    if (lane == 0) h[p * I + i] = sg * sigmoid_t(sg) * su;
 }
 
 // grid (P, ceil(H / WARPS)), block WARPS * 32
-extern "C" __global__ void moe_down_REAL(
+extern "C" __global__ void moe_down_NAME(
         const REAL* __restrict__ h, const long long* __restrict__ ids,
-        const REAL* __restrict__ down, REAL* __restrict__ y, long long H, long long I) {
+        const WT* __restrict__ down, REAL* __restrict__ y, long long H, long long I) {
     long long o = (long long)blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     long long p = blockIdx.x;
@@ -82,13 +98,15 @@ extern "C" __global__ void moe_down_REAL(
     long long e = ids[p];
     if (e < 0) return;  // the combine skips this pair
     const REAL* hp = h + p * I;
-    const REAL* d = down + (e * H + o) * I;
+    const WT* d = down + (e * H + o) * I;
     REAL s = 0;
-    for (long long c = lane; c < I; c += 32) s += d[c] * hp[c];
-    s = warp_sum_REAL(s);
+    for (long long c = lane; c < I; c += 32) s += to_real(d[c]) * hp[c];
+    s = warp_sum(s);
     if (lane == 0) y[p * H + o] = s;
 }
+"""
 
+_COMBINE = r"""
 // one thread per (row, output): the row's pairs in ascending expert id, as experts_local
 extern "C" __global__ void moe_combine_REAL(
         const REAL* __restrict__ y, const long long* __restrict__ ids,
@@ -115,7 +133,14 @@ extern "C" __global__ void moe_combine_REAL(
 }
 """
 
-_SOURCE = "".join(_TEMPLATE.replace("REAL", real) for real in ("float", "double"))
+# (suffix, compute type, weight storage type): float32 and float64 models, and bf16 weights
+# (uint16 bits) with float32 activations -- the same float code, the weights widened on load
+_VARIANTS = (("float", "float", "float"), ("double", "double", "double"),
+             ("bf16", "float", "unsigned short"))
+_SOURCE = _HEADER + "".join(
+    _EXPERTS.replace("NAME", name).replace("REAL", real).replace("WT", wt)
+    for name, real, wt in _VARIANTS) + "".join(
+    _COMBINE.replace("REAL", real) for real in ("float", "double"))
 
 
 def _kernels():
@@ -127,7 +152,8 @@ def _kernels():
 def experts_grouped(x, ids, weights, gate, up, down):
     """``sum_k w_k * expert_{ids_k}(x)`` per row on the GPU: ``x [R, H]``, ``ids [R, k]``
     (-1: skip the pair), ``weights [R, k]``, experts stacked ``gate/up [E, I, H]``,
-    ``down [E, H, I]``; float32 or float64 throughout. Enqueues three kernels; never waits."""
+    ``down [E, H, I]``; float32 or float64 throughout, or float32 activations with bf16
+    weights (uint16 bits, gpu_worker/kernels/bf16.py). Enqueues three kernels; never waits."""
     dtype = x.dtype
     if dtype not in (np.float32, np.float64):
         raise TypeError(f"experts_grouped computes in float32 or float64, not {dtype}")
@@ -139,8 +165,10 @@ def experts_grouped(x, ids, weights, gate, up, down):
         raise ValueError(f"x {x.shape}, ids {ids.shape}, weights {weights.shape}, gate "
                          f"{gate.shape}, up {up.shape}, down {down.shape} do not fit "
                          f"(k <= {MAX_K})")
-    if any(a.dtype != dtype for a in (gate, up, down)):
-        raise TypeError("the experts' weights must have the activations' dtype")
+    bf16 = dtype == np.float32 and gate.dtype == BITS
+    if any(a.dtype != (BITS if bf16 else dtype) for a in (gate, up, down)):
+        raise TypeError("the experts' weights must have the activations' dtype (or be bf16 "
+                        "bits with float32 activations)")
     out = cp.empty((R, H), dtype)
     P = R * k
     if P == 0 or E == 0:
@@ -150,7 +178,8 @@ def experts_grouped(x, ids, weights, gate, up, down):
     ids = cp.ascontiguousarray(ids, dtype=cp.int64)
     w = cp.ascontiguousarray(weights, dtype=dtype)
     gate, up, down = (cp.ascontiguousarray(a) for a in (gate, up, down))
-    name = "float" if dtype == np.float32 else "double"
+    real = "float" if dtype == np.float32 else "double"
+    name = "bf16" if bf16 else real
     mod = _kernels()
     h = cp.empty((P, I), dtype)
     y = cp.empty((P, H), dtype)
@@ -160,6 +189,6 @@ def experts_grouped(x, ids, weights, gate, up, down):
                                          np.int64(I)))
     mod.get_function(f"moe_down_{name}")(
         (P, -(-H // WARPS)), (threads,), (h, ids, down, y, np.int64(H), np.int64(I)))
-    mod.get_function(f"moe_combine_{name}")(
+    mod.get_function(f"moe_combine_{real}")(
         (-(-(R * H) // 256),), (256,), (y, ids, w, np.int32(k), out, np.int64(R), np.int64(H)))
     return out

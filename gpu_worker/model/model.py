@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -15,6 +16,7 @@ from gpu_worker.model.ops import Array, Ops
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.routed_experts import RoutedExperts
 from gpu_worker.states import RecurrentStates
+from gpu_worker.weights.routing import RoutingModel, RowRouting
 
 
 @dataclasses.dataclass
@@ -53,15 +55,24 @@ class _Layer:
 class Model:
     """Weights on the array backend and the forward pass; caches are passed in.
 
-    ``tensors`` are canonical (see gpu_worker.weights_spec): routed experts stacked per layer.
+    ``tensors`` are canonical (see gpu_worker.weights_spec): routed experts stacked per layer;
+    a dict of host arrays, or (name, host array) pairs uploaded one at a time as they come
+    (the streaming load, gpu_worker/weights/stream.py, drops each host array once uploaded).
     """
 
-    def __init__(self, config: ModelConfig, tensors: dict[str, np.ndarray], *, xp=np,
-                 dtype=np.float32, exact: bool = False) -> None:
+    def __init__(self, config: ModelConfig,
+                 tensors: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]], *, xp=np,
+                 dtype=np.float32, exact: bool = False,
+                 routing: RoutingModel | None = None) -> None:
         self.cfg = config
+        self.routing = routing  # synthetic weights: picks experts instead of the router
         self.ops = Ops(xp, dtype, exact=exact)
         self.xp = xp
-        w = {k: xp.asarray(v, dtype=self.ops.dtype) for k, v in tensors.items()}
+        if isinstance(tensors, Mapping):  # a tied lm_head (the embedding's array) goes once
+            embed = tensors.get("model.embed_tokens.weight")
+            tensors = ((k, v) for k, v in tensors.items()
+                       if not (k == "lm_head.weight" and v is embed))
+        w = {k: self.ops.weight(k, v) for k, v in tensors}
         self.embed = w["model.embed_tokens.weight"]  # [V, H]
         self.lm_head = w.get("lm_head.weight", self.embed)  # [V, H]
         self.final_norm = w["model.norm.weight"]
@@ -111,11 +122,13 @@ class Model:
         segment's last row). ``experts``: the MoE layers' norm and routed experts (e.g. an
         ExpertPlacement, gpu_worker/experts/placement.py); None: every expert here."""
         cfg, ops, xp = self.cfg, self.ops, self.xp
-        x = self.embed[xp.asarray(batch.tokens)]  # [R, H]
+        x = ops.embed(self.embed, batch.tokens)  # [R, H]
         positions = xp.asarray(batch.positions)
         cos, sin = ops.rope_tables(positions, cfg.rotary_dim, cfg.rope_theta)  # [R, rot]
+        routing = self._routing(batch)
         for layer in self.layers:
-            x = self._layer(layer, x, batch, cos, sin, caches.kv, caches.states, experts)
+            x = self._layer(layer, x, batch, cos, sin, caches.kv, caches.states, experts,
+                            routing)
         hidden = ops.rms_norm(x, self.final_norm, cfg.rms_norm_eps,
                               zero_centered=cfg.zero_centered_norms)  # [R, H]
         rows = batch.last_rows() if logit_rows is None else np.asarray(logit_rows)
@@ -124,7 +137,7 @@ class Model:
 
     def _layer(self, layer: _Layer, x: Array, batch: RaggedBatch, cos: Array, sin: Array,
                kv: KVCache, states: RecurrentStates | None,
-               experts: RoutedExperts | None) -> Array:
+               experts: RoutedExperts | None, routing: RowRouting | None = None) -> Array:
         cfg, ops = self.cfg, self.ops
         zc, eps = cfg.zero_centered_norms, cfg.rms_norm_eps
         h = ops.rms_norm(x, layer.input_norm, eps, zero_centered=zc)
@@ -136,10 +149,10 @@ class Model:
         if layer.sparse and experts is not None:
             # [R, H], and (q [R, H] int8, d16 [R, H/32]) where the norm quantizes, else None
             h, quant = experts.moe_norm(x, layer.post_norm, eps, zc)
-            return x + sparse_moe(ops, cfg, layer.mlp, h, experts, layer.index, quant)
+            return x + sparse_moe(ops, cfg, layer.mlp, h, experts, layer.index, quant, routing)
         h = ops.rms_norm(x, layer.post_norm, eps, zero_centered=zc)
         if layer.sparse:
-            return x + sparse_moe(ops, cfg, layer.mlp, h)
+            return x + sparse_moe(ops, cfg, layer.mlp, h, None, layer.index, None, routing)
         return x + dense_mlp(ops, layer.mlp, h)
 
     def mtp_forward(self, batch: RaggedBatch, hidden: Array, caches: Caches,
@@ -153,15 +166,19 @@ class Model:
             raise RuntimeError("this checkpoint has no MTP head")
         cfg, ops, xp, m = self.cfg, self.ops, self.xp, self.mtp
         zc, eps = cfg.zero_centered_norms, cfg.rms_norm_eps
-        e = ops.rms_norm(self.embed[xp.asarray(batch.tokens)], m["pre_fc_norm_embedding.weight"],
+        e = ops.rms_norm(ops.embed(self.embed, batch.tokens), m["pre_fc_norm_embedding.weight"],
                          eps, zero_centered=zc)
         h = ops.rms_norm(hidden, m["pre_fc_norm_hidden.weight"], eps, zero_centered=zc)
         x = ops.linear(xp.concatenate([e, h], axis=-1), m["fc.weight"])  # [R, H]
         cos, sin = ops.rope_tables(xp.asarray(batch.positions), cfg.rotary_dim, cfg.rope_theta)
-        x = self._layer(self.mtp_layer, x, batch, cos, sin, caches.kv, None, None)
+        x = self._layer(self.mtp_layer, x, batch, cos, sin, caches.kv, None, None,
+                        self._routing(batch))
         out = ops.rms_norm(x, m["norm.weight"], eps, zero_centered=zc)  # [R, H]
         rows = np.arange(batch.num_rows) if logit_rows is None else np.asarray(logit_rows)
         return ForwardOut(ops.linear(out[xp.asarray(rows)], self.lm_head), out)
+
+    def _routing(self, batch: RaggedBatch) -> RowRouting | None:
+        return None if self.routing is None else self.routing.bind_batch(batch)
 
 
 def _sub(w: dict[str, Array], prefix: str) -> dict[str, Array]:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from gpu_worker.model.ops import Array, Ops
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.routed_experts import Quantized, RoutedExperts
+
+if TYPE_CHECKING:
+    from gpu_worker.weights.routing import RowRouting
 
 # CuPy: row counts up to this (the default prefill chunk) use the grouped expert kernels:
 # every (row, expert) pair on its own, an expert's weights read once per pair (from L2 when
@@ -14,13 +19,19 @@ from gpu_worker.routed_experts import Quantized, RoutedExperts
 GROUPED_MAX_ROWS = 512
 
 
-def route(ops: Ops, cfg: ModelConfig, w_gate: Array, x: Array) -> tuple[Array, Array]:
+def route(ops: Ops, cfg: ModelConfig, w_gate: Array, x: Array,
+          chosen: Array | None = None) -> tuple[Array, Array]:
     """Router: softmax over all experts, top-k, optional renormalisation.
-    Returns expert ids [R, k] (int64) and weights [R, k]."""
+    Returns expert ids [R, k] (int64) and weights [R, k]. ``chosen`` (int64 [R, k], e.g. a
+    synthetic model's routing model) replaces the top-k; the weights are still the softmax
+    gathered at those ids."""
     xp = ops.xp
     probs = ops.softmax(ops.linear(x, w_gate), axis=-1)  # [R, E]
-    kwargs = {"kind": "stable"} if xp.__name__ == "numpy" else {}
-    ids = xp.argsort(-probs, axis=-1, **kwargs)[:, : cfg.num_experts_per_tok]  # [R, k]
+    if chosen is not None:
+        ids = xp.asarray(chosen, dtype=xp.int64)
+    else:
+        kwargs = {"kind": "stable"} if xp.__name__ == "numpy" else {}
+        ids = xp.argsort(-probs, axis=-1, **kwargs)[:, : cfg.num_experts_per_tok]  # [R, k]
     weights = xp.take_along_axis(probs, ids, axis=-1)
     if cfg.norm_topk_prob:
         weights = weights / xp.sum(weights, axis=-1, keepdims=True)
@@ -70,11 +81,13 @@ def experts_loop(ops: Ops, gate: Array, up: Array, down: Array, x: Array,
 
 def sparse_moe(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
                experts: RoutedExperts | None = None, layer: int = -1,
-               quant: Quantized | None = None) -> Array:
+               quant: Quantized | None = None, routing: RowRouting | None = None) -> Array:
     """Qwen3 sparse MoE block of layer ``layer``; Qwen3-Next adds the sigmoid-gated shared
     expert. ``experts`` computes the routed part (``quant``: ``x`` quantized by its
-    ``moe_norm``); None runs all experts here."""
-    ids, weights = route(ops, cfg, p["gate.weight"], x)  # [R, k], [R, k]
+    ``moe_norm``); None runs all experts here. ``routing`` (synthetic models) picks the
+    experts of every row instead of the router's top-k."""
+    chosen = None if routing is None else routing.ids(layer)
+    ids, weights = route(ops, cfg, p["gate.weight"], x, chosen)  # [R, k], [R, k]
     if experts is None:
         out = experts_local(ops, *expert_stacks(p), x, ids, weights)
     else:

@@ -4,12 +4,25 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
+from gpu_worker.kernels.bf16 import BF16, BITS, to_bf16, widen
+
 Array = Any  # numpy.ndarray or cupy.ndarray
+
+
+def is_matrix(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether canonical tensor ``name`` is a weight matrix (stored in bf16 by a bf16 model):
+    every 2-D tensor (projections, embeddings, lm_head, routers, MTP fc) and the stacked
+    routed experts [E, ...]. Norm weights, conv1d [C, 1, K], A_log, dt_bias, biases: no."""
+    return len(shape) == 2 or ".experts." in name
 
 
 class Ops:
     """Math helpers bound to one array module and one compute dtype.
 
+    ``dtype`` "bfloat16" (``ml_dtypes.bfloat16``): weight matrices stored in bf16 (see
+    :meth:`weight`), everything computed in float32 (:attr:`dtype` is float32 then).
     ``exact=True`` computes every matrix product one row at a time, so a row's result never
     depends on which other rows share the batch (BLAS picks different kernels and summation
     orders for different row counts). Tests use it in float64 to prove batching bit-exact.
@@ -17,11 +30,41 @@ class Ops:
 
     def __init__(self, xp, dtype, *, exact: bool = False) -> None:
         self.xp = xp
-        self.dtype = xp.dtype(dtype)
+        self.bf16 = np.dtype(dtype) == BF16
+        self.dtype = np.dtype(np.float32) if self.bf16 else xp.dtype(dtype)  # compute dtype
         self.exact = exact
 
+    def weight(self, name: str, host: np.ndarray) -> Array:
+        """Canonical tensor ``name`` (a host array of any float dtype) on the backend in its
+        storage dtype: a bf16 model's matrices (:func:`is_matrix`) in bf16 (NumPy:
+        ``ml_dtypes.bfloat16``; CuPy: its raw uint16 bits, gpu_worker/kernels/bf16.py),
+        rounded to nearest even once here; everything else in the compute dtype. Raw bf16
+        bits (uint16) must come as ``bits.view(ml_dtypes.bfloat16)``."""
+        if host.dtype.kind != "f" and host.dtype != BF16:
+            raise TypeError(f"{name}: weights come as floats or ml_dtypes.bfloat16, not "
+                            f"{host.dtype}")
+        if self.bf16 and is_matrix(name, host.shape):
+            w = to_bf16(host)
+            return w if self.xp is np else self.xp.asarray(w.view(BITS))
+        if host.dtype == BF16:  # widening is exact; CuPy 13 has no bf16 to convert from
+            host = host.astype(np.float32)
+        return self.xp.asarray(host, dtype=self.dtype)
+
+    def up(self, w: Array) -> Array:
+        """A stored weight (or a slice of one) in the compute dtype: bf16 widened exactly."""
+        if w.dtype == self.dtype:
+            return w
+        if w.dtype == BITS:  # CuPy bf16 bits
+            return widen(w)
+        return w.astype(self.dtype)
+
+    def embed(self, table: Array, tokens) -> Array:
+        """Rows ``tokens`` [R] of the embedding ``table`` [V, H] -> [R, H] compute dtype."""
+        return self.up(table[self.xp.asarray(tokens)])
+
     def linear(self, x: Array, w: Array, bias: Array | None = None) -> Array:
-        """x [R, in] @ w[out, in].T -> [R, out]."""
+        """x [R, in] @ w[out, in].T -> [R, out] (a bf16 ``w`` widened to float32 first)."""
+        w = self.up(w)
         if self.exact and x.shape[0] > 0:
             out = self.xp.empty((x.shape[0], w.shape[0]), dtype=self.dtype)
             for r in range(x.shape[0]):

@@ -6,6 +6,10 @@ each where it lives (backend, CPU experts' shared memory) without holding the wh
 
     source.read("model.layers.3.mlp.experts.gate_proj", np.float32, experts=[0, 5])
         -> [2, I, H]: experts 0 and 5 of layer 3 only
+
+Implementations: gpu_worker/weights/checkpoint.py (CheckpointSource, a safetensors
+directory), gpu_worker/weights/synthetic.py (generated weights). gpu_worker/weights/stream.py
+puts any of them in place (``gpu_worker.engine.load_model(source)``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ import numpy as np
 from gpu_worker.model_config import ModelConfig
 
 Shape = tuple[int, ...]
+
+
+class CheckpointError(ValueError):
+    """Weights Tandem cannot load; the one-line message names the file and the tensor or key."""
 
 
 class WeightSource(Protocol):
@@ -39,5 +47,7 @@ class WeightSource(Protocol):
     def read(self, name: str, dtype: np.dtype, *, experts: Sequence[int] | None = None
              ) -> np.ndarray:
         """Tensor ``name`` as a new C-contiguous host array of ``dtype``; for stacked expert
-        tensors ([E, ...]) ``experts`` selects rows of the first axis (None: all)."""
+        tensors ([E, ...]) ``experts`` selects rows of the first axis in the given order
+        (None: all; empty: a [0, ...] array), so a renumbered layer reads as its new order.
+        With tied embeddings ``lm_head.weight`` reads as the embedding."""
         ...

@@ -79,3 +79,25 @@ def test_chat_generation_with_tokenizer(tmp_path):
                  "--max-tokens", "5", "--temperature", "0")
     assert out.returncode == 0, out.stderr
     assert out.stdout.endswith("\n")
+
+
+def test_check_config_prints_the_plan_or_refuses_it(bare_model, tmp_path):
+    """No weight is read: a model directory with only config.json plans the same."""
+    only_config = tmp_path / "config-only"
+    only_config.mkdir()
+    (only_config / "config.json").write_bytes((bare_model / "config.json").read_bytes())
+    for model in (bare_model, only_config):
+        file = tmp_path / "ok.toml"
+        file.write_text(f'[model]\npath = "{model}"\n[experts]\nplacement = "split"\n'
+                        "gpu_memory_gb = 64\n")
+        out = tandem("check-config", str(file))
+        assert out.returncode == 0, out.stderr
+        assert "memory plan (before any weight is read):" in out.stdout
+        assert "routed experts per layer: 8 of 8 on the GPU" in out.stdout
+        assert "experts per layer chosen by the memory plan; GPU budget 64 GiB" in out.stdout
+    file.write_text(f'[model]\npath = "{only_config}"\n[experts]\nplacement = "split"\n'
+                    "gpu_memory_gb = 0.0001\n")
+    out = tandem("check-config", str(file))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("tandem: memory plan refused: needs ")
+    assert "MiB over the 0.1 MiB budget" in out.stderr and "GPU total:" in out.stdout

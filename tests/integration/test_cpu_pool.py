@@ -2,6 +2,7 @@
 
 import glob
 import os
+import shutil
 import signal
 import time
 
@@ -269,3 +270,66 @@ def test_device_session_watchdog_flags_a_dead_worker(layers) -> None:
         p.device_end()
         with pytest.raises(CpuWorkerDied):
             p.check_alive()
+
+
+# ---- streaming: shards made at their final size, filled a run of experts at a time --------
+def test_layers_read_back_what_the_workers_hold(pool, layers) -> None:
+    """pool.layers untiles the shards (expected() above relies on it): it must equal the
+    canonical quantizer's output of the float weights, independently."""
+    for layer, stacks in layers.items():
+        want = shard.quantize_layer(*stacks)
+        got = pool.layers[layer].canonical()
+        for name in ("gate_q", "gate_s", "up_q", "up_s", "down_q", "down_s"):
+            assert getattr(got, name).tobytes() == getattr(want, name).tobytes(), name
+        assert pool.layers[layer].up_s.tobytes() == want.up_s.tobytes()
+
+
+def test_streamed_pool_equals_the_pool_from_floats(layers) -> None:
+    """LayerShapes, then fill() in runs of two experts (any order), then launch(): the same
+    shards and the same bits as a pool made from the whole float stacks."""
+    mine = f"/dev/shm/tandem-*-{os.getpid()}-*"
+    before = set(glob.glob(mine))
+    p = CpuExpertPool({k: shard.LayerShape(E, I, H) for k in layers}, num_workers=2,
+                      cores=core_groups(2), max_rows=8, spin_us=200)
+    try:
+        assert p.pids == [] and p.shard_bytes > 0
+        for layer, (gate, up, down) in layers.items():
+            for first in (4, 2, 0):
+                p.fill(layer, first, gate[first:first + 2], up[first:first + 2],
+                       down[first:first + 2])
+        p.launch()
+        assert set(glob.glob(mine)) == before  # names unlinked once workers are up
+        for layer, stacks in layers.items():
+            assert p.layers[layer].gate_q.tobytes() == shard.quantize_layer(*stacks).gate_q \
+                .tobytes()
+            x, ids, w = routing(layer, 11)
+            assert p.dispatch(layer, x, ids, w).tobytes() == \
+                expected(p, layer, x, ids, w).tobytes()
+        with pytest.raises(RuntimeError, match="before launch"):
+            p.fill(2, 0, *(s[:1] for s in layers[2]))
+    finally:
+        p.close()
+
+
+def test_fill_mistakes_are_named_and_nothing_leaks(layers, monkeypatch) -> None:
+    mine = f"/dev/shm/tandem-*-{os.getpid()}-*"
+    before = set(glob.glob(mine))
+    shapes = {k: shard.LayerShape(E, I, H) for k in layers}
+    with CpuExpertPool(shapes, num_workers=1, cores=core_groups(1)) as p:
+        gate, up, down = layers[2]
+        with pytest.raises(ValueError, match="do not fit"):
+            p.fill(2, 4, gate[:2], up[:2], down[:2])  # experts 4..6 of 5
+        with pytest.raises(KeyError, match="layer 3"):
+            p.fill(3, 0, gate, up, down)
+        p.fill(2, 0, gate, up, down)
+        p.fill(5, 0, *(s[:3] for s in layers[5]))
+        with pytest.raises(ValueError, match="layer 5: expert 3 was never written"):
+            p.launch()
+    assert set(glob.glob(mine)) == before
+    with pytest.raises(ValueError, match="every layer's weights, or only"):
+        CpuExpertPool({2: layers[2], 5: shapes[5]}, num_workers=1)
+    monkeypatch.setattr("cpu_experts.processes.shutil.disk_usage",
+                        lambda path: shutil._ntuple_diskusage(1 << 30, 1 << 30, 1000))
+    with pytest.raises(MemoryError, match="GiB of shared memory"):
+        CpuExpertPool(shapes, num_workers=1)
+    assert set(glob.glob(mine)) == before

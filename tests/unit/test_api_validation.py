@@ -29,7 +29,8 @@ async def test_malformed_json_is_400(client):
 
 
 async def test_deeply_nested_json_is_400(client):
-    err = await _error(await client.post(CHAT, data=b"[" * 2000 + b"]" * 2000), 400)
+    err = await _error(await client.post(CHAT, data=b"[" * 2000 + b"]" * 2000,
+                                         headers={"Content-Type": "application/json"}), 400)
     assert "nested too deeply" in err["message"]
 
 

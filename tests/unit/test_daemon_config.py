@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -13,9 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from daemon import cli, commands
-from daemon.config import DEFAULT_MODEL, REPO_ROOT, Config, ConfigError, ServerSection, load_config
+from daemon import cli, commands, lifecycle
+from daemon.config import (
+    DEFAULT_MODEL,
+    REPO_ROOT,
+    Config,
+    ConfigError,
+    ServerSection,
+    load_config,
+    summary,
+)
 from scripts.tiny_model import DEFAULT_SIZES, build_config
+from tests.qwen3_next_80b import QWEN3_NEXT_80B
 
 CONFIGS = REPO_ROOT / "configs"
 
@@ -69,6 +79,16 @@ def test_qwen3_next_example_is_valid_given_its_model_and_key_file(tmp_path):
     assert config.experts.placement == "split" and config.experts.num_cpu_workers == 2
     assert config.model.served_name == "qwen3-next-80b-a3b-instruct"
     assert config.max_prompt_tokens == 30000
+    assert (config.experts.gpu_memory_gb, config.experts.cpu_experts_per_layer) == (32.0, 0)
+
+
+def test_split_without_a_cpu_count_is_the_memory_plans_choice_given_a_budget(tmp_path):
+    config = load_config(_write(tmp_path, '[experts]\nplacement = "split"\n'
+                                          'gpu_memory_gb = 24\n'))
+    assert config.experts.gpu_memory_gb == 24.0 and isinstance(config.experts.gpu_memory_gb, float)
+    assert "experts per layer chosen by the memory plan; GPU budget 24 GiB" in \
+        "\n".join(summary(config))
+    assert lifecycle.worker_config(config).gpu_budget_bytes == 24 * 2**30
 
 
 def test_qwen3_next_example_names_its_missing_model(tmp_path):
@@ -86,7 +106,8 @@ def test_qwen3_next_example_names_its_missing_model(tmp_path):
      "'recompute', got 'kill'"),
     ("[schedular]\nmax_slots = 2\n", "schedular: unknown section"),
     ("scheduler = 3\n", "scheduler: must be a table"),
-    ("[model]\ndtype = \"bfloat16\"\n", "model.dtype: must be one of 'float32', 'float64'"),
+    ("[model]\ndtype = \"float16\"\n", "model.dtype: must be one of 'float32', 'float64', "
+     "'bfloat16'"),
     ("[model]\nbackend = \"torch\"\n", "model.backend: must be one of"),
     ("[model]\npath = \"nowhere\"\n", "model.path: must be an existing model directory"),
     ("[server]\nport = 70000\n", "server.port: must be <= 65535, got 70000"),
@@ -109,6 +130,11 @@ def test_qwen3_next_example_names_its_missing_model(tmp_path):
     ("[experts]\nplacement = \"split\"\n", "experts.cpu_experts_per_layer: must be >= 1 with "
      "placement = 'split'"),
     ("[experts]\nplacement = \"disk\"\n", "experts.placement: must be one of"),
+    ("[experts]\ngpu_memory_gb = 0\n", "experts.gpu_memory_gb: must be > 0 (leave it out for "
+     "the whole device), got 0"),
+    ("[experts]\ngpu_memory_gb = -8.5\n", "experts.gpu_memory_gb: must be > 0"),
+    ("[experts]\ngpu_memory_gb = \"32\"\n", "experts.gpu_memory_gb: must be a finite number"),
+    ("[experts]\ngpu_memory_gb = inf\n", "experts.gpu_memory_gb: must be a finite number"),
     ("[experts]\ncpu_isa = \"sse9\"\n", "experts.cpu_isa: must be one of"),
     ("[experts]\ncpu_workers = 2\ncpu_cores = [[0, 1]]\n", "experts.cpu_cores: must have one "
      "list per worker (2)"),
@@ -225,6 +251,57 @@ def test_check_config_ok_prints_a_summary(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith(f"OK: {file}")
     assert "2 slots x 4096 tokens" in out and "http://127.0.0.1:8000" in out
+
+
+def test_check_config_prints_the_memory_plan(tmp_path, capsys):
+    model = _model_dir(tmp_path)
+    file = _write(tmp_path, f'[model]\npath = "{model}"\n[experts]\nplacement = "split"\n'
+                            'cpu_experts_per_layer = 3\n')
+    args = _parser().parse_args(["check-config", str(file)])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "memory plan (before any weight is read):" in out
+    assert re.search(r"routed experts per layer: 5 of 8 on the GPU .*, 3 on the CPU", out)
+    assert re.search(r"KV cache: [\d.]+ MiB, \d+ blocks of", out) and "host RAM:" in out
+
+
+def _real_size_model(tmp_path: Path) -> Path:
+    """A directory holding only the 80B's config.json: check-config reads nothing else."""
+    model = tmp_path / "qwen3-next-80b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN3_NEXT_80B))
+    return model
+
+
+@pytest.mark.parametrize("gib, status, needle", [
+    (512, 0, r"GPU total: 3\d\.\d GiB of 32\.0 GiB"), (16, 2, r"GiB of host RAM .* over the 16\.0"),
+])
+def test_check_config_plans_the_80b_from_its_config_alone(tmp_path, capsys, monkeypatch, gib,
+                                                          status, needle):
+    monkeypatch.setattr("gpu_worker.memory_parts.mem_available", lambda: gib * 2**30)
+    text = (CONFIGS / "qwen3-next-80b.toml").read_text()
+    text = text.replace('path = "/srv/models/Qwen3-Next-80B-A3B-Instruct"',
+                        f'path = "{_real_size_model(tmp_path)}"')
+    text = text.replace('api_keys_file = "/etc/tandem/api_keys"', "")
+    args = _parser().parse_args(["check-config", str(_write(tmp_path, text))])
+    assert args.func(args) == status
+    captured = capsys.readouterr()
+    out = captured.out
+    assert re.search(needle, out if status == 0 else captured.err)
+    assert re.search(r"routed experts per layer: \d\d of 512 on the GPU", out)
+    assert "GPU budget 32.0 GiB" in out and "weights: bfloat16 on the GPU" in out
+
+
+def test_check_config_refuses_a_plan_over_the_budget(tmp_path, capsys):
+    file = _write(tmp_path, f'[model]\npath = "{_real_size_model(tmp_path)}"\n'
+                            'backend = "cupy"\n[experts]\ngpu_memory_gb = 8\n')
+    args = _parser().parse_args(["check-config", str(file)])
+    assert args.func(args) == 2
+    captured = capsys.readouterr()
+    assert re.match(r"tandem: memory plan refused: needs 1\d\d\.\d GiB of GPU memory, "
+                    r"1\d\d\.\d GiB over the 8\.0 GiB budget .*placement 'gpu' keeps all 512 "
+                    r"experts of 48 layers", captured.err)
+    assert "routed experts per layer: 512 of 512 on the GPU" in captured.out
 
 
 def test_check_config_names_the_bad_key_and_exits_2(tmp_path, capsys):

@@ -7,9 +7,11 @@ import json
 import shutil
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
+from gpu_worker.engine import load_model
 from gpu_worker.loader import CheckpointError, load_checkpoint
 from gpu_worker.safetensors_io import SafetensorsFile, write_file
 from scripts.tiny_model import make_tiny_model
@@ -207,3 +209,93 @@ def test_index_disagrees_with_shards(sharded):
     index_file.write_text(json.dumps(index))
     msg = load_error(sharded)
     assert f"tensor {name} is listed in {other}" in msg and str(sharded / other) in msg
+
+
+# ---- errors a user can act on, found before any tensor data is read -------------------------
+def no_data_reads(monkeypatch) -> None:
+    """Make any read of tensor bytes fail the test: the error must come from the headers."""
+    def fail(*args, **kwargs):
+        raise AssertionError("tensor data was read before the error")
+    monkeypatch.setattr(SafetensorsFile, "_pread", fail)
+
+
+def test_missing_shard_file(sharded, monkeypatch):
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    file = sorted(set(index["weight_map"].values()))[1]
+    (sharded / file).unlink()
+    no_data_reads(monkeypatch)
+    msg = load_error(sharded)
+    assert "missing shard file" in msg and file in msg and "\n" not in msg
+    with pytest.raises(CheckpointError, match="missing shard file"):
+        load_model(sharded, placement="cpu", cpu_workers=1)
+
+
+def test_truncated_shard_fails_before_any_data_is_read(sharded, monkeypatch):
+    files = sorted(sharded.glob("*.safetensors"))
+    last = files[-1]
+    data = last.read_bytes()
+    end = max(SafetensorsFile(last).tensors.values(), key=lambda info: info.begin)
+    last.write_bytes(data[:-100])  # the header promises 100 bytes more than the file has
+    no_data_reads(monkeypatch)
+    for load in (load_checkpoint, lambda p: load_model(p, placement="cpu", cpu_workers=1)):
+        with pytest.raises(CheckpointError) as info:
+            load(sharded)
+        msg = str(info.value)
+        assert str(last) in msg and f"tensor {end.name}" in msg and "truncated" in msg
+
+
+def _rewrite_bf16(path: Path, edit) -> None:
+    """Like rewrite() for a bf16 file: BF16 tensors as ml_dtypes.bfloat16 arrays."""
+    f = SafetensorsFile(path / "model.safetensors")
+    tensors = {name: np.array(f.raw(name)).view(ml_dtypes.bfloat16) if info.dtype == "BF16"
+               else np.array(f.raw(name)) for name, info in f.tensors.items()}
+    del f
+    edit(tensors)
+    write_file(path / "model.safetensors", tensors)
+
+
+def test_dtype_the_config_does_not_expect(bad, tmp_path):
+    config = json.loads((bad / "config.json").read_text())
+    assert config["dtype"] == "float32"
+    config["dtype"] = "bfloat16"  # but every tensor is F32
+    (bad / "config.json").write_text(json.dumps(config))
+    msg = load_error(bad)
+    assert str(bad / "model.safetensors") in msg
+    assert "tensor model.embed_tokens.weight has dtype F32, but config.json says dtype = " \
+           "bfloat16" in msg
+    # a bf16 checkpoint may keep vectors (norms, biases) in float32, not matrices in float16
+    bf16 = make_tiny_model(tmp_path / "bf16", "qwen3_moe", tokenizer=False, dtype="bfloat16",
+                           **SMALL)
+    _rewrite_bf16(bf16, lambda t: t.update(
+        {"model.norm.weight": t["model.norm.weight"].astype(np.float32)}))
+    assert load_checkpoint(bf16).tensors["model.norm.weight"].shape == (32,)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    _rewrite_bf16(bf16, lambda t: t.update({name: t[name].astype(np.float16)}))
+    assert f"tensor {name} has dtype F16, but config.json says dtype = bfloat16" in \
+        load_error(bf16)
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_expert_count_disagrees_with_config(tmp_path, layout):
+    path = make_tiny_model(tmp_path / layout, "qwen3_moe", tokenizer=False,
+                           expert_layout=layout, **SMALL)
+    config = json.loads((path / "config.json").read_text())
+    for n in (6, 3):  # more experts in config.json than on disk, then fewer
+        (path / "config.json").write_text(json.dumps({**config, "num_experts": n}))
+        msg = load_error(path)
+        assert "config.json says num_experts = " + str(n) in msg and "\n" not in msg
+        if layout == "fused":
+            assert "tensor model.layers.0.mlp.experts.gate_up_proj holds 4 experts" in msg
+        elif n == 6:
+            assert "model.layers.0.mlp.experts has 4 experts on disk" in msg
+            assert "missing tensor model.layers.0.mlp.experts.4.gate_proj.weight" in msg
+        else:
+            assert "unexpected tensor model.layers.0.mlp.experts.3." in msg
+
+
+def test_router_shape_names_the_config_keys(bad):
+    rewrite(bad, lambda t: t.update({"model.layers.2.mlp.gate.weight": np.zeros((4, 16),
+                                                                                np.float32)}))
+    msg = load_error(bad)
+    assert "tensor model.layers.2.mlp.gate.weight has shape (4, 16), expected (4, 32)" in msg
+    assert "num_experts = 4" in msg

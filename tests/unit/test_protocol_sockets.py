@@ -4,6 +4,7 @@ nothing), and refusal of tcp:// without keys."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import stat
@@ -189,3 +190,38 @@ def test_curve_over_tcp_admits_only_listed_clients():
                 daemon.recv(timeout=0.1)
             with pytest.raises(TimeoutError):
                 bad.recv(timeout=0.1)
+
+
+async def test_the_daemon_learns_which_clients_went_away(run_dir):
+    with AsyncDaemonToClients.in_run_dir(run_dir) as daemon:
+        first, second = ClientToDaemon.in_run_dir(run_dir), ClientToDaemon.in_run_dir(run_dir)
+        first.send(StatusRequest(query_id="a"), timeout=2)
+        second.send(StatusRequest(query_id="b"), timeout=2)
+        peers = {}
+        for _ in range(2):
+            peer, msg = await daemon.recv(timeout=2)
+            peers[msg.query_id] = peer
+        assert daemon.gone() == []
+        first.close()
+        deadline = asyncio.get_running_loop().time() + 3
+        gone = []
+        while not gone and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+            gone = daemon.gone()
+        assert gone == [peers["a"]]
+        second.send(StatusRequest(query_id="c"), timeout=2)  # the other one is still served
+        peer, msg = await daemon.recv(timeout=2)
+        assert msg.query_id == "c" and peer == peers["b"]
+        second.close()
+
+
+def test_a_protocol_error_names_the_request_it_failed(run_dir):
+    with DaemonToClients.in_run_dir(run_dir) as daemon, \
+            ClientToDaemon.in_run_dir(run_dir) as client:
+        frames = encode(SubmitRequest(request_id="mine-7", prompt="x"))
+        body = msgpack.unpackb(frames[1])
+        body["max_tokens"] = "many"
+        client.socket.send_multipart([frames[0], msgpack.packb(body)])
+        with pytest.raises(ProtocolError) as info:
+            daemon.recv(timeout=2)
+        assert info.value.request_id == "mine-7" and info.value.peer is not None

@@ -1,0 +1,228 @@
+"""Streaming placement: every tensor goes from a WeightSource straight to where it lives.
+
+The placement (an ExpertSplit: which experts of each MoE layer the CPU workers hold) is
+decided before any weight is read, and the CPU workers' shards are created at their final
+size from the shapes alone. Then, in phases (one log line each, one tqdm bar over bytes):
+
+* ``dense``: every tensor but the routed experts -> the backend (``ops.weight``), one at a
+  time; a renumbered layer's router rows are read in the split's order.
+* ``experts GPU``: each MoE layer's backend experts, only those rows, read a chunk of
+  experts at a time into the stack that is uploaded.
+* ``experts CPU``: each MoE layer's CPU experts, a chunk at a time (``chunk_bytes`` of
+  float32), quantized straight into the workers' shared-memory shards.
+* ``workers ready``: the worker processes start on the filled shards.
+
+So the host holds the model's resident parts (on NumPy the backend is host memory) plus
+one tensor or one chunk in flight, never the whole model in float32.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from gpu_worker.experts.split import EXPERT_KEYS, ExpertSplit
+from gpu_worker.model.model import Model
+from gpu_worker.weights.source import WeightSource
+
+CHUNK_BYTES = 256 * 2**20  # host working set: float32 bytes of experts read at once
+PROGRESS_MIN_BYTES = 64 * 2**20  # progress=None shows the bar above this
+_MOE_LAYER = re.compile(r"^model\.layers\.(\d+)\.mlp\.")
+Log = Callable[..., None]  # log(event, **fields)
+
+_logger = logging.getLogger("tandem.load")
+
+
+def default_log(event: str, **fields: Any) -> None:
+    _logger.info("%s %s", event, fields)
+
+
+def stream_load(source: WeightSource, split: ExpertSplit | None, *, xp: Any, dtype: Any,
+                host_dtype: Any, exact: bool, pool_options: dict | None = None,
+                progress: bool | None = None, log: Log | None = None,
+                chunk_bytes: int = CHUNK_BYTES) -> tuple[Model, Any]:
+    """The model on its backend and, with a ``split``, its started CPU experts (an
+    :class:`ExpertPlacement` whose pool is made with ``pool_options``: num_workers, cores,
+    isa). ``host_dtype``: the float dtype tensors are read in before ``ops.weight``."""
+    log = log or default_log
+    loader = _Loader(source, split, np.dtype(host_dtype), chunk_bytes, log)
+    t0 = time.perf_counter()
+    pool = loader.make_pool(pool_options or {})
+    try:
+        total = loader.backend_bytes_to_read() + loader.cpu_bytes_to_read()
+        show = progress if progress is not None else total > PROGRESS_MIN_BYTES
+        name = source.path.name if source.path is not None else "weights"
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {name}",
+                  disable=not show, file=sys.stderr) as bar:
+            loader.bar = bar
+            model = Model(source.config, loader.backend_tensors(), xp=xp, dtype=dtype,
+                          exact=exact, routing=getattr(source, "routing", None))
+            if pool is not None:
+                loader.fill_cpu(pool)
+        experts = None
+        if pool is not None:
+            from gpu_worker.experts.placement import ExpertPlacement  # noqa: PLC0415 (numba)
+
+            with loader.phase("workers ready", 0, workers=pool.num_workers):
+                pool.launch()
+            experts, pool = ExpertPlacement.start(model, split, pool), None
+    finally:
+        if pool is not None:
+            pool.close()
+    log("model loaded", backend_bytes=resident_bytes(model),
+        cpu_bytes=experts.pool.shard_bytes if experts else 0,
+        seconds=round(time.perf_counter() - t0, 3))
+    return model, experts
+
+
+def resident_bytes(model: Model) -> int:
+    """Bytes of the model's weights on its backend (each array once)."""
+    arrays: dict[int, Any] = {}
+    parts = [model.embed, model.lm_head, model.final_norm, *(model.mtp or {}).values()]
+    for layer in [*model.layers, *([model.mtp_layer] if model.mtp_layer else [])]:
+        parts += [layer.input_norm, layer.post_norm, *layer.attn.values(),
+                  *layer.mlp.values()]
+    for a in parts:
+        arrays[id(a)] = a
+    return sum(int(a.nbytes) for a in arrays.values())
+
+
+class _Loader:
+    """One streaming load: what goes where, the reads, the phase log lines."""
+
+    def __init__(self, source: WeightSource, split: ExpertSplit | None, host_dtype: np.dtype,
+                 chunk_bytes: int, log: Log) -> None:
+        self.source, self.split, self.host_dtype = source, split, host_dtype
+        self.chunk_bytes, self.log = chunk_bytes, log
+        self.cfg = source.config
+        self.shapes = source.shapes()  # validated by the source before any data is read
+        tied = self.cfg.tie_word_embeddings
+        self.experts = [n for n in self.shapes if ".mlp.experts." in n]
+        self.dense = [n for n in self.shapes
+                      if ".mlp.experts." not in n and not (tied and n == "lm_head.weight")]
+        self.bar: Any = None
+
+    # -- what goes where ------------------------------------------------------------------
+    def _layer(self, name: str) -> int | None:
+        """The MoE layer a tensor of the split belongs to (None: not split, e.g. MTP)."""
+        m = _MOE_LAYER.match(name)
+        layer = int(m.group(1)) if m else None
+        return layer if self.split is not None and layer in self.split.order else None
+
+    def _gpu_ids(self, name: str) -> np.ndarray:
+        layer = self._layer(name)
+        return np.arange(self.shapes[name][0]) if layer is None else self.split.gpu_ids(layer)
+
+    def _part_bytes(self, name: str, n: int) -> int:
+        """Stored bytes of ``n`` experts of stacked tensor ``name``."""
+        return self.source.nbytes(name) * n // max(1, self.shapes[name][0])
+
+    def backend_bytes_to_read(self) -> int:
+        return (sum(self.source.nbytes(n) for n in self.dense)
+                + sum(self._part_bytes(n, len(self._gpu_ids(n))) for n in self.experts))
+
+    def cpu_bytes_to_read(self) -> int:
+        if self.split is None:
+            return 0
+        return sum(self._part_bytes(f"model.layers.{i}.mlp.experts.{k}", self.split.n_cpu[i])
+                   for i in self.split.order for k in EXPERT_KEYS)
+
+    def make_pool(self, options: dict) -> Any:
+        """The CPU workers' pool with its shards made at their final size (no workers yet),
+        and the ``plan`` log line; None without a split."""
+        split, cfg = self.split, self.cfg
+        t0 = time.perf_counter()
+        pool = None
+        if split is not None:
+            from cpu_experts.pool import CpuExpertPool  # noqa: PLC0415 (numba, when used)
+            from cpu_experts.shard import LayerShape  # noqa: PLC0415
+
+            shapes = {i: LayerShape(split.n_cpu[i], cfg.moe_intermediate_size, cfg.hidden_size)
+                      for i in split.order}
+            pool = CpuExpertPool(shapes, num_workers=options.get("num_workers") or None,
+                                 cores=options.get("cores") or None, isa=options.get("isa"))
+        n_cpu = sorted(set(split.n_cpu.values())) if split else [0]
+        self.log("load plan", bytes=self.backend_bytes_to_read() + self.cpu_bytes_to_read(),
+                 seconds=round(time.perf_counter() - t0, 3),
+                 dense_bytes=sum(self.source.nbytes(n) for n in self.dense),
+                 experts_gpu_per_layer=[cfg.num_experts - n for n in n_cpu],
+                 experts_cpu_per_layer=n_cpu,
+                 cpu_bytes=pool.shard_bytes if pool is not None else 0,
+                 workers=pool.num_workers if pool is not None else 0)
+        return pool
+
+    # -- phases ---------------------------------------------------------------------------
+    def phase(self, name: str, nbytes: int, **fields: Any) -> _Phase:
+        return _Phase(self, name, nbytes, fields)
+
+    def backend_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """(name, host array) of everything the backend holds, one at a time: dense, then
+        each layer's backend experts."""
+        with self.phase("dense", sum(self.source.nbytes(n) for n in self.dense)):
+            for name in self.dense:
+                arr = self.source.read(name, self.host_dtype)
+                layer = self._layer(name)
+                if layer is not None and name.endswith(".mlp.gate.weight"):
+                    arr = arr[self.split.order[layer]]  # router rows [E, H] in the new order
+                self.bar.update(self.source.nbytes(name))
+                yield name, arr
+        done = sum(self._part_bytes(n, len(self._gpu_ids(n))) for n in self.experts)
+        with self.phase("experts GPU", done):
+            for name in self.experts:
+                ids = self._gpu_ids(name)
+                yield name, self._read_stack(name, ids)
+
+    def _read_stack(self, name: str, ids: np.ndarray) -> np.ndarray:
+        """Experts ``ids`` of stacked tensor ``name`` (in that order), a chunk at a time."""
+        shape = self.shapes[name]
+        per = int(np.prod(shape[1:])) * self.host_dtype.itemsize
+        step = max(1, self.chunk_bytes // max(1, per))
+        if len(ids) <= step:
+            out = self.source.read(name, self.host_dtype, experts=ids)
+        else:
+            out = np.empty((len(ids), *shape[1:]), self.host_dtype)
+            for a in range(0, len(ids), step):
+                out[a:a + step] = self.source.read(name, self.host_dtype,
+                                                   experts=ids[a:a + step])
+        self.bar.update(self._part_bytes(name, len(ids)))
+        return out
+
+    def fill_cpu(self, pool: Any) -> None:
+        """Each layer's CPU experts, a chunk at a time, quantized into the pool's shards."""
+        cfg, split = self.cfg, self.split
+        per = 3 * cfg.moe_intermediate_size * cfg.hidden_size * 4  # float32 gate+up+down
+        step = max(1, self.chunk_bytes // per)
+        with self.phase("experts CPU", self.cpu_bytes_to_read(), cpu_bytes=pool.shard_bytes):
+            for layer in sorted(split.order):
+                ids = split.cpu_ids(layer)
+                p = f"model.layers.{layer}.mlp.experts."
+                for a in range(0, len(ids), step):
+                    sel = ids[a:a + step]
+                    stacks = [self.source.read(p + k, np.float32, experts=sel)
+                              for k in EXPERT_KEYS]
+                    pool.fill(layer, a, *stacks)
+                    del stacks
+                    self.bar.update(sum(self._part_bytes(p + k, len(sel)) for k in EXPERT_KEYS))
+
+
+class _Phase:
+    """Times one phase and logs it: ``load <name>`` with bytes read and seconds."""
+
+    def __init__(self, loader: _Loader, name: str, nbytes: int, fields: dict) -> None:
+        self.loader, self.name, self.nbytes, self.fields = loader, name, nbytes, fields
+
+    def __enter__(self) -> _Phase:
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is None:
+            self.loader.log(f"load {self.name}", bytes=self.nbytes,
+                            seconds=round(time.perf_counter() - self.t0, 3), **self.fields)
