@@ -46,7 +46,8 @@ from protocol.sockets import AsyncDaemonToClients
 
 log = get_logger("tandem.api_zmq")
 REAP_POLL_S = 0.25  # how often closed client connections are looked for
-PHASES = {"idle": None, "prefill": Phase.PREFILL, "decode": Phase.DECODE}
+# daemon.progress states (the worker's reports); a queued request holds no slot
+PHASES = {"idle": None, "prefilling": Phase.PREFILL, "decoding": Phase.DECODE}
 
 
 class ZmqApi:
@@ -220,8 +221,8 @@ class ZmqApi:
 
     def _status(self, query_id: str) -> StatusReply:
         snap = self.scheduler.snapshot()
-        slots = [SlotStatus(slot=s["slot"], request_id=s["request_id"], phase=PHASES[s["phase"]],
-                            prompt_done=s["processed"], prompt_len=s["prompt_tokens"],
+        slots = [SlotStatus(slot=s["slot"], request_id=s["request_id"], phase=PHASES[s["state"]],
+                            prompt_done=s["prompt_done"], prompt_len=s["prompt_total"],
                             num_generated=s["generated"]) for s in snap["slots"]]
         return StatusReply(query_id=query_id, model=self.scheduler.model_name,
                            protocol_version=PROTOCOL_VERSION,

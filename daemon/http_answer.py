@@ -29,6 +29,7 @@ log = structlog.stdlib.get_logger(__name__)
 
 DISCONNECT_POLL_S = 0.25
 DONE = ("stop", "length")  # finish reasons of a request that completed normally
+PROGRESS_EVENT = b"event: progress\n"  # named: EventSource "message" listeners skip it
 
 
 class ClientGone(Exception):
@@ -75,6 +76,12 @@ def failed(event: RequestEvent | None) -> ApiError:
                     reason=None)
 
 
+def progress_chunk(fmt: Formatter, progress: dict[str, Any]) -> dict[str, Any]:
+    """A prompt-progress event's data (named SSE event ``progress``; docs/http_api.md)."""
+    return {"id": fmt.request_id, "object": "tandem.prompt_progress", "created": fmt.created,
+            "model": fmt.model, "progress": progress}
+
+
 def _timeout(exc: RequestTimeout) -> ApiError:
     return ApiError(504, str(exc), type="server_error", code="timeout", reason=None)
 
@@ -96,6 +103,8 @@ async def collect(request: web.Request, handle: RequestHandle, fmt: Formatter, n
     try:
         async with contextlib.aclosing(events(request, handle, timeout_s)) as stream:
             async for last in stream:
+                if last.progress is not None:  # never the last event; none are asked for here
+                    continue
                 texts.append(last.text)
                 count += len(last.token_ids)
     except ClientGone:
@@ -127,8 +136,9 @@ async def stream(request: web.Request, handle: RequestHandle, fmt: Formatter, n_
         "X-Accel-Buffering": "no", "X-Request-Id": fmt.request_id})
     await response.prepare(request)
 
-    async def send(obj: dict[str, Any]) -> None:
-        await response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+    async def send(obj: dict[str, Any], event: bytes = b"") -> None:
+        await response.write(event + b"data: " + json.dumps(obj, ensure_ascii=False).encode()
+                             + b"\n\n")
 
     start, count = time.monotonic(), 0
     calls = ToolCallStream(tools) if tools else None
@@ -148,6 +158,9 @@ async def stream(request: web.Request, handle: RequestHandle, fmt: Formatter, n_
             await send(fmt.chunk(role=True, include_usage=include_usage))
         async with contextlib.aclosing(events(request, handle, timeout_s)) as stream_:
             async for event in stream_:
+                if event.progress is not None:  # asked for with stream_options.include_progress
+                    await send(progress_chunk(fmt, event.progress), PROGRESS_EVENT)
+                    continue
                 count += len(event.token_ids)
                 await send_text(thought.feed(event.text) if thought
                                 else [("content", event.text)])

@@ -4,8 +4,9 @@ Who calls what: the HTTP and ZeroMQ front ends call `request_received` and `requ
 (a request refused before it reached a slot); lifecycle calls `worker_restarted`; the
 scheduler calls the rest, once per request (`request_finished`), per emitted token
 (`observe_ttft` for the first one, `observe_itl` for the rest), per verification
-(`observe_drafts`), per change of the queue (`set_queue_depth`) and once per step
-(`record_step`). A scheduler without metrics gets `NullMetrics`, whose calls do nothing.
+(`observe_drafts`), per change of the queue (`set_queue_depth`, `set_request_states`) and
+once per step (`record_step`). A scheduler without metrics gets `NullMetrics`, whose calls
+do nothing.
 """
 
 from __future__ import annotations
@@ -53,17 +54,16 @@ class StepStats:
     cpu_expert_seconds: float  # the worker's CPU expert time in this step
 
 
-class _PromptThroughput(Collector):
-    """Prompt tokens/s over the latest steps that did prompt work; absent when stale."""
+class _StaleAbsentGauge(Collector):
+    """A gauge of the latest step, absent while stale (None): a figure that only means
+    something for a step that did that work is never shown for a step that did not."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str, documentation: str) -> None:
+        self.name, self.documentation = name, documentation
         self.value: float | None = None
 
     def collect(self):
-        family = GaugeMetricFamily(
-            f"{PREFIX}_prompt_throughput_tokens_per_second",
-            "Prompt (prefill) tokens per second over recent steps that processed prompt "
-            "tokens; absent when no prompt work happened recently")
+        family = GaugeMetricFamily(self.name, self.documentation)
         if self.value is not None:
             family.add_metric([], self.value)
         yield family
@@ -142,8 +142,21 @@ class Metrics:
                                     "verify = this / spec_verifies)", ["source"], registry=r)
         self._restarts = Counter(f"{p}_worker_restarts", "Child processes restarted, by component",
                                  ["component"], registry=r)
-        self._throughput = _PromptThroughput()
+        self._prompt_work_s = Counter(f"{p}_prompt_work_seconds",
+                                      "Wall time of engine steps that processed prompt tokens "
+                                      "(prompt TPS = step_prompt_tokens / this)", registry=r)
+        self._states = Gauge(f"{p}_requests", "Requests by state: queued (waiting for a slot), "
+                             "prefilling, decoding", ["state"], registry=r)
+        self._throughput = _StaleAbsentGauge(
+            f"{p}_prompt_throughput_tokens_per_second",
+            "Prompt (prefill) tokens per second of the latest step; absent when that step "
+            "processed no prompt tokens (stale)")
+        self._cpu_dram = _StaleAbsentGauge(
+            f"{p}_cpu_expert_dram_gbytes_per_second",
+            "CPU expert weight bytes read per second of CPU expert time (GB/s, 1e9), latest "
+            "step with MoE layers; absent when it ran no expert on the CPU")
         r.register(self._throughput)
+        r.register(self._cpu_dram)
         ProcessCollector(registry=r)  # the daemon's own CPU, memory and open files
 
     # ---- requests ----------------------------------------------------------------------------
@@ -169,6 +182,11 @@ class Metrics:
     # ---- engine state ------------------------------------------------------------------------
     def set_queue_depth(self, n: int) -> None:
         self._queue_depth.set(n)
+
+    def set_request_states(self, counts: Mapping[str, int]) -> None:
+        """How many requests are queued, prefilling and decoding (daemon.progress.counts)."""
+        for state, n in counts.items():
+            self._states.labels(state=state).set(n)
 
     def set_active_slots(self, n: int) -> None:
         self._active_slots.set(n)
@@ -206,6 +224,8 @@ class Metrics:
         if moe_layers:
             self._cpu_expert_time.observe(cpu_seconds / moe_layers)
         self._cpu_expert_bytes.inc(cpu_bytes)
+        self._cpu_dram.value = (cpu_bytes / cpu_seconds / 1e9 if cpu_bytes and cpu_seconds > 0
+                                else None)
 
     def set_prompt_throughput(self, tokens_per_s: float | None) -> None:
         """None marks it stale: no recent step did prompt work, so the gauge is absent."""
@@ -214,8 +234,10 @@ class Metrics:
     def record_step(self, step: StepStats) -> None:
         """Everything one step changes: step histograms, gauges, steady decode, experts."""
         self.observe_step(step.seconds, step.rows, step.prompt_tokens, step.decode_tokens)
-        self.set_prompt_throughput(step.prompt_tokens / step.seconds if step.prompt_tokens
-                                   else None)
+        prompt_work = step.prompt_tokens > 0 and step.seconds > 0
+        self.set_prompt_throughput(step.prompt_tokens / step.seconds if prompt_work else None)
+        if prompt_work:
+            self._prompt_work_s.inc(step.seconds)
         self.set_active_slots(step.active_slots)
         self.set_queue_depth(step.queue_depth)
         c = step.counters
@@ -252,6 +274,9 @@ class NullMetrics:
         pass
 
     def set_queue_depth(self, n: int) -> None:
+        pass
+
+    def set_request_states(self, counts: Mapping[str, int]) -> None:
         pass
 
     def record_step(self, step: StepStats) -> None:

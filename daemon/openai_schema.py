@@ -66,6 +66,7 @@ class ParsedRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    include_progress: bool = False  # stream_options.include_progress: prompt-progress events
     priority: int = 0
     ignore_eos: bool = False  # vLLM's extension: generate past EOS (benchmarks)
 
@@ -142,6 +143,7 @@ def _common(body: Any, kind: str, known: frozenset[str]) -> ParsedRequest:
         top_k=0 if top_k == -1 else top_k, min_p=_num(body, "min_p", 0.0, 1.0),
         seed=_int(body, "seed", 0, MAX_SEED), stop=_stop(body.get("stop")), stream=stream,
         include_usage=_stream_options(body.get("stream_options"), stream),
+        include_progress=_stream_options(body.get("stream_options"), stream, "include_progress"),
         priority=_int(body, "priority", *PRIORITY_RANGE) or 0,
         ignore_eos=bool(_bool(body, "ignore_eos")))
 
@@ -159,7 +161,7 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _stream_options(value: Any, stream: bool) -> bool:
+def _stream_options(value: Any, stream: bool, option: str = "include_usage") -> bool:
     if value is None:
         return False
     if not stream:
@@ -167,9 +169,9 @@ def _stream_options(value: Any, stream: bool) -> bool:
     if not isinstance(value, dict):
         raise bad("stream_options", f"'stream_options' must be an object, got {value!r}")
     for key in value:
-        if key != "include_usage":
+        if key not in ("include_usage", "include_progress"):
             raise bad("stream_options", f"unknown field 'stream_options.{key}'")
-    return bool(_bool(value, "include_usage"))
+    return bool(_bool(value, option))
 
 
 # ---- /v1/completions ----------------------------------------------------------------------------

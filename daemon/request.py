@@ -36,6 +36,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()  # stop strings: output ends before the first match
     priority: int = 0  # higher preempts lower
     eos: bool = True  # stop at the model's EOS ids
+    progress: bool = False  # push prompt-progress events (RequestEvent.progress) while waiting
 
 
 @dataclasses.dataclass(slots=True)
@@ -55,6 +56,7 @@ class RequestEvent:
     finish_reason: str | None = None
     error: str | None = None
     usage: Usage | None = None
+    progress: dict | None = None  # a prompt-progress event (no tokens): daemon.progress.row
 
 
 class RequestHandle:

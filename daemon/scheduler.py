@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import structlog
 
-from daemon.metrics import Metrics, NullMetrics, StepStats
+from daemon import progress
+from daemon.metrics import Metrics, NullMetrics
 from daemon.prefix_cache import PrefixCache
+from daemon.progress import queue_status, slot_status
 from daemon.request import (
     EngineUnavailable,
     GenerationRequest,
@@ -29,7 +31,8 @@ from daemon.request import (
     RequestHandle,
     RequestRejected,
 )
-from daemon.sequence import Sequence, slot_status
+from daemon.sequence import Sequence
+from daemon.step_commit import commit_step
 from daemon.worker_client import WorkerDied, WorkerStepError
 from protocol.messages import (
     CacheOp,
@@ -123,6 +126,7 @@ class Scheduler:
         self._order += 1
         self.by_id[req.request_id] = seq
         heapq.heappush(self.queue, (-req.priority, seq.order, seq))
+        progress.push_event(seq)  # "queued" first (a client that asked for progress events)
         self._changed()
         return handle
 
@@ -135,9 +139,12 @@ class Scheduler:
         return True
 
     def snapshot(self) -> dict:
-        """What every slot is doing (GET /v1/slots)."""
+        """What every slot is doing and who waits for one, in admission order (GET /v1/slots)."""
         slots = [slot_status(i, seq) for i, seq in enumerate(self.slots)]
-        return {"ready": self.ready, "queue_depth": len(self.queue), "slots": slots}
+        now, waiting = time.monotonic(), sorted(self.queue, key=lambda e: e[:2])
+        queued = [queue_status(i, e[2], now) for i, e in enumerate(waiting)]
+        return {"ready": self.ready, "queue_depth": len(self.queue), "slots": slots,
+                "queued": queued}
 
     # ---- the step loop -------------------------------------------------------------------
     def attach(self, worker: StepWorker) -> None:
@@ -231,45 +238,9 @@ class Scheduler:
 
     def commit(self, plan: StepPlan, result: StepResult, seconds: float,
                t_plan: float | None = None) -> None:
-        """Apply a step's results. ``seconds``: the worker's step; ``t_plan``: when planning
-        began (the steady-decode figures count from there to the end of this commit)."""
-        now = time.monotonic()
-        prompt_tokens = decode_tokens = emitted = 0
-        for work, res in zip(plan.slots, result.slots, strict=True):
-            seq = self.slots[work.slot]
-            # the input rows and the accepted drafts are in the worker's cache now
-            seq.processed = work.start_pos + work.num_tokens + res.num_accepted
-            seq.mtp_drafts = list(res.drafts)
-            if work.kind == WorkKind.PREFILL:
-                prompt_tokens += work.num_tokens
-            else:
-                decode_tokens += work.num_tokens
-            if len(work.draft_ids):
-                self.metrics.observe_drafts(DraftSource(int(work.draft_sources[0])).name.lower(),
-                                            len(work.draft_ids), res.num_accepted)
-            if not res.token_ids:
-                continue
-            emitted += len(res.token_ids)
-            try:
-                event = seq.add_tokens(res.token_ids)
-            except Exception as exc:  # e.g. its detokenizer: this request alone fails
-                self._fail_request(work.slot, seq, exc)
-                continue
-            self._observe_latency(seq, now)
-            if event is not None:
-                seq.handle.push(event)
-            if seq.finished:
-                self._done(seq)
-                self._release(work.slot)
-        # steady: every slot decoding, no admission underway (BENCHMARKS.md's interval)
-        steady = t_plan is not None and bool(plan.slots) and not prompt_tokens
-        self.metrics.record_step(StepStats(
-            seconds=seconds, rows=plan.num_rows, prompt_tokens=prompt_tokens,
-            decode_tokens=decode_tokens, emitted=emitted,
-            active_slots=sum(s is not None for s in self.slots), queue_depth=len(self.queue),
-            steady_seconds=time.monotonic() - t_plan if steady else None,
-            steady_slots=len(plan.slots), counters=result.counters,
-            cpu_expert_seconds=result.timings_ms.get("cpu_experts", 0.0) / 1e3))
+        """Apply a step's results (daemon.step_commit). ``seconds``: the worker's step;
+        ``t_plan``: when planning began (the steady-decode figures count from there)."""
+        commit_step(self, plan, result, seconds, t_plan)
 
     # ---- planning pieces -----------------------------------------------------------------
     def _work_for(self, slot: int, seq: Sequence, after: list[CacheOp]) -> SlotWork:
@@ -321,6 +292,7 @@ class Scheduler:
             if seq.swapped_entry is not None:
                 self._ops.append(CacheOp(op=OP.SWAP_IN, slot=slot, entry_id=seq.swapped_entry))
                 seq.swapped_entry = None
+                progress.admitted(seq)
                 continue
             self._ops.append(CacheOp(op=OP.ALLOCATE, slot=slot, num_tokens=len(seq.prompt)))
             hit = (self.prefix.lookup(seq.tokens(0, seq.prefill_len))
@@ -331,6 +303,7 @@ class Scheduler:
                                          num_tokens=n))
                 seq.processed = n
                 seq.cached = max(seq.cached, min(n, len(seq.prompt)))
+            progress.admitted(seq)
 
     def _preempt_for_priority(self) -> None:
         """Swap out the lowest-priority running request when a higher one waits."""
@@ -387,13 +360,6 @@ class Scheduler:
         self._finish(seq, "error", f"internal error: {type(exc).__name__}: {exc}")
         self._release(slot)
 
-    def _observe_latency(self, seq: Sequence, now: float) -> None:
-        if seq.t_last is None:
-            self.metrics.observe_ttft(now - seq.t_submit)
-        else:
-            self.metrics.observe_itl(now - seq.t_last)
-        seq.t_last = now
-
     def _new_entry(self) -> int:
         self._entry_id += 1
         return self._entry_id
@@ -401,3 +367,6 @@ class Scheduler:
     def _changed(self) -> None:
         self._wake.set()
         self.metrics.set_queue_depth(len(self.queue))
+        waiting = [e[2] for e in self.queue]
+        self.metrics.set_request_states(
+            progress.counts([s for s in self.slots if s is not None] + waiting))

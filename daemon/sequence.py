@@ -8,20 +8,22 @@ from typing import TYPE_CHECKING
 
 from daemon.proposers.suffix import SuffixProposer
 from daemon.request import GenerationRequest, RequestEvent, RequestHandle, Usage
+from protocol.messages import Phase
 
 if TYPE_CHECKING:
     from daemon.config import SpeculationSection
     from daemon.tokenizer import IncrementalDetokenizer
 
 
-def slot_status(slot: int, seq: Sequence | None) -> dict:
-    """One slot's row of GET /v1/slots."""
-    return {"slot": slot, "request_id": seq.req.request_id if seq else None,
-            "phase": seq.phase if seq else "idle",
-            "prompt_tokens": len(seq.prompt) if seq else 0,
-            "processed": min(seq.processed, len(seq.prompt)) if seq else 0,
-            "cached": seq.cached if seq else 0,
-            "generated": len(seq.generated) if seq else 0}
+@dataclasses.dataclass(slots=True)
+class PromptProgress:
+    """A request's prompt as of the latest step that ran it (daemon.progress keeps it)."""
+
+    phase: Phase | None = None  # the latest result's; None: no result since admission
+    done: int = 0  # prompt tokens in the worker's cache (cached + prefilled)
+    total: int = 0  # prompt tokens to prefill (after a recompute: + the generated ones)
+    cached: int = 0  # of done, reused from the prefix cache
+    rate: float | None = None  # prompt tokens/s of the latest step; None: it did none
 
 
 @dataclasses.dataclass(eq=False)
@@ -46,6 +48,8 @@ class Sequence:
     t_last: float | None = None
     proposer: SuffixProposer | None = None  # once speculation drafts suffixes for it
     mtp_drafts: list[int] = dataclasses.field(default_factory=list)  # the worker's, last step
+    progress: PromptProgress = dataclasses.field(default_factory=PromptProgress)
+    progress_sent: dict | None = None  # the last progress event pushed (opt-in requests)
 
     @property
     def prompt(self) -> list[int]:

@@ -18,7 +18,7 @@ from gpu_worker.kernels.bf16 import BF16
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.model import Caches, ForwardOut, Model
 from gpu_worker.sampling import sample
-from gpu_worker.weights.checkpoint import CheckpointSource
+from gpu_worker.weights.resolve import open_source
 from gpu_worker.weights.source import WeightSource
 from gpu_worker.weights.stream import CHUNK_BYTES, Log, stream_load
 from protocol.messages import SamplingParams
@@ -53,8 +53,8 @@ def load_model(source: WeightSource | str | Path, *, dtype: str = "float32",
     line per load phase (None: the ``tandem.load`` logger)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if not hasattr(source, "read"):
-        source = CheckpointSource(source)  # validated here, before any data is read
+    if not hasattr(source, "read"):  # a checkpoint directory or a synthetic: spec
+        source = open_source(source)  # validated here, before any data is read
     if expert_split is None:
         hot = None
         if hot_experts is not None:

@@ -21,10 +21,15 @@ import time
 import traceback
 
 from cpu_experts.errors import CpuWorkerDied
+from gpu_worker.backend import get_xp
 from gpu_worker.engine import load_model
+from gpu_worker.expert_stats import load_counts
+from gpu_worker.experts.split import ExpertSplit, split_from_orders
 from gpu_worker.kv_cache import block_bytes
 from gpu_worker.loader import CheckpointError, load_generation_config
+from gpu_worker.memory_plan import MemoryPlan, describe, plan_for_worker
 from gpu_worker.runner import PlanError, Runner
+from gpu_worker.weights.resolve import open_source
 from protocol.errors import ProtocolError
 from protocol.messages import (
     PROTOCOL_VERSION,
@@ -63,12 +68,13 @@ def _log(event: str, **fields) -> None:
 
 def build_runner(cfg: WorkerConfig) -> tuple[Runner, object, ModelInfo]:
     """The model, its CPU expert workers (or None) and the Runner, plus what READY reports."""
-    model, pool = load_model(cfg.model, dtype=cfg.dtype, backend=cfg.backend,
-                             placement=cfg.placement,
-                             cpu_experts_per_layer=cfg.cpu_experts_per_layer,
+    source = open_source(cfg.model)  # validated here, before any data is read
+    plan, split = _memory_plan(cfg, source)
+    model, pool = load_model(source, dtype=cfg.dtype, backend=cfg.backend,
+                             placement=plan.placement, expert_split=split,
                              cpu_workers=cfg.cpu_workers,
                              cpu_cores=[list(g) for g in cfg.cpu_cores] or None,
-                             cpu_isa=cfg.cpu_isa, hot_experts=cfg.hot_experts or None,
+                             cpu_isa=cfg.cpu_isa,
                              log=_log)  # one line per load phase: bytes and seconds
     if pool is not None:
         for info in pool.pool.ready_info:  # one line per CPU expert worker, what it holds
@@ -106,6 +112,19 @@ def build_runner(cfg: WorkerConfig) -> tuple[Runner, object, ModelInfo]:
                      max_context=cfg.max_context, eos_token_ids=list(gen["eos_token_ids"]),
                      generation_defaults=defaults, kv=layout)
     return runner, pool, info
+
+
+def _memory_plan(cfg: WorkerConfig, source) -> tuple[MemoryPlan, ExpertSplit | None]:
+    """The memory plan (gpu_worker/memory_plan.py), made before any weight is read and logged
+    line by line, and the expert split it decides (None: every expert on the backend)."""
+    backend = "cupy" if get_xp(cfg.backend).__name__ == "cupy" else "numpy"
+    hot = load_counts(cfg.hot_experts, source.config) if cfg.hot_experts else None
+    plan = plan_for_worker(cfg, source.config, backend=backend, hot_counts=hot)
+    for line in describe(plan):
+        _log("memory plan", line=line)
+    if plan.placement == "gpu":
+        return plan, None
+    return plan, split_from_orders(dict(plan.expert_order), plan.experts_cpu_per_layer, hot)
 
 
 class _Beat:

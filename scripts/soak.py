@@ -1,0 +1,246 @@
+"""Soak: load, kills and fuzz against one real daemon on 127.0.0.1; prints a table, writes JSON.
+
+    python -m scripts.soak --clients 32 --duration 600 --gpu-kills 5 --cpu-kills 5 \\
+        --fuzz-http 10000 --fuzz-zmq 10000 --json docs/bench/soak_cpu.json
+
+Phases: start the daemon (a tiny random model, NumPy, CPU expert placement); each job's
+answer alone (the references) and the seeded probe; a warm-up, then the daemon's RSS; the
+load: N clients (half HTTP, half ZeroMQ; streaming or not; random cancels and disconnects)
+while CPU-worker and GPU-worker kills are spread over the time and the probe runs every few
+seconds; drain; the fuzz (HTTP bodies and ZeroMQ frames) beside two quiet clients; the probe
+again; the end state. Bounded: every phase has a count or a deadline. Exit status 1 when a
+check fails. docs/observability.md describes the checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from scripts.soak_daemon import CPU_WORKER, GPU_WORKER, Daemon
+from scripts.soak_fuzz import fuzz_http, fuzz_zmq
+from scripts.soak_load import Job, Tally, client_loop, http_request, make_jobs, record, references
+from scripts.soak_watch import SlotWatch, wait_idle
+from scripts.tiny_model import make_tiny_model
+
+PROBE = Job(chat=True, prompt="Tell me about the orchard by the river", max_tokens=24,
+            temperature=0.7, seed=1234)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--duration", type=float, default=600.0, help="load phase, seconds")
+    p.add_argument("--gpu-kills", type=int, default=5)
+    p.add_argument("--cpu-kills", type=int, default=5)
+    p.add_argument("--fuzz-http", type=int, default=10000)
+    p.add_argument("--fuzz-zmq", type=int, default=10000)
+    p.add_argument("--jobs", type=int, default=10, help="distinct seeded requests")
+    p.add_argument("--max-tokens", type=int, default=48, help="of each job")
+    p.add_argument("--probe-every", type=float, default=10.0, help="seconds")
+    p.add_argument("--warmup", type=float, default=30.0, help="seconds of load before RSS")
+    p.add_argument("--rss-tolerance", type=float, default=0.10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", type=Path, default=None,
+                   help="default: a tiny random qwen3_moe checkpoint written to the workdir "
+                        "(the embedded tandem-tiny's experts do not fit the CPU kernels)")
+    p.add_argument("--workdir", type=Path, default=None, help="logs and config (default: tmp)")
+    p.add_argument("--json", type=Path, default=None, help="write the result here")
+    return p.parse_args(argv)
+
+
+async def _probe(d: Daemon, want, tally: Tally, log: list, when: str) -> None:
+    import aiohttp
+    async with aiohttp.ClientSession() as session:
+        outcome = await http_request(session, d.url, PROBE, False)
+    record(tally, outcome, want, f"probe {when}")
+    log.append({"when": when, "outcome": outcome[0],
+                "identical": outcome[0] == "completed" and outcome[1] == want})
+
+
+async def _kills(d: Daemon, plan: list[str], until: float, log: list) -> None:
+    """Spread the kills over the load phase; each waits for the tree to be ready first."""
+    start = time.monotonic()
+    gap = max(until - start, 1.0) / (len(plan) + 1)
+    for k, module in enumerate(plan):
+        await asyncio.sleep(max(start + (k + 1) * gap - time.monotonic(), 0.0))
+        await asyncio.to_thread(d.wait_ready, 120)
+        restarts, t0 = await asyncio.to_thread(d.restarts), time.monotonic()
+        pid = d.kill(module)
+        while await asyncio.to_thread(d.restarts) == restarts:  # the daemon noticed
+            if time.monotonic() - t0 > 60:
+                raise TimeoutError(f"no restart within 60 s of killing {module}")
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(d.wait_ready, 120)
+        log.append({"module": module, "pid": pid,
+                    "seconds_to_ready": round(time.monotonic() - t0, 2),
+                    "at_s": round(t0 - start, 1)})
+
+
+async def _probes(d: Daemon, want, tally: Tally, log: list, until: float, every: float,
+                  when: str) -> None:
+    while time.monotonic() + every < until:
+        await asyncio.sleep(every)
+        await _probe(d, want, tally, log, when)
+
+
+async def soak(args: argparse.Namespace, d: Daemon) -> dict:
+    out: dict = {"config": {k: str(v) if isinstance(v, Path) else v
+                            for k, v in vars(args).items()}}
+    jobs = make_jobs(args.seed, args.jobs, args.max_tokens)
+    t0 = time.monotonic()
+    refs = await references(d.url, d.zmq_address, jobs + [PROBE])
+    probe_ref = refs[("http", len(jobs))]
+    out["references_s"] = round(time.monotonic() - t0, 1)
+    probe_tally, probe_log = Tally(), []
+    await _probe(d, probe_ref, probe_tally, probe_log, "before")
+
+    load, watch = Tally(), SlotWatch(d.url)
+    watcher = asyncio.create_task(watch.run())
+    clients = lambda until, n, tally, **kw: [  # noqa: E731
+        client_loop(i, d.url, d.zmq_address, jobs, refs, until, tally, args.seed, **kw)
+        for i in range(n)]
+    await asyncio.gather(*clients(time.monotonic() + args.warmup, args.clients, load))
+    out["idle_after_warmup"] = await wait_idle(d.url, 60)
+    out["rss_mb_after_warmup"] = round(d.rss_mb(), 1)
+
+    rng = random.Random(args.seed)
+    plan = [GPU_WORKER] * args.gpu_kills + [CPU_WORKER] * args.cpu_kills
+    rng.shuffle(plan)
+    kills: list = []
+    until = time.monotonic() + args.duration
+    t_load = time.monotonic()
+    await asyncio.gather(*clients(until, args.clients, load), _kills(d, plan, until, kills),
+                         _probes(d, probe_ref, probe_tally, probe_log, until, args.probe_every,
+                                 "during load"))
+    out["load_s"] = round(time.monotonic() - t_load, 1)
+    out["load"], out["kills"] = load.as_dict(), kills
+    out["idle_after_load"] = await wait_idle(d.url, 60)
+
+    await asyncio.to_thread(d.wait_ready, 120)
+    before = (d.restarts(), d.children())
+    bystanders = Tally()
+    t_fuzz = time.monotonic()
+    fuzz_until = t_fuzz + 3600
+
+    async def fuzz() -> tuple[dict, dict]:
+        nonlocal fuzz_until
+        try:
+            return await asyncio.gather(
+                fuzz_http(d.url, args.fuzz_http, args.seed + 1),
+                asyncio.to_thread(fuzz_zmq, d.zmq_address, args.fuzz_zmq, args.seed + 2))
+        finally:
+            fuzz_until = 0.0
+
+    async def quiet(i: int) -> None:  # one request at a time, no cancels, until the fuzz ends
+        while time.monotonic() < fuzz_until:
+            await client_loop(i, d.url, d.zmq_address, jobs, refs, time.monotonic() + 0.1,
+                              bystanders, args.seed + 7, p_cancel=0.0, p_leave=0.0)
+
+    async def fuzz_probes() -> None:
+        while time.monotonic() < fuzz_until:
+            await asyncio.sleep(min(args.probe_every, 2.0))
+            if time.monotonic() < fuzz_until:
+                await _probe(d, probe_ref, probe_tally, probe_log, "during fuzz")
+
+    (out["fuzz_http"], out["fuzz_zmq"]), *_ = await asyncio.gather(
+        fuzz(), quiet(0), quiet(1), fuzz_probes())
+    out["fuzz_s"] = round(time.monotonic() - t_fuzz, 1)
+    out["bystanders"] = bystanders.as_dict()
+    after = (d.restarts(), d.children()) if d.alive() else (None, None)
+    out["fuzz_restarts"] = {"before": before[0], "after": after[0],
+                            "same_pids": before[1] == after[1]}
+
+    await _probe(d, probe_ref, probe_tally, probe_log, "after")
+    watcher.cancel()
+    out["idle_at_end"] = await wait_idle(d.url, 60)
+    out["slots_at_end"] = d.get("/v1/slots")[1]
+    out["rss_mb_at_end"] = round(d.rss_mb(), 1)
+    out["slot_watch"] = watch.as_dict()
+    out["probe"] = probe_tally.as_dict() | {"runs": probe_log}
+    out["restarts_total"] = d.restarts()
+    return out
+
+
+def checks(r: dict, args: argparse.Namespace) -> dict[str, bool]:
+    load, by, probe = r["load"], r["bystanders"], r["probe"]
+    runs = r["probe"]["runs"]
+    rss0, rss1 = r["rss_mb_after_warmup"], r["rss_mb_at_end"]
+    return {
+        "no lost or duplicated tokens (completed = reference)": load["mismatched"] == 0
+        and by["mismatched"] == 0 and probe["mismatched"] == 0 and load["completed"] > 0,
+        "probe identical every time it completed": all(
+            x["identical"] for x in runs if x["outcome"] == "completed")
+        and {"before", "after"} <= {x["when"] for x in runs if x["identical"]},
+        "every failed request failed clearly": load["failed_unclear"] == 0
+        and by["failed_unclear"] == 0 and probe["failed_unclear"] == 0,
+        "kills done and recovered": len(r["kills"]) == args.gpu_kills + args.cpu_kills,
+        "no leaked slot": r["idle_after_load"] and r["idle_at_end"],
+        "queued never shown as prefilling": r["slot_watch"]["violations"] == 0,
+        f"RSS at end within {args.rss_tolerance:.0%} of warm-up":
+            rss1 <= rss0 * (1 + args.rss_tolerance),
+        "fuzz: no 5xx but 503": r["fuzz_http"]["server_errors"] == 0,
+        "fuzz: every ZeroMQ answer typed": r["fuzz_zmq"]["undecodable_replies"] == 0,
+        "fuzz: no daemon or worker restart": r["fuzz_restarts"]["same_pids"]
+        and r["fuzz_restarts"]["before"] == r["fuzz_restarts"]["after"],
+        "fuzz: other clients unaffected": by["failed_clear"] == {}
+        and by["failed_unclear"] == 0 and by["mismatched"] == 0 and by["completed"] > 0,
+        "daemon exited cleanly": r.get("exit_code") == 0,
+    }
+
+
+def table(r: dict, ok: dict[str, bool]) -> str:
+    load, fh, fz = r["load"], r["fuzz_http"], r["fuzz_zmq"]
+    rows = [("load", f"{load['completed']} completed, {load['cancelled']} cancelled, "
+                     f"{load['disconnected']} disconnected, failed clearly "
+                     f"{sum(load['failed_clear'].values())}, unclearly {load['failed_unclear']}"),
+            ("kills", ", ".join(f"{k['module'].split('.')[0]} {k['seconds_to_ready']}s"
+                                for k in r["kills"]) or "none"),
+            ("probe", f"{sum(x['identical'] for x in r['probe']['runs'])} identical of "
+                      f"{len(r['probe']['runs'])} runs"),
+            ("fuzz http", f"{fh['sent']} sent: {fh['statuses']}"),
+            ("fuzz zmq", f"{fz['sent']} sent: {fz['replies']}"),
+            ("bystanders", f"{r['bystanders']['completed']} completed during the fuzz"),
+            ("rss MB", f"{r['rss_mb_after_warmup']} after warm-up, {r['rss_mb_at_end']} at end"),
+            ("slot watch", str(r["slot_watch"]))]
+    width = max(len(k) for k in ok)
+    lines = [f"{k:<12} {v}" for k, v in rows] + [""]
+    lines += [f"{k:<{width}}  {'PASS' if v else 'FAIL'}" for k, v in ok.items()]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> dict:
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tandem-soak-"))
+    model = args.model or make_tiny_model(workdir / "model", "qwen3_moe", seed=5)
+    d = Daemon(workdir, model, max_slots=4, max_queue=max(64, 2 * args.clients))
+    t0 = time.monotonic()
+    d.start()
+    result: dict = {"startup_s": round(time.monotonic() - t0, 1), "workdir": str(workdir)}
+    try:
+        result |= asyncio.run(soak(args, d))
+    finally:
+        result["exit_code"] = d.stop()
+    result["checks"] = checks(result, args) if "load" in result else {}
+    result["passed"] = bool(result["checks"]) and all(result["checks"].values())
+    result["wall_s"] = round(time.monotonic() - t0, 1)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    print(table(result, result["checks"]))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

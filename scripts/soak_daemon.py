@@ -1,0 +1,173 @@
+"""The daemon under soak: one ``tandem serve`` process on 127.0.0.1 (a tiny model, NumPy
+backend, CPU expert placement so that CPU expert workers exist), and what the soak reads
+of it from outside: /ready, /v1/slots, /metrics, its process tree and its RSS."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_WORKER, CPU_WORKER = "gpu_worker.server", "cpu_experts.worker"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def config(model: Path, port: int, run_dir: Path, max_slots: int, max_queue: int) -> dict:
+    """The soak's configuration: float64 (so a request's text does not depend on what it was
+    batched with), small prefill chunks and checkpoints (prefill spans several steps, the
+    prefix cache is exercised), one CPU expert worker."""
+    return {"model": {"path": str(model), "dtype": "float64", "backend": "numpy",
+                      "name": "tandem-soak"},
+            "server": {"host": "127.0.0.1", "port": port, "run_dir": str(run_dir)},
+            "limits": {"max_queue": max_queue, "request_timeout_s": 300},
+            "scheduler": {"max_slots": max_slots, "max_context": 1024, "kv_block_size": 16,
+                          "prefill_chunk": 32, "checkpoint_interval": 32},
+            "experts": {"placement": "cpu", "cpu_workers": 1},
+            "logging": {"json": True, "level": "info"}}
+
+
+def _toml(cfg: dict) -> str:
+    lines = []
+    for section, values in cfg.items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+class Daemon:
+    def __init__(self, workdir: Path, model: Path, *, max_slots: int = 4,
+                 max_queue: int = 64) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.run_dir = workdir / "run"
+        self.config_path = workdir / "tandem.toml"
+        self.config_path.write_text(_toml(config(model, self.port, self.run_dir, max_slots,
+                                                 max_queue)))
+        self.log_path = workdir / "serve.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def zmq_address(self) -> str:
+        return f"ipc://{self.run_dir}/client.sock"
+
+    def start(self, timeout: float = 120) -> Daemon:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "daemon.cli", "serve", "--config", str(self.config_path)],
+            stdout=self.log_path.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)
+        self.wait_ready(timeout)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, timeout: float = 120) -> float:
+        """Seconds until /ready answered 200; raises when the daemon exited or timed out."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if not self.alive():
+                raise RuntimeError(f"the daemon exited:\n{self.log_tail()}")
+            try:
+                if self.get("/ready")[0] == 200:
+                    return time.monotonic() - t0
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"the daemon is not ready after {timeout} s:\n{self.log_tail()}")
+
+    def get(self, path: str, timeout: float = 10) -> tuple[int, dict | str]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+                status, body = r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            status, body = e.code, e.read().decode()
+        try:
+            return status, json.loads(body)
+        except json.JSONDecodeError:
+            return status, body
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of /metrics (0 when absent)."""
+        want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+                       if labels else "")
+        for line in str(self.get("/metrics")[1]).splitlines():
+            key, _, value = line.rpartition(" ")
+            if key == want:
+                return float(value)
+        return 0.0
+
+    def restarts(self) -> int:
+        return int(self.metric("tandem_worker_restarts_total", component="gpu_worker"))
+
+    def children(self) -> dict[str, list[int]]:
+        """Live descendants running ``python -m MODULE``, by module."""
+        out: dict[str, list[int]] = {}
+        for pid in _descendants(self.proc.pid):
+            cmd = _cmdline(pid)
+            for module in (GPU_WORKER, CPU_WORKER):
+                if f"-m {module}" in cmd:
+                    out.setdefault(module, []).append(pid)
+        return out
+
+    def kill(self, module: str) -> int:
+        """SIGKILL one process running ``module``; its pid."""
+        pid = self.children()[module][0]
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def rss_mb(self) -> float:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        return 0.0
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def stop(self) -> int | None:
+        if not self.alive():
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid``, from the kernel's children lists."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids = [int(x) for x in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+        for kid in kids:
+            out += [kid, *_descendants(kid)]
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
