@@ -1,5 +1,5 @@
 """Which cores each cpu_experts worker runs on: by default one worker per NUMA node, less the
-cores kept for the processes that drive the GPU (ARCHITECTURE.md §1: daemon and GPU worker on
+cores kept for the processes that drive the GPU (docs/architecture.md §1: daemon and GPU worker on
 cores 0-1, workers from core 2 on)."""
 
 from __future__ import annotations

@@ -24,9 +24,11 @@ from numba import njit, prange
 
 from cpu_experts.errors import ERR_EXPERT_ID, ERR_NON_FINITE, ERR_OK
 from cpu_experts.isa import ISA_AVX2, ISA_AVX512VNNI, ISA_PORTABLE
+from cpu_experts.pairs import group_pairs
 from cpu_experts.quant import BLOCK, quantize_block_bits
 from cpu_experts.reference import EXP_COEF, EXP_MAX, EXP_MIN, INV_LN2, LN2_HI, LN2_LO
-from cpu_experts.tiles import BLOCK_BYTES, TU, block_prologue, rows_block
+from cpu_experts.tiles import TU, block_prologue, rows_block
+from cpu_experts.tiles4 import BLOCK_BYTES4
 
 PREFETCH_AHEAD = 16384  # bytes ahead of the block being read (default; 0 = the block itself)
 ROWS = 4  # rows per micro-kernel call (tiles.rows_block); a remainder goes 2, then 1
@@ -99,89 +101,36 @@ def empty_f32_aligned(n: int):
     return buf[off:off + n]
 
 
-@njit(cache=True, nogil=True)
-def group_pairs(expert_ids, num_experts):
-    """Dense pair numbering and grouping by expert.
-
-    Returns ``pair_of [R, K]`` (pair index or -1), ``pair_row [P]``, ``active [A]`` (expert ids
-    in increasing order), ``offsets [A+1]`` and ``members [P]`` (pair ids of each active expert,
-    in increasing pair order), or an empty ``active`` with ``pair_of[0, 0] = -2`` on a bad id.
-    """
-    R, K = expert_ids.shape
-    pair_of = np.full((R, K), -1, np.int64)
-    counts = np.zeros(num_experts, np.int64)
-    P = 0
-    for r in range(R):
-        for k in range(K):
-            e = expert_ids[r, k]
-            if e < -1 or e >= num_experts:
-                pair_of[0, 0] = -2
-                return pair_of, np.empty(0, np.int64), np.empty(0, np.int64), \
-                    np.zeros(1, np.int64), np.empty(0, np.int64)
-            if e >= 0:
-                pair_of[r, k] = P
-                counts[e] += 1
-                P += 1
-    pair_row = np.empty(P, np.int64)
-    pair_exp = np.empty(P, np.int64)
-    for r in range(R):
-        for k in range(K):
-            p = pair_of[r, k]
-            if p >= 0:
-                pair_row[p] = r
-                pair_exp[p] = expert_ids[r, k]
-    A = 0
-    for e in range(num_experts):
-        if counts[e] > 0:
-            A += 1
-    active = np.empty(A, np.int64)
-    offsets = np.zeros(A + 1, np.int64)
-    slot = np.full(num_experts, -1, np.int64)
-    a = 0
-    for e in range(num_experts):
-        if counts[e] > 0:
-            active[a] = e
-            slot[e] = a
-            offsets[a + 1] = offsets[a] + counts[e]
-            a += 1
-    members = np.empty(P, np.int64)
-    fill = offsets[:-1].copy()
-    for p in range(P):
-        s = slot[pair_exp[p]]
-        members[fill[s]] = p
-        fill[s] += 1
-    return pair_of, pair_row, active, offsets, members
-
-
 @njit(cache=True, nogil=True, inline="always")
-def _block_rows(isa, wf, at, x, xs, rows, lo, hi, b, of, obase, ostride, ws) -> None:
+def _block_rows(isa, wf, at, x, xs, xc, rows, lo, hi, b, of, obase, ostride, ws) -> None:
     """One block (at byte ``at`` of wf) applied to slots ``lo:hi``: slot j reads activation row
-    ``rows[j]`` (j when rows is None) of x/xs and adds into ``of[obase + j * ostride:][:16]``.
+    ``rows[j]`` (j when rows is None) of x/xs/xc and adds into ``of[obase + j * ostride:][:16]``.
     :data:`ROWS` slots per micro-kernel call while that many are left, then 2, then 1 (the
     bits are the same). Inlined into the stage (whose ``isa`` is a literal): a call here
     would cost more than one block at 1 row."""
     j = lo
     while hi - j >= ROWS:
-        rows_block(isa, ROWS, wf, at, x, xs, rows, j, b, of, obase + j * ostride, ostride, ws)
+        rows_block(isa, ROWS, wf, at, x, xs, xc, rows, j, b, of, obase + j * ostride, ostride, ws)
         j += ROWS
     if hi - j >= 2:
-        rows_block(isa, 2, wf, at, x, xs, rows, j, b, of, obase + j * ostride, ostride, ws)
+        rows_block(isa, 2, wf, at, x, xs, xc, rows, j, b, of, obase + j * ostride, ostride, ws)
         j += 2
     if hi - j >= 1:
-        rows_block(isa, 1, wf, at, x, xs, rows, j, b, of, obase + j * ostride, ostride, ws)
+        rows_block(isa, 1, wf, at, x, xs, xc, rows, j, b, of, obase + j * ostride, ostride, ws)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _gate_up_stage(isa, w, xk, xs, active, offsets, rows_of, out, ahead):
+def _gate_up_stage(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead):
     """out[m, slot, :] = matrix m of each slot's expert applied to its activation row.
 
-    w [E, M, T, nb, 576] int8 (shard.py); xk [R, n] int8 (tiles.py form), xs [R, nb] f32;
+    w [E, M, T, nb, 576] int8 or [E, M, T, nb, 288] uint8 (int4) tiles (shard.py); xk [R, n]
+    int8 (tiles.py form), xs [R, nb] f32, xc [R, nb] int32 (int4: -8 * block sums);
     slots ``offsets[a]:offsets[a+1]`` belong to expert ``active[a]`` and read activation row
     ``rows_of[slot]``; out [M, P, T * 16] f32. Consecutive items are contiguous in memory (per
     expert), so the prefetch ``ahead`` bytes on runs into the thread's next item.
     """
     numba.literally(isa)
-    M, T, nb = w.shape[1], w.shape[2], w.shape[3]
+    M, T, nb, bb = w.shape[1], w.shape[2], w.shape[3], w.shape[4]
     P = out.shape[1]
     units = T * TU
     wf, of = w.reshape(w.size), out.reshape(out.size)
@@ -195,10 +144,10 @@ def _gate_up_stage(isa, w, xk, xs, active, offsets, rows_of, out, ahead):
         for j in range(lo, hi):
             of[(m * P + j) * units + t * TU:(m * P + j) * units + (t + 1) * TU] = 0.0
         for b in range(nb):
-            at = (base + b) * BLOCK_BYTES
+            at = (base + b) * bb
             block_prologue(isa, wf, at, ws, at + ahead)
-            _block_rows(isa, wf, at, xk, xs, rows_of, lo, hi, b, of, m * P * units + t * TU,
-                        units, ws)
+            _block_rows(isa, wf, at, xk, xs, xc, rows_of, lo, hi, b, of,
+                        m * P * units + t * TU, units, ws)
 
 
 ACT_CHUNKS = 120  # items of the SiLU stage are dealt in this many chunks (or fewer)
@@ -208,7 +157,8 @@ ACT_SERIAL_BLOCKS = 16
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _act_chunk(gf, uf, flip, hk, hs, nb, hbuf, hbits, qbuf, pbuf, two_k, kbits, so, lo, hi):
+def _act_chunk(gf, uf, flip, hk, hs, hc, nb, hbuf, hbits, qbuf, pbuf, two_k, kbits, so, lo,
+               hi):
     """Items ``lo:hi`` of the SiLU stage, with the scratch at ``so:so+32``; False if any h
     was not finite."""
     Is = nb * BLOCK
@@ -220,15 +170,19 @@ def _act_chunk(gf, uf, flip, hk, hs, nb, hbuf, hbits, qbuf, pbuf, two_k, kbits, 
         sc, fine = quantize_block_bits(hbuf, hbits, qbuf, so)
         ok = ok and fine
         hs[p, it % nb] = np.float32(sc)
+        total = np.int32(0)
         for i in range(BLOCK):
             hk[p, o + i] = qbuf[so + i] ^ np.int8(-128) if flip else qbuf[so + i]
+            total += np.int32(qbuf[so + i])
+        hc[p, it % nb] = np.int32(-8) * total
     return ok
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _act_stage(g, u, flip, hk, hs) -> bool:
+def _act_stage(g, u, flip, hk, hs, hc) -> bool:
     """h = float32(silu64(g)) * u, re-quantized per block of 32 into hk (int8, tiles.py form:
-    ``^ 0x80`` when ``flip``) and hs [P, Is/32] (scale values as float32). Items are
+    ``^ 0x80`` when ``flip``) and hs [P, Is/32] (scale values as float32), with hc [P, Is/32]
+    int32 = -8 * each block's sum of q (the int4 kernels' offset correction). Items are
     (pair, block), dealt in contiguous chunks: even one pair spreads over every thread (when
     there are more than :data:`ACT_SERIAL_BLOCKS`). Each chunk has its own part of scratch
     arrays made here; no item allocates or takes a view (either costs an atomic or a malloc
@@ -247,12 +201,12 @@ def _act_stage(g, u, flip, hk, hs) -> bool:
     # NOTE: np.ones here would be a parallel region of its own (Numba parallelises it): ~7 us
     ok = np.empty(chunks, np.bool_)
     if chunks == 1:
-        ok[0] = _act_chunk(gf, uf, flip, hk, hs, nb, hbuf, hbits, qbuf, pbuf, two_k, kbits,
-                           0, 0, n)
+        ok[0] = _act_chunk(gf, uf, flip, hk, hs, hc, nb, hbuf, hbits, qbuf, pbuf, two_k,
+                           kbits, 0, 0, n)
     else:
         for c in prange(chunks):
-            ok[c] = _act_chunk(gf, uf, flip, hk, hs, nb, hbuf, hbits, qbuf, pbuf, two_k, kbits,
-                               c * BLOCK, c * n // chunks, (c + 1) * n // chunks)
+            ok[c] = _act_chunk(gf, uf, flip, hk, hs, hc, nb, hbuf, hbits, qbuf, pbuf, two_k,
+                               kbits, c * BLOCK, c * n // chunks, (c + 1) * n // chunks)
     for c in range(chunks):
         if not ok[c]:
             return False
@@ -260,22 +214,22 @@ def _act_stage(g, u, flip, hk, hs) -> bool:
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _down_combine_stage(isa, w, hk, hs, active, offsets, pair_of, slot_of_pair, weights,
+def _down_combine_stage(isa, w, hk, hs, hc, active, offsets, pair_of, slot_of_pair, weights,
                         y, out, ahead):
     """y[slot] = down of the slot's expert (hk/hs rows in slot order), then per row
     ``out[r] = 0; out[r] += weights[r, k] * y[pair(r, k)]`` for k in increasing order.
 
     Items are the 16-unit micro-tiles of H: each computes its 16 outputs for every expert and
-    every row. w [E, 1, T, nb, 576]; y [P, H] scratch; out [R, H]. An item reads one run of
+    every row. w [E, 1, T, nb, 576 or 288]; y [P, H] scratch; out [R, H]. An item reads one run of
     ``nb`` blocks per expert; the prefetch follows that sequence across experts (then into the
     thread's next item).
     """
     numba.literally(isa)
-    T, nb = w.shape[2], w.shape[3]
+    T, nb, bb = w.shape[2], w.shape[3], w.shape[4]
     H = T * TU
     R, K = pair_of.shape
     A = active.shape[0]
-    step = ahead // BLOCK_BYTES
+    step = ahead // bb
     wf, yf = w.reshape(w.size), y.reshape(y.size)
     for t in prange(T):
         ws = np.empty(TU, np.int32)
@@ -286,16 +240,16 @@ def _down_combine_stage(isa, w, hk, hs, active, offsets, pair_of, slot_of_pair, 
             for j in range(lo, hi):
                 yf[j * H + c0:j * H + c0 + TU] = 0.0
             for b in range(nb):
-                at = (base + b) * BLOCK_BYTES
+                at = (base + b) * bb
                 ahead_b = b + step
                 if ahead_b < nb:
-                    pf = at + step * BLOCK_BYTES
+                    pf = at + step * bb
                 elif a + 1 < A:
-                    pf = ((active[a + 1] * T + t) * nb + min(ahead_b - nb, nb - 1)) * BLOCK_BYTES
+                    pf = ((active[a + 1] * T + t) * nb + min(ahead_b - nb, nb - 1)) * bb
                 else:
-                    pf = ((active[0] * T + t + 1) * nb + min(ahead_b - nb, nb - 1)) * BLOCK_BYTES
+                    pf = ((active[0] * T + t + 1) * nb + min(ahead_b - nb, nb - 1)) * bb
                 block_prologue(isa, wf, at, ws, pf)
-                _block_rows(isa, wf, at, hk, hs, None, lo, hi, b, yf, c0, H, ws)  # h: slot order
+                _block_rows(isa, wf, at, hk, hs, hc, None, lo, hi, b, yf, c0, H, ws)  # slots
         for r in range(R):
             o = out[r]
             for i in range(c0, c0 + TU):
@@ -310,18 +264,26 @@ def _down_combine_stage(isa, w, hk, hs, active, offsets, pair_of, slot_of_pair, 
 
 
 @njit(cache=True, nogil=True)
-def _decode_activations(xq, xd_bits, rows, flip):
-    """The first ``rows`` rows: int8 activations in tiles.py form, fp16-bit scales -> float32."""
+def _decode_activations(xq, xd_bits, rows, flip, sums):
+    """The first ``rows`` rows: int8 activations in tiles.py form, fp16-bit scales -> float32
+    and, when ``sums``, ``-8 *`` each block's sum (int32 [rows, H/32]; else [0, H/32])."""
     H = xq.shape[1]
     nb = H // BLOCK
     xk = np.empty((rows, H), np.int8)
     xs = np.empty((rows, nb), np.float32)
+    xc = np.empty((rows if sums else 0, nb), np.int32)
     for r in range(rows):
         for i in range(H):
             xk[r, i] = xq[r, i] ^ np.int8(-128) if flip else xq[r, i]
         for b in range(nb):
             xs[r, b] = f16_value(xd_bits[r, b])
-    return xk, xs
+        if sums:
+            for b in range(nb):
+                total = np.int32(0)
+                for t in range(BLOCK):
+                    total += np.int32(xq[r, b * BLOCK + t])
+                xc[r, b] = np.int32(-8) * total
+    return xk, xs, xc
 
 
 @njit(cache=True, nogil=True)
@@ -329,7 +291,8 @@ def moe_layer(isa, gu, down, xq, xd_bits, expert_ids, weights, out, ahead) -> in
     """One MoE layer on one shard for ``R = expert_ids.shape[0]`` rows; writes ``out[:R]``.
 
     isa: a literal ISA_* (isa.py). gu: gate and up tiled together ([E, 2, ...], shard.py);
-    down: [E, 1, ...]. xq [>=R, H] int8, xd_bits [>=R, H/32] uint16 (fp16 bits), expert_ids
+    down: [E, 1, ...]; int8 tiles, or uint8 tiles of the int4 format (tiles4.py).
+    xq [>=R, H] int8, xd_bits [>=R, H/32] uint16 (fp16 bits), expert_ids
     [R, K] (-1 = skip), weights [R, K] float32, out [>=R, H] float32, ahead: prefetch distance
     in bytes. Returns an ERR_* code.
     """
@@ -338,7 +301,8 @@ def moe_layer(isa, gu, down, xq, xd_bits, expert_ids, weights, out, ahead) -> in
     E = gu.shape[0]
     Is = gu.shape[2] * TU
     H = xq.shape[1]
-    flip = isa == ISA_AVX512VNNI
+    int4 = gu.shape[4] == BLOCK_BYTES4
+    flip = isa == ISA_AVX512VNNI and not int4  # int8 tiles on VNNI take x ^ 0x80 (tiles.py)
     pair_of, pair_row, active, offsets, members = group_pairs(expert_ids, E)
     if R > 0 and pair_of[0, 0] == -2:
         return ERR_EXPERT_ID
@@ -346,20 +310,21 @@ def moe_layer(isa, gu, down, xq, xd_bits, expert_ids, weights, out, ahead) -> in
     if P == 0:  # nothing on the CPU this layer
         out[:R] = 0.0
         return ERR_OK
-    xk, xs = _decode_activations(xq, xd_bits, R, flip)
+    xk, xs, xc = _decode_activations(xq, xd_bits, R, flip, int4)
     rows_of = pair_row[members]            # [P] activation row of each slot (slot = grouped order)
     slot_of_pair = np.empty(P, np.int64)   # [P] pair id -> slot
     for s in range(P):
         slot_of_pair[members[s]] = s
     g_u = empty_f32_aligned(2 * P * Is).reshape((2, P, Is))
-    _gate_up_stage(isa, gu, xk, xs, active, offsets, rows_of, g_u, ahead)
+    _gate_up_stage(isa, gu, xk, xs, xc, active, offsets, rows_of, g_u, ahead)
     hk = np.empty((P, Is), np.int8)
     hs = np.empty((P, Is // BLOCK), np.float32)
-    if not _act_stage(g_u[0], g_u[1], flip, hk, hs):
+    hc = np.empty((P, Is // BLOCK), np.int32)
+    if not _act_stage(g_u[0], g_u[1], flip, hk, hs, hc):
         return ERR_NON_FINITE
     y = empty_f32_aligned(P * H).reshape((P, H))
-    _down_combine_stage(isa, down, hk, hs, active, offsets, pair_of, slot_of_pair, weights, y,
-                        out[:R], ahead)
+    _down_combine_stage(isa, down, hk, hs, hc, active, offsets, pair_of, slot_of_pair, weights,
+                        y, out[:R], ahead)
     return ERR_OK
 
 

@@ -24,6 +24,8 @@ from cpu_experts import rings, shard
 from cpu_experts.cores import default_core_groups
 from cpu_experts.dispatch_timer import DispatchTimer
 from cpu_experts.errors import ERR_OK, status_error
+from cpu_experts.formats import Blocks, check_format
+from cpu_experts.pool_checks import check_pairs, out_array
 from cpu_experts.processes import ShardFiles, WorkerProcesses
 from cpu_experts.quant import BLOCK, quantize_rows_into, raise_non_finite
 from cpu_experts.shard import LayerShape, QuantizedLayer
@@ -44,14 +46,17 @@ class CpuExpertPool:
     ``isa``: the kernels' instruction set (cpu_experts/isa.py: ``portable``, ``avx2``,
     ``avx512vnni``; None: ``$TANDEM_CPU_ISA`` or the best this CPU has); every choice gives the
     same bits. ``prefetch_bytes``: how far ahead the kernels prefetch weights (None: default).
+    ``weight_format``: "int8" (1.125 bytes per weight) or "int4" (0.5625; cpu_experts/formats.py).
     :attr:`layers` reads back what the workers hold (:class:`shard.TiledLayer`).
     """
 
     def __init__(self, layers: dict, *, num_workers: int | None = None,
                  cores: list[list[int]] | None = None, max_rows: int = 256,
                  max_k: int = 16, spin_us: float = 2000.0, start_timeout: float = 600.0,
-                 isa: str | None = None, prefetch_bytes: int | None = None) -> None:
+                 isa: str | None = None, prefetch_bytes: int | None = None,
+                 weight_format: str = "int8") -> None:
         self.isa = cpu_isa.NAMES[cpu_isa.select(isa)]  # a ValueError here, before any process
+        self.weight_format = check_format(weight_format)
         if prefetch_bytes is not None and not 0 <= prefetch_bytes <= 1 << 20:
             raise ValueError(f"prefetch_bytes={prefetch_bytes}: want 0..1 MiB")
         self.prefetch_bytes = prefetch_bytes
@@ -83,7 +88,7 @@ class CpuExpertPool:
         ring_size = rings.Ring.size(self.num_workers, max_rows, self.hidden, max_k)
         try:
             self._files: ShardFiles | None = ShardFiles(self._procs, shapes, self.bounds,
-                                                        ring_size)
+                                                        ring_size, self.weight_format)
             self.layers = self._files.layers
             self.shard_bytes = sum(self._files.sizes)  # the CPU experts' resident memory
             self.ring = rings.Ring(self._procs.files[0].buf, self.num_workers, max_rows,
@@ -93,7 +98,7 @@ class CpuExpertPool:
                 raise ValueError("give every layer's weights, or only LayerShapes")
             for layer, v in given.items():  # one layer quantized at a time
                 self.write(layer, 0, v if isinstance(v, QuantizedLayer)
-                           else shard.quantize_layer(*v))
+                           else shard.quantize_layer(*v, self.weight_format))
             if given:
                 self.launch()
         except BaseException:
@@ -102,14 +107,18 @@ class CpuExpertPool:
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    def fill(self, layer: int, first: int, gate: np.ndarray, up: np.ndarray,
-             down: np.ndarray) -> None:
-        """Quantize experts ``first..`` of ``layer`` (float ``gate/up [n, I, H]``, ``down
-        [n, H, I]``) straight into every worker's shard; before :meth:`launch`."""
-        self.write(layer, first, shard.quantize_layer(gate, up, down))
+    def fill(self, layer: int, first: int, gate: np.ndarray | Blocks, up: np.ndarray | Blocks,
+             down: np.ndarray | Blocks) -> None:
+        """Experts ``first..`` of ``layer`` straight into every worker's shard, before
+        :meth:`launch`. Each of ``gate/up [n, I, H]``, ``down [n, H, I]`` is a float array
+        (quantized here by the canonical rule of :attr:`weight_format`) or a
+        :class:`formats.Blocks` already quantized (a GGUF's Q8_0 / Q4_0): held as they are
+        where the format allows, else converted (quant4.to_format)."""
+        self.write(layer, first, shard.quantize_layer(gate, up, down, self.weight_format))
 
     def write(self, layer: int, first: int, ql: QuantizedLayer) -> None:
-        """Tile quantized experts ``first..`` of ``layer`` into every worker's shard."""
+        """Tile canonical experts ``first..`` of ``layer`` (int8 values; int4 pools: in
+        [-8, 7]) into every worker's shard."""
         if self._files is None:
             raise RuntimeError("the workers run already: shards are written before launch()")
         self._files.write(layer, first, ql)
@@ -180,9 +189,9 @@ class CpuExpertPool:
         x = np.asarray(x)
         if x.ndim != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"x must be [rows, {self.hidden}], got {x.shape}")
-        ids, w = self._check_pairs(layer, x.shape[0], expert_ids, weights)
+        ids, w = check_pairs(self.layers, self.max_k, layer, x.shape[0], expert_ids, weights)
         x32 = np.ascontiguousarray(x, dtype=np.float32)   # [R, H]
-        out = self._out_array(out, x.shape[0])             # [R, H]
+        out = out_array(out, x.shape[0], self.hidden)      # [R, H]
         ring = self.ring
         for r0 in range(0, x.shape[0], self.max_rows):
             r1 = min(x.shape[0], r0 + self.max_rows)
@@ -207,39 +216,15 @@ class CpuExpertPool:
         if scales.shape != (R, self.hidden // BLOCK) or scales.dtype.itemsize != 2:
             raise ValueError(f"scales must be float16 [rows, {self.hidden // BLOCK}], got "
                              f"{scales.dtype} {scales.shape}")
-        ids, w = self._check_pairs(layer, R, expert_ids, weights)
+        ids, w = check_pairs(self.layers, self.max_k, layer, R, expert_ids, weights)
         bits = scales.view(np.uint16)
-        out = self._out_array(out, R)
+        out = out_array(out, R, self.hidden)
         for r0 in range(0, R, self.max_rows):
             r1 = min(R, r0 + self.max_rows)
             self.ring.xq[:r1 - r0] = q[r0:r1]
             self.ring.xd[:r1 - r0] = bits[r0:r1]
             self._run(layer, ids[r0:r1], w[r0:r1], out[r0:r1])
         return out
-
-    def _out_array(self, out: np.ndarray | None, rows: int) -> np.ndarray:
-        if out is None:
-            return np.empty((rows, self.hidden), np.float32)
-        if (out.shape != (rows, self.hidden) or out.dtype != np.float32
-                or not out.flags.c_contiguous or not out.flags.writeable):
-            raise ValueError(f"out must be a writeable C-contiguous float32 [{rows}, "
-                             f"{self.hidden}] array, got {out.dtype} {out.shape}")
-        return out
-
-    def _check_pairs(self, layer: int, rows: int, expert_ids: np.ndarray,
-                     weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        ql = self.layers.get(layer)
-        if ql is None:
-            raise KeyError(f"layer {layer} has no CPU experts (have {sorted(self.layers)})")
-        ids = np.asarray(expert_ids)
-        if ids.ndim != 2 or ids.shape[0] != rows or np.asarray(weights).shape != ids.shape:
-            raise ValueError(f"expert_ids {ids.shape} and weights {np.shape(weights)} must both "
-                             f"be [{rows}, k]")
-        if ids.shape[1] > self.max_k:
-            raise ValueError(f"top-k {ids.shape[1]} exceeds the pool's max_k={self.max_k}")
-        if ids.size and (ids.min() < -1 or ids.max() >= ql.num_experts):
-            raise ValueError(f"expert ids must lie in [-1, {ql.num_experts}) for layer {layer}")
-        return ids.astype(np.int32, copy=False), np.asarray(weights, dtype=np.float32)
 
     def _ring_all(self) -> None:
         self._seq += 1

@@ -124,9 +124,10 @@ class ShardFiles:
     workers start; :attr:`layers` reads them back on demand through read-only handles."""
 
     def __init__(self, procs: WorkerProcesses, shapes: dict[int, shard.LayerShape],
-                 bounds: list[dict[int, tuple[int, int]]], ring_size: int) -> None:
+                 bounds: list[dict[int, tuple[int, int]]], ring_size: int,
+                 fmt: str = "int8") -> None:
         self.procs, self.shapes = procs, shapes
-        plans = [shard.plan_shard(shapes, b) for b in bounds]
+        plans = [shard.plan_shard(shapes, b, fmt) for b in bounds]
         self.manifests = [m for m, _ in plans]
         self.sizes = [size for _, size in plans]
         _check_space(ring_size + sum(self.sizes))

@@ -1,4 +1,4 @@
-"""QFUSE: the one canonical activation quantizer (ARCHITECTURE.md §5).
+"""QFUSE: the one canonical activation quantizer (docs/architecture.md §5).
 
 The rule, stated once (every implementation -- this NumPy reference, the Numba version below,
 and the CuPy kernel in gpu_worker/kernels/qfuse.py -- follows it to the bit):
@@ -20,6 +20,9 @@ float32 (round to nearest even; float64 inputs are rounded first, then quantized
 Outputs: ``q`` int8 with the input's shape, ``d16`` float16 with shape ``[..., n / 32]``.
 The last axis must be a multiple of 32.  The same rule quantizes expert weights (rows along
 their reduction dimension) and the intermediate activations ``h`` before down_proj.
+
+The 4-bit expert weights (quant4.py) follow the same rule with ``QMAX = 7`` in place of 127
+(steps 2 and 4): every function here takes ``qmax`` (default 127, the activations' rule).
 
 Numba has no float16 arrays, so the Numba routines take and return scales as their uint16
 bit patterns (``d16.view(np.uint16)``); :func:`quantize` converts at the boundary.
@@ -44,7 +47,7 @@ def _check_last_axis(x: np.ndarray) -> None:
         raise ValueError(f"last axis must be a multiple of {BLOCK}, got shape {x.shape}")
 
 
-def quantize_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def quantize_ref(x: np.ndarray, qmax: int = QMAX) -> tuple[np.ndarray, np.ndarray]:
     """NumPy reference of the rule: ``x [..., n]`` -> ``(q int8 [..., n], d16 f16 [..., n/32])``."""
     _check_last_axis(x)
     xf = np.asarray(x).astype(np.float32)
@@ -53,7 +56,7 @@ def quantize_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         raise NonFiniteActivation(f"non-finite value {xf[tuple(bad)]} at index {tuple(bad)}")
     blocks = xf.reshape(*xf.shape[:-1], -1, BLOCK)                   # [..., nb, 32]
     amax = np.abs(blocks).max(axis=-1)                                # [..., nb] float32
-    d = amax / np.float32(QMAX)                                       # float32 IEEE division
+    d = amax / np.float32(qmax)                                       # float32 IEEE division
     with np.errstate(over="ignore"):
         d16 = d.astype(np.float16)                                    # round to nearest even
     d16 = np.where(np.isinf(d16), np.float16(F16_MAX), d16)           # clamp to 65504
@@ -61,7 +64,7 @@ def quantize_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     nz = scale != 0
     with np.errstate(divide="ignore", invalid="ignore"):
         qf = np.where(nz, np.rint(blocks / np.where(nz, scale, np.float32(1))), np.float32(0))
-    q = np.clip(qf, -QMAX, QMAX).astype(np.int8).reshape(xf.shape)
+    q = np.clip(qf, -qmax, qmax).astype(np.int8).reshape(xf.shape)
     return q, d16
 
 
@@ -113,17 +116,22 @@ def quantize_block(x, q, o: int) -> tuple[float, bool]:
     Indices are unsigned so Numba emits no wraparound checks and LLVM vectorizes the loops;
     inf/nan are the |x| bit patterns >= 0x7f800000, so an integer max finds them.
     """
-    return quantize_block_bits(x, x.view(np.int32), q, o)
+    return _quantize_block(x, x.view(np.int32), q, o, QMAX)
 
 
 @njit(cache=True, nogil=True)
 def quantize_block_bits(x, xbits, q, o: int) -> tuple[float, bool]:
     """:func:`quantize_block` given also ``xbits = x.view(np.int32)``, for callers in a
     parallel loop that make the view once (a view per block is an atomic on x's refcount)."""
+    return _quantize_block(x, xbits, q, o, QMAX)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _quantize_block(x, xbits, q, o: int, qmax: int) -> tuple[float, bool]:
     if _max_abs_bits(xbits, o) >= np.int32(0x7F800000):
         return 0.0, False
     amax = _max_abs_finite(x, o)
-    d = amax / np.float32(QMAX)
+    d = amax / np.float32(qmax)
     s = f16_round(np.float64(d))
     if s == 0.0:
         for t in range(BLOCK):
@@ -132,13 +140,13 @@ def quantize_block_bits(x, xbits, q, o: int) -> tuple[float, bool]:
     s32 = np.float32(s)
     for t in range(BLOCK):
         r = np.rint(x[np.uintp(o + t)] / s32)
-        r = min(max(r, np.float32(-QMAX)), np.float32(QMAX))
+        r = min(max(r, np.float32(-qmax)), np.float32(qmax))
         q[np.uintp(o + t)] = np.int8(r)
     return s, True
 
 
 @njit(cache=True, nogil=True)
-def quantize_rows_into(x, q, d16_bits, rows: int) -> int:
+def quantize_rows_into(x, q, d16_bits, rows: int, qmax: int = QMAX) -> int:
     """Quantize ``x[:rows]`` ([R, n] float32) into ``q [R, n]`` int8 and ``d16_bits [R, n/32]``.
 
     Returns -1 when all is finite, else the flat index of the first block with a non-finite value.
@@ -146,22 +154,23 @@ def quantize_rows_into(x, q, d16_bits, rows: int) -> int:
     nb = x.shape[1] // BLOCK
     for r in range(rows):
         xr = x[r]
+        xbits = xr.view(np.int32)
         qr = q[r]
         for b in range(nb):
-            s, ok = quantize_block(xr, qr, b * BLOCK)
+            s, ok = _quantize_block(xr, xbits, qr, b * BLOCK, qmax)
             if not ok:
                 return r * nb + b
             d16_bits[r, b] = f16_bits(s)
     return -1
 
 
-def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def quantize(x: np.ndarray, qmax: int = QMAX) -> tuple[np.ndarray, np.ndarray]:
     """Numba version of :func:`quantize_ref`; byte-identical output, same errors."""
     _check_last_axis(x)
     x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])  # [rows, n]
     q = np.empty(x2.shape, np.int8)
     d = np.empty((x2.shape[0], x2.shape[1] // BLOCK), np.uint16)
-    bad = quantize_rows_into(x2, q, d, x2.shape[0])
+    bad = quantize_rows_into(x2, q, d, x2.shape[0], qmax)
     if bad >= 0:
         raise_non_finite(x2, bad)
     return q.reshape(x.shape), d.view(np.float16).reshape(*x.shape[:-1], -1)

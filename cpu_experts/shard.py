@@ -1,8 +1,9 @@
-"""Expert weights: quantize to int8 blocks of 32 + fp16 scales, shard by intermediate dim, tile.
+"""Expert weights: quantize to blocks of 32 + fp16 scales, shard by intermediate dim, tile.
 
 Canonical form (``QuantizedLayer``): ``gate_q/up_q [E, I, H]``, ``down_q [E, H, I]`` int8 with
 fp16 scales per block of 32 along the reduction axis (H for gate/up, I for down), quantized
-by the canonical quantizer of quant.py. A shard is a contiguous range of whole I-blocks, so
+by the canonical quantizer of quant.py (or quant4.py's for the int4 format: the same arrays,
+values in [-8, 7]). A shard is a contiguous range of whole I-blocks, so
 the re-quantization of ``h`` inside a shard equals that of the whole expert. The kernel form
 (``tile``) reorders a shard for kernels.py; a manifest lays all of a worker's tiled layers
 out in one flat shared-memory buffer.
@@ -15,8 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cpu_experts.quant import BLOCK, quantize
+from cpu_experts.formats import Blocks, check_format
+from cpu_experts.quant import BLOCK
+from cpu_experts.quant4 import to_format
 from cpu_experts.tiles import BLOCK_BYTES, GROUPS, TILE_BYTES, TU
+from cpu_experts.tiles4 import BLOCK_BYTES4, CHUNKS, NIBBLE_BYTES
 
 ALIGN = 64
 NAMES = ("gu", "down")
@@ -74,17 +78,19 @@ def layer_shape(v: LayerShape | QuantizedLayer | tuple[np.ndarray, ...]) -> Laye
     return LayerShape(int(E), int(I), int(H))
 
 
-def quantize_layer(gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> QuantizedLayer:
-    """Float ``gate/up [E, I, H]``, ``down [E, H, I]`` -> canonical int8 blocks of 32."""
+def quantize_layer(gate: np.ndarray | Blocks, up: np.ndarray | Blocks,
+                   down: np.ndarray | Blocks, fmt: str = "int8") -> QuantizedLayer:
+    """Float (or :class:`Blocks`) ``gate/up [E, I, H]``, ``down [E, H, I]`` -> canonical blocks
+    of 32 of format ``fmt`` (quant4.to_format)."""
     E, I, H = gate.shape
     if up.shape != (E, I, H) or down.shape != (E, H, I):
         raise ValueError(f"expert shapes disagree: gate {gate.shape}, up {up.shape}, "
                          f"down {down.shape} (want [E,I,H], [E,I,H], [E,H,I])")
     if H % BLOCK or I % BLOCK:
         raise ValueError(f"H={H} and I={I} must be multiples of {BLOCK}")
-    gq, gs = quantize(gate)
-    uq, us = quantize(up)
-    dq, ds = quantize(down)
+    gq, gs = to_format(gate, fmt)
+    uq, us = to_format(up, fmt)
+    dq, ds = to_format(down, fmt)
     return QuantizedLayer(gq, gs, uq, us, dq, ds)
 
 
@@ -102,18 +108,22 @@ def shard_bounds(intermediate: int, num_shards: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def tiled_shape(E: int, mats: int, units: int, n: int) -> tuple[int, ...]:
+def tiled_shape(E: int, mats: int, units: int, n: int, fmt: str = "int8") -> tuple[int, ...]:
     """Kernel shape of ``mats`` matrices per expert, each ``[units, n]`` reduced along n:
     micro-tiles of 16 units; per block of 32 positions, 512 int8 weight bytes then 16 float32
-    scales (tiles.py)."""
-    return (E, mats, units // TU, n // BLOCK, BLOCK_BYTES)
+    scales (tiles.py), or for int4 256 bytes of nibbles then 16 fp16 scales (tiles4.py)."""
+    return (E, mats, units // TU, n // BLOCK, BLOCK_BYTES4 if fmt == "int4" else BLOCK_BYTES)
 
 
 def tile_into(q: np.ndarray, s: np.ndarray, out: np.ndarray) -> None:
     """``q [E, U, n] int8, s [E, U, n/32] f16`` -> ``out [E, U/16, n/32, 576]`` int8: per block,
     the weights ``[8 groups][16 units][4 positions]`` then the 16 scales as float32 bytes.
-    (``out`` is one matrix's slice ``[:, m]`` of the kernel array.)
+    (``out`` is one matrix's slice ``[:, m]`` of the kernel array.) A uint8 ``out`` is an int4
+    tile: :func:`tile_into4`.
     """
+    if out.dtype == np.uint8:
+        tile_into4(q, s, out)
+        return
     E, U, n = q.shape
     nb = n // BLOCK
     if q.size and int(q.min()) == -128:  # the AVX2 kernel's |x| * sign(w, x) needs w != -128
@@ -126,18 +136,48 @@ def tile_into(q: np.ndarray, s: np.ndarray, out: np.ndarray) -> None:
         E, U // TU, nb, BLOCK_BYTES - TILE_BYTES)
 
 
+def tile_into4(q: np.ndarray, s: np.ndarray, out: np.ndarray) -> None:
+    """int4 tiles (tiles4.py): ``q [E, U, n]`` int8 in [-8, 7], ``s [E, U, n/32] f16`` -> ``out
+    [E, U/16, n/32, 288]`` uint8: per block 4 chunks ``[16 units][4 positions]`` of bytes
+    ``(q[4j + c] + 8) | (q[16 + 4j + c] + 8) << 4``, then the 16 scales' fp16 bytes."""
+    E, U, n = q.shape
+    nb = n // BLOCK
+    if q.size and (int(q.min()) < -8 or int(q.max()) > 7):
+        raise ValueError("int4 expert weights must lie in [-8, 7]")
+    nib = (q.astype(np.int16) + 8).astype(np.uint8).reshape(E, U // TU, TU, nb, 2, CHUNKS, 4)
+    packed = nib[..., 0, :, :] | (nib[..., 1, :, :] << 4)      # [E, T, u, nb, j, c]
+    out[..., :NIBBLE_BYTES] = packed.transpose(0, 1, 3, 4, 2, 5).reshape(E, U // TU, nb,
+                                                                          NIBBLE_BYTES)
+    scales = s.astype(np.float16).reshape(E, U // TU, TU, nb).transpose(0, 1, 3, 2)
+    out[..., NIBBLE_BYTES:] = np.ascontiguousarray(scales).view(np.uint8).reshape(
+        E, U // TU, nb, BLOCK_BYTES4 - NIBBLE_BYTES)
+
+
+def untile4(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of :func:`tile_into4`."""
+    E, ut, nb, _ = t.shape
+    b = t[..., :NIBBLE_BYTES].reshape(E, ut, nb, CHUNKS, TU, 4)
+    nib = np.stack([b & 15, b >> 4], axis=3)                    # [E, T, nb, 2, j, u, c]
+    q = (nib.astype(np.int8) - np.int8(8)).transpose(0, 1, 5, 2, 3, 4, 6).reshape(
+        E, ut * TU, nb * BLOCK)
+    scales = np.ascontiguousarray(t[..., NIBBLE_BYTES:]).view(np.float16).reshape(E, ut, nb, TU)
+    return q, scales.transpose(0, 1, 3, 2).reshape(E, ut * TU, nb)
+
+
 def plan_shard(layers: Mapping[int, LayerShape | QuantizedLayer],
-               bounds: dict[int, tuple[int, int]]) -> tuple[list, int]:
+               bounds: dict[int, tuple[int, int]], fmt: str = "int8") -> tuple[list, int]:
     """Manifest ``[(layer, name, shape, dtype, offset), ...]`` and byte size of one worker's
     shard, which holds the intermediate range ``bounds[layer]`` of every layer (sizes only:
-    ``layers`` may be :class:`LayerShape` s)."""
+    ``layers`` may be :class:`LayerShape` s) in format ``fmt`` (int8 tiles: dtype int8; int4:
+    uint8)."""
+    check_format(fmt)
     manifest, off = [], 0
     for layer, ql in sorted(layers.items()):
         lo, hi = bounds[layer]
         E, H, Is = ql.num_experts, ql.hidden, hi - lo
-        for name, shape in zip(NAMES, (tiled_shape(E, 2, Is, H), tiled_shape(E, 1, H, Is)),
-                               strict=True):
-            dt = "int8"
+        for name, shape in zip(NAMES, (tiled_shape(E, 2, Is, H, fmt),
+                                       tiled_shape(E, 1, H, Is, fmt)), strict=True):
+            dt = "uint8" if fmt == "int4" else "int8"
             manifest.append((layer, name, shape, dt, off))
             off += -(-int(np.prod(shape)) * np.dtype(dt).itemsize // ALIGN) * ALIGN
     return manifest, off
@@ -175,7 +215,9 @@ def write_experts(dst: tuple[np.ndarray, np.ndarray], ql: QuantizedLayer,
 
 def untile(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Inverse of :func:`tile_into`: ``[E, U/16, n/32, 576]`` int8 -> ``q [E, U, n] int8,
-    s [E, U, n/32] float16``."""
+    s [E, U, n/32] float16`` (uint8 int4 tiles: :func:`untile4`)."""
+    if t.dtype == np.uint8:
+        return untile4(t)
     E, ut, nb, _ = t.shape
     q = (t[..., :TILE_BYTES].reshape(E, ut, nb, GROUPS, TU, 4).transpose(0, 1, 4, 2, 3, 5)
          .reshape(E, ut * TU, nb * BLOCK))

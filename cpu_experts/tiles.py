@@ -38,95 +38,67 @@ from __future__ import annotations
 
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
+from cpu_experts import tiles4
+from cpu_experts.irhelp import (
+    F32,
+    GROUPS,
+    I1,
+    I8,
+    I16,
+    I32,
+    I64,
+    at,
+    check_array,
+    fn,
+    isa_of,
+    lanes4,
+    ptr,
+    row_at,
+    splat,
+    sum4,
+    x_words,
+)
 from cpu_experts.isa import ISA_AVX2, ISA_AVX512VNNI, ISA_PORTABLE
 from cpu_experts.quant import BLOCK
 
 TU = 16          # output units per micro-tile (32-bit lanes of a zmm register)
-GROUPS = 8       # groups of 4 positions in a block of 32
 TILE_BYTES = GROUPS * TU * 4  # int8 weights of one block of one micro-tile
 BLOCK_BYTES = TILE_BYTES + TU * 4  # ... followed by its 16 float32 scales
-
-_I1 = ir.IntType(1)
-_I8 = ir.IntType(8)
-_I16 = ir.IntType(16)
-_I32 = ir.IntType(32)
-_I64 = ir.IntType(64)
-_F32 = ir.FloatType()
-
-
-def _isa_of(isa) -> int:
-    if not isinstance(isa, types.IntegerLiteral):
-        raise TypingError(f"the instruction set must be a literal int, got {isa}")
-    value = isa.literal_value
-    if value not in (ISA_PORTABLE, ISA_AVX2, ISA_AVX512VNNI):
-        raise TypingError(f"unknown instruction set {value}")
-    return value
-
-
-def _check_array(ty, dtype, name: str) -> None:
-    if not isinstance(ty, types.Array) or ty.dtype != dtype or ty.layout != "C":
-        raise TypingError(f"{name} must be a C-contiguous {dtype} array, got {ty}")
-
-
-def _ptr(context, builder, aryty, ary, offset, vecty):
-    """Pointer to element ``offset`` of a C-contiguous array, as a pointer to ``vecty``."""
-    data = context.make_array(aryty)(context, builder, ary).data
-    off = context.cast(builder, offset, types.int64, types.intp) if offset is not None else None
-    ptr = builder.gep(data, [off]) if off is not None else data
-    return builder.bitcast(ptr, vecty.as_pointer())
-
-
-def _splat(builder, value, vecty):
-    """Broadcast a scalar to every lane of ``vecty``."""
-    undef = ir.Constant(vecty, ir.Undefined)
-    one = builder.insert_element(undef, value, ir.Constant(_I32, 0))
-    mask = ir.Constant(ir.VectorType(_I32, vecty.count), [0] * vecty.count)
-    return builder.shuffle_vector(one, undef, mask)
-
-
-def _fn(builder, name: str, ret, args):
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
-
-
-def _x_words(builder, xp):
-    """The 8 groups of 4 activation bytes of a block, each as one int32."""
-    return [builder.load(builder.gep(xp, [ir.Constant(_I32, g)]), align=1) for g in range(GROUPS)]
 
 
 def _dots_vnni(builder, wp, xps, start):
     """Per row: ``start + sum_g vpdpbusd(x_g (unsigned), w_g)``, one <16 x i32>; the 8
     weight vectors are loaded once for all rows."""
-    v16 = ir.VectorType(_I32, 16)
-    dp = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16, v16, v16])
-    wvs = [builder.load(builder.gep(wp, [ir.Constant(_I32, g)]), align=1) for g in range(GROUPS)]
+    v16 = ir.VectorType(I32, 16)
+    dp = fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16, v16, v16])
+    wvs = [builder.load(builder.gep(wp, [ir.Constant(I32, g)]), align=1) for g in range(GROUPS)]
     dots = []
     for xp in xps:
         acc = [start, ir.Constant(v16, [0] * 16)]  # two chains: half the dependent latency
-        for g, word in enumerate(_x_words(builder, xp)):
-            acc[g % 2] = builder.call(dp, [acc[g % 2], _splat(builder, word, v16), wvs[g]])
+        for g, word in enumerate(x_words(builder, xp)):
+            acc[g % 2] = builder.call(dp, [acc[g % 2], splat(builder, word, v16), wvs[g]])
         dots.append([builder.add(acc[0], acc[1])])
     return dots
 
 
 def _dot_avx2(builder, wp, xp):
     """Two <8 x i32> (units 0-7, 8-15): ``maddwd(maddubs(|x|, sign(w, x)), 1)`` summed."""
-    v32b, v16h, v8 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
-    psign = _fn(builder, "llvm.x86.avx2.psign.b", v32b, [v32b, v32b])
-    maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16h, [v32b, v32b])
-    maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [v16h, v16h])
-    absb = _fn(builder, "llvm.abs.v32i8", v32b, [v32b, _I1])
+    v32b, v16h, v8 = ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8)
+    psign = fn(builder, "llvm.x86.avx2.psign.b", v32b, [v32b, v32b])
+    maddubs = fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16h, [v32b, v32b])
+    maddwd = fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [v16h, v16h])
+    absb = fn(builder, "llvm.abs.v32i8", v32b, [v32b, I1])
     ones = ir.Constant(v16h, [1] * 16)
     acc = [ir.Constant(v8, [0] * 8), ir.Constant(v8, [0] * 8)]
     wp32 = builder.bitcast(wp, v32b.as_pointer())
-    for g, word in enumerate(_x_words(builder, xp)):
-        xv = builder.bitcast(_splat(builder, word, v8), v32b)
-        ax = builder.call(absb, [xv, ir.Constant(_I1, 0)])
+    for g, word in enumerate(x_words(builder, xp)):
+        xv = builder.bitcast(splat(builder, word, v8), v32b)
+        ax = builder.call(absb, [xv, ir.Constant(I1, 0)])
         for h in range(2):
-            wv = builder.load(builder.gep(wp32, [ir.Constant(_I32, 2 * g + h)]), align=1)
+            wv = builder.load(builder.gep(wp32, [ir.Constant(I32, 2 * g + h)]), align=1)
             p16 = builder.call(maddubs, [ax, builder.call(psign, [wv, xv])])
             acc[h] = builder.add(acc[h], builder.call(maddwd, [p16, ones]))
     return acc
@@ -134,18 +106,12 @@ def _dot_avx2(builder, wp, xp):
 
 def _dot_portable(builder, wp, xp):
     """One <16 x i32> from generic vector IR: widen, multiply, add the 4 positions of a lane."""
-    v64b, v64, v16 = ir.VectorType(_I8, 64), ir.VectorType(_I32, 64), ir.VectorType(_I32, 16)
+    v64b, v64, v16 = ir.VectorType(I8, 64), ir.VectorType(I32, 64), ir.VectorType(I32, 16)
     wp64 = builder.bitcast(wp, v64b.as_pointer())
     acc = ir.Constant(v16, [0] * 16)
-    for g, word in enumerate(_x_words(builder, xp)):
-        wv = builder.sext(builder.load(builder.gep(wp64, [ir.Constant(_I32, g)]), align=1), v64)
-        x4 = builder.sext(builder.bitcast(word, ir.VectorType(_I8, 4)), ir.VectorType(_I32, 4))
-        xv = builder.shuffle_vector(x4, ir.Constant(ir.VectorType(_I32, 4), ir.Undefined),
-                                    ir.Constant(ir.VectorType(_I32, 64), list(range(4)) * 16))
-        prod = builder.mul(wv, xv)
-        for c in range(4):
-            lane = ir.Constant(ir.VectorType(_I32, 16), [4 * u + c for u in range(16)])
-            acc = builder.add(acc, builder.shuffle_vector(prod, prod, lane))
+    for g, word in enumerate(x_words(builder, xp)):
+        wv = builder.sext(builder.load(builder.gep(wp64, [ir.Constant(I32, g)]), align=1), v64)
+        acc = sum4(builder, builder.mul(wv, lanes4(builder, word, 64)), acc)
     return [acc]
 
 
@@ -161,87 +127,95 @@ def _rows_of(nrows) -> int:
     return nrows.literal_value
 
 
-def _at(context, builder, aryty, ary, offset, ty):
-    """Pointer to element ``offset`` (an i64 value) of a C-contiguous array, as ``ty*``."""
-    data = context.make_array(aryty)(context, builder, ary).data
-    return builder.bitcast(builder.gep(data, [offset]), ty.as_pointer())
-
-
-def _row_at(context, builder, aryty, ary, row, col, ty):
-    """Pointer to element ``[row, col]`` of a C-contiguous 2-D array, as ``ty*``."""
-    arr = context.make_array(aryty)(context, builder, ary)
-    width = cgutils.unpack_tuple(builder, arr.shape, 2)[1]
-    return _at(context, builder, aryty, ary, builder.add(builder.mul(row, width), col), ty)
+def _weights_of(w) -> bool:
+    """True for the int4 format (uint8 tiles, tiles4.py), False for int8 (int8 tiles)."""
+    if isinstance(w, types.Array) and w.dtype == types.uint8:
+        check_array(w, types.uint8, "w")
+        return True
+    check_array(w, types.int8, "w")
+    return False
 
 
 @intrinsic
-def rows_block(typingctx, isa, nrows, w, woff, x, xs, rows, j, b, o, ooff, ostride, ws):
+def rows_block(typingctx, isa, nrows, w, woff, x, xs, xc, rows, j, b, o, ooff, ostride, ws):
     """One block of one micro-tile applied to ``nrows`` rows (a literal, 1..MAX_ROWS): for
     ``k < nrows``, with ``r = rows[j + k]`` (``j + k`` when rows is None)::
 
         o[ooff + k*ostride : +16] += float32(dot(w block, x[r, 32b:32b+32])) * (scales * xs[r, b])
 
-    w int8: the micro-tile's block at byte ``woff`` (512 weight bytes, 16 float32 scales);
-    x int8 [R, n] activations (for VNNI stored as ``x ^ 0x80``), xs float32 [R, n/32] their
-    scales, rows int64 or None, o float32, ws int32[16] from :func:`block_prologue` (read by
+    w: the micro-tile's block at byte ``woff``: int8 tiles (512 weight bytes, 16 float32
+    scales) or uint8 tiles of the int4 format (256 nibble bytes, 16 fp16 scales: tiles4.py);
+    x int8 [R, n] activations (int8 tiles on VNNI: stored as ``x ^ 0x80``), xs float32
+    [R, n/32] their scales, xc int32 [R, n/32] (int4: ``-8 * sum`` of each block of x; int8:
+    unused), rows int64 or None, o float32, ws int32[16] from :func:`block_prologue` (int8 on
     VNNI only). The weights are loaded once for all rows; every row's integer dots are taken
     before any output is stored (o is not known not to alias w), then each row gets the same
     float operations, in the same order, as a call for that row alone: the bits do not depend
     on ``nrows``.
     """
-    which = _isa_of(isa)
+    which = isa_of(isa)
     count = _rows_of(nrows)
-    _check_array(w, types.int8, "w")
-    _check_array(x, types.int8, "x")
-    _check_array(xs, types.float32, "xs")
+    int4 = _weights_of(w)
+    check_array(x, types.int8, "x")
+    check_array(xs, types.float32, "xs")
+    check_array(xc, types.int32, "xc")
     if not isinstance(rows, types.NoneType):
-        _check_array(rows, types.int64, "rows")
-    _check_array(o, types.float32, "o")
-    _check_array(ws, types.int32, "ws")
-    if x.ndim != 2 or xs.ndim != 2:
-        raise TypingError(f"x and xs must be 2-D, got {x} and {xs}")
+        check_array(rows, types.int64, "rows")
+    check_array(o, types.float32, "o")
+    check_array(ws, types.int32, "ws")
+    if x.ndim != 2 or xs.ndim != 2 or xc.ndim != 2:
+        raise TypingError(f"x, xs and xc must be 2-D, got {x}, {xs} and {xc}")
     i64 = types.int64
-    sig = types.void(isa, nrows, w, i64, x, xs, rows, i64, i64, o, i64, i64, ws)
+    sig = types.void(isa, nrows, w, i64, x, xs, xc, rows, i64, i64, o, i64, i64, ws)
 
     def codegen(context, builder, signature, args):
-        _, _, wv, woffv, xv, xsv, rowsv, jv, bv, ov, ooffv, ostridev, wsv = args
+        _, _, wv, woffv, xv, xsv, xcv, rowsv, jv, bv, ov, ooffv, ostridev, wsv = args
         aty = signature.args
-        wp = _at(context, builder, aty[2], wv, woffv, ir.VectorType(_I32, 16))
-        col = builder.mul(bv, ir.Constant(_I64, BLOCK))
-        xps, sxs = [], []
+        wp = at(context, builder, aty[2], wv, woffv, ir.VectorType(I32, 16))
+        wp8 = builder.bitcast(wp, I8.as_pointer())
+        col = builder.mul(bv, ir.Constant(I64, BLOCK))
+        xps, sxs, xcs = [], [], []
         for k in range(count):
-            kk = ir.Constant(_I64, k)
+            kk = ir.Constant(I64, k)
             r = builder.add(jv, kk)
-            if not isinstance(aty[6], types.NoneType):
-                r = builder.load(_at(context, builder, aty[6], rowsv, r, _I64))
-            xps.append(_row_at(context, builder, aty[4], xv, r, col, _I32))
-            sxs.append(builder.load(_row_at(context, builder, aty[5], xsv, r, bv, _F32)))
+            if not isinstance(aty[7], types.NoneType):
+                r = builder.load(at(context, builder, aty[7], rowsv, r, I64))
+            xps.append(row_at(context, builder, aty[4], xv, r, col, I32))
+            sxs.append(builder.load(row_at(context, builder, aty[5], xsv, r, bv, F32)))
+            if int4:
+                xcs.append(builder.load(row_at(context, builder, aty[6], xcv, r, bv, I32)))
         parts = 2 if which == ISA_AVX2 else 1  # AVX2's dot is two <8 x i32>, units 0-7, 8-15
-        vf = ir.VectorType(_F32, TU // parts)
-        scales = builder.gep(builder.bitcast(wp, _I8.as_pointer()), [ir.Constant(_I32, TILE_BYTES)])
-        sp = builder.bitcast(scales, vf.as_pointer())
-        ws_scales = [builder.load(builder.gep(sp, [ir.Constant(_I32, h)]), align=4)
-                     for h in range(parts)]
-        if which == ISA_AVX512VNNI:
-            start = builder.load(_ptr(context, builder, aty[12], wsv, None,
-                                      ir.VectorType(_I32, 16)), align=4)
-        group = _GROUP[which]
+        vf = ir.VectorType(F32, TU // parts)
+        if int4:
+            ws_scales = tiles4.scales(builder, wp8, parts)
+        else:
+            sp = builder.bitcast(builder.gep(wp8, [ir.Constant(I32, TILE_BYTES)]),
+                                 vf.as_pointer())
+            ws_scales = [builder.load(builder.gep(sp, [ir.Constant(I32, h)]), align=4)
+                         for h in range(parts)]
+        if which == ISA_AVX512VNNI and not int4:
+            start = builder.load(ptr(context, builder, aty[13], wsv, None,
+                                      ir.VectorType(I32, 16)), align=4)
+        group = count if int4 else _GROUP[which]
         for k0 in range(0, count, group):
             ks = range(k0, min(k0 + group, count))
-            if which == ISA_AVX512VNNI:
+            if int4:
+                dots = tiles4.dots(builder, which, wp8, [xps[k] for k in ks],
+                                   [xcs[k] for k in ks])
+            elif which == ISA_AVX512VNNI:
                 dots = _dots_vnni(builder, wp, [xps[k] for k in ks], start)
             elif which == ISA_AVX2:
                 dots = [_dot_avx2(builder, wp, xps[k]) for k in ks]
             else:
                 dots = [_dot_portable(builder, wp, xps[k]) for k in ks]
             for k, row_dots in zip(ks, dots, strict=True):
-                off = builder.add(ooffv, builder.mul(ostridev, ir.Constant(_I64, k)))
-                op = _at(context, builder, aty[9], ov, off, vf)
-                sx = _splat(builder, sxs[k], vf)
+                off = builder.add(ooffv, builder.mul(ostridev, ir.Constant(I64, k)))
+                op = at(context, builder, aty[10], ov, off, vf)
+                sx = splat(builder, sxs[k], vf)
                 for h, dot in enumerate(row_dots):
                     scale = builder.fmul(ws_scales[h], sx)
                     prod = builder.fmul(builder.sitofp(dot, vf), scale)
-                    opp = builder.gep(op, [ir.Constant(_I32, h)])
+                    opp = builder.gep(op, [ir.Constant(I32, h)])
                     builder.store(builder.fadd(builder.load(opp, align=4), prod), opp, align=4)
         return context.get_dummy_value()
 
@@ -250,35 +224,35 @@ def rows_block(typingctx, isa, nrows, w, woff, x, xs, rows, j, b, o, ooff, ostri
 
 @intrinsic
 def block_prologue(typingctx, isa, w, woff, ws, pf):
-    """Before the rows of one block: prefetch the 576 bytes at byte ``pf`` of w (a block read
-    later; any offset is safe: prefetches never fault), and for VNNI write
-    ``ws[:16] = -128 * sum_t w[u, t]`` of the block at ``woff`` (the unsigned-activation
-    correction)."""
-    which = _isa_of(isa)
-    _check_array(w, types.int8, "w")
-    _check_array(ws, types.int32, "ws")
+    """Before the rows of one block: prefetch the block's bytes (576 int8, 288 int4) at byte
+    ``pf`` of w (a block read later; any offset is safe: prefetches never fault), and for int8
+    tiles on VNNI write ``ws[:16] = -128 * sum_t w[u, t]`` of the block at ``woff`` (the
+    unsigned-activation correction)."""
+    which = isa_of(isa)
+    int4 = _weights_of(w)
+    check_array(ws, types.int32, "ws")
     sig = types.void(isa, w, types.int64, ws, types.int64)
 
     def codegen(context, builder, signature, args):
         _, wv, woffv, wsv, pfv = args
         aty = signature.args
-        v16 = ir.VectorType(_I32, 16)
-        far = _ptr(context, builder, aty[1], wv, pfv, _I8)
-        prefetch = _fn(builder, "llvm.prefetch.p0", ir.VoidType(),
-                       [_I8.as_pointer(), _I32, _I32, _I32])
-        for line in range(0, BLOCK_BYTES, 64):
-            addr = builder.gep(far, [ir.Constant(_I32, line)])
-            builder.call(prefetch, [addr, ir.Constant(_I32, 0), ir.Constant(_I32, 3),
-                                    ir.Constant(_I32, 1)])
-        if which == ISA_AVX512VNNI:
-            wp = _ptr(context, builder, aty[1], wv, woffv, v16)
-            bias = _splat(builder, ir.Constant(_I32, -0x7F7F7F80), v16)  # every byte 0x80
-            dp = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16, v16, v16])
+        v16 = ir.VectorType(I32, 16)
+        far = ptr(context, builder, aty[1], wv, pfv, I8)
+        prefetch = fn(builder, "llvm.prefetch.p0", ir.VoidType(),
+                       [I8.as_pointer(), I32, I32, I32])
+        for line in range(0, tiles4.BLOCK_BYTES4 if int4 else BLOCK_BYTES, 64):
+            addr = builder.gep(far, [ir.Constant(I32, line)])
+            builder.call(prefetch, [addr, ir.Constant(I32, 0), ir.Constant(I32, 3),
+                                    ir.Constant(I32, 1)])
+        if which == ISA_AVX512VNNI and not int4:
+            wp = ptr(context, builder, aty[1], wv, woffv, v16)
+            bias = splat(builder, ir.Constant(I32, -0x7F7F7F80), v16)  # every byte 0x80
+            dp = fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16, v16, v16])
             acc = ir.Constant(v16, [0] * 16)
             for g in range(GROUPS):
-                wg = builder.load(builder.gep(wp, [ir.Constant(_I32, g)]), align=1)
+                wg = builder.load(builder.gep(wp, [ir.Constant(I32, g)]), align=1)
                 acc = builder.call(dp, [acc, bias, wg])
-            wsp = _ptr(context, builder, aty[3], wsv, None, v16)
+            wsp = ptr(context, builder, aty[3], wsv, None, v16)
             builder.store(builder.sub(ir.Constant(v16, [0] * 16), acc), wsp, align=4)
         return context.get_dummy_value()
 

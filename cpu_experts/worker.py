@@ -51,6 +51,8 @@ class ExpertWorker:
                                spec["hidden"], spec["max_k"])
         self.weights_file = rings.SharedFile(spec["weights_path"], populate=True)
         self.layers = shard.views(self.weights_file.buf, spec["manifest"])
+        int4 = spec["manifest"] and spec["manifest"][0][3] == "uint8"  # tiles4.py's tiles
+        self.weight_format = "int4" if int4 else "int8"
         self.doorbell = rings.Doorbell(spec["doorbell_fd"])
         self.poller = select.poll()
         self.poller.register(self.doorbell.fd, select.POLLIN)
@@ -153,7 +155,7 @@ def main() -> int:
     ready = {"kind": "ready", "index": worker.index, "pid": os.getpid(),
              "protocol": PROTOCOL_VERSION, "threads": numba.get_num_threads(),
              "isa": isa.NAMES[worker.isa], "prefetch_bytes": worker.ahead,
-             "weights_mib": worker.weights_file.size >> 20,
+             "weights_mib": worker.weights_file.size >> 20, "weight_format": worker.weight_format,
              "threading_layer": numba.threading_layer(), "cores": sorted(os.sched_getaffinity(0))}
     sys.stdout.write(json.dumps(ready) + "\n")
     sys.stdout.flush()

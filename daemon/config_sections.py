@@ -143,6 +143,7 @@ class LimitsSection:
     request_timeout_s: float = 600.0  # 0: no timeout
     step_timeout_s: float = 120.0  # a worker step's deadline floor (grows with its size)
     body_timeout_s: float = 30.0  # an HTTP request must arrive whole within it
+    worker_ready_timeout_s: float = 900.0  # model load until the GPU worker's READY
 
     def __post_init__(self) -> None:
         if self.max_prompt_tokens is not None:
@@ -153,6 +154,7 @@ class LimitsSection:
         check_num("limits.request_timeout_s", self.request_timeout_s, 0)
         check_num("limits.step_timeout_s", self.step_timeout_s, 1)
         check_num("limits.body_timeout_s", self.body_timeout_s, 1)
+        check_num("limits.worker_ready_timeout_s", self.worker_ready_timeout_s, 1)
 
 
 @dataclass(frozen=True)

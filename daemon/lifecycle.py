@@ -175,7 +175,8 @@ class Daemon:
         failures, announced = 0, False
         while not self.stopping.is_set():
             self.worker = WorkerProcess(worker_config(self.config),
-                                        step_floor_s=self.config.limits.step_timeout_s)
+                                        step_floor_s=self.config.limits.step_timeout_s,
+                                        ready_timeout_s=self.config.limits.worker_ready_timeout_s)
             try:
                 ready = await self.worker.start()
             except WorkerDied as exc:

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the daemon (ARCHITECTURE.md §8), on a registry of their own.
+"""Prometheus metrics of the daemon (docs/architecture.md §8), on a registry of their own.
 
 Who calls what: the HTTP and ZeroMQ front ends call `request_received` and `request_rejected`
 (a request refused before it reached a slot); lifecycle calls `worker_restarted`; the
@@ -218,7 +218,7 @@ class Metrics:
 
     def observe_experts(self, gpu_distinct: int, cpu_distinct: int, moe_layers: int,
                         cpu_seconds: float, cpu_bytes: int) -> None:
-        """The hybrid figures of one step (ARCHITECTURE.md §8)."""
+        """The hybrid figures of one step (docs/architecture.md §8)."""
         self._experts.labels(device="gpu").set(gpu_distinct)
         self._experts.labels(device="cpu").set(cpu_distinct)
         if moe_layers:

@@ -165,6 +165,7 @@ class Scheduler:
         heapq.heapify(self.queue)
         self._ops.clear()
         self.prefix = self.prefix.emptied() if self.prefix else None
+        self._changed()  # the gauges: nothing runs now
 
     async def run(self) -> None:
         """Plan, run, commit until cancelled; returns when the worker dies or is broken (any

@@ -52,7 +52,7 @@ def commit_step(sched: Any, plan: StepPlan, result: StepResult, seconds: float,
     waiting = [entry[2] for entry in sched.queue]
     for seq in waiting:  # e.g. preempted by this plan: now queued
         progress.push_event(seq)
-    # steady: every slot decoding, no admission underway (BENCHMARKS.md's interval)
+    # steady: every slot decoding, no admission underway (docs/architecture.md §8, steady decode)
     steady = t_plan is not None and bool(plan.slots) and not prompt_tokens
     sched.metrics.record_step(StepStats(
         seconds=seconds, rows=plan.num_rows, prompt_tokens=prompt_tokens,

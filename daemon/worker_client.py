@@ -25,7 +25,7 @@ from protocol.messages import (
 from protocol.sockets import AsyncDaemonToWorker
 from protocol.worker_config import WorkerConfig
 
-READY_TIMEOUT_S = 300.0
+READY_TIMEOUT_S = 900.0  # default of limits.worker_ready_timeout_s (an 80B load)
 STEP_FLOOR_S = 120.0  # a step's deadline is never shorter (limits.step_timeout_s)
 PER_PROMPT_TOKEN_S = 0.02  # plus this per prefill token (a 50 tokens/s worst case)
 PER_ROW_S = 0.5  # plus this per decode row (input token or draft)
@@ -63,8 +63,10 @@ class WorkerProcess:
     when the daemon last heard from the worker (`health()`), the rest wait for `step()`.
     """
 
-    def __init__(self, config: WorkerConfig, step_floor_s: float = STEP_FLOOR_S) -> None:
+    def __init__(self, config: WorkerConfig, step_floor_s: float = STEP_FLOOR_S,
+                 ready_timeout_s: float = READY_TIMEOUT_S) -> None:
         self.config = config
+        self.ready_timeout_s = ready_timeout_s  # start()'s default wait for READY
         self.step_floor_s = step_floor_s  # also the longest idle silence (no heartbeat)
         self._busy = False  # a step is in flight
         self._idle_since = time.monotonic()
@@ -88,7 +90,8 @@ class WorkerProcess:
         return {"pid": self.pid, "ready": self.ready is not None, "heartbeats": self.heartbeats,
                 "last_heard_s": ago}
 
-    async def start(self, timeout: float = READY_TIMEOUT_S) -> ReadyMsg:
+    async def start(self, timeout: float | None = None) -> ReadyMsg:
+        timeout = self.ready_timeout_s if timeout is None else timeout
         run_dir = Path(self.config.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.sock = AsyncDaemonToWorker.in_run_dir(run_dir)

@@ -1,4 +1,4 @@
-"""Hottest-by-frequency expert placement (ARCHITECTURE.md §5).
+"""Hottest-by-frequency expert placement (docs/architecture.md §5).
 
 ``tandem expert-stats`` runs text through the model and counts, per MoE layer, how often the
 router picks each expert (:func:`count_routing`); the counts go to a JSON file. With

@@ -3,7 +3,7 @@
 Each slot owns a block table (list of block ids); a block holds ``block_size`` consecutive
 positions for every full-attention layer. Blocks are reference counted so a prefix can be
 shared by several slots; writing into a shared block copies it first (copy-on-write).
-Values are stored in the model dtype, or (``quant=True``, ARCHITECTURE.md §6) as int8 with
+Values are stored in the model dtype, or (``quant=True``, docs/architecture.md §6) as int8 with
 one fp16 scale per 32 values along head_dim: a quarter of float32's bytes plus 1/16. A row is
 quantized on its own when written (``d = fp16(amax / 127)``, ``q = rint(x / d)``), so what a
 row reads back never depends on the batch it was written in.

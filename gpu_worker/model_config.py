@@ -1,7 +1,7 @@
 """Model configuration parsed from a Hugging Face ``config.json``.
 
 One frozen dataclass for both supported architectures. Every key variant listed in
-shared MODELS.md is accepted here, so the rest of the code reads plain attributes.
+docs/architecture.md §11 is accepted here, so the rest of the code reads plain attributes.
 """
 
 from __future__ import annotations

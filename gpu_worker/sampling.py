@@ -3,7 +3,7 @@
 y = argmax(log p + G(seed, position)), with G a Gumbel draw that depends only on the
 request seed and the absolute position of the token being chosen. The same logits thus give
 the same token whether the row was decoded alone, in a batch, or as a verified draft
-(ARCHITECTURE.md §4). Greedy (temperature 0) uses no noise and the same argmax tie-break
+(docs/architecture.md §4). Greedy (temperature 0) uses no noise and the same argmax tie-break
 (lowest token id). Runs on the host in float64 so every backend samples identically.
 """
 

@@ -26,10 +26,10 @@ from gpu_worker.engine import load_model
 from gpu_worker.expert_stats import load_counts
 from gpu_worker.experts.split import ExpertSplit, split_from_orders
 from gpu_worker.kv_cache import block_bytes
-from gpu_worker.loader import CheckpointError, load_generation_config
+from gpu_worker.loader import CheckpointError
 from gpu_worker.memory_plan import MemoryPlan, describe, plan_for_worker
 from gpu_worker.runner import PlanError, Runner
-from gpu_worker.weights.resolve import open_source
+from gpu_worker.weights.resolve import generation_config, open_source
 from protocol.errors import ProtocolError
 from protocol.messages import (
     PROTOCOL_VERSION,
@@ -101,7 +101,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[Runner, object, ModelInfo]:
                       state_bytes=states.bytes_per_slot if states is not None else 0)
     _log("kv cache", dtype=layout.dtype, blocks=kv.num_blocks, block_size=kv.block_size,
          layers=kv.num_layers, mib=round(kv.nbytes / 2**20, 1), prefix_blocks=extra_blocks)
-    gen = load_generation_config(cfg.model)
+    gen = generation_config(source, cfg.model)  # a GGUF's from its metadata
     try:
         defaults = SamplingDefaults(**{k: gen[k] for k in ("temperature", "top_p", "top_k",
                                                            "min_p") if k in gen})

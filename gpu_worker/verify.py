@@ -1,4 +1,4 @@
-"""Sample-and-match (ARCHITECTURE.md section 4): the tokens one slot commits from its logits.
+"""Sample-and-match (docs/architecture.md §4): the tokens one slot commits from its logits.
 
 Row j of a slot picks the token at absolute position start + num_tokens + j exactly as plain
 decoding would (Gumbel noise keyed by the request's seed and that position); draft j is

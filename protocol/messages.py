@@ -1,4 +1,4 @@
-"""Every message on Tandem's ZeroMQ wires (ARCHITECTURE.md §7), as typed dataclasses.
+"""Every message on Tandem's ZeroMQ wires (docs/architecture.md §7), as typed dataclasses.
 
 The messages live in two modules, one per link: `protocol.worker_messages` (daemon <->
 gpu_worker) and `protocol.client_messages` (client <-> daemon); kind bytes and directions in

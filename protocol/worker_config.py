@@ -46,8 +46,8 @@ def prefix_blocks(enabled: bool, max_mb: int, block_bytes: int, blocks_per_slot:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerConfig:
-    """The GPU worker's whole configuration (see docs/configuration.md for the keys it
-    comes from)."""
+    """The GPU worker's whole configuration (the keys it comes from: configs/tiny.toml and
+    docs/architecture.md §9)."""
 
     run_dir: str  # the worker link's socket lives here
     model: str  # the model directory

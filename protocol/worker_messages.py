@@ -1,4 +1,4 @@
-"""The daemon <-> gpu_worker link (ARCHITECTURE.md §7): one StepPlan at a time, one
+"""The daemon <-> gpu_worker link (docs/architecture.md §7): one StepPlan at a time, one
 StepResult (or WorkerError) back; READY once at start, heartbeats while alive."""
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class StepPlan:
 
 @dataclass(slots=True, kw_only=True)
 class PromptPhase:
-    """Where a slot's prompt stands after a step (ARCHITECTURE.md §8)."""
+    """Where a slot's prompt stands after a step (docs/architecture.md §8)."""
 
     phase: Phase
     prompt_tokens_this_step: int  # 0 unless this step did prompt work for the slot

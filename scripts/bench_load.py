@@ -13,8 +13,9 @@ loopback port with a private run dir, and records: experts per layer on each sid
 resident bytes (the memory plan, checked against the worker's "load plan" log line), the peak
 host memory of the server's process tree and the GPU's peak (scripts/bench_load_probe.py),
 seconds from start to /ready, and the decode rate of one greedy streaming chat. Each run is
-checked against issue 13's rules: peak host RSS <= host-resident bytes x 1.1 + 4 GiB (on
-NumPy the "GPU" weights live in host RAM and count as host-resident), peak GPU <= budget.
+checked against the streaming load's memory rules: peak host RSS <= host-resident bytes x
+1.1 + 4 GiB (on NumPy the "GPU" weights live in host RAM and count as host-resident), peak
+GPU <= budget.
 
 Before any server starts, it prints ``df -h /dev/shm`` and MemAvailable and refuses (status
 2) when a plan's CPU experts do not fit the shared memory or the plan does not fit host RAM.
@@ -43,11 +44,10 @@ from scripts.bench_load_probe import (
     descendants,
     load_facts,
     meminfo,
-    nvidia_smi_total,
+    nvidia_smi,
 )
+from scripts.bench_load_report import GIB, checks, merge, run_facts, table
 
-GIB = 2**30
-HOST_SLACK = 4 * GIB  # the rule's "+ 4 GB", taken as GiB like every budget here
 PROMPT = "Write a Python function that reverses a string."
 
 
@@ -67,7 +67,7 @@ def model_dir(spec: str, work: Path) -> Path:
     path = Path(spec)
     if path.is_dir():
         return path.resolve()
-    out = work / "model"
+    out = work / f"model-{path.parent.name if path.name == 'config.json' else path.stem}"
     if not (out / "synthetic.json").is_file():
         from scripts.make_synthetic_model import main as make  # noqa: PLC0415
 
@@ -121,7 +121,8 @@ def write_config(path: Path, *, model: Path, run_dir: Path, port: int, arm: Arm,
         "# written by scripts/bench_load.py", "[model]", f"path = {json.dumps(str(model))}",
         f'dtype = "{dtype}"', f'backend = "{args.backend}"', "", "[server]",
         'host = "127.0.0.1"', f"port = {port}", f"run_dir = {json.dumps(str(run_dir))}", "",
-        "[limits]", "max_queue = 8", "request_timeout_s = 900", "step_timeout_s = 300", "",
+        "[limits]", "max_queue = 8", "request_timeout_s = 900", "step_timeout_s = 300",
+        f"worker_ready_timeout_s = {max(900.0, args.ready_timeout):g}", "",
         "[scheduler]", "max_slots = 4", f"max_context = {args.max_context}",
         "prefill_chunk = 512", "prefix_cache = true", "prefix_cache_max_mb = 256", "",
         "[experts]", *experts, "", "[speculation]", 'mode = "off"', "",
@@ -146,24 +147,42 @@ def plan_of(config_file: Path) -> Any:
     return plan_for_worker(worker, model_config(config.model.path), backend=backend)
 
 
-def preflight(plans: dict[str, Any], shm: str) -> dict[str, Any]:
-    """Print the shared memory and MemAvailable; SystemExit(2) when a plan's CPU experts do
-    not fit ``shm``."""
+def preflight(todo: list[Arm], args: argparse.Namespace, model: Path, work: Path, shm: str
+              ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Print the shared memory and MemAvailable, then each budget's memory plan; SystemExit
+    when a plan does not fit host RAM (PlanError) or its CPU experts do not fit ``shm``.
+    Returns what was found and the plans by budget label."""
+    from gpu_worker.memory_plan import PlanError, describe  # noqa: PLC0415
+
     df = subprocess.run(["df", "-h", shm], capture_output=True, text=True).stdout.strip()
     avail = meminfo().get("MemAvailable")
     free = shutil.disk_usage(shm).free
     print(df)
-    print(f"MemAvailable: {avail / GIB:.1f} GiB" if avail else "MemAvailable: unknown")
-    for label, plan in plans.items():
+    print(f"MemAvailable: {avail / GIB:.1f} GiB" if avail else "MemAvailable: unknown",
+          flush=True)
+    plans = {}
+    for arm in todo:  # every plan checked before the first server starts
+        cfg = write_config(work / f"plan-{arm.label}.toml", model=model,
+                           run_dir=Path("/tmp/tbl-plan"), port=8000, arm=arm, args=args)
+        try:
+            plan = plans[arm.label] = plan_of(cfg)
+        except PlanError as exc:
+            for line in describe(exc.plan) if exc.plan is not None else []:
+                print(f"  budget {arm.label}: {line}")
+            raise SystemExit(f"bench_load: budget {arm.label}: memory plan refused: {exc}"
+                             ) from None
+        for line in describe(plan) if plan is not None else ["no plan made here"]:
+            print(f"  budget {arm.label}: {line}")
         need = plan.cpu_resident_bytes if plan is not None else 0
-        print(f"budget {label}: CPU experts + ring {need / GIB:.1f} GiB of shared memory, "
+        print(f"budget {arm.label}: CPU experts + ring {need / GIB:.1f} GiB of shared memory, "
               f"{free / GIB:.1f} GiB free in {shm}")
         if need > free:
-            raise SystemExit(f"bench_load: budget {label} puts {need / GIB:.1f} GiB of CPU "
-                             f"experts in {shm}, which has {free / GIB:.1f} GiB free: enlarge "
-                             f"it (sudo mount -o remount,size={int(need / GIB) + 8}G {shm}) or "
-                             "raise the GPU budget")
-    return {"shm_dir": shm, "shm_df": df, "shm_free_bytes": free, "mem_available_bytes": avail}
+            raise SystemExit(f"bench_load: budget {arm.label} puts {need / GIB:.1f} GiB of "
+                             f"CPU experts in {shm}, which has {free / GIB:.1f} GiB free: "
+                             f"enlarge it (sudo mount -o remount,size={int(need / GIB) + 8}G "
+                             f"{shm}) or raise the GPU budget")
+    return {"shm_dir": shm, "shm_df": df, "shm_free_bytes": free,
+            "mem_available_bytes": avail}, plans
 
 
 async def _chat(url: str, model: str, max_tokens: int) -> dict[str, Any]:
@@ -184,7 +203,7 @@ async def _chat(url: str, model: str, max_tokens: int) -> dict[str, Any]:
                 for choice in chunk.get("choices") or []:
                     delta = choice.get("delta") or {}
                     piece = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
-                    if first is None:
+                    if piece and first is None:  # not the role-only opening chunk
                         first = time.monotonic()
                     text.append(piece)
                     last = time.monotonic()
@@ -240,8 +259,9 @@ def one_run(arm: Arm, plan: Any, args: argparse.Namespace, model: Path, work: Pa
         shutil.rmtree(run_dir.parent, ignore_errors=True)
     rec.update(tree.report())
     rec.update(peak_gpu_bytes=gpu.peak, gpu_used_before_bytes=gpu.before)
-    rec.update(_facts(plan, load_facts(log_file)))
-    rec["checks"] = checks(rec, plan, arm, args.backend)
+    rec.update(run_facts(plan, load_facts(log_file)))
+    budget = None if arm.budget_gib is None else int(arm.budget_gib * GIB)
+    rec["checks"] = checks(rec, budget, numpy_backend=args.backend == "numpy")
     if "error" in rec:
         rec["log_tail"] = log_file.read_text(errors="replace").splitlines()[-30:]
     return rec
@@ -258,68 +278,6 @@ def _wait_gone(pids: list[int], timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
         time.sleep(0.2)
-
-
-def _facts(plan: Any, logged: dict[str, Any]) -> dict[str, Any]:
-    """Experts per layer and resident bytes: the plan's, checked against the worker's log."""
-    ev = logged["events"]
-    lp, loaded = ev.get("load plan", {}), ev.get("model loaded", {})
-    gpu_n, cpu_n = lp.get("experts_gpu_per_layer"), lp.get("experts_cpu_per_layer")
-    out: dict[str, Any] = {
-        "experts_gpu_per_layer": gpu_n[0] if gpu_n and len(gpu_n) == 1 else gpu_n,
-        "experts_cpu_per_layer": cpu_n[0] if cpu_n and len(cpu_n) == 1 else cpu_n,
-        "gpu_weight_bytes": loaded.get("backend_bytes"),
-        "cpu_shard_bytes": loaded.get("cpu_bytes"),
-        "load_phases": {k: v for k, v in ev.items() if k != "kv cache"},
-        "kv_cache": ev.get("kv cache"), "memory_plan_lines": logged["memory_plan"]}
-    if plan is not None:
-        out.update(gpu_resident_bytes=plan.gpu_total_bytes,
-                   cpu_resident_bytes=plan.cpu_resident_bytes,
-                   plan_matches_worker=cpu_n in (None, [plan.experts_cpu_per_layer]))
-        if out["experts_cpu_per_layer"] is None:
-            out["experts_gpu_per_layer"] = plan.experts_gpu_per_layer
-            out["experts_cpu_per_layer"] = plan.experts_cpu_per_layer
-    else:  # no plan here: the worker's own figures
-        out.update(gpu_resident_bytes=loaded.get("backend_bytes"),
-                   cpu_resident_bytes=loaded.get("cpu_bytes"), plan_matches_worker=None)
-    return out
-
-
-def checks(rec: dict[str, Any], plan: Any, arm: Arm, backend: str) -> dict[str, Any]:
-    """Issue 13's rules for one run (``ok`` None: not measured)."""
-    host_resident = rec.get("cpu_resident_bytes") or 0
-    if backend == "numpy":  # the "GPU" side is host memory
-        host_resident += (plan.gpu_total_bytes if plan is not None
-                          else rec.get("gpu_weight_bytes") or 0)
-    limit = int(host_resident * 1.1 + HOST_SLACK)
-    peak = rec.get("peak_host_rss_bytes")
-    budget = None if arm.budget_gib is None else int(arm.budget_gib * GIB)
-    gpu = rec.get("peak_gpu_bytes")
-    return {"host_rss": {"rule": "peak_host_rss <= host_resident x 1.1 + 4 GiB",
-                         "host_resident_bytes": host_resident, "limit_bytes": limit,
-                         "ok": None if not peak else peak <= limit},
-            "gpu": {"rule": "peak_gpu <= budget", "budget_bytes": budget,
-                    "ok": None if gpu is None or budget is None else gpu <= budget}}
-
-
-def table(runs: list[dict[str, Any]]) -> str:
-    def gib(v: Any) -> str:
-        return "-" if v is None else f"{v / GIB:.1f}"
-
-    rows = ["budget | experts GPU/CPU per layer | GPU resident GiB | CPU resident GiB | "
-            "peak host GiB | peak GPU GiB | load s | decode tok/s | host rule | GPU rule",
-            "--- | --- | --- | --- | --- | --- | --- | --- | --- | ---"]
-    for r in runs:
-        c = r["checks"]
-        rate = r.get("decode_tokens_per_s_1_stream")
-        rows.append(" | ".join([
-            r["gpu_budget"], f"{r.get('experts_gpu_per_layer')}/{r.get('experts_cpu_per_layer')}",
-            gib(r.get("gpu_resident_bytes")), gib(r.get("cpu_resident_bytes")),
-            gib(r.get("peak_host_rss_bytes")), gib(r.get("peak_gpu_bytes")),
-            f"{r['load_seconds']:.1f}" if "load_seconds" in r else "-",
-            "-" if rate is None else f"{rate:.2f}", str(c["host_rss"]["ok"]),
-            str(c["gpu"]["ok"])]))
-    return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -339,27 +297,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", type=Path, default=None,
                    help="model, configs and logs (default: a new temporary directory)")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--append", action="store_true",
+                   help="keep the runs of other budgets already in --out (one budget per "
+                        "command, e.g. under a per-command time limit)")
     args = p.parse_args(argv)
     budgets = args.budgets or [32.0, None]
     work = (args.work_dir or Path(tempfile.mkdtemp(prefix="bench-load-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
     model = model_dir(args.model, work)
-    device = nvidia_smi_total() if args.backend == "cupy" else None
+    device = nvidia_smi("memory.total") if args.backend == "cupy" else None
     todo = arms(budgets, device)
     from cpu_experts.rings import shm_dir  # noqa: PLC0415
-    from gpu_worker.memory_plan import PlanError  # noqa: PLC0415
 
-    plans = {}
-    for arm in todo:  # every plan checked before the first server starts
-        cfg = write_config(work / f"plan-{arm.label}.toml", model=model,
-                           run_dir=Path("/tmp/tbl-plan"), port=8000, arm=arm, args=args)
-        try:
-            plans[arm.label] = plan_of(cfg)
-        except PlanError as exc:
-            print(f"bench_load: budget {arm.label}: memory plan refused: {exc}", file=sys.stderr)
-            return 2
     try:
-        pre = preflight(plans, shm_dir())
+        pre, plans = preflight(todo, args, model, work, shm_dir())
     except SystemExit as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -369,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
               "device_memory_bytes": device, "preflight": pre, "runs": runs}
     print(table(runs))
     if args.out:
+        if args.append and args.out.is_file():
+            result = merge(json.loads(args.out.read_text()), result)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")

@@ -181,21 +181,11 @@ class TreeMemory(_Poller):
                 "samples": self.samples}
 
 
-def nvidia_smi_used() -> int | None:
-    """Bytes used on the first GPU as nvidia-smi reports it; None without nvidia-smi."""
+def nvidia_smi(field: str) -> int | None:
+    """``memory.used`` or ``memory.total`` of the first GPU in bytes, as nvidia-smi reports
+    it (MiB); None without nvidia-smi."""
     try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=memory.used",
-                               "--format=csv,noheader,nounits"],
-                              capture_output=True, text=True, timeout=10)
-        return int(done.stdout.split()[0]) * MIB if done.returncode == 0 else None
-    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
-        return None
-
-
-def nvidia_smi_total() -> int | None:
-    """The first GPU's memory in bytes as nvidia-smi reports it; None without nvidia-smi."""
-    try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=memory.total",
+        done = subprocess.run(["nvidia-smi", f"--query-gpu={field}",
                                "--format=csv,noheader,nounits"],
                               capture_output=True, text=True, timeout=10)
         return int(done.stdout.split()[0]) * MIB if done.returncode == 0 else None
@@ -208,14 +198,14 @@ class GpuMemory(_Poller):
 
     def __init__(self, every: float = 0.2) -> None:
         super().__init__(every)
-        self.before = nvidia_smi_used()
+        self.before = nvidia_smi("memory.used")
         self.available = self.before is not None
         self.peak: int | None = self.before
 
     def sample(self) -> None:
         if not self.available:
             return
-        used = nvidia_smi_used()
+        used = nvidia_smi("memory.used")
         if used is not None:
             self.peak = max(self.peak or 0, used)
 
@@ -230,12 +220,14 @@ def load_facts(log_file: Path) -> dict[str, Any]:
     events: dict[str, dict] = {}
     plan: list[str] = []
     for raw in log_file.read_text(errors="replace").replace("\r", "\n").splitlines():
-        raw = raw.strip()
-        if not raw.startswith("{"):
-            continue  # a tqdm bar or a plain line
+        start = raw.find('{"')  # tqdm's bar may precede a JSON line on the same line
+        if start < 0:
+            continue
         try:
-            rec = json.loads(raw)
+            rec = json.loads(raw[start:])
         except ValueError:
+            continue
+        if not isinstance(rec, dict):
             continue
         event = rec.get("event")
         if event == "memory plan":

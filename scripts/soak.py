@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -58,26 +59,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def _probe(d: Daemon, want, tally: Tally, log: list, when: str) -> None:
     import aiohttp
     async with aiohttp.ClientSession() as session:
-        outcome = await http_request(session, d.url, PROBE, False)
+        try:
+            outcome = await http_request(session, d.url, PROBE, False)
+        except Exception as exc:  # any failure to get an answer is recorded
+            outcome = ("failed", (False, f"probe {type(exc).__name__}", exc))
     record(tally, outcome, want, f"probe {when}")
     log.append({"when": when, "outcome": outcome[0],
                 "identical": outcome[0] == "completed" and outcome[1] == want})
 
 
-async def _kills(d: Daemon, plan: list[str], until: float, log: list) -> None:
+async def _kills(d: Daemon, plan: list[str], until: float, log: list, failed: list) -> None:
     """Spread the kills over the load phase; each waits for the tree to be ready first."""
     start = time.monotonic()
     gap = max(until - start, 1.0) / (len(plan) + 1)
     for k, module in enumerate(plan):
         await asyncio.sleep(max(start + (k + 1) * gap - time.monotonic(), 0.0))
-        await asyncio.to_thread(d.wait_ready, 120)
-        restarts, t0 = await asyncio.to_thread(d.restarts), time.monotonic()
-        pid = d.kill(module)
-        while await asyncio.to_thread(d.restarts) == restarts:  # the daemon noticed
-            if time.monotonic() - t0 > 60:
-                raise TimeoutError(f"no restart within 60 s of killing {module}")
-            await asyncio.sleep(0.05)
-        await asyncio.to_thread(d.wait_ready, 120)
+        try:
+            await asyncio.to_thread(d.wait_ready, 120)
+            restarts, t0 = await asyncio.to_thread(d.restarts), time.monotonic()
+            pid = d.kill(module)
+            while await asyncio.to_thread(d.restarts) == restarts:  # the daemon noticed
+                if time.monotonic() - t0 > 60:
+                    raise TimeoutError(f"no restart within 60 s of killing {module}")
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(d.wait_ready, 120)
+        except Exception as exc:  # recorded: the check counts recovered kills only
+            failed.append({"module": module, "error": f"{type(exc).__name__}: {exc}"[:500]})
+            continue
         log.append({"module": module, "pid": pid,
                     "seconds_to_ready": round(time.monotonic() - t0, 2),
                     "at_s": round(t0 - start, 1)})
@@ -114,9 +122,11 @@ async def soak(args: argparse.Namespace, d: Daemon) -> dict:
     plan = [GPU_WORKER] * args.gpu_kills + [CPU_WORKER] * args.cpu_kills
     rng.shuffle(plan)
     kills: list = []
+    out["kills_failed"] = []
     until = time.monotonic() + args.duration
     t_load = time.monotonic()
-    await asyncio.gather(*clients(until, args.clients, load), _kills(d, plan, until, kills),
+    await asyncio.gather(*clients(until, args.clients, load),
+                         _kills(d, plan, until, kills, out["kills_failed"]),
                          _probes(d, probe_ref, probe_tally, probe_log, until, args.probe_every,
                                  "during load"))
     out["load_s"] = round(time.monotonic() - t_load, 1)
@@ -243,4 +253,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # a SIGTERM unwinds like an error: the daemon is stopped, not left behind
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.exit(main())

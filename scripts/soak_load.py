@@ -255,7 +255,7 @@ async def client_loop(n: int, url: str, address: str, jobs: list[Job],
                     outcome = ("disconnected", None)
                 else:
                     outcome = await zmq_request(zmq, jobs[i], stream)
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            except Exception as exc:  # a connection error, or an answer that does not parse
                 outcome = ("failed", (False, f"{api} {type(exc).__name__}", exc))
             record(tally, outcome, refs[(api, i)], f"{api} client {n} job {i} stream={stream}")
             if outcome[0] == "failed":  # as a client honouring Retry-After would

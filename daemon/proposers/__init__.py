@@ -1,1 +1,1 @@
-"""Draft proposers for speculative decoding (ARCHITECTURE.md section 4)."""
+"""Draft proposers for speculative decoding (docs/architecture.md §4)."""

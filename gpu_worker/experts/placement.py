@@ -4,7 +4,7 @@ It implements :class:`gpu_worker.routed_experts.RoutedExperts`: ``Model.forward`
 the norm before each MoE block and for each MoE layer's routed experts; the runner (or the
 engine) wraps each forward in :meth:`run_step`. One dispatch per MoE layer per step carries
 every CPU pair of every row; the CPU partial sums come back and are added on the backend
-(ARCHITECTURE.md §5). Two paths, chosen once at start (gpu_worker/experts/__init__.py):
+(docs/architecture.md §5). Two paths, chosen once at start (gpu_worker/experts/__init__.py):
 the launched path on CuPy float32 where the device can map the ring, else the host path.
 """
 

@@ -1,5 +1,5 @@
 """Which routed experts run on the backend and which on the cpu_experts processes, decided
-before any weight is read (ARCHITECTURE.md §5).
+before any weight is read (docs/architecture.md §5).
 
 Rule: the last ``n_cpu`` expert ids of every MoE layer go to the CPU. With router counts
 (``hot``, gpu_worker/expert_stats.py) each layer's experts are first renumbered hottest

@@ -2,7 +2,7 @@
 
 ``experts_local`` on NumPy loops over the distinct experts of a layer. On CuPy that loop
 costs a device-to-host copy (``unique``) and ~10 launches per expert, ~14 us each
-(../shared/BENCHMARKS.md): a decode step of Qwen3-Next with 8-10 GPU experts per layer spent
+(docs/architecture.md §12): a decode step of Qwen3-Next with 8-10 GPU experts per layer spent
 milliseconds per layer launching. Here each (row, slot) pair ``p = r * k + j`` is computed
 on its own:
 

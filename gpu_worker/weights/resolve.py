@@ -9,6 +9,8 @@
 * a directory holding ``synthetic.json`` (written by ``python -m scripts.make_synthetic_model``,
   with a tokenizer, so ``tandem serve`` can answer chat requests): a SyntheticSource of its
   config.json with the seed and knobs stored there.
+* a ``.gguf`` file, or the first file of a split set (``NAME-00001-of-0000N.gguf``): a
+  llama.cpp GGUF of qwen3moe / qwen3next (GGUFSource, docs/gguf.md).
 * any other directory: a Hugging Face checkpoint (CheckpointSource).
 """
 
@@ -20,7 +22,9 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+from gpu_worker.loader import load_generation_config
 from gpu_worker.model_config import ModelConfig
+from gpu_worker.weights.files import load_config
 from gpu_worker.weights.routing import RoutingParams
 from gpu_worker.weights.source import WeightSource
 from gpu_worker.weights.synthetic import DEFAULT_ROUTING, SyntheticSource
@@ -38,9 +42,18 @@ def is_synthetic(spec: str | Path) -> bool:
     return text.startswith(PREFIX) or (Path(text) / MARKER).is_file()
 
 
+def is_gguf(spec: str | Path) -> bool:
+    """True for a path naming a GGUF file (``*.gguf``; a split set by its first file)."""
+    return str(spec).endswith(".gguf") and not str(spec).startswith(PREFIX)
+
+
 def open_source(spec: str | Path) -> WeightSource:
     """The weight source ``spec`` names (see the module doc); ValueError naming the problem."""
     text = str(spec)
+    if is_gguf(text):
+        from gpu_worker.weights.gguf_source import GGUFSource  # noqa: PLC0415 (gguf package)
+
+        return GGUFSource(text)
     if text.startswith(PREFIX):
         config_file, options = parse_spec(text)
         return synthetic_from(ModelConfig.from_file(config_file), options)
@@ -56,6 +69,23 @@ def open_source(spec: str | Path) -> WeightSource:
             "checkpoint directories need gpu_worker/weights/checkpoint.py (CheckpointSource), "
             "which is not in this tree yet") from None
     return CheckpointSource(path)
+
+
+def model_config(spec: str | Path) -> ModelConfig:
+    """The ModelConfig of a model path without reading weights: a GGUF's metadata, or a
+    directory's config.json (CheckpointError naming the problem)."""
+    if is_gguf(spec):
+        return open_source(spec).config
+    return load_config(spec)
+
+
+def generation_config(source: WeightSource, spec: str | Path) -> dict[str, Any]:
+    """Sampling defaults and ``eos_token_ids`` of a model: a GGUF's metadata, or a
+    directory's generation_config.json (gpu_worker/loader.py)."""
+    own = getattr(source, "generation_config", None)
+    if own is not None:
+        return own()
+    return load_generation_config(spec)
 
 
 def parse_spec(spec: str) -> tuple[Path, dict[str, Any]]:

@@ -6,34 +6,45 @@ size from the shapes alone. Then, in phases (one log line each, one tqdm bar ove
 
 * ``dense``: every tensor but the routed experts -> the backend (``ops.weight``), one at a
   time; a renumbered layer's router rows are read in the split's order.
-* ``experts GPU``: each MoE layer's backend experts, only those rows, read a chunk of
-  experts at a time into the stack that is uploaded.
-* ``experts CPU``: each MoE layer's CPU experts, a chunk at a time (``chunk_bytes`` of
-  float32), quantized straight into the workers' shared-memory shards.
+* ``experts GPU``: each MoE layer's backend experts, only those rows, read a run of
+  experts at a time into the stack that is uploaded (for a bf16 model rounded to bf16 as
+  they arrive: the host never holds the stack in float32).
+* ``experts CPU``: each MoE layer's CPU experts, a run at a time, quantized straight into
+  the workers' shared-memory shards.
 * ``workers ready``: the worker processes start on the filled shards.
 
-So the host holds the model's resident parts (on NumPy the backend is host memory) plus
-one tensor or one chunk in flight, never the whole model in float32.
+The runs of experts are read, rounded or quantized and tiled on :data:`THREADS` threads at
+once (synthetic generation, Numba's quantizer and bf16 rounding and NumPy's copies release
+the GIL; an 80B load is hours of one core's work), about ``chunk_bytes`` of float32 in flight
+among them. So the host holds the model's resident parts (on NumPy the backend is host
+memory) plus one tensor or ``chunk_bytes`` of experts in flight, never the whole model in
+float32.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
 from gpu_worker.experts.split import EXPERT_KEYS, ExpertSplit
+from gpu_worker.kernels.bf16 import BF16, round_into
 from gpu_worker.model.model import Model
+from gpu_worker.model.ops import is_matrix
 from gpu_worker.weights.source import WeightSource
 
 CHUNK_BYTES = 256 * 2**20  # host working set: float32 bytes of experts read at once
 PROGRESS_MIN_BYTES = 64 * 2**20  # progress=None shows the bar above this
+THREADS = min(16, len(os.sched_getaffinity(0)))  # runs of experts read and placed at once
 _MOE_LAYER = re.compile(r"^model\.layers\.(\d+)\.mlp\.")
 Log = Callable[..., None]  # log(event, **fields)
 
@@ -52,7 +63,8 @@ def stream_load(source: WeightSource, split: ExpertSplit | None, *, xp: Any, dty
     :class:`ExpertPlacement` whose pool is made with ``pool_options``: num_workers, cores,
     isa). ``host_dtype``: the float dtype tensors are read in before ``ops.weight``."""
     log = log or default_log
-    loader = _Loader(source, split, np.dtype(host_dtype), chunk_bytes, log)
+    loader = _Loader(source, split, np.dtype(host_dtype), chunk_bytes, log,
+                     bf16=np.dtype(dtype) == BF16)
     t0 = time.perf_counter()
     pool = loader.make_pool(pool_options or {})
     try:
@@ -98,9 +110,11 @@ class _Loader:
     """One streaming load: what goes where, the reads, the phase log lines."""
 
     def __init__(self, source: WeightSource, split: ExpertSplit | None, host_dtype: np.dtype,
-                 chunk_bytes: int, log: Log) -> None:
+                 chunk_bytes: int, log: Log, *, bf16: bool = False,
+                 threads: int = THREADS) -> None:
         self.source, self.split, self.host_dtype = source, split, host_dtype
         self.chunk_bytes, self.log = chunk_bytes, log
+        self.bf16, self.threads = bf16, max(1, threads)  # bf16: matrices stored in bf16
         self.cfg = source.config
         self.shapes = source.shapes()  # validated by the source before any data is read
         tied = self.cfg.tie_word_embeddings
@@ -108,6 +122,11 @@ class _Loader:
         self.dense = [n for n in self.shapes
                       if ".mlp.experts." not in n and not (tied and n == "lm_head.weight")]
         self.bar: Any = None
+        self._bar_lock = threading.Lock()  # runs on threads advance the one bar
+
+    def advance(self, nbytes: int) -> None:
+        with self._bar_lock:
+            self.bar.update(nbytes)
 
     # -- what goes where ------------------------------------------------------------------
     def _layer(self, name: str) -> int | None:
@@ -179,37 +198,60 @@ class _Loader:
                 ids = self._gpu_ids(name)
                 yield name, self._read_stack(name, ids)
 
+    def _runs(self, n: int, per_expert: int) -> list[tuple[int, int]]:
+        """``n`` experts of ``per_expert`` float bytes each as runs ``(a, b)`` for the
+        threads: about ``chunk_bytes`` in flight among them (at least one expert a run)."""
+        step = max(1, self.chunk_bytes // max(1, per_expert * self.threads))
+        return [(a, min(n, a + step)) for a in range(0, n, step)]
+
+    def _on_threads(self, job: Callable[[int, int], None], runs: list[tuple[int, int]]) -> None:
+        """``job(a, b)`` for every run, on up to :attr:`threads` threads."""
+        if self.threads == 1 or len(runs) == 1:
+            for a, b in runs:
+                job(a, b)
+            return
+        with ThreadPoolExecutor(min(self.threads, len(runs))) as pool:
+            for f in [pool.submit(job, a, b) for a, b in runs]:
+                f.result()  # the first error, after every run has finished
+
     def _read_stack(self, name: str, ids: np.ndarray) -> np.ndarray:
-        """Experts ``ids`` of stacked tensor ``name`` (in that order), a chunk at a time."""
+        """Experts ``ids`` of stacked tensor ``name`` (in that order), read a run at a time
+        on threads; for a bf16 model rounded into a ``ml_dtypes.bfloat16`` stack as they
+        arrive (what ``ops.weight`` stores), else in ``host_dtype``."""
         shape = self.shapes[name]
         per = int(np.prod(shape[1:])) * self.host_dtype.itemsize
-        step = max(1, self.chunk_bytes // max(1, per))
-        if len(ids) <= step:
-            out = self.source.read(name, self.host_dtype, experts=ids)
-        else:
-            out = np.empty((len(ids), *shape[1:]), self.host_dtype)
-            for a in range(0, len(ids), step):
-                out[a:a + step] = self.source.read(name, self.host_dtype,
-                                                   experts=ids[a:a + step])
-        self.bar.update(self._part_bytes(name, len(ids)))
+        rounded = self.bf16 and is_matrix(name, shape) and self.host_dtype == np.float32
+        out = np.empty((len(ids), *shape[1:]), BF16 if rounded else self.host_dtype)
+
+        def job(a: int, b: int) -> None:
+            part = self.source.read(name, self.host_dtype, experts=ids[a:b])
+            if rounded:
+                round_into(part, out[a:b], threads=1)
+            else:
+                out[a:b] = part
+            self.advance(self._part_bytes(name, b - a))
+
+        self._on_threads(job, self._runs(len(ids), per))
         return out
 
     def fill_cpu(self, pool: Any) -> None:
-        """Each layer's CPU experts, a chunk at a time, quantized into the pool's shards."""
+        """Each layer's CPU experts, a run at a time on threads, quantized into the pool's
+        shards (each run writes its own experts' bytes: the same bytes in any order)."""
         cfg, split = self.cfg, self.split
         per = 3 * cfg.moe_intermediate_size * cfg.hidden_size * 4  # float32 gate+up+down
-        step = max(1, self.chunk_bytes // per)
-        with self.phase("experts CPU", self.cpu_bytes_to_read(), cpu_bytes=pool.shard_bytes):
+        with self.phase("experts CPU", self.cpu_bytes_to_read(), cpu_bytes=pool.shard_bytes,
+                        threads=self.threads):
             for layer in sorted(split.order):
                 ids = split.cpu_ids(layer)
                 p = f"model.layers.{layer}.mlp.experts."
-                for a in range(0, len(ids), step):
-                    sel = ids[a:a + step]
-                    stacks = [self.source.read(p + k, np.float32, experts=sel)
+
+                def job(a: int, b: int, ids=ids, p=p, layer=layer) -> None:
+                    stacks = [self.source.read(p + k, np.float32, experts=ids[a:b])
                               for k in EXPERT_KEYS]
                     pool.fill(layer, a, *stacks)
-                    del stacks
-                    self.bar.update(sum(self._part_bytes(p + k, len(sel)) for k in EXPERT_KEYS))
+                    self.advance(sum(self._part_bytes(p + k, b - a) for k in EXPERT_KEYS))
+
+                self._on_threads(job, self._runs(len(ids), per))
 
 
 class _Phase:

@@ -123,6 +123,9 @@ class _Generator:
         if self.kind == "uniform":
             half, scale = _grid(self.value)
             ints = rng.integers(-half, half + 1, n, dtype=np.int16)
+            if out.dtype == np.float32 and out.flags.c_contiguous:  # no float temporary
+                np.multiply(ints.reshape(out.shape), np.float32(scale), out=out)
+                return
             vals = ints.astype(np.float32)
             vals *= np.float32(scale)  # exact: |ints| < 256 and scale a power of two
         elif self.kind == "A_log":  # A uniform in [1, 16) like transformers' init

@@ -1,4 +1,5 @@
-"""ModelConfig: every config.json key variant of MODELS.md, checked against transformers."""
+"""ModelConfig: every config.json key variant (docs/architecture.md §11), checked against
+transformers."""
 
 from __future__ import annotations
 

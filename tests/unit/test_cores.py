@@ -1,5 +1,5 @@
 """Default core groups of the CPU expert workers keep cores 0-1 for the GPU-driving processes
-on machines large enough (ARCHITECTURE.md §1), and share every core on small ones."""
+on machines large enough (docs/architecture.md §1), and share every core on small ones."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""int8 KV blocks (ARCHITECTURE.md §6): the row quantizer against a slow formula, copy-on-write
+"""int8 KV blocks (docs/architecture.md §6): the row quantizer against a slow formula, copy-on-write
 and swaps carrying the scales, a model close to its float-KV self, and speculative decoding
 still giving plain decoding's tokens (a row's stored bits do not depend on its batch)."""
 

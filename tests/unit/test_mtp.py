@@ -1,4 +1,5 @@
-"""The MTP head against a plain NumPy transcription of the MODELS.md formula, chained 3 deep.
+"""The MTP head against a plain NumPy transcription of docs/architecture.md §11's formula,
+chained 3 deep.
 
 The reference below shares no code with gpu_worker.model: it recomputes the head from the
 canonical tensors with whole-sequence attention and a per-token loop over experts.

@@ -1,4 +1,4 @@
-"""Speculative decoding (ARCHITECTURE.md section 4): suffix drafts verified by sample-and-match
+"""Speculative decoding (docs/architecture.md §4): suffix drafts verified by sample-and-match
 give exactly the tokens of plain decoding, narrow and wide, greedy and sampled, on both
 architectures (for Qwen3-Next the recurrent state of the last accepted row is adopted)."""
 
@@ -197,7 +197,7 @@ def test_mtp_drafts_of_the_embedded_model_are_often_right():
 
 @pytest.mark.parametrize("mode", ["off", "wide"])
 def test_steady_decode_counters_count_the_tokens_of_all_decoding_steps(model, mode):
-    """BENCHMARKS.md's N-stream decode TPS comes from these: every token emitted by a step
+    """N-stream decode TPS (docs/architecture.md §8) comes from these: every token emitted by a step
     in which all active slots decoded is counted under that slot count, the others not."""
     from daemon.metrics import Metrics
     from tests.unit.test_metrics import _value

@@ -1,0 +1,149 @@
+"""Exact int4 x int8 block-32 micro-kernels (the ``int4`` format; tiles.py has the int8 one).
+
+Layout of one block of 32 positions of one micro-tile of 16 units (288 bytes, shard.py
+writes it): 256 bytes of nibbles, 4 chunks ``j`` of ``[16 units][4 positions]`` bytes whose
+low nibble is the weight of position ``4j + c`` and high nibble that of ``16 + 4j + c``, each
+stored as ``v + 8`` (``v`` in [-8, 7], a Q4_0 value); then the 16 units' fp16 scales. So a
+64-byte chunk gives two groups of 4 positions for 16 units -- the low nibbles group ``j``,
+the high ones group ``j + 4`` -- in the lane order int8 dot-product instructions consume.
+
+The weights enter the dot products as the unsigned bytes ``n = v + 8`` (0..15), the
+activations as signed bytes, and each row's ``xc = -8 * sum_t x[t]`` for the block (made
+once per row and block by the caller) corrects the offset: ``sum n x - 8 sum x = sum v x``,
+exact in int32. Per instruction set:
+
+* ``ISA_AVX512VNNI``: ``vpdpbusd(acc, n, x)``, the accumulator starting at ``xc``.
+* ``ISA_AVX2``: ``vpmaddubsw(n, x)`` (pair sums ``|.| <= 2 * 15 * 128``) summed over the 8
+  groups in int16 (``|.| <= 30720``: never wraps), one ``vpmaddwd`` by ones, plus ``xc``.
+* ``ISA_PORTABLE``: generic vector IR (zero-extend, multiply, add), plus ``xc``.
+
+All give the same int32 dot; the float epilogue (tiles.py) is the int8 format's. The fp16
+scales become float32 by integer operations only (exact, no F16C, no denormal arithmetic).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+
+from cpu_experts.irhelp import (
+    F32,
+    GROUPS,
+    I8,
+    I16,
+    I32,
+    fn,
+    lanes4,
+    splat,
+    sum4,
+    x_words,
+)
+from cpu_experts.isa import ISA_AVX2, ISA_AVX512VNNI
+
+TU = 16
+NIBBLE_BYTES = 256  # the nibbles of one block of one micro-tile
+BLOCK_BYTES4 = NIBBLE_BYTES + TU * 2  # ... followed by its 16 fp16 scales
+CHUNKS = 4  # 64-byte chunks of nibbles, two groups each
+
+
+def _nibbles(builder, chunk, count: int):
+    """(low, high) nibbles of a ``<count x i8>`` vector: groups ``j`` and ``j + 4``."""
+    vt = ir.VectorType(I8, count)
+    lo = builder.and_(chunk, ir.Constant(vt, [15] * count))
+    hi = builder.lshr(chunk, ir.Constant(vt, [4] * count))
+    return lo, hi
+
+
+def _groups(builder, wp8, count: int, byte0: int, stride: int = 64):
+    """The 8 groups' weight vectors (``<count x i8>``, unsigned nibbles), group order, read
+    from chunks at ``byte0 + j * stride``."""
+    vt = ir.VectorType(I8, count)
+    lows, highs = [], []
+    for j in range(CHUNKS):
+        p = builder.bitcast(builder.gep(wp8, [ir.Constant(I32, byte0 + j * stride)]),
+                            vt.as_pointer())
+        lo, hi = _nibbles(builder, builder.load(p, align=1), count)
+        lows.append(lo)
+        highs.append(hi)
+    return lows + highs
+
+
+def dots_vnni(builder, wp8, xps, xcs):
+    """Per row: one <16 x i32> ``xc + sum_g vpdpbusd(n_g, x_g)``; weights unpacked once."""
+    v16 = ir.VectorType(I32, 16)
+    dp = fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16, v16, v16])
+    wvs = [builder.bitcast(v, v16) for v in _groups(builder, wp8, 64, 0)]
+    out = []
+    for xp, xc in zip(xps, xcs, strict=True):
+        acc = [splat(builder, xc, v16), ir.Constant(v16, [0] * 16)]  # two dependent chains
+        for g, word in enumerate(x_words(builder, xp)):
+            acc[g % 2] = builder.call(dp, [acc[g % 2], wvs[g], splat(builder, word, v16)])
+        out.append([builder.add(acc[0], acc[1])])
+    return out
+
+
+def dots_avx2(builder, wp8, xps, xcs):
+    """Per row: two <8 x i32> (units 0-7, 8-15); each half's weights unpacked once."""
+    v32b, v16h, v8 = ir.VectorType(I8, 32), ir.VectorType(I16, 16), ir.VectorType(I32, 8)
+    maddubs = fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16h, [v32b, v32b])
+    maddwd = fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [v16h, v16h])
+    ones = ir.Constant(v16h, [1] * 16)
+    out = [[None, None] for _ in xps]
+    for h in range(2):
+        wvs = _groups(builder, wp8, 32, 32 * h)
+        for k, (xp, xc) in enumerate(zip(xps, xcs, strict=True)):
+            s16 = None
+            for g, word in enumerate(x_words(builder, xp)):
+                xv = builder.bitcast(splat(builder, word, v8), v32b)
+                p = builder.call(maddubs, [wvs[g], xv])
+                s16 = p if s16 is None else builder.add(s16, p)
+            out[k][h] = builder.add(builder.call(maddwd, [s16, ones]), splat(builder, xc, v8))
+    return out
+
+
+def dots_portable(builder, wp8, xps, xcs):
+    """Per row: one <16 x i32> from generic vector IR."""
+    v64, v16 = ir.VectorType(I32, 64), ir.VectorType(I32, 16)
+    wvs = [builder.zext(v, v64) for v in _groups(builder, wp8, 64, 0)]
+    out = []
+    for xp, xc in zip(xps, xcs, strict=True):
+        acc = splat(builder, xc, v16)
+        for g, word in enumerate(x_words(builder, xp)):
+            acc = sum4(builder, builder.mul(wvs[g], lanes4(builder, word, 64)), acc)
+        out.append([acc])
+    return out
+
+
+DOTS = {ISA_AVX512VNNI: dots_vnni, ISA_AVX2: dots_avx2}
+
+
+def dots(builder, which: int, wp8, xps, xcs):
+    return DOTS.get(which, dots_portable)(builder, wp8, xps, xcs)
+
+
+def half_to_float(builder, bits16):
+    """Exact float32 values of a ``<N x i16>`` of finite IEEE half bit patterns."""
+    n = bits16.type.count
+    vi, vf = ir.VectorType(I32, n), ir.VectorType(F32, n)
+
+    def const(v):
+        return ir.Constant(vi, [v] * n)
+
+    h = builder.zext(bits16, vi)
+    sign = builder.shl(builder.and_(h, const(0x8000)), const(16))
+    em = builder.and_(h, const(0x7FFF))
+    normal = builder.add(builder.shl(em, const(13)), const(112 << 23))  # rebias 15 -> 127
+    sub = builder.fmul(builder.sitofp(em, vf), ir.Constant(vf, [2.0**-24] * n))  # m * 2**-24
+    is_sub = builder.icmp_unsigned("<", em, const(0x400))
+    mag = builder.select(is_sub, builder.bitcast(sub, vi), normal)
+    return builder.bitcast(builder.or_(mag, sign), vf)
+
+
+def scales(builder, wp8, parts: int):
+    """The block's 16 scales as ``parts`` float32 vectors (units 0-15, or 0-7 and 8-15)."""
+    vt = ir.VectorType(I16, TU // parts)
+    base = builder.bitcast(builder.gep(wp8, [ir.Constant(I32, NIBBLE_BYTES)]), vt.as_pointer())
+    return [half_to_float(builder, builder.load(builder.gep(base, [ir.Constant(I32, h)]),
+                                                align=2)) for h in range(parts)]
+
+
+assert GROUPS == 2 * CHUNKS
