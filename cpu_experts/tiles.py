@@ -1,4 +1,5 @@
-"""Exact int8 block-32 micro-kernels: one block of 32 positions x 16 output units x a few rows.
+"""Exact int8 block-32 micro-kernels: one block of 32 positions x 16 output units x a few rows
+(:func:`rows_block` also runs the int4 format's micro-kernels of tiles4.py, by the tiles' dtype).
 
 Layout (shard.py): a matrix ``[units, n]`` reduced along ``n`` is stored as micro-tiles of
 :data:`TU` = 16 units; micro-tile ``t`` holds, per block ``b`` of 32 positions, 576 bytes

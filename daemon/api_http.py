@@ -261,7 +261,8 @@ class HttpApi:
                                 max_tokens=self._max_tokens(len(prompt_ids), req.max_tokens,
                                                            _prompt_param(req)),
                                 stop=req.stop, priority=req.priority, eos=not req.ignore_eos,
-                                progress=req.stream and req.include_progress)
+                                progress=req.stream and req.include_progress,
+                                speculation=req.speculation)
         handle = self._submit(gen)
         self.active[gen.request_id] = handle
         fmt = Formatter(req.kind, request[REQUEST_ID], self.model_name, int(time.time()))

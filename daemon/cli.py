@@ -17,7 +17,8 @@ DESCRIPTION = "Serve Mixture-of-Experts models on one GPU plus the host CPU."
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None,
-                   help="Hugging Face model directory (default: the embedded tandem-tiny)")
+                   help="Hugging Face model directory or GGUF file (default: the embedded "
+                        "tandem-tiny)")
     p.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32")
     p.add_argument("--backend", choices=("numpy", "cupy", "auto"), default="numpy")
     p.add_argument("--placement", choices=("gpu", "cpu", "split"), default="gpu",
@@ -73,13 +74,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the daemon: HTTP API, ZeroMQ API, workers")
     serve.add_argument("--config", type=Path, default=None,
                        help="TOML config (default: built-in defaults, as configs/tiny.toml)")
-    serve.add_argument("--model", type=Path, default=None, help="model directory ([model] path)")
+    serve.add_argument("--model", type=Path, default=None,
+                       help="model directory or .gguf file ([model] path)")
     serve.add_argument("--host", default=None, help="HTTP address to bind ([server] host)")
     serve.add_argument("--port", type=int, default=None, help="HTTP port ([server] port)")
     serve.add_argument("--speculation", choices=("off", "narrow", "wide"), default=None,
                        help="speculative decoding ([speculation] mode)")
     serve.add_argument("--proposer", choices=("suffix", "mtp"), default=None,
                        help="where drafts come from ([speculation] proposer)")
+    serve.add_argument("--num-drafts", type=int, default=None,
+                       help="drafts per slot and step ([speculation] num_drafts)")
+    serve.add_argument("--draft-budget", choices=("fixed", "adaptive"), default=None,
+                       help="draft lengths: fixed or by expected tokens per ms "
+                            "([speculation] draft_budget)")
     serve.set_defaults(func=commands.run_serve)
 
     check = sub.add_parser("check-config", help="validate a config file and summarize it")

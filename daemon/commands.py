@@ -13,7 +13,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return load_config(args.config, {"model.path": args.model, "server.host": args.host,
                                      "server.port": args.port,
                                      "speculation.mode": getattr(args, "speculation", None),
-                                     "speculation.proposer": getattr(args, "proposer", None)})
+                                     "speculation.proposer": getattr(args, "proposer", None),
+                                     "speculation.num_drafts": getattr(args, "num_drafts", None),
+                                     "speculation.draft_budget": getattr(args, "draft_budget",
+                                                                         None)})
 
 
 def run_serve(args: argparse.Namespace) -> int:

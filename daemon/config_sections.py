@@ -6,6 +6,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +20,14 @@ from daemon.config_checks import (
     check_strs,
     fail,
 )
-from protocol.worker_config import BACKENDS, CPU_ISAS, DTYPES, KV_CACHE_DTYPES, PLACEMENTS
+from protocol.worker_config import (
+    BACKENDS,
+    CPU_FORMATS,
+    CPU_ISAS,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    PLACEMENTS,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "tandem-tiny"  # the embedded model (configs/tiny.toml)
@@ -42,6 +50,14 @@ def default_run_dir() -> Path:
 
 
 
+def gguf_stem(name: str) -> str:
+    """A model's default served name: a GGUF file's name without ``.gguf`` and a split
+    set's ``-00001-of-0000N``, a directory's name as it is."""
+    if not name.endswith(".gguf"):
+        return name
+    return re.sub(r"-\d{5}-of-\d{5}$", "", name.removesuffix(".gguf"))
+
+
 @dataclass(frozen=True)
 class ModelSection:
     path: Path = field(default_factory=default_model)
@@ -54,8 +70,9 @@ class ModelSection:
         if self.dtype == "":
             object.__setattr__(self, "dtype", "bfloat16" if self.backend == "cupy" else "float32")
         check_path("model.path", self.path)
-        if not self.path.is_dir():
-            fail("model.path", "must be an existing model directory", str(self.path))
+        if not (self.path.is_dir() or (self.path.is_file() and self.path.suffix == ".gguf")):
+            fail("model.path", "must be an existing model directory or .gguf file",
+                 str(self.path))
         check_str("model.name", self.name, empty=True)
         check_strs("model.aliases", self.aliases)
         check_str("model.dtype", self.dtype, DTYPES)
@@ -63,7 +80,7 @@ class ModelSection:
 
     @property
     def served_name(self) -> str:
-        return self.name or self.path.resolve().name
+        return self.name or gguf_stem(self.path.resolve().name)
 
 
 @dataclass(frozen=True)
@@ -190,6 +207,7 @@ class ExpertsSection:
     cpu_workers: int = 0  # 0 -> one per NUMA node
     cpu_cores: tuple[tuple[int, ...], ...] = ()  # per worker; () -> derived from NUMA nodes
     cpu_isa: str = "auto"  # CPU expert kernels: auto (the best the CPU has) or one by name
+    cpu_format: str = "int8"  # CPU expert weights: int8, or int4 (half the bytes per token)
     # split: per-layer router counts (`tandem expert-stats`); the GPU keeps the most-picked
     # experts, the CPU gets the rest. None: the last expert ids go to the CPU
     hot_experts: Path | None = None
@@ -207,6 +225,7 @@ class ExpertsSection:
                      self.gpu_memory_gb)
             object.__setattr__(self, "gpu_memory_gb", float(self.gpu_memory_gb))
         check_str("experts.cpu_isa", self.cpu_isa, CPU_ISAS)
+        check_str("experts.cpu_format", self.cpu_format, CPU_FORMATS)
         if self.hot_experts is not None:
             check_path("experts.hot_experts", self.hot_experts)
             if self.placement != "split":
@@ -243,17 +262,28 @@ class ExpertsSection:
 @dataclass(frozen=True)
 class SpeculationSection:
     """``mode``: "off"; "narrow" (each drafted slot verified in its own forward pass) or
-    "wide" (2-4 drafted slots verified together in one pass, narrow otherwise). Drafts come
+    "wide" (every slot's rows in one pass: up to 4 drafted slots, <= 16 rows). Drafts come
     from ``proposer``: "suffix" (the request's own history, after a suffix of at least
     ``min_match`` tokens matched) or "mtp" (the model's MTP head, run by the worker after
     each step; no drafts from a model without one); ``num_drafts`` per slot and step.
-    Tokens are those of "off"."""
+    Tokens are those of "off". The scheduling controls and the global suffix index:
+    docs/speculation.md (daemon/draft_plan.py)."""
 
     mode: str = "off"
     proposer: str = "suffix"
     num_drafts: int = 4
     min_match: int = 2
     max_match: int = 8
+    global_index_tokens: int = 65536  # suffix: tokens of all requests indexed (0: off)
+    max_drafts_per_step: int = 0  # draft rows of one step over all slots (0: no cap)
+    prefer: str = "drafts"  # a step with a prompt chunk: "drafts" verifies, "admission" not
+    # "fixed": every slot verifies its fitted drafts; "adaptive": daemon/draft_budget.py picks
+    # each slot's count by expected tokens per ms of the predicted step (the cost_* below,
+    # refitted online from the worker's step times)
+    draft_budget: str = "fixed"
+    cost_fixed_ms: float = 8.0  # per forward pass
+    cost_row_ms: float = 0.25  # per row of a pass
+    cost_expert_ms: float = 0.03  # per distinct CPU expert: its bytes / DRAM bandwidth
 
     def __post_init__(self) -> None:
         check_str("speculation.mode", self.mode, ("off", "narrow", "wide"))
@@ -261,6 +291,12 @@ class SpeculationSection:
         check_int("speculation.num_drafts", self.num_drafts, 1, 15)
         check_int("speculation.min_match", self.min_match, 1, 64)
         check_int("speculation.max_match", self.max_match, self.min_match, 64)
+        check_int("speculation.global_index_tokens", self.global_index_tokens, 0, 1 << 24)
+        check_int("speculation.max_drafts_per_step", self.max_drafts_per_step, 0, 64)
+        check_str("speculation.prefer", self.prefer, ("admission", "drafts"))
+        check_str("speculation.draft_budget", self.draft_budget, ("fixed", "adaptive"))
+        for key in ("cost_fixed_ms", "cost_row_ms", "cost_expert_ms"):
+            check_num(f"speculation.{key}", getattr(self, key), 0.0)
 
 
 @dataclass(frozen=True)

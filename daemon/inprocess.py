@@ -25,13 +25,13 @@ from gpu_worker.expert_stats import count_routing, load_counts, save_counts
 from gpu_worker.loader import (
     CheckpointError,
     load_checkpoint,
-    load_config,
     load_generation_config,
 )
 from gpu_worker.memory_parts import device_memory_bytes
 from gpu_worker.memory_plan import PlanError, describe, plan_for_worker
 from gpu_worker.model.model import Model
 from gpu_worker.model_config import ModelConfig, ModelConfigError
+from gpu_worker.weights.resolve import model_config
 from protocol.messages import SamplingParams
 
 
@@ -63,7 +63,7 @@ def check_model(config: Config) -> list[str]:
     fit that model (ConfigError naming the key otherwise) and the memory (PlanRefused).
     Returns the memory plan's lines; reads no weight."""
     try:
-        model = load_config(config.model.path)
+        model = model_config(config.model.path)  # config.json, or a GGUF's metadata
     except CheckpointError as exc:
         raise ConfigError(f"model.path: {exc}") from None
     ctx, positions = config.scheduler.max_context, model.max_position_embeddings
@@ -190,8 +190,8 @@ def expert_stats(args: argparse.Namespace) -> int:
 # ---- helpers --------------------------------------------------------------------------------
 def _model_dir(model: Path | None) -> Path:
     path = model or default_model()
-    if not path.is_dir():
-        raise CommandError(f"model directory {path} does not exist")
+    if not (path.is_dir() or (path.is_file() and path.suffix == ".gguf")):
+        raise CommandError(f"model directory or .gguf file {path} does not exist")
     return path
 
 

@@ -41,10 +41,13 @@ def worker_config(config: Config) -> WorkerConfig:
                         placement=e.placement, cpu_experts_per_layer=e.cpu_experts_per_layer,
                         cpu_workers=e.num_cpu_workers,
                         cpu_cores=tuple(tuple(g) for g in e.cpu_cores),
-                        cpu_isa=e.cpu_isa, hot_experts=str(e.hot_experts or ""),
+                        cpu_isa=e.cpu_isa, cpu_format=e.cpu_format,
+                        hot_experts=str(e.hot_experts or ""),
                         gpu_memory_gb=e.gpu_memory_gb, prefill_chunk=sched.prefill_chunk,
                         max_drafts=0 if config.speculation.mode == "off"
-                        else config.speculation.num_drafts)
+                        else config.speculation.num_drafts,
+                        slot_routing=config.speculation.mode != "off"
+                        and config.speculation.draft_budget == "adaptive")
 
 
 def serve(config: Config) -> int:
@@ -97,7 +100,8 @@ class Daemon:
             block_size=sched.kv_block_size, checkpoint_interval=sched.checkpoint_interval,
             prefix_blocks=0, tokenizer=self.tokenizer, eos_ids=eos,
             metrics=self.metrics, model_name=config.model.served_name,
-            preemption=sched.preemption, speculation=config.speculation)
+            preemption=sched.preemption, speculation=config.speculation,
+            backend=config.model.backend, placement=config.experts.placement)
         self.stopping = asyncio.Event()
         self.worker: WorkerProcess | None = None
         self.apis: list = []  # the front ends, told of each READY's ModelInfo

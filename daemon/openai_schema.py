@@ -20,7 +20,8 @@ PRIORITY_RANGE = (-1000, 1000)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
            "stream", "stream_options", "n", "user", "priority", "presence_penalty",
-           "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "ignore_eos")
+           "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "ignore_eos",
+           "speculation")
 COMPLETION_FIELDS = frozenset(_COMMON + ("prompt", "best_of", "echo", "suffix"))
 CHAT_FIELDS = frozenset(_COMMON + ("messages", "max_completion_tokens", "tools", "tool_choice",
                                    "parallel_tool_calls", "top_logprobs", "response_format",
@@ -69,6 +70,7 @@ class ParsedRequest:
     include_progress: bool = False  # stream_options.include_progress: prompt-progress events
     priority: int = 0
     ignore_eos: bool = False  # vLLM's extension: generate past EOS (benchmarks)
+    speculation: bool = True  # Tandem's: false opts this request out of speculative decoding
 
 
 # ---- scalar checks ------------------------------------------------------------------------------
@@ -145,7 +147,8 @@ def _common(body: Any, kind: str, known: frozenset[str]) -> ParsedRequest:
         include_usage=_stream_options(body.get("stream_options"), stream),
         include_progress=_stream_options(body.get("stream_options"), stream, "include_progress"),
         priority=_int(body, "priority", *PRIORITY_RANGE) or 0,
-        ignore_eos=bool(_bool(body, "ignore_eos")))
+        ignore_eos=bool(_bool(body, "ignore_eos")),
+        speculation=_bool(body, "speculation") is not False)
 
 
 def _stop(value: Any) -> tuple[str, ...]:

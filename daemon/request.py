@@ -37,6 +37,7 @@ class GenerationRequest:
     priority: int = 0  # higher preempts lower
     eos: bool = True  # stop at the model's EOS ids
     progress: bool = False  # push prompt-progress events (RequestEvent.progress) while waiting
+    speculation: bool = True  # False: never draft for it (nor index its text globally)
 
 
 @dataclasses.dataclass(slots=True)

@@ -21,6 +21,7 @@ import numpy as np
 import structlog
 
 from daemon import progress
+from daemon.draft_plan import DraftPlanner
 from daemon.metrics import Metrics, NullMetrics
 from daemon.prefix_cache import PrefixCache
 from daemon.progress import queue_status, slot_status
@@ -68,7 +69,8 @@ class Scheduler:
                  block_size: int, checkpoint_interval: int, prefix_blocks: int,
                  tokenizer: Tokenizer | None = None, eos_ids: Iterable[int] = (),
                  metrics: Metrics | None = None, model_name: str = "",
-                 preemption: str = "swap", speculation: SpeculationSection | None = None) -> None:
+                 preemption: str = "swap", speculation: SpeculationSection | None = None,
+                 backend: str = "numpy", placement: str = "gpu") -> None:
         if preemption not in ("swap", "recompute"):
             raise ValueError(f"preemption must be swap or recompute, got {preemption!r}")
         self.speculation = speculation if speculation is not None and \
@@ -76,6 +78,9 @@ class Scheduler:
         mtp = self.speculation is not None and self.speculation.proposer == "mtp"
         self._mtp_drafts = self.speculation.num_drafts if mtp else 0  # asked of the worker
         self._source = DraftSource.MTP if mtp else DraftSource.SUFFIX
+        # eligibility (logged), the global suffix index, each step's draft budget
+        self.draft_plan = DraftPlanner(self.speculation, max_slots=max_slots, backend=backend,
+                                       placement=placement)
         self.preemption = preemption
         self.max_slots = max_slots
         self.max_context = max_context
@@ -230,10 +235,7 @@ class Scheduler:
             except Exception as exc:  # this request's data is bad: it alone fails
                 self._fail_request(slot, seq, exc)
         self._step_id += 1
-        drafted = sum(1 for w in work if len(w.draft_ids))
-        # wide: 2-4 drafted slots verified in one pass; narrow (and wide otherwise): one each
-        wide = self.speculation is None or (self.speculation.mode == "wide"
-                                            and 2 <= drafted <= 4)
+        work, wide = self.draft_plan.fit(work)  # wide: one pass; narrow: one per drafted slot
         return StepPlan(step_id=self._step_id, slots=work, cache_ops=ops, cache_ops_after=after,
                         wide=wide)
 
@@ -248,13 +250,14 @@ class Scheduler:
         sampling = dataclasses.replace(seq.req.sampling, seed=seq.seed)
         common = dict(slot=slot, request_id=seq.req.request_id, sampling=sampling,
                       prompt_len=len(seq.prompt), cached_len=seq.cached,
-                      mtp_drafts=self._mtp_drafts)
+                      mtp_drafts=self._mtp_drafts if seq.req.speculation else 0)
         if not seq.in_prefill:
             drafts = self._drafts(seq)
             return SlotWork(kind=WorkKind.DECODE, start_pos=seq.processed, num_tokens=1,
                             input_ids=token_array([seq.token_at(seq.processed)]),
                             needs_logits=True, draft_ids=token_array(drafts),
-                            draft_sources=np.full(len(drafts), self._source, np.uint8),
+                            draft_sources=np.full(len(drafts), seq.draft_source
+                                                  or self._source, np.uint8),
                             **common)
         start, target = seq.processed, seq.prefill_len
         common["prompt_len"] = target
@@ -270,7 +273,7 @@ class Scheduler:
 
     def _drafts(self, seq: Sequence) -> list[int]:
         """Draft tokens to verify after ``seq``'s next decode row (tests swap in an oracle)."""
-        return seq.drafts(self.speculation, self.max_context)
+        return self.draft_plan.propose(seq, self.max_context)
 
     def _checkpoint(self, slot: int, tokens: list[int], after: list[CacheOp]) -> None:
         if self.prefix.contains(tokens) or not self.prefix.fits(len(tokens)):

@@ -48,6 +48,7 @@ class Sequence:
     t_last: float | None = None
     proposer: SuffixProposer | None = None  # once speculation drafts suffixes for it
     mtp_drafts: list[int] = dataclasses.field(default_factory=list)  # the worker's, last step
+    draft_source: int = 0  # DraftSource of its latest drafts (daemon.draft_plan; 0: none)
     progress: PromptProgress = dataclasses.field(default_factory=PromptProgress)
     progress_sent: dict | None = None  # the last progress event pushed (opt-in requests)
 

@@ -49,6 +49,7 @@ def commit_step(sched: Any, plan: StepPlan, result: StepResult, seconds: float,
         if seq.finished:
             sched._done(seq)
             sched._release(work.slot)
+    sched.draft_plan.observe(plan, result, seconds)  # the adaptive draft budget's estimates
     waiting = [entry[2] for entry in sched.queue]
     for seq in waiting:  # e.g. preempted by this plan: now queued
         progress.push_event(seq)

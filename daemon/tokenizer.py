@@ -1,4 +1,5 @@
-"""Tokenizer, streaming detokenizer and chat template of a Hugging Face model directory.
+"""Tokenizer, streaming detokenizer and chat template of a Hugging Face model directory
+(or of a GGUF file's metadata: daemon/gguf_tokenizer.py).
 
 Wraps `tokenizers.Tokenizer.from_file("tokenizer.json")` (Qwen has no BOS: encoding never adds
 special tokens), renders `chat_template.jinja` or `tokenizer_config.json["chat_template"]` in a
@@ -19,6 +20,8 @@ from typing import Any
 import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from daemon.gguf_tokenizer import GGUFTokenizerError, read_gguf_tokenizer
 
 try:
     from tokenizers.decoders import DecodeStream
@@ -61,6 +64,11 @@ class Tokenizer:
         is unreadable or invalid.
         """
         root = Path(path)
+        if root.name.endswith(".gguf"):  # a GGUF file: its tokenizer.ggml.* metadata
+            try:
+                return cls(**read_gguf_tokenizer(root), source=str(root))
+            except GGUFTokenizerError as exc:
+                raise MissingTokenizerError(str(exc)) from None
         file = root / "tokenizer.json"
         if not file.is_file():
             raise MissingTokenizerError(f"{file}: no tokenizer in this model directory")

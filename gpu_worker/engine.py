@@ -36,6 +36,7 @@ def load_model(source: WeightSource | str | Path, *, dtype: str = "float32",
                backend: str = "numpy", exact: bool | None = None, placement: str = "gpu",
                cpu_experts_per_layer: int | Mapping[int, int] = 0, cpu_workers: int = 0,
                cpu_cores: list[list[int]] | None = None, cpu_isa: str = "auto",
+               cpu_format: str = "int8",
                hot_experts: str | Path | None = None, expert_split: ExpertSplit | None = None,
                progress: bool | None = None, log: Log | None = None,
                chunk_bytes: int = CHUNK_BYTES) -> tuple[Model, ExpertPlacement | None]:
@@ -44,7 +45,8 @@ def load_model(source: WeightSource | str | Path, *, dtype: str = "float32",
     caller), streamed from ``source`` (a WeightSource, gpu_worker/weights/source.py, or a
     checkpoint directory) one tensor or chunk of experts at a time
     (gpu_worker/weights/stream.py). ``exact`` defaults to float64;
-    ``cpu_isa`` picks the CPU expert kernels ("auto": ``$TANDEM_CPU_ISA`` or the best);
+    ``cpu_isa`` picks the CPU expert kernels ("auto": ``$TANDEM_CPU_ISA`` or the best),
+    ``cpu_format`` their weights ("int8" or "int4", cpu_experts/formats.py);
     ``hot_experts`` (split): a router counts file whose most-picked experts stay on the GPU
     (gpu_worker/expert_stats.py). ``expert_split``: which experts go where, decided by the
     caller (a memory plan's experts per layer and order); None: from ``placement``,
@@ -66,7 +68,7 @@ def load_model(source: WeightSource | str | Path, *, dtype: str = "float32",
         expert_split = plan_split(source.config, placement, cpu_experts_per_layer, hot)
     exact = (dtype == "float64") if exact is None else exact
     pool_options = {"num_workers": cpu_workers, "cores": cpu_cores,
-                    "isa": None if cpu_isa == "auto" else cpu_isa}
+                    "isa": None if cpu_isa == "auto" else cpu_isa, "weight_format": cpu_format}
     return stream_load(source, expert_split, xp=get_xp(backend), dtype=DTYPES[dtype],
                        host_dtype=HOST_DTYPES[dtype], exact=exact, pool_options=pool_options,
                        progress=progress, log=log, chunk_bytes=chunk_bytes)

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from cpu_experts.formats import bytes_per_weight
 from cpu_experts.tiles import BLOCK_BYTES, TU
 from gpu_worker.expert_stats import hot_order
 from gpu_worker.model.moe import GROUPED_MAX_ROWS
@@ -24,6 +25,8 @@ WEIGHT_ITEMSIZE = {"bfloat16": 2, "float32": 4, "float64": 8}
 # CPU format (cpu_experts/tiles.py): per block of 32 weights of 16 units, 512 int8 bytes then
 # 16 float32 scales, so 36 bytes per 32 weights; each tensor of a worker's shard is 64-aligned
 CPU_BYTES_PER_WEIGHT = BLOCK_BYTES / (TU * 32)
+# per [experts] cpu_format: int8 as above; int4 256 bytes of nibbles then 16 fp16 scales
+CPU_BYTES_PER_WEIGHT_BY_FORMAT = {f: bytes_per_weight(f) for f in ("int8", "int4")}
 CPU_ALIGN = 64
 # work-space allowances (docs/memory.md, "Work space")
 ACTIVATION_COPIES = 8  # [rows, widest projection] tensors alive at once in one layer

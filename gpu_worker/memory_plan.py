@@ -69,6 +69,7 @@ class MemoryPlan:
     cuda_context_bytes: int
     host_fixed_bytes: int  # processes and the load's working set
     host_available_bytes: int | None  # None: unknown, not checked
+    cpu_format: str = "int8"  # the CPU experts' weights: int8 or int4 (cpu_experts/formats.py)
 
     @property
     def experts_cpu_per_layer(self) -> int:
@@ -145,7 +146,7 @@ def plan_memory(config: ModelConfig, *, dtype: str = "bfloat16", backend: str = 
                 placement: str = "split", cpu_experts_per_layer: int = 0,
                 hot_counts: Mapping[int, np.ndarray] | None = None, cpu_workers: int = 1,
                 include_mtp: bool = True,
-                host_available_bytes: int | None = -1) -> MemoryPlan:
+                host_available_bytes: int | None = -1, cpu_format: str = "int8") -> MemoryPlan:
     """The plan for ``config`` served with these settings, or :class:`PlanError`.
 
     ``gpu_budget_bytes`` None: no GPU limit (pass the device's size for "the whole device").
@@ -186,7 +187,8 @@ def plan_memory(config: ModelConfig, *, dtype: str = "bfloat16", backend: str = 
                                  max_drafts=max_drafts),
         moe_layers=moe_layers, num_experts=E,
         gpu_bytes_per_expert=weights * mp.WEIGHT_ITEMSIZE[dtype],
-        cpu_bytes_per_expert=weights * mp.CPU_BYTES_PER_WEIGHT, experts_gpu_per_layer=E,
+        cpu_bytes_per_expert=weights * mp.CPU_BYTES_PER_WEIGHT_BY_FORMAT[cpu_format],
+        cpu_format=cpu_format, experts_gpu_per_layer=E,
         expert_order=mp.expert_order(moe_layers, E, hot_counts), cpu_expert_bytes=0,
         cpu_ring_bytes=0, cuda_context_bytes=CUDA_CONTEXT if backend == "cupy" else 0,
         host_fixed_bytes=HOST_PROCESS + LOAD_WORKING_SET,
@@ -233,7 +235,8 @@ def plan_for_worker(cfg: WorkerConfig, model: ModelConfig, *, backend: str,
         max_drafts=cfg.max_drafts, placement=cfg.placement,
         cpu_experts_per_layer=cfg.cpu_experts_per_layer, hot_counts=hot_counts,
         cpu_workers=cfg.cpu_workers or len(cfg.cpu_cores) or len(numa_core_groups()),
-        include_mtp=include_mtp, host_available_bytes=host_available_bytes)
+        include_mtp=include_mtp, host_available_bytes=host_available_bytes,
+        cpu_format=cfg.cpu_format)
 
 
 def _experts_that_fit(plan: MemoryPlan, placement: str, cpu_per_layer: int) -> int:
@@ -315,7 +318,8 @@ def describe(plan: MemoryPlan) -> list[str]:
            f"{gib(plan.cuda_context_bytes)}" if plan.backend == "cupy" else ""),
         f"routed experts per layer: {plan.experts_gpu_per_layer} of {plan.num_experts} on the "
         f"GPU ({gib(plan.gpu_expert_bytes)} over {len(plan.moe_layers)} layers), "
-        f"{plan.experts_cpu_per_layer} on the CPU ({gib(plan.cpu_expert_bytes)} int8); "
+        f"{plan.experts_cpu_per_layer} on the CPU ({gib(plan.cpu_expert_bytes)} "
+        f"{plan.cpu_format}); "
         f"placement {plan.placement}",
         f"GPU total: {gib(plan.gpu_total_bytes)} of {budget}",
         f"host RAM: {gib(plan.cpu_resident_bytes)} resident, {gib(plan.host_needed_bytes)} "

@@ -43,6 +43,20 @@ class RoutedExperts(Protocol):
         raise what they reported); the forward's own error wins over the step's."""
         ...
 
+    # with the Runner's slot_routing only (ExpertPlacement has them):
+    def track_rows(self, row_slot: Any) -> None:
+        """The coming pass's row -> slot map [R] (-1: untracked rows) for take_slot_experts."""
+        ...
+
+    def take_slot_experts(self) -> dict[int, tuple[Any, Any]]:
+        """Per tracked slot: its distinct CPU experts (int32 [K]) and rows per expert."""
+        ...
+
+    @property
+    def cpu_experts_held(self) -> int:
+        """CPU experts over all MoE layers."""
+        ...
+
     def take_stats(self) -> dict[str, float]:
         """Counters since the last call (one step): ``moe_layers``, ``gpu_experts``,
         ``cpu_experts``, ``cpu_expert_bytes``, ``cpu_experts_ms``."""

@@ -1,6 +1,7 @@
 """Executes one StepPlan: cache commands, one ragged forward over every slot's rows (or, for
-narrow speculation, one per drafted slot), sampling and draft verification, the MTP head's
-drafts, then the after-step cache commands. Pure in-process; server.py wraps it.
+narrow speculation, one per drafted slot and one for the rest), sampling and draft
+verification, the MTP head's drafts, then the after-step cache commands. Pure in-process;
+server.py wraps it.
 
     Runner.execute -> CacheOps.apply (cache_ops.py) -> passes: Model.forward (with the
         RoutedExperts, routed_experts.py) -> sample_and_match (verify.py) -> RecurrentStates
@@ -33,16 +34,19 @@ from protocol.messages import (
 )
 
 __all__ = ["PlanError", "Runner"]
+_NO_ROUTES = (np.zeros(0, np.int32), np.zeros(0, np.uint16))
 
 
 class Runner:
     """The model, its caches and the interpreter of their commands, behind ``execute``.
-    ``experts``: the routed experts that are not all on the backend (None: all are)."""
+    ``experts``: the routed experts that are not all on the backend (None: all are);
+    ``slot_routing``: report each decode slot's CPU experts (SlotResult.cpu_experts)."""
 
     def __init__(self, model: Model, *, max_slots: int, max_context: int, block_size: int = 16,
                  extra_blocks: int = 0, kv_int8: bool = False,
-                 experts: RoutedExperts | None = None) -> None:
+                 experts: RoutedExperts | None = None, slot_routing: bool = False) -> None:
         self.model = model
+        self.slot_routing = slot_routing and experts is not None
         self.max_slots = max_slots
         self.max_context = max_context
         self.experts = experts
@@ -51,6 +55,7 @@ class Runner:
                                   kv_int8=kv_int8)
         self.drafter = MtpDrafter(model, caches, max_context)
         self.cache_ops = CacheOps(caches, max_slots, on_release=self.drafter.forget)
+        self.num_passes = 0  # forward passes run so far (tests count them)
 
     @property
     def caches(self) -> Caches:
@@ -72,6 +77,7 @@ class Runner:
             self.cache_ops.apply(op)
         results: list[SlotResult] = []
         t1 = time.perf_counter()
+        passes = self.num_passes
         if plan.slots:
             results = self._forward(plan.slots, plan.wide)
         t2 = time.perf_counter()
@@ -79,8 +85,14 @@ class Runner:
             self.cache_ops.apply(op)
         timings = {"cache_ops": (t1 - t0 + time.perf_counter() - t2) * 1e3,
                    "forward": (t2 - t1) * 1e3}
-        counters = {"rows": plan.num_rows, "kv_free_blocks": self.kv.allocator.num_free,
+        counters = {"rows": plan.num_rows, "passes": self.num_passes - passes,
+                    "kv_free_blocks": self.kv.allocator.num_free,
                     "kv_total_blocks": self.kv.num_blocks}
+        if self.slot_routing:  # for the daemon's adaptive draft budget
+            routes = self.experts.take_slot_experts()
+            for res in results:
+                res.cpu_experts, res.cpu_expert_rows = routes.get(res.slot, _NO_ROUTES)
+            counters["cpu_experts_held"] = self.experts.cpu_experts_held
         if self.experts is not None:
             stats = self.experts.take_stats()
             timings["cpu_experts"] = stats.pop("cpu_experts_ms")
@@ -89,8 +101,9 @@ class Runner:
                           counters=counters)
 
     def _forward(self, work: list[SlotWork], wide: bool = True) -> list[SlotResult]:
-        """Check every slot's work, run the forward pass(es), sample, verify drafts. Drafted
-        slots share one pass with the rest (``wide``) or get one pass each (narrow)."""
+        """Check every slot's work, run the forward pass(es), sample, verify drafts. Wide:
+        every slot's rows in one pass, however many carry drafts (the daemon bounds them,
+        daemon/draft_plan.py); narrow: one pass per drafted slot, one for the others."""
         for w in work:
             self._check(w)
         drafted = [w for w in work if len(w.draft_ids)]
@@ -140,7 +153,14 @@ class Runner:
             return self.model.forward(batch, self.caches, np.asarray(rows, dtype=np.int64),
                                       self.experts)
 
+        if self.slot_routing:  # row -> slot of the decode rows; -1: prompt rows
+            row_slot = np.full(batch.num_rows, -1, np.int64)
+            for w, seg in zip(work, batch.segments, strict=True):
+                if w.kind == WorkKind.DECODE:
+                    row_slot[seg.rows] = w.slot
+            self.experts.track_rows(row_slot)
         results, committed = [], {}
+        self.num_passes += 1
         with verifying:
             out = forward() if self.experts is None else self.experts.run_step(forward)
             logits = to_numpy(out.logits)

@@ -74,7 +74,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[Runner, object, ModelInfo]:
                              placement=plan.placement, expert_split=split,
                              cpu_workers=cfg.cpu_workers,
                              cpu_cores=[list(g) for g in cfg.cpu_cores] or None,
-                             cpu_isa=cfg.cpu_isa,
+                             cpu_isa=cfg.cpu_isa, cpu_format=cfg.cpu_format,
                              log=_log)  # one line per load phase: bytes and seconds
     if pool is not None:
         for info in pool.pool.ready_info:  # one line per CPU expert worker, what it holds
@@ -93,7 +93,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[Runner, object, ModelInfo]:
     runner = Runner(model, max_slots=cfg.max_slots, max_context=cfg.max_context,
                     block_size=cfg.block_size, extra_blocks=extra_blocks,
                     kv_int8=cfg.kv_cache_dtype == "int8",
-                    experts=pool if pool else None)
+                    experts=pool if pool else None, slot_routing=cfg.slot_routing)
     kv, states = runner.caches.kv, runner.caches.states
     layout = KvLayout(block_size=kv.block_size, block_bytes=kv.nbytes // max(kv.num_blocks, 1),
                       num_blocks=kv.num_blocks, prefix_blocks=extra_blocks,
@@ -101,6 +101,9 @@ def build_runner(cfg: WorkerConfig) -> tuple[Runner, object, ModelInfo]:
                       state_bytes=states.bytes_per_slot if states is not None else 0)
     _log("kv cache", dtype=layout.dtype, blocks=kv.num_blocks, block_size=kv.block_size,
          layers=kv.num_layers, mib=round(kv.nbytes / 2**20, 1), prefix_blocks=extra_blocks)
+    if model.xp.__name__ == "cupy":  # what CuPy's allocator holds after weights and KV
+        mempool = model.xp.get_default_memory_pool()
+        _log("cupy memory pool", total_bytes=mempool.total_bytes(), used_bytes=mempool.used_bytes())
     gen = generation_config(source, cfg.model)  # a GGUF's from its metadata
     try:
         defaults = SamplingDefaults(**{k: gen[k] for k in ("temperature", "top_p", "top_k",

@@ -50,6 +50,7 @@ class SubmitRequest:
     stream: bool = True  # False: one TokenEvent with everything at the end
     priority: int = 0  # higher may preempt lower; the daemon accepts -1000..1000
     include_usage: bool = False
+    speculation: bool = True  # False: no speculative decoding for it (same tokens, no drafts)
     # names of sampling's fields (of MODEL_DEFAULT_FIELDS) the client left out: the daemon
     # takes the model's generation defaults for them (the client library lists every one its
     # caller did not give); the fields named here are ignored in `sampling`

@@ -18,6 +18,7 @@ BACKENDS = ("numpy", "cupy", "auto")
 KV_CACHE_DTYPES = ("model", "int8")  # model: the compute dtype; int8: + an fp16 scale per 32
 PLACEMENTS = ("gpu", "cpu", "split")  # where the routed experts run
 CPU_ISAS = ("auto", "portable", "avx2", "avx512vnni")  # CPU expert kernels (cpu_experts/isa.py)
+CPU_FORMATS = ("int8", "int4")  # CPU expert weights (cpu_experts/formats.py)
 HEARTBEAT_S = 1.0
 GIB = 2**30  # gpu_memory_gb counts GiB, the unit CUDA and nvidia-smi report devices in
 # NOTE: the daemon's PrefixCache holds at most this many checkpoints; each keeps a copy of
@@ -65,10 +66,12 @@ class WorkerConfig:
     cpu_workers: int = 0  # 0: one per NUMA node
     cpu_cores: tuple[tuple[int, ...], ...] = ()  # one core list per CPU expert worker
     cpu_isa: str = "auto"  # auto: the best this CPU has
+    cpu_format: str = "int8"  # CPU expert weights: int8 (1.125 B/weight) or int4 (0.5625)
     hot_experts: str = ""  # split: router counts file; the GPU keeps the hottest experts
     gpu_memory_gb: float | None = None  # GPU budget in GiB; None: the whole device (CuPy)
     prefill_chunk: int = 512  # the daemon's longest prefill segment (sizes the work space)
     max_drafts: int = 0  # draft tokens per slot and step (0: speculation off)
+    slot_routing: bool = False  # SlotResult.cpu_experts per decode slot (adaptive drafts)
     heartbeat_s: float = HEARTBEAT_S  # a Heartbeat this often while idle
 
     def __post_init__(self) -> None:
@@ -82,12 +85,14 @@ class WorkerConfig:
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("placement", self.placement, PLACEMENTS)
         _choice("cpu_isa", self.cpu_isa, CPU_ISAS)
+        _choice("cpu_format", self.cpu_format, CPU_FORMATS)
         for name, lo in (("max_slots", 1), ("max_context", 1), ("block_size", 1),
                          ("prefix_cache_max_mb", 0), ("cpu_experts_per_layer", 0),
                          ("cpu_workers", 0), ("prefill_chunk", 1), ("max_drafts", 0)):
             _count(name, getattr(self, name), lo)
-        if type(self.prefix_cache) is not bool:
-            raise ValueError(f"prefix_cache must be a bool, got {self.prefix_cache!r}")
+        for name in ("prefix_cache", "slot_routing"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not all(isinstance(g, tuple) and g and all(type(c) is int and c >= 0 for c in g)
                    for g in self.cpu_cores):
             raise ValueError("cpu_cores must be non-empty tuples of core numbers >= 0")

@@ -21,7 +21,8 @@ class WorkKind(IntEnum):
 
 class DraftSource(IntEnum):
     MTP = 1
-    SUFFIX = 2
+    SUFFIX = 2  # the request's own history
+    GLOBAL_SUFFIX = 3  # text other requests hold (daemon/proposers/global_suffix.py)
 
 
 class Phase(IntEnum):
@@ -153,9 +154,14 @@ class SlotResult:
     num_accepted: int  # drafts accepted
     prompt: PromptPhase
     drafts: list[int] = field(default_factory=list)  # MTP drafts for the slot's next step
+    # a decode slot's distinct CPU experts this step (layer * experts per layer + expert) and
+    # how many of its rows picked each; sent only when WorkerConfig.slot_routing asks
+    cpu_experts: np.ndarray = array_field(np.int32, 1, empty=True)  # [K]
+    cpu_expert_rows: np.ndarray = array_field(np.uint16, 1, empty=True)  # [K]
 
     def __post_init__(self) -> None:
         check(0 <= self.num_accepted <= max(len(self.token_ids) - 1, 0), "num_accepted too big")
+        check(len(self.cpu_experts) == len(self.cpu_expert_rows), "one row count per expert")
 
 
 @dataclass(slots=True, kw_only=True)

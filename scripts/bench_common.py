@@ -133,12 +133,13 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
 
 
 @contextmanager
-def served(config: str, port: int, speculation: str, proposer: str) -> Iterator[tuple[str, str]]:
+def served(config: str, port: int, speculation: str, proposer: str,
+           extra: tuple[str, ...] = ()) -> Iterator[tuple[str, str]]:
     """A fresh ``tandem serve`` process on 127.0.0.1:``port``, ready: yields (base URL, model
-    id); the process is terminated on exit."""
+    id); the process is terminated on exit. ``extra``: more ``tandem serve`` flags."""
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "daemon.cli", "serve", "--config", config, "--port", str(port),
-           "--speculation", speculation, "--proposer", proposer]
+           "--speculation", speculation, "--proposer", proposer, *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     try:
         wait_ready(url, proc)

@@ -14,7 +14,10 @@ Workloads (fixed prompts and seeds, temperature 0.85, thinking disabled):
 Every run is a fresh ``tandem serve`` process; one short request warms it up and is excluded
 (counters are read after it). Arms (``--arms``): the server's ``--speculation`` mode
 (``narrow``: each drafted slot verified alone; ``wide``: 2-4 drafted slots in one pass;
-``off``). ``--pairs`` paired runs per workload, the arms' order alternating pair by pair.
+``off``), or ``adaptive``: wide with ``draft_budget = "adaptive"`` (docs/speculation.md, the
+draft budget); ``@N`` after an arm sets ``num_drafts`` (``wide@2``, ``adaptive@8``: the fixed
+lengths beside the adaptive budget). ``--pairs`` paired runs per workload, the arms' order
+alternating pair by pair.
 
 Figures per run, from the server's own counters (``/metrics``):
 
@@ -186,8 +189,21 @@ async def workload(url: str, model: str, name: str, args: argparse.Namespace
         return streams, time.monotonic() - t0
 
 
+def arm_flags(arm: str) -> tuple[str, tuple[str, ...]]:
+    """An arm's ``--speculation`` mode and further ``tandem serve`` flags: "adaptive@8" ->
+    ("wide", ("--draft-budget", "adaptive", "--num-drafts", "8"))."""
+    mode, _, drafts = arm.partition("@")
+    extra: tuple[str, ...] = ()
+    if mode == "adaptive":
+        mode, extra = "wide", ("--draft-budget", "adaptive")
+    if mode not in ("off", "narrow", "wide"):
+        raise SystemExit(f"unknown arm {arm!r}: off, narrow, wide or adaptive, then @N")
+    return mode, extra + (("--num-drafts", str(int(drafts))) if drafts else ())
+
+
 def one_run(args: argparse.Namespace, name: str, arm: str, pair: int) -> dict:
-    with served(args.config, args.port, arm, args.proposer) as (url, model):
+    mode, extra = arm_flags(arm)
+    with served(args.config, args.port, mode, args.proposer, extra) as (url, model):
 
         async def warm_up() -> None:
             async with aiohttp.ClientSession() as s:
@@ -243,7 +259,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/tiny.toml")
     p.add_argument("--port", type=int, default=8189)
-    p.add_argument("--arms", default="narrow,wide")
+    p.add_argument("--arms", default="narrow,wide",
+                   help="comma-separated: off, narrow, wide, adaptive, each with an optional "
+                        "@N (num_drafts), e.g. narrow,wide,wide@2,adaptive")
     p.add_argument("--proposer", choices=("suffix", "mtp"), default="mtp")
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--workloads", default="essay,coding")

@@ -6,8 +6,9 @@ rows in {1, 4, 8, 12, 16}, routing random and skewed, times ``dispatch_quantized
 path: activations arrive quantized) and reports per layer: distinct experts, weight bytes
 read, wall time, worker kernel time, effective GB/s and dispatch overhead (wall - kernel).
 Extra records: ``one_expert`` (every row on one expert: the cost of rows) and ``none`` (no
-pair on the CPU: pure dispatch overhead). Weights are random int8 with small fp16 scales;
-enough layers are cycled that the working set is several times the L3.
+pair on the CPU: pure dispatch overhead). Weights are random, in each ``--format`` (int8 and
+int4 by default: a record's ``format``; weight bytes are the format's stored bytes) with
+small fp16 scales; enough layers are cycled that the working set is several times the L3.
 
     python -m scripts.bench_cpu_experts --out docs/bench/cpu_experts_h200.json
     python -m scripts.bench_cpu_experts --quick   # small sizes, for a smoke run
@@ -28,12 +29,18 @@ import numpy as np
 from numba import get_num_threads, set_num_threads
 
 from cpu_experts.dispatch_timer import DispatchTimer
+from cpu_experts.formats import bytes_per_weight
 from cpu_experts.pool import CpuExpertPool
 from cpu_experts.quant import quantize
 from scripts.bench_common import cpu_model
 from scripts.bench_cpu_memory import dram_read_gbps, page_experiment
 from scripts.bench_cpu_tables import markdown_tables
 from scripts.bench_cpu_workload import ROWS, H, random_layers, routings
+
+
+def expert_bytes(pool: CpuExpertPool, I: int) -> float:
+    """Stored bytes of one expert (gate + up + down) in the pool's format, scales included."""
+    return 3 * I * H * bytes_per_weight(pool.weight_format)
 
 
 def measure(pool: CpuExpertPool, n_layers: int, ids_list: list[np.ndarray], I: int,
@@ -55,10 +62,9 @@ def measure(pool: CpuExpertPool, n_layers: int, ids_list: list[np.ndarray], I: i
             parts.append((timer.wake_ns, timer.notice_ns, timer.client_ns, timer.pre_ns))
             distinct.append(len(np.unique(ids[ids >= 0])))
     pool.timer = None
-    expert_bytes = 3 * I * H * (1 + 4 / 32)  # int8 weights + float32 block scales, as stored
     wall_us = float(np.median(walls)) / 1e3
     kernel_us = float(np.median(kernels)) / 1e3
-    wbytes = float(np.mean(distinct)) * expert_bytes
+    wbytes = float(np.mean(distinct)) * expert_bytes(pool, I)
     return {"distinct_experts": float(np.mean(distinct)), "weight_bytes": wbytes,
             "us_per_layer": wall_us, "kernel_us": kernel_us,
             "effective_gbps": wbytes / wall_us / 1e3 if wbytes else 0.0,
@@ -160,8 +166,7 @@ def measure_gpu_launched(pool: CpuExpertPool, link, n_layers: int, ids_list: lis
             samples["gap"] += [float(ts[i + 1, 0] - ts[i, 1]) for i in range(L - 1)]
         distinct += [len(np.unique(ids[ids >= 0])) for ids in step]
     med = {c: float(np.median(v)) / 1e3 if v else float("nan") for c, v in samples.items()}
-    expert_bytes = 3 * I * H * (1 + 4 / 32)
-    wbytes = float(np.mean(distinct)) * expert_bytes
+    wbytes = float(np.mean(distinct)) * expert_bytes(pool, I)
     return {"path": path, "layers_per_step": per_step, "us_per_layer": med["wall"],
             "kernel_us": med["kernel"],
             "effective_gbps": wbytes / med["wall"] / 1e3 if wbytes else 0.0,
@@ -181,6 +186,7 @@ def main() -> None:
                          "the workers get the others")
     ap.add_argument("--iters", type=int, default=24)
     ap.add_argument("--isa", default=None, help="portable | avx2 | avx512vnni (default: best)")
+    ap.add_argument("--format", default="int8,int4", help="CPU weight formats to run")
     ap.add_argument("--prefetch", type=int, default=None, help="prefetch distance, bytes")
     ap.add_argument("--combos", default="", help="I:E pairs, e.g. 512:128,768:512")
     ap.add_argument("--kinds", default="random,skewed,one_expert,none",
@@ -224,18 +230,18 @@ def main() -> None:
     rows_run = [int(v) for v in args.rows.split(",")]
     budget = (64 << 20) if args.quick else (1600 << 20)
     records = []
-    for I, E in combos:
-        layer_bytes = 3 * E * I * H
-        n_layers = max(1, -(-budget // layer_bytes))
+    for fmt, (I, E) in [(f, c) for c in combos for f in args.format.split(",")]:
+        layer_bytes = 3 * E * I * H * bytes_per_weight(fmt)
+        n_layers = max(1, int(-(-budget // layer_bytes)))
         t0 = time.perf_counter()
-        with CpuExpertPool(random_layers(E, I, n_layers, seed=E + I), cores=groups,
+        with CpuExpertPool(random_layers(E, I, n_layers, seed=E + I, fmt=fmt), cores=groups,
                            max_rows=64, max_k=16, isa=args.isa,
-                           prefetch_bytes=args.prefetch) as pool:
+                           prefetch_bytes=args.prefetch, weight_format=fmt) as pool:
             info = pool.ready_info[0]
             machine.update(isa=info["isa"], prefetch_bytes=info["prefetch_bytes"],
                            threading_layer=info["threading_layer"])
             print(f"# isa={info['isa']} weights {info['weights_mib']} MiB", flush=True)
-            print(f"# I={I} E={E}: {n_layers} layers, pool up in "
+            print(f"# {fmt} I={I} E={E}: {n_layers} layers, pool up in "
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
             cases = [(k, r, kind) for k in topks for kind in ("random", "skewed") for r in rows_run
                      if kind in kinds]
@@ -243,17 +249,17 @@ def main() -> None:
             cases += [(8, 16, "none")] if "none" in kinds else []
             for topk, rows, kind in cases:
                 ids = routings(kind, E, topk, rows, args.iters + 4, seed=rows * 100 + topk)
-                rec = dict(machine, H=H, I=I, E=E, topk=topk, rows=rows, routing=kind,
-                           **measure(pool, n_layers, ids, I, warmup=4))
+                rec = dict(machine, format=fmt, H=H, I=I, E=E, topk=topk, rows=rows,
+                           routing=kind, **measure(pool, n_layers, ids, I, warmup=4))
                 records.append(rec)
-                print(f"I={I:4d} E={E:4d} k={topk:2d} rows={rows:2d} {kind:10s} "
+                print(f"{fmt} I={I:4d} E={E:4d} k={topk:2d} rows={rows:2d} {kind:10s} "
                       f"distinct={rec['distinct_experts']:6.1f} "
                       f"layer={rec['us_per_layer']:8.1f} us kernel={rec['kernel_us']:8.1f} us "
                       f"eff={rec['effective_gbps']:5.1f} GB/s "
                       f"dispatch={rec['dispatch_us']:5.1f} us",
                       flush=True)
             if args.gpu:
-                records += gpu_cases(pool, machine, I, E, n_layers, args.iters,
+                records += gpu_cases(pool, dict(machine, format=fmt), I, E, n_layers, args.iters,
                                      [r for r in rows_run if r in (1, 16)],
                                      args.layers_per_step)
         if args.out:  # after every pool: a run cut short still leaves its records

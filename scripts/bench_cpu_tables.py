@@ -11,31 +11,36 @@ def markdown_tables(records: list[dict]) -> str:
     and the dispatch overhead with no CPU work."""
     gpu = [r for r in records if "path" in r]
     records = [r for r in records if "path" not in r]
-    lines = ["| I | E | routing | rows | distinct experts | weight MB | us/layer | kernel us | "
-             "eff. GB/s | dispatch us (wake / notice / client / pre) |", "|" + "---|" * 10]
+    lines = ["| format | I | E | routing | rows | distinct experts | weight MB | us/layer | "
+             "kernel us | eff. GB/s | dispatch us (wake / notice / client / pre) |",
+             "|" + "---|" * 11]
     for r in records:
         if r["topk"] == 8 and r["routing"] in ("random", "skewed") and r["rows"] in (1, 4, 16):
             lines.append(
-                f"| {r['I']} | {r['E']} | {r['routing']} | {r['rows']} | "
+                f"| {r.get('format', 'int8')} | {r['I']} | {r['E']} | {r['routing']} | "
+                f"{r['rows']} | "
                 f"{r['distinct_experts']:.1f} | {r['weight_bytes'] / 1e6:.0f} | "
                 f"{r['us_per_layer']:.0f} | {r['kernel_us']:.0f} | {r['effective_gbps']:.1f} | "
                 f"{r['dispatch_us']:.0f} ({r.get('wake_us', 0):.0f} / "
                 f"{r.get('notice_us', 0):.0f} / {r.get('client_us', 0):.0f} / "
                 f"{r.get('pre_us', 0):.0f}) |")
-    lines += ["", "| I | E | " + " | ".join(f"{n} row{'s' * (n > 1)}" for n in ROWS)
-              + " | 16 / 1 |", "|" + "---|" * (len(ROWS) + 3)]
-    one: dict[tuple[int, int], dict[int, float]] = {}
+    lines += ["", "| format | I | E | " + " | ".join(f"{n} row{'s' * (n > 1)}" for n in ROWS)
+              + " | 16 / 1 |", "|" + "---|" * (len(ROWS) + 4)]
+    one: dict[tuple[str, int, int], dict[int, float]] = {}
     for r in records:
         if r["routing"] == "one_expert":
-            one.setdefault((r["I"], r["E"]), {})[r["rows"]] = r["us_per_layer"]
-    for (i, e), by_rows in one.items():
+            one.setdefault((r.get("format", "int8"), r["I"], r["E"]), {})[r["rows"]] = \
+                r["us_per_layer"]
+    for (f, i, e), by_rows in one.items():
         cells = " | ".join(f"{by_rows.get(n, float('nan')):.0f}" for n in ROWS)
-        lines.append(f"| {i} | {e} | {cells} | {by_rows[16] / by_rows[1]:.2f} |")
-    lines += ["", "| I | E | no CPU pair, 16 rows: us/layer | kernel us | dispatch us |",
-              "|---|---|---|---|---|"]
+        ratio = by_rows.get(16, float("nan")) / by_rows.get(1, float("nan"))
+        lines.append(f"| {f} | {i} | {e} | {cells} | {ratio:.2f} |")
+    lines += ["", "| format | I | E | no CPU pair, 16 rows: us/layer | kernel us | dispatch us |",
+              "|---|---|---|---|---|---|"]
     for r in records:
         if r["routing"] == "none":
-            lines.append(f"| {r['I']} | {r['E']} | {r['us_per_layer']:.0f} | "
+            lines.append(f"| {r.get('format', 'int8')} | {r['I']} | {r['E']} | "
+                         f"{r['us_per_layer']:.0f} | "
                          f"{r['kernel_us']:.0f} | {r['dispatch_us']:.0f} |")
     launched = [r for r in gpu if r["path"].startswith("gpu_launch")]
     synced = [r for r in gpu if not r["path"].startswith("gpu_launch")]

@@ -1,5 +1,5 @@
-"""The CPU-expert benchmarks' workload: random int8 layers of Qwen3-Next's width and their
-routings (random, skewed, one expert, none)."""
+"""The CPU-expert benchmarks' workload: random int8 or int4 layers of Qwen3-Next's width and
+their routings (random, skewed, one expert, none)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ H = 2048
 ROWS = (1, 4, 8, 12, 16)
 
 
-def random_layers(E: int, I: int, n_layers: int, seed: int) -> dict[int, QuantizedLayer]:
+def random_layers(E: int, I: int, n_layers: int, seed: int,
+                  fmt: str = "int8") -> dict[int, QuantizedLayer]:
     rng = np.random.default_rng(seed)
 
-    def q(shape):  # the canonical quantizer's range: [-127, 127]
-        return np.maximum(np.frombuffer(rng.bytes(int(np.prod(shape))), np.int8),
-                          np.int8(-127)).reshape(shape)
+    def q(shape):  # the format's range: [-127, 127] (int8) or [-8, 7] (int4)
+        raw = np.frombuffer(rng.bytes(int(np.prod(shape))), np.int8).reshape(shape)
+        return raw >> 4 if fmt == "int4" else np.maximum(raw, np.int8(-127))
 
     table = (rng.random(4099, np.float32) * 1e-3 + 1e-4).astype(np.float16)
 

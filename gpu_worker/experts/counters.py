@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from gpu_worker.backend import to_numpy
+
 
 class ExpertCounters:
     """Distinct experts per MoE layer summed over layers (the backend's and the CPU's), CPU
@@ -13,6 +15,10 @@ class ExpertCounters:
     def __init__(self, bytes_per_expert: float) -> None:
         self.bytes_per_expert = bytes_per_expert
         self._reset()
+        # per-slot routing (WorkerConfig.slot_routing): the pass's row -> slot map [R] (-1:
+        # a row not tracked), and per layer (id base, ids [R, k], cpu [R, k], row -> slot)
+        self._row_slot: np.ndarray | None = None
+        self._routes: list[tuple[int, object, object, np.ndarray]] = []
 
     def _reset(self) -> None:
         self.moe_layers = self.gpu_experts = self.cpu_experts = 0
@@ -29,6 +35,38 @@ class ExpertCounters:
         self.gpu_experts += gpu
         self.cpu_experts += cpu
         self.cpu_experts_ms += ms
+
+    def track_rows(self, row_slot: np.ndarray | None) -> None:
+        """Record the coming pass's CPU picks per slot: ``row_slot`` [R] (None: stop)."""
+        self._row_slot = row_slot
+
+    @property
+    def tracking(self) -> bool:
+        return self._row_slot is not None
+
+    def add_routes(self, layer: int, num_experts: int, ids, cpu) -> None:
+        """One layer's picks ``ids`` [R, k] and ``cpu`` [R, k] bool (host or device arrays,
+        kept until :meth:`take_slot_experts`), when rows are tracked."""
+        if self._row_slot is not None and len(self._row_slot) == ids.shape[0]:
+            self._routes.append((layer * num_experts, ids, cpu, self._row_slot))
+
+    def take_slot_experts(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Per tracked slot since the last call: its distinct CPU experts (int32 [K], layer *
+        experts per layer + expert) and how many of its rows picked each (uint16 [K]). A row
+        picks an expert at most once per layer, so a count is a number of rows."""
+        slots, gids = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+        for base, ids, cpu, row_slot in self._routes:
+            ids, cpu = to_numpy(ids), to_numpy(cpu)  # [R, k]
+            r, k = np.nonzero(cpu & (row_slot >= 0)[:, None])
+            slots.append(row_slot[r])
+            gids.append(base + ids[r, k].astype(np.int64))
+        self._routes, self._row_slot = [], None
+        slot, gid = np.concatenate(slots), np.concatenate(gids)
+        out = {}
+        for s in np.unique(slot):
+            ids, rows = np.unique(gid[slot == s], return_counts=True)
+            out[int(s)] = (ids.astype(np.int32), rows.astype(np.uint16))
+        return out
 
     def take(self) -> dict[str, float]:
         """The counters since the last call, then zero."""

@@ -33,6 +33,7 @@ class HostPath:
         cpu_ids = np.where(cpu, ids_host - first_cpu, -1)  # ids local to the pool's layer
         out = xp.zeros_like(x)  # [R, H]
         self.counters.add_layer(ids_host, cpu)
+        self.counters.add_routes(layer, mask.size, ids_host, cpu)
         if (~cpu).any():
             mlp = self.model.layers[layer].mlp
             out = experts_local(ops, *expert_stacks(mlp), x,

@@ -38,6 +38,8 @@ class LaunchedPath:
         on_cpu = self._mask_dev[layer]
         R, step = x.shape[0], self.pool.max_rows
         self.counters.moe_layers += 1
+        if self.counters.tracking:  # slot_routing: to the host once the step is over
+            self.counters.add_routes(layer, mask.size, ids.copy(), on_cpu[ids])
         if not R:
             return xp.zeros_like(x)
         chunks = [(r0, min(R, r0 + step)) for r0 in range(0, R, step)]

@@ -40,7 +40,8 @@ class ExpertPlacement:
         self.model, self.on_cpu, self.pool = model, on_cpu, pool
         # hot experts: per layer, the share of the calibration's router picks the GPU keeps
         self.hot_share = hot_share or {}
-        self.counters = ExpertCounters(cpu_expert_bytes(model))
+        self.counters = ExpertCounters(cpu_expert_bytes(model, getattr(pool, "weight_format",
+                                                                       "int8")))
         xp = model.xp
         self.norm = None  # FusedMoeNorm on CuPy float32
         self.path = HostPath(model, pool, on_cpu, self.counters)
@@ -106,6 +107,19 @@ class ExpertPlacement:
             raise
         self.end_step()
         return out
+
+    def track_rows(self, row_slot: np.ndarray | None) -> None:
+        """Record the coming pass's CPU experts per slot (ExpertCounters.track_rows)."""
+        self.counters.track_rows(row_slot)
+
+    def take_slot_experts(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Per tracked slot: its CPU experts and rows per expert since the last call."""
+        return self.counters.take_slot_experts()
+
+    @property
+    def cpu_experts_held(self) -> int:
+        """CPU experts over all MoE layers."""
+        return sum(int(m.sum()) for m in self.on_cpu.values())
 
     def take_stats(self) -> dict[str, float]:
         """Counters since the last call (one step), see gpu_worker/experts/counters.py."""

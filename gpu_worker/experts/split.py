@@ -22,10 +22,12 @@ PLACEMENTS = ("gpu", "cpu", "split")
 EXPERT_KEYS = ("gate_proj", "up_proj", "down_proj")
 
 
-def cpu_expert_bytes(model) -> float:
-    """Weight bytes the CPU reads per expert: int8 plus one fp16 scale per 32, gate+up+down."""
+def cpu_expert_bytes(model, fmt: str = "int8") -> float:
+    """Weight bytes the CPU reads per expert, gate+up+down: int8 plus one fp16 scale per 32,
+    or int4 (half a byte) plus one fp16 scale per 32."""
     cfg = model.cfg
-    return 3 * cfg.moe_intermediate_size * cfg.hidden_size * (1 + 2 / 32)
+    return 3 * cfg.moe_intermediate_size * cfg.hidden_size * ((1 if fmt == "int8" else 0.5)
+                                                             + 2 / 32)
 
 
 @dataclasses.dataclass(frozen=True)

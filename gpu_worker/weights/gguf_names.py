@@ -14,9 +14,11 @@ canonical tensor (gpu_worker/weights_spec.py) is found again (docs/gguf.md has t
   ``-exp(A_log)``, ``conv1d`` [C, 1, K] squeezed to [C, K], and ``in_proj_qkvz`` (rows
   interleaved per key head: q, k, v, z) split into ``attn_qkv`` ([all q | all k | all v])
   and ``attn_gate`` (all z).
-* MTP (qwen3next): the converter skips it; a file that declares
-  ``qwen3next.nextn_predict_layers`` = n is read in the layout llama.cpp uses for other
-  models' next-token layers: ``block_count`` counts them, block ``L + i`` is MTP layer i
+* qwen3next's layer kinds: ``attention.recurrent_layers`` (one bool per block) where
+  present, as llama.cpp reads it; else every ``full_attention_interval``-th layer is full.
+* MTP (qwen3next; written by the converter since llama.cpp added next-token layers for
+  Qwen3-Next, docs/gguf.md): a file that declares ``qwen3next.nextn_predict_layers`` = n
+  has ``block_count`` counting them, block ``L + i`` is MTP layer i
   (its attention and MoE under the names above), and ``blk.L.nextn.{eh_proj, enorm,
   hnorm, shared_head_norm}`` are ``mtp.fc``, ``mtp.pre_fc_norm_embedding``,
   ``mtp.pre_fc_norm_hidden``, ``mtp.norm``.
@@ -27,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from typing import Any
+
+from gpu_worker.model_config import FULL_ATTENTION, LINEAR_ATTENTION
 
 ARCHS = {"qwen3moe": "Qwen3MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM"}
 
@@ -65,8 +69,10 @@ def gguf_name(canonical: str, arch: str, num_layers: int) -> Stored:
     if canonical in top:
         return top[canonical]
     if canonical in _MTP:
+        # the converter renames mtp.* to blk.L.nextn.* before it adds 1 to every name
+        # ending in norm.weight: enorm and hnorm are shifted too, eh_proj is not
         return Stored((f"blk.{num_layers}.{_MTP[canonical]}",),
-                      shift if canonical.endswith("norm.weight") else None)
+                      shift if _MTP[canonical].endswith("norm.weight") else None)
     parts = canonical.split(".")
     if parts[0] == "model" and parts[1] == "layers":
         block, rest = int(parts[2]), ".".join(parts[3:])
@@ -178,6 +184,10 @@ def config_dict(meta: Callable[[str], Any], arch: str, tensors: dict[str, tuple[
             "linear_value_head_dim": int(need("ssm.inner_size")) // value_heads,
             "mtp_num_hidden_layers": mtp,
         })
+        recurrent = opt("attention.recurrent_layers")  # per block, as llama.cpp prefers it
+        if recurrent is not None:
+            raw["layer_types"] = [LINEAR_ATTENTION if r else FULL_ATTENTION
+                                  for r in list(recurrent)[:layers]]
     return raw
 
 

@@ -148,6 +148,17 @@ def q8_0_split(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, d.astype(np.float16)
 
 
+def q4_0_split(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_0 rows ``[..., row_bytes]`` -> ``(qs uint8 [..., cols/2], d float16 [...,
+    cols/32])``: each block's 16 bytes of nibbles (value + 8) and its fp16 scale, as stored."""
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    lead, nb = raw.shape[:-1], raw.shape[-1] // 18
+    blocks = raw.reshape(*lead, nb, 18)
+    d = np.ascontiguousarray(blocks[..., :2]).view("<f2").reshape(*lead, nb)
+    qs = np.ascontiguousarray(blocks[..., 2:]).reshape(*lead, nb * 16)
+    return qs, d.astype(np.float16)
+
+
 def q8_0_for_cpu(q: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q8_0 blocks as the CPU experts' int8 blocks of 32 (cpu_experts/shard.py), in place:
     the same values and fp16 scales, except a block holding -128 (outside the kernels'

@@ -10,8 +10,9 @@ GGUF lists a tensor's dimensions fastest first (``ne``); the reader's numpy shap
 those reversed, so a stored ``[E, I, H]`` numpy array is what llama.cpp calls ne
 ``[H, I, E]``: numpy order is used throughout here.
 
-Q8_0 expert stacks can also be read as their stored int8 blocks (:meth:`read_q8`), so the
-CPU experts hold exactly the file's numbers (gpu_worker/weights/stream.py).
+Q8_0 and Q4_0 expert stacks can also be read as their stored blocks of 32
+(:meth:`read_blocks`), so the CPU experts hold exactly the file's numbers where their format
+allows (gpu_worker/weights/stream.py, cpu_experts/formats.py).
 """
 
 from __future__ import annotations
@@ -25,10 +26,19 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
+from cpu_experts.formats import Blocks
 from gpu_worker.model_config import ModelConfig, ModelConfigError
 from gpu_worker.weights.gguf_names import A_LOG, ARCHS, NORM_SHIFT, QKVZ, Stored, config_dict
 from gpu_worker.weights.gguf_names import gguf_name as stored_name
-from gpu_worker.weights.gguf_quants import SUPPORTED, T, dequantize, q8_0_split, type_name
+from gpu_worker.weights.gguf_quants import (
+    SUPPORTED,
+    T,
+    dequantize,
+    q4_0_split,
+    q8_0_for_cpu,
+    q8_0_split,
+    type_name,
+)
 from gpu_worker.weights.source import CheckpointError, Shape
 from gpu_worker.weights_spec import expected_tensors
 
@@ -154,15 +164,19 @@ class GGUFSource:
             out = parts[0]
         return np.ascontiguousarray(out.reshape(shape), dtype=dtype)
 
-    def read_q8(self, name: str, experts: Sequence[int] | None = None
-                ) -> tuple[np.ndarray, np.ndarray] | None:
-        """A stacked expert tensor stored as Q8_0, as its blocks: ``(q int8 [n, rows,
-        cols], d float16 [n, rows, cols/32])`` (the file's values, no rounding); None when
-        it is stored in another type."""
+    def read_blocks(self, name: str, experts: Sequence[int] | None = None) -> Blocks | None:
+        """A stacked expert tensor stored as Q8_0 or Q4_0, as its blocks of 32
+        (cpu_experts.formats.Blocks ``[n, rows, cols]``: the file's integers and fp16
+        scales, no rounding; a Q8_0 block holding -128 re-quantized, gguf_quants.py); None
+        when it is stored in another type."""
         entry = self._entry(name)
-        if len(entry.names) != 1 or self.tensors[entry.names[0]].qtype != T.Q8_0:
+        qtype = self.tensors[entry.names[0]].qtype
+        if len(entry.names) != 1 or qtype not in (T.Q8_0, T.Q4_0):
             return None
-        return q8_0_split(self._rows(entry.names[0], entry.part, experts))
+        raw = self._rows(entry.names[0], entry.part, experts)
+        if qtype == T.Q4_0:
+            return Blocks("q4_0", *q4_0_split(raw))
+        return Blocks("q8_0", *q8_0_for_cpu(*q8_0_split(raw)))
 
     def stored_type(self, name: str) -> str:
         """The GGUF type name canonical tensor ``name`` is stored in (e.g. ``Q4_K``)."""

@@ -111,10 +111,10 @@ class _Loader:
 
     def __init__(self, source: WeightSource, split: ExpertSplit | None, host_dtype: np.dtype,
                  chunk_bytes: int, log: Log, *, bf16: bool = False,
-                 threads: int = THREADS) -> None:
+                 threads: int | None = None) -> None:
         self.source, self.split, self.host_dtype = source, split, host_dtype
         self.chunk_bytes, self.log = chunk_bytes, log
-        self.bf16, self.threads = bf16, max(1, threads)  # bf16: matrices stored in bf16
+        self.bf16, self.threads = bf16, max(1, threads or THREADS)  # bf16: matrices in bf16
         self.cfg = source.config
         self.shapes = source.shapes()  # validated by the source before any data is read
         tied = self.cfg.tie_word_embeddings
@@ -166,7 +166,8 @@ class _Loader:
             shapes = {i: LayerShape(split.n_cpu[i], cfg.moe_intermediate_size, cfg.hidden_size)
                       for i in split.order}
             pool = CpuExpertPool(shapes, num_workers=options.get("num_workers") or None,
-                                 cores=options.get("cores") or None, isa=options.get("isa"))
+                                 cores=options.get("cores") or None, isa=options.get("isa"),
+                                 weight_format=options.get("weight_format", "int8"))
         n_cpu = sorted(set(split.n_cpu.values())) if split else [0]
         self.log("load plan", bytes=self.backend_bytes_to_read() + self.cpu_bytes_to_read(),
                  seconds=round(time.perf_counter() - t0, 3),
@@ -231,7 +232,7 @@ class _Loader:
                 out[a:b] = part
             self.advance(self._part_bytes(name, b - a))
 
-        self._on_threads(job, self._runs(len(ids), per))
+        self._on_threads(job, self._runs(len(ids), per) or [(0, 0)])  # none: an empty read
         return out
 
     def fill_cpu(self, pool: Any) -> None:
@@ -246,12 +247,20 @@ class _Loader:
                 p = f"model.layers.{layer}.mlp.experts."
 
                 def job(a: int, b: int, ids=ids, p=p, layer=layer) -> None:
-                    stacks = [self.source.read(p + k, np.float32, experts=ids[a:b])
-                              for k in EXPERT_KEYS]
+                    stacks = [self._cpu_stack(p + k, ids[a:b]) for k in EXPERT_KEYS]
                     pool.fill(layer, a, *stacks)
                     self.advance(sum(self._part_bytes(p + k, b - a) for k in EXPERT_KEYS))
 
                 self._on_threads(job, self._runs(len(ids), per))
+
+    def _cpu_stack(self, name: str, ids: np.ndarray) -> Any:
+        """Experts ``ids`` of ``name`` for ``pool.fill``: the blocks of 32 the source stores
+        where it has them (a GGUF's Q8_0 / Q4_0 as cpu_experts.formats.Blocks, held without
+        a second rounding where the pool's format allows), else float32."""
+        read_blocks = getattr(self.source, "read_blocks", None)
+        blocks = read_blocks(name, ids) if read_blocks is not None else None
+        return blocks if blocks is not None else self.source.read(name, np.float32,
+                                                                   experts=ids)
 
 
 class _Phase:

@@ -1,7 +1,8 @@
 """tandem-tiny's shape and the torch module trained: transformers' Qwen3-Next plus an MTP head.
 
 MTP (docs/architecture.md §11): for position t,
-x = fc(concat[norm_e(embed(token[t+1])), norm_h(h[t])]) with the embedding first, one full-attention decoder layer with the sparse MoE block at position t,
+x = fc(concat[norm_e(embed(token[t+1])), norm_h(h[t])]) with the embedding first, one
+full-attention decoder layer with the sparse MoE block at position t,
 ``mtp.norm``, the shared lm_head; it predicts token[t+2]. h[t] is the main model's final-normed
 hidden state. Loss = CE(main) + mtp_weight * CE(mtp) + aux_weight * load-balancing loss.
 """

@@ -11,8 +11,10 @@ import pytest
 
 from cpu_experts import reference, rings, shard
 from cpu_experts.errors import CpuExpertError, CpuWorkerDied
+from cpu_experts.formats import Blocks, pack_q4
 from cpu_experts.pool import CpuExpertPool
 from cpu_experts.quant import NonFiniteActivation, quantize, quantize_ref
+from cpu_experts.quant4 import quantize4_ref
 
 E, I, H = 5, 96, 128
 CORES = sorted(os.sched_getaffinity(0))
@@ -333,3 +335,39 @@ def test_fill_mistakes_are_named_and_nothing_leaks(layers, monkeypatch) -> None:
     with pytest.raises(MemoryError, match="GiB of shared memory"):
         CpuExpertPool(shapes, num_workers=1)
     assert set(glob.glob(mine)) == before
+
+
+# ---- weight formats: int4, and blocks quantized elsewhere (a GGUF's Q8_0 / Q4_0) ----------
+def test_int4_pool_takes_floats_and_q4_0_blocks_and_equals_reference(layers) -> None:
+    """An int4 pool filled from floats (experts 0-2) and from Q4_0 blocks (3-4, -8 and
+    negative scales included): the workers hold exactly those values and compute the
+    reference's bits, through 2 workers; an int8 pool holds Q8_0 blocks byte for byte."""
+    rng = np.random.default_rng(11)
+    gate, up, down = layers[2]
+    v = [rng.integers(-8, 8, (2, *a.shape[1:])).astype(np.int8) for a in (gate, up, down)]
+    s = [(rng.standard_normal((*x.shape[:2], x.shape[2] // 32)) * 0.01).astype(np.float16)
+         for x in v]
+    with CpuExpertPool({2: shard.LayerShape(E, I, H)}, num_workers=2, cores=core_groups(2),
+                       max_rows=8, spin_us=200, weight_format="int4") as p:
+        assert p.weight_format == "int4"
+        p.fill(2, 0, gate[:3], up[:3], down[:3])
+        p.fill(2, 3, *(Blocks("q4_0", pack_q4(a), b) for a, b in zip(v, s, strict=True)))
+        p.launch()
+        assert all(info["weight_format"] == "int4" for info in p.ready_info)
+        held = p.layers[2].canonical()
+        assert held.gate_q[3:].tobytes() == v[0].tobytes()
+        assert held.down_s[3:].tobytes() == s[2].tobytes()
+        assert held.up_q[:3].tobytes() == quantize4_ref(up[:3])[0].tobytes()
+        x, ids, w = routing(21, 12)
+        assert p.dispatch(2, x, ids, w).tobytes() == expected(p, 2, x, ids, w).tobytes()
+    q8 = [quantize_ref(a)[0] for a in (gate, up, down)]
+    d8 = [quantize_ref(a)[1] for a in (gate, up, down)]
+    with CpuExpertPool({2: shard.LayerShape(E, I, H)}, num_workers=1, cores=core_groups(1),
+                       max_rows=8, spin_us=200) as p:
+        p.fill(2, 0, *(Blocks("q8_0", a, b) for a, b in zip(q8, d8, strict=True)))
+        p.launch()
+        held = p.layers[2].canonical()
+        assert held.gate_q.tobytes() == q8[0].tobytes()
+        assert held.down_s.tobytes() == d8[2].tobytes()
+    with pytest.raises(ValueError, match="format"):
+        CpuExpertPool({2: shard.LayerShape(E, I, H)}, weight_format="int3")

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 from gpu_worker.weights.checkpoint import CheckpointSource
 
@@ -34,23 +35,26 @@ def default_types(name: str, arr: np.ndarray) -> T:
 
 
 def experts_in(qtype: T, rest: T = T.F32) -> QType:
-    """Routed experts (``*_exps``) in ``qtype``, everything else in ``rest`` (vectors F32)."""
+    """Routed experts (``*_exps``) in ``qtype``, other matrices in ``rest``."""
     def pick(name: str, arr: np.ndarray) -> T:
-        if arr.ndim < 2:
-            return T.F32
+        want = qtype if "_exps." in name else rest
+        if arr.ndim < 2 or arr.shape[-1] % GGML_QUANT_SIZES[want][0]:
+            return T.F32  # vectors, and rows of no whole block (ssm_conv1d), stay F32
         return qtype if "_exps." in name else rest
     return pick
 
 
 def write_gguf(model_dir: Path, out: Path, *, types: QType = default_types,
-               split_max_tensors: int = 0, mtp: bool = True, seed: int = 0) -> Path:
+               split_max_tensors: int = 0, mtp: bool = True, seed: int = 0,
+               skip: tuple[str, ...] = (), arch_name: str | None = None) -> Path:
     """``model_dir`` (a tiny model) as GGUF ``out``; returns the path to load (the first
-    file when split)."""
+    file when split). ``skip``: GGUF tensor names left out; ``arch_name``: another
+    ``general.architecture`` (error tests)."""
     src = CheckpointSource(model_dir, include_mtp=mtp)
     cfg, raw = src.config, json.loads((model_dir / "config.json").read_text())
     arch = ARCH[cfg.arch]
     nextn = cfg.num_mtp_layers if mtp else 0
-    writer = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch],
+    writer = gguf.GGUFWriter(out, arch_name or gguf.MODEL_ARCH_NAMES[arch],
                              split_max_tensors=split_max_tensors)
     _metadata(writer, cfg, raw, nextn)
     _tokenizer(writer, model_dir, cfg.vocab_size)
@@ -60,7 +64,8 @@ def write_gguf(model_dir: Path, out: Path, *, types: QType = default_types,
         if canonical == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         for name, arr in _converted(canonical, src.read(canonical, np.float32), cfg, names):
-            _add(writer, name, arr, types(name, arr), rng)
+            if name not in skip:
+                _add(writer, name, arr, types(name, arr), rng)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -131,7 +136,7 @@ def _converted(canonical: str, arr: np.ndarray, cfg, names) -> list[tuple[str, n
     hf = canonical
     if hf.startswith("mtp."):
         if hf in MTP_NAMES:
-            arr = arr + 1 if hf.endswith("norm.weight") else arr
+            arr = arr + 1 if MTP_NAMES[hf].endswith("norm.weight") else arr  # enorm too
             return [(f"blk.{cfg.num_hidden_layers}.{MTP_NAMES[hf]}", arr)]
         hf = "model.layers." + str(cfg.num_hidden_layers + int(hf.split(".")[2])) + "." + \
             ".".join(hf.split(".")[3:])
@@ -168,6 +173,8 @@ def _add(w: gguf.GGUFWriter, name: str, arr: np.ndarray, qtype: T,
     arr = np.ascontiguousarray(arr, dtype=np.float32)
     if qtype == T.F32:
         w.add_tensor(name, arr)
+    elif qtype == T.F64:
+        w.add_tensor(name, arr.astype(np.float64))
     elif qtype in QUANTIZABLE:
         w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
     else:

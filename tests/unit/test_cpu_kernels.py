@@ -88,14 +88,17 @@ def test_act_stage_equals_reference(pairs: int) -> None:
     g = (rng.standard_normal((pairs, 512)) * 4).astype(np.float32)
     u = rng.standard_normal((pairs, 512)).astype(np.float32)
     hk, hs = np.empty((pairs, 512), np.int8), np.empty((pairs, 16), np.float32)
+    hc = np.empty((pairs, 16), np.int32)
     want_q, want_d = quantize_ref(reference.silu_mul(g, u))
-    assert kernels._act_stage(g, u, False, hk, hs)
+    assert kernels._act_stage(g, u, False, hk, hs, hc)
     assert hk.tobytes() == want_q.tobytes()
     assert hs.tobytes() == want_d.astype(np.float32).tobytes()
-    assert kernels._act_stage(g, u, True, hk, hs)
+    # the int4 kernels' offset correction: -8 * each block's sum of q
+    assert (hc == -8 * want_q.astype(np.int32).reshape(pairs, 16, 32).sum(-1)).all()
+    assert kernels._act_stage(g, u, True, hk, hs, hc)
     assert hk.tobytes() == (want_q ^ np.int8(-128)).tobytes()
     g[-1, 100] = np.inf  # silu(inf) * u = +-inf
-    assert not kernels._act_stage(g, u, True, hk, hs)
+    assert not kernels._act_stage(g, u, True, hk, hs, hc)
 
 
 def test_f16_value_all_finite_halves() -> None:

@@ -20,6 +20,7 @@ from gpu_worker.experts.split import split_from_orders
 from gpu_worker.loader import load_checkpoint
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.model import Model
+from gpu_worker.weights import stream
 from gpu_worker.weights.checkpoint import CheckpointSource
 from gpu_worker.weights.stream import resident_bytes
 from protocol.messages import SamplingParams
@@ -100,7 +101,8 @@ def test_gpu_placement_equals_the_full_load(tmp_path, arch):
     assert resident_bytes(got) == resident_bytes(want)
 
 
-def test_split_with_hot_experts_equals_the_old_way(moe, tmp_path):
+def test_split_with_hot_experts_equals_the_old_way(moe, tmp_path, monkeypatch):
+    monkeypatch.setattr(stream, "THREADS", 1)  # one thread: the reads come in run order
     ckpt = load_checkpoint(moe)
     counts = count_routing(Model(ckpt.config, ckpt.tensors), [PROMPT])
     hot = tmp_path / "hot.json"

@@ -1,0 +1,157 @@
+"""The expert-union-aware draft budget (docs/speculation.md, "The draft budget"): how many of
+its fitted drafts each slot verifies this step, chosen to maximise the expected tokens of the
+step per millisecond of its predicted time. Pure functions over plain arrays; the online
+estimates they are fed with live in daemon/draft_stats.py.
+
+Cost of one forward pass (ms), with the pass's rows R and its distinct CPU experts U (summed
+over MoE layers, as the worker's ``counters["cpu_experts"]``):
+
+    T = fixed + row * R + expert * U
+
+``expert`` is one CPU expert's weight bytes over the CPU's memory bandwidth: a step reads each
+distinct expert once, however many rows picked it, so a draft row costs experts only where it
+routes to ones no other row of the pass picked.
+
+Value: a slot's draft j is accepted with probability a^j (a chain: each draft given the ones
+before it), so k drafts are worth 1 + a + ... + a^k tokens (the step's own token plus the
+expected accepted drafts); a prompt chunk is worth 0 (it costs what it costs either way).
+
+Routing: a new row of slot s picks CPU expert e (a (layer, expert) pair) with probability
+pi[e, s]; rows pick independently, so a pass whose slots run n_s rows touches
+E[U] = sum_e 1 - prod_s (1 - pi[e, s]) ** n_s. Experts with equal probabilities in every slot
+share a *pattern* (one row of ``log_miss``, counted ``weight`` times): the experts no slot
+picked last step are one pattern, so the sum runs over a few dozen patterns, not the
+model's tens of thousands of experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import numpy as np
+
+MAX_CANDIDATES = 4096  # exhaustive search up to this many length combinations
+MAX_ROUNDS = 8  # coordinate ascent beyond that: rounds over the slots
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """The pass cost model's constants, in ms (fitted online: daemon/draft_stats.CostFit)."""
+
+    fixed_ms: float  # per forward pass: launches, attention, the GPU's experts, the link
+    row_ms: float  # per row of the pass
+    expert_ms: float  # per distinct CPU expert: its bytes / the CPU's DRAM bandwidth
+
+    def pass_ms(self, rows: float, experts: float) -> float:
+        return self.fixed_ms + self.row_ms * rows + self.expert_ms * experts
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetProblem:
+    """One step's slots (S of them, plan order) as the chooser sees them."""
+
+    base_rows: np.ndarray  # [S] int: rows a slot runs whatever its drafts (1; a chunk's size)
+    max_drafts: np.ndarray  # [S] int: its fitted drafts (0: none)
+    accept: np.ndarray  # [S] float: per-draft acceptance probability a
+    base_value: np.ndarray  # [S] float: tokens it emits without drafts (1 decode, 0 prefill)
+    log_miss: np.ndarray  # [P, S] float: log(1 - pi) of a row of slot s, per pattern
+    weight: np.ndarray  # [P] float: CPU experts sharing each pattern
+    wide: bool = True  # one pass; False (narrow): one per drafted slot, one for the rest
+
+    def __post_init__(self) -> None:
+        S = len(self.base_rows)
+        assert self.max_drafts.shape == self.accept.shape == self.base_value.shape == (S,)
+        assert self.log_miss.shape == (len(self.weight), S)
+
+
+def gains(accept: np.ndarray, max_drafts: int) -> np.ndarray:
+    """[S, max_drafts + 1]: expected accepted drafts of k drafts, sum_{j<=k} a^j."""
+    powers = accept[:, None] ** np.arange(1, max_drafts + 1)[None, :]  # [S, K]
+    return np.concatenate([np.zeros((len(accept), 1)), np.cumsum(powers, axis=1)], axis=1)
+
+
+def expected_union(rows: np.ndarray, log_miss: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """E[distinct CPU experts] of passes whose slots run ``rows`` [C, S] rows: [C]."""
+    if not len(weight):
+        return np.zeros(len(rows))
+    return (1.0 - np.exp(rows @ log_miss.T)) @ weight  # [C, P] -> [C]
+
+
+def ratio(problem: BudgetProblem, cost: StepCost, drafts: np.ndarray) -> np.ndarray:
+    """Expected tokens per ms of the step for each candidate ``drafts`` [C, S]: [C]."""
+    p = problem
+    table = gains(p.accept, int(p.max_drafts.max(initial=0)))  # [S, K+1]
+    value = p.base_value.sum() + table[np.arange(len(p.accept))[None, :], drafts].sum(axis=1)
+    rows = p.base_rows[None, :] + drafts  # [C, S]
+    if p.wide:
+        ms = (cost.fixed_ms + cost.row_ms * rows.sum(axis=1)
+              + cost.expert_ms * expected_union(rows, p.log_miss, p.weight))
+    else:  # a slot verifying k > 0 drafts runs its own pass; the others share one
+        drafted = drafts > 0  # [C, S]
+        plain = np.where(drafted, 0, rows)  # [C, S]
+        alone = (1.0 - np.exp(rows[:, :, None] * p.log_miss.T[None])) @ p.weight  # [C, S]
+        ms = (cost.fixed_ms * ((plain.sum(axis=1) > 0) + drafted.sum(axis=1))
+              + cost.row_ms * rows.sum(axis=1)
+              + cost.expert_ms * (expected_union(plain, p.log_miss, p.weight)
+                                  + (alone * drafted).sum(axis=1)))
+    return value / np.maximum(ms, 1e-9)
+
+
+def choose(problem: BudgetProblem, cost: StepCost) -> list[int]:
+    """Each slot's draft count in 0..max_drafts maximising :func:`ratio`; on a tie (within
+    1e-12 relative) the fewer drafts. Exhaustive up to ``MAX_CANDIDATES`` combinations, else
+    coordinate ascent from the full lengths (each slot in turn takes its best length given
+    the others', until a round changes nothing)."""
+    limits = problem.max_drafts.astype(np.int64)
+    if not limits.any():
+        return [0] * len(limits)
+    if math.prod(int(n) + 1 for n in limits) <= MAX_CANDIDATES:
+        cands = np.array(list(itertools.product(*(range(int(n) + 1) for n in limits))))
+        return [int(k) for k in cands[_best(problem, cost, cands)]]
+    best = limits.copy()
+    for _ in range(MAX_ROUNDS):
+        before = best.copy()
+        for s in np.flatnonzero(limits):
+            cands = np.repeat(best[None, :], limits[s] + 1, axis=0)
+            cands[:, s] = np.arange(limits[s] + 1)
+            best = cands[_best(problem, cost, cands)]
+        if np.array_equal(best, before):
+            break
+    return [int(k) for k in best]
+
+
+def _best(problem: BudgetProblem, cost: StepCost, cands: np.ndarray) -> int:
+    """The index of the best candidate: the highest ratio, then the fewest drafts."""
+    r = ratio(problem, cost, cands)
+    top = r.max()
+    near = np.flatnonzero(r >= top - 1e-12 * abs(top))
+    return int(near[np.argmin(cands[near].sum(axis=1))])
+
+
+def patterns(fractions: np.ndarray, history: np.ndarray, persistence: float, p0: float,
+             universe: int) -> tuple[np.ndarray, np.ndarray]:
+    """(log_miss [P, S], weight [P]) from the last step's routing.
+
+    ``fractions`` [K, S]: for each CPU expert any slot picked last step, the share of the
+    slot's rows that picked it (0: none); ``history`` [S] bool: whether the slot has routing
+    from last step (a prompt chunk, a new request: no). A row of a slot with history picks
+    expert e with pi = persistence * fraction + (1 - persistence) * p0, one without with p0
+    (p0: CPU picks per row / ``universe``, the CPU experts held). The experts no slot picked
+    last step (``universe - K`` of them) are one more pattern."""
+    K, S = fractions.shape
+    if universe <= 0 or p0 <= 0:
+        return np.zeros((0, S)), np.zeros(0)
+    rest = max(universe - K, 0)
+    rows = np.concatenate([fractions, np.zeros((1, S))]) if rest else fractions  # [K(+1), S]
+    order = np.lexsort(rows.T[::-1])  # equal rows side by side (np.unique(axis=0): slower)
+    srt = rows[order]
+    new = np.ones(len(srt), dtype=bool)
+    new[1:] = (srt[1:] != srt[:-1]).any(axis=1)
+    group = np.cumsum(new) - 1  # [K(+1)] pattern of each sorted row
+    uniq, counts = srt[new], np.bincount(group).astype(np.float64)  # [P, S], [P]
+    if rest:  # the zero row (the last one) stands for every expert no slot picked
+        counts[group[np.flatnonzero(order == len(rows) - 1)[0]]] += rest - 1
+    pi = np.where(history[None, :], persistence * uniq + (1.0 - persistence) * p0, p0)
+    return np.log1p(-np.clip(pi, 0.0, 1.0 - 1e-12)), counts

@@ -1,0 +1,195 @@
+"""The online estimates behind the adaptive draft budget (daemon/draft_budget.py), and
+``DraftBudget``, which daemon/draft_plan.py asks after trimming and tells every step's result.
+
+* Acceptance per request and draft source: a verify of k drafts with A accepted is A
+  successes and, when A < k, one failure of the per-draft chain probability a. A request's
+  counts decay (recent text matters) and lean on its source's counts over all requests.
+* Routing per request: the CPU experts its rows picked in its last decode step
+  (``SlotResult.cpu_experts`` / ``cpu_expert_rows``, sent when the WorkerConfig asks), the
+  CPU picks per row, the experts held (``counters["cpu_experts_held"]``) and the
+  *persistence*: how much more than chance a row picks the experts its slot picked the step
+  before.
+* Step cost: least squares, with forgetting, of each decode-only step's wall time on
+  (passes, rows, distinct CPU experts); the config's constants until ``MIN_STEPS`` such
+  steps were seen, and for what the steps cannot tell apart (a slight ridge toward them).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from daemon.draft_budget import BudgetProblem, StepCost, choose, patterns
+from protocol.messages import SlotWork, StepPlan, StepResult, WorkKind
+
+if TYPE_CHECKING:
+    from daemon.config import SpeculationSection
+
+# (successes, trials) every source starts from: a = 0.8, optimistic, so that drafts run
+# (and are measured) until the source's own figures say they do not pay
+SOURCE_PRIOR = (1.6, 2.0)
+REQUEST_PRIOR_TRIALS = 4.0  # how much a request's estimate leans on its source's
+REQUEST_DECAY = 0.8  # a request's counts, per verify
+PROBE_STEPS = 8  # a slot left without drafts this many steps gets one (to re-measure a)
+EMA = 0.1  # weight of a new step in the persistence and picks-per-row averages
+MIN_STEPS = 16  # decode-only steps before the fitted step cost replaces the config's
+
+
+class AcceptanceStats:
+    """Per-draft acceptance probability per (request, source)."""
+
+    def __init__(self) -> None:
+        self.sources: dict[int, list[float]] = {}  # source -> [successes, trials]
+        self.requests: dict[tuple[str, int], list[float]] = {}
+
+    def observe(self, request_id: str, source: int, drafts: int, accepted: int) -> None:
+        trials = accepted + (accepted < drafts)
+        src = self.sources.setdefault(source, list(SOURCE_PRIOR))
+        src[0] += accepted
+        src[1] += trials
+        req = self.requests.setdefault((request_id, source), [0.0, 0.0])
+        req[0] = REQUEST_DECAY * req[0] + accepted
+        req[1] = REQUEST_DECAY * req[1] + trials
+
+    def rate(self, request_id: str, source: int) -> float:
+        s, t = self.sources.get(source, SOURCE_PRIOR)
+        prior = s / t
+        rs, rt = self.requests.get((request_id, source), (0.0, 0.0))
+        return (rs + REQUEST_PRIOR_TRIALS * prior) / (rt + REQUEST_PRIOR_TRIALS)
+
+    def keep(self, live: set[str]) -> None:
+        self.requests = {k: v for k, v in self.requests.items() if k[0] in live}
+
+
+class RoutingStats:
+    """Each request's CPU experts of its last decode step and the figures to predict the
+    next step's from them."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # ids [K], row share [K]
+        self.universe = 0  # CPU experts held, over all MoE layers
+        self.picks_per_row = 0.0  # CPU (layer, expert) picks of one row, over layers
+        self.persistence = 0.5
+
+    def observe(self, request_id: str, rows: int, ids: np.ndarray, counts: np.ndarray,
+                universe: int) -> None:
+        """One decode slot's step: ``rows`` rows picked CPU experts ``ids`` [K] (global:
+        layer * experts per layer + expert), ``counts`` [K] of its rows each."""
+        self.universe = universe
+        if not len(ids) or universe <= 0:
+            return
+        picks = float(counts.sum())
+        per_row = picks / rows
+        self.picks_per_row = (self.picks_per_row + EMA * (per_row - self.picks_per_row)
+                              if self.picks_per_row else per_row)
+        prev = self.last.get(request_id)
+        if prev is not None and len(prev[0]) < universe:
+            hit = float(counts[np.isin(ids, prev[0])].sum()) / picks
+            chance = len(prev[0]) / universe
+            seen = min(max((hit - chance) / (1.0 - chance), 0.0), 1.0)
+            self.persistence += EMA * (seen - self.persistence)
+        self.last[request_id] = (ids.astype(np.int64), counts / rows)
+
+    def keep(self, live: set[str]) -> None:
+        self.last = {k: v for k, v in self.last.items() if k in live}
+
+    def patterns(self, request_ids: list[str | None]) -> tuple[np.ndarray, np.ndarray]:
+        """daemon/draft_budget.patterns for slots of these requests (None: a prompt chunk)."""
+        hist = [self.last.get(r) if r is not None else None for r in request_ids]
+        ids = [h[0] for h in hist if h is not None]
+        union = np.unique(np.concatenate(ids)) if ids else np.zeros(0, np.int64)
+        frac = np.zeros((len(union), len(hist)))  # [K, S]
+        for s, h in enumerate(hist):
+            if h is not None:
+                frac[np.searchsorted(union, h[0]), s] = h[1]
+        p0 = self.picks_per_row / self.universe if self.universe else 0.0
+        return patterns(frac, np.array([h is not None for h in hist]), self.persistence,
+                        p0, self.universe)
+
+
+class CostFit:
+    """``StepCost`` fitted to decode-only steps: ms ~ fixed * passes + row * rows + expert *
+    cpu_experts. A ridge of ``strength`` steps' weight (scaled per feature) pulls what the
+    steps leave undetermined (no CPU experts: their cost) to the config's constants; old
+    steps fade by ``forget`` per step."""
+
+    def __init__(self, prior: StepCost, strength: float = 0.01, forget: float = 0.99) -> None:
+        self.prior = np.array([prior.fixed_ms, prior.row_ms, prior.expert_ms])
+        self.strength, self.forget = strength, forget
+        self.A = np.zeros((3, 3))
+        self.b = np.zeros(3)
+        self.n = 0.0
+
+    def observe(self, passes: int, rows: int, experts: int, ms: float) -> None:
+        x = np.array([passes, rows, experts], dtype=np.float64)
+        self.A = self.forget * self.A + np.outer(x, x)
+        self.b = self.forget * self.b + x * ms
+        self.n = self.forget * self.n + 1.0
+
+    def cost(self) -> StepCost:
+        if self.n < MIN_STEPS:
+            return StepCost(*self.prior)
+        R = np.diag(self.strength * np.diag(self.A) / self.n + 1e-9)
+        theta = np.linalg.solve(self.A + R, self.b + R @ self.prior)
+        fixed, row, expert = np.maximum(theta, 0.0)
+        return StepCost(max(fixed, 1e-3), row, expert)
+
+
+class DraftBudget:
+    """The adaptive budget of daemon/draft_plan.DraftPlanner (``draft_budget = "adaptive"``)."""
+
+    def __init__(self, spec: SpeculationSection) -> None:
+        self.accept = AcceptanceStats()
+        self.routing = RoutingStats()
+        self.costs = CostFit(StepCost(spec.cost_fixed_ms, spec.cost_row_ms,
+                                      spec.cost_expert_ms))
+        self.fit_costs = True  # False: the config's constants only (tests)
+        self._idle: dict[str, int] = {}  # request -> steps its proposals were all cut
+
+    def choose(self, work: list[SlotWork], counts: list[int], wide: bool) -> list[int]:
+        """Draft counts (each <= ``counts``, the trimmed ones) for ``work``'s slots."""
+        live = {w.request_id for w in work}
+        self.accept.keep(live)
+        self.routing.keep(live)
+        self._idle = {r: n for r, n in self._idle.items() if r in live}
+        if not any(counts):
+            return list(counts)
+        decode = [w.kind == WorkKind.DECODE for w in work]
+        rate = [self.accept.rate(w.request_id, int(w.draft_sources[0])) if n else 0.0
+                for w, n in zip(work, counts, strict=True)]
+        log_miss, weight = self.routing.patterns(
+            [w.request_id if d else None for w, d in zip(work, decode, strict=True)])
+        problem = BudgetProblem(
+            base_rows=np.array([w.num_tokens for w in work]), max_drafts=np.array(counts),
+            accept=np.array(rate), base_value=np.array(decode, dtype=np.float64),
+            log_miss=log_miss, weight=weight, wide=wide)
+        out = choose(problem, self.cost)
+        for i, (w, n) in enumerate(zip(work, counts, strict=True)):
+            if n and not out[i]:
+                self._idle[w.request_id] = self._idle.get(w.request_id, 0) + 1
+                if self._idle[w.request_id] >= PROBE_STEPS:  # re-measure its acceptance
+                    out[i] = 1
+            if out[i]:
+                self._idle.pop(w.request_id, None)
+        return out
+
+    @property
+    def cost(self) -> StepCost:
+        return self.costs.cost() if self.fit_costs else StepCost(*self.costs.prior)
+
+    def observe(self, plan: StepPlan, result: StepResult, seconds: float) -> None:
+        """A step's outcome: acceptance per verify, routing per decode slot, the step time
+        of a decode-only step."""
+        universe = int(result.counters.get("cpu_experts_held", 0))
+        for w, res in zip(plan.slots, result.slots, strict=True):
+            if w.kind != WorkKind.DECODE:
+                continue
+            if len(w.draft_ids):
+                self.accept.observe(w.request_id, int(w.draft_sources[0]), len(w.draft_ids),
+                                    res.num_accepted)
+            self.routing.observe(w.request_id, w.num_rows, res.cpu_experts,
+                                 res.cpu_expert_rows, universe)
+        if plan.slots and all(w.kind == WorkKind.DECODE for w in plan.slots):
+            self.costs.observe(int(result.counters.get("passes", 1)), plan.num_rows,
+                               int(result.counters.get("cpu_experts", 0)), seconds * 1e3)

@@ -1,0 +1,289 @@
+"""The adaptive draft budget's pure parts (daemon/draft_budget.py, daemon/draft_stats.py,
+issue 15 item 3): the chooser against hand-computed cases and a brute-force reference, the
+pattern compression against a per-expert sum, the online estimates, the worker's per-slot
+routing record, the wire fields and the config keys."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import numpy as np
+import pytest
+
+from daemon.cli import build_parser
+from daemon.commands import config_from_args
+from daemon.config import SpeculationSection, load_config
+from daemon.config_checks import ConfigError
+from daemon.draft_budget import BudgetProblem, StepCost, choose, expected_union, patterns, ratio
+from daemon.draft_stats import MIN_STEPS, AcceptanceStats, CostFit, RoutingStats
+from daemon.lifecycle import worker_config
+from gpu_worker.experts.counters import ExpertCounters
+from protocol.codec import decode, encode
+from protocol.messages import PromptPhase, SlotResult, StepResult
+from protocol.worker_config import WorkerConfig
+
+
+def _problem(accept, max_drafts, *, base_rows=None, log_miss=None, weight=None, wide=True):
+    S = len(accept)
+    return BudgetProblem(
+        base_rows=np.array(base_rows or [1] * S), max_drafts=np.array(max_drafts),
+        accept=np.array(accept, dtype=np.float64), base_value=np.ones(S),
+        log_miss=np.zeros((0, S)) if log_miss is None else np.array(log_miss, np.float64),
+        weight=np.zeros(0) if weight is None else np.array(weight, np.float64), wide=wide)
+
+
+# ---- hand-computed cases ---------------------------------------------------------------------
+def test_without_experts_the_length_follows_acceptance():
+    # T = 4 + 1 * (1 + k); value 1 + a + ... + a^k
+    cost = StepCost(fixed_ms=4.0, row_ms=1.0, expert_ms=0.0)
+    # a = 0.6: k=0 1/5 = .2, k=1 1.6/6 = .267, k=2 1.96/7 = .280, k=3 2.176/8 = .272
+    assert choose(_problem([0.6], [3]), cost) == [2]
+    # a = 0.1: k=1 1.1/6 = .183 < .2
+    assert choose(_problem([0.1], [3]), cost) == [0]
+    # a = 0.95: every draft pays (k=3: 3.71/8 = .464 > k=2: 2.85/7 = .407)
+    assert choose(_problem([0.95], [3]), cost) == [3]
+
+
+def test_drafts_that_route_to_touched_experts_get_longer_than_ones_that_route_to_new():
+    cost = StepCost(fixed_ms=10.0, row_ms=0.0, expert_ms=1.0)
+    # slot A: its 10 experts are picked by every row (pi = 1), nothing else: U = 10 always,
+    # so T = 20 and the value only grows: all 4 drafts
+    a = _problem([0.6], [4], log_miss=[[math.log(1e-300)]], weight=[10])
+    assert choose(a, cost) == [4]
+    # slot B: every row picks 10 of 1000 experts at random (pi = 0.01): U(n) = 1000 (1 - .99^n)
+    # n=1: 1/20 = .0500; n=2: 1.6/29.9 = .0535; n=3: 1.96/39.70 = .0494
+    b = _problem([0.6], [4], log_miss=[[math.log(0.99)]], weight=[1000])
+    assert choose(b, cost) == [1]
+    # together in one pass: A's rows add nothing, B's add experts
+    both = _problem([0.6, 0.6], [4, 4], log_miss=[[math.log(1e-300), 0.0],
+                                                 [0.0, math.log(0.99)]], weight=[10, 1000])
+    k_a, k_b = choose(both, cost)
+    assert k_a == 4 and k_b < k_a
+    assert [k_a, k_b] == _brute_force(both, cost)
+
+
+def test_a_long_prompt_chunk_makes_draft_rows_free_of_experts():
+    # a 512-row chunk in the same pass touches (nearly) every expert: the decode slot's drafts
+    # then cost rows only, where alone they would cost new experts
+    cost = StepCost(fixed_ms=10.0, row_ms=0.0, expert_ms=1.0)
+    lm = [[math.log(0.99), math.log(0.99)]]
+    alone = _problem([0.6], [4], log_miss=[lm[0][:1]], weight=[1000])
+    chunk = BudgetProblem(base_rows=np.array([1, 512]), max_drafts=np.array([4, 0]),
+                          accept=np.array([0.6, 0.0]), base_value=np.array([1.0, 0.0]),
+                          log_miss=np.array(lm), weight=np.array([1000.0]))
+    assert choose(alone, cost) == [1]
+    assert choose(chunk, cost) == [4, 0]
+
+
+# ---- against an independent reference -------------------------------------------------------
+def _step_ms(p: BudgetProblem, cost: StepCost, ks) -> float:
+    """The predicted time by loops: passes, their rows, their expected distinct experts."""
+    S = len(ks)
+    if p.wide:
+        groups = [list(range(S))]
+    else:
+        groups = [[s for s in range(S) if not ks[s]]] + [[s] for s in range(S) if ks[s]]
+        groups = [g for g in groups if g]
+    ms = 0.0
+    for g in groups:
+        rows = {s: p.base_rows[s] + ks[s] for s in g}
+        union = 0.0
+        for e in range(len(p.weight)):
+            miss = 1.0
+            for s in g:
+                miss *= math.exp(p.log_miss[e, s]) ** rows[s]
+            union += p.weight[e] * (1 - miss)
+        ms += cost.fixed_ms + cost.row_ms * sum(rows.values()) + cost.expert_ms * union
+    return ms
+
+
+def _value(p: BudgetProblem, ks) -> float:
+    return sum(p.base_value[s] + sum(p.accept[s] ** j for j in range(1, k + 1))
+               for s, k in enumerate(ks))
+
+
+def _brute_force(p: BudgetProblem, cost: StepCost) -> list[int]:
+    best = None
+    for ks in itertools.product(*(range(int(n) + 1) for n in p.max_drafts)):
+        r = _value(p, ks) / _step_ms(p, cost, ks)
+        if best is None or r > best[0] * (1 + 1e-9) or (
+                r >= best[0] * (1 - 1e-9) and sum(ks) < sum(best[1])):
+            best = (r, list(ks))
+    return best[1]
+
+
+@pytest.mark.parametrize("wide", [True, False])
+def test_the_chooser_finds_the_brute_force_optimum(wide):
+    rng = random.Random(3)
+    for _ in range(60):
+        S, P = rng.randrange(1, 5), rng.randrange(0, 4)
+        p = BudgetProblem(
+            base_rows=np.array([rng.choice([1, 1, 1, 6]) for _ in range(S)]),
+            max_drafts=np.array([rng.randrange(0, 5) for _ in range(S)]),
+            accept=np.array([rng.random() for _ in range(S)]), base_value=np.ones(S),
+            log_miss=np.log(np.array([[rng.uniform(0.3, 1.0) for _ in range(S)]
+                                      for _ in range(P)]).reshape(P, S)),
+            weight=np.array([rng.randrange(1, 200) for _ in range(P)], np.float64), wide=wide)
+        cost = StepCost(rng.uniform(1, 20), rng.uniform(0, 2), rng.uniform(0, 0.5))
+        got = choose(p, cost)
+        want = _brute_force(p, cost)
+        assert math.isclose(_value(p, got) / _step_ms(p, cost, got),
+                            _value(p, want) / _step_ms(p, cost, want), rel_tol=1e-9)
+        assert got == want, (got, want)
+        ks = np.array([got])
+        assert math.isclose(float(ratio(p, cost, ks)[0]),
+                            _value(p, got) / _step_ms(p, cost, got), rel_tol=1e-9)
+
+
+def test_coordinate_ascent_ends_where_no_single_slot_can_do_better():
+    rng = np.random.default_rng(0)
+    S = 5  # 16^5 combinations: more than the exhaustive search takes
+    p = BudgetProblem(base_rows=np.ones(S, int), max_drafts=np.full(S, 15),
+                      accept=rng.uniform(0.3, 0.95, S), base_value=np.ones(S),
+                      log_miss=np.log(rng.uniform(0.9, 1.0, (6, S))),
+                      weight=rng.integers(50, 500, 6).astype(np.float64))
+    cost = StepCost(5.0, 0.3, 0.05)
+    got = np.array(choose(p, cost))
+    best = ratio(p, cost, got[None])[0]
+    for s in range(S):
+        for k in range(16):
+            alt = got.copy()
+            alt[s] = k
+            assert ratio(p, cost, alt[None])[0] <= best + 1e-12
+
+
+def test_patterns_give_the_per_expert_expected_union():
+    rng = np.random.default_rng(1)
+    K, S, universe, lam, p0 = 30, 3, 200, 0.7, 0.02
+    frac = np.where(rng.random((K, S)) < 0.3, rng.integers(1, 5, (K, S)) / 4, 0.0)
+    frac[np.arange(K), rng.integers(0, S, K)] = 0.5  # every listed expert picked by a slot
+    history = np.array([True, True, False])
+    frac[:, 2] = 0.0
+    log_miss, weight = patterns(frac, history, lam, p0, universe)
+    assert len(weight) < K and weight.sum() == universe
+    rows = np.array([[1, 3, 1], [5, 1, 16], [2, 2, 2]])
+    # reference: every one of the universe's experts on its own
+    pi = np.full((universe, S), p0)
+    pi[:K, :2] = lam * frac[:, :2] + (1 - lam) * p0
+    pi[K:, :2] = (1 - lam) * p0
+    want = [(1 - np.prod((1 - pi) ** r, axis=1)).sum() for r in rows]
+    np.testing.assert_allclose(expected_union(rows, log_miss, weight), want, rtol=1e-12)
+
+
+# ---- the online estimates ---------------------------------------------------------------------
+def test_acceptance_is_a_chain_probability_leaning_on_its_source():
+    acc = AcceptanceStats()
+    assert acc.rate("r0", 2) == 0.8  # the source prior (1.6 of 2)
+    acc.observe("r0", 2, drafts=4, accepted=4)  # 4 successes, no failure
+    acc.observe("r1", 2, drafts=4, accepted=1)  # 1 success, 1 failure
+    # source: (1.6 + 4 + 1) / (2 + 4 + 2) = 0.825; r0: (4 + 4 * .825) / (4 + 4)
+    assert math.isclose(acc.rate("r0", 2), (4 + 4 * 0.825) / 8)
+    assert math.isclose(acc.rate("r1", 2), (1 + 4 * 0.825) / (2 + 4))
+    acc.observe("r1", 2, drafts=2, accepted=2)  # r1's old counts decay by 0.8
+    assert math.isclose(acc.rate("r1", 2), (0.8 + 2 + 4 * 8.6 / 10) / (1.6 + 2 + 4))
+    assert acc.rate("r0", 1) == 0.8  # another source
+    acc.keep({"r1"})
+    assert math.isclose(acc.rate("r0", 2), 8.6 / 10)
+
+
+def test_routing_persistence_is_measured_over_chance():
+    universe = 1000
+    same, fresh = RoutingStats(), RoutingStats()
+    rng = np.random.default_rng(2)
+    ids = np.sort(rng.choice(universe, 40, replace=False))
+    for _ in range(40):
+        same.observe("r", 2, ids, np.full(40, 2), universe)  # the same experts every step
+        new = np.sort(rng.choice(universe, 40, replace=False))
+        fresh.observe("r", 2, new, np.full(40, 2), universe)
+    assert same.persistence > 0.95 and fresh.persistence < 0.1
+    assert same.picks_per_row == 40.0
+    log_miss, weight = same.patterns(["r", None])
+    assert weight.sum() == universe and log_miss.shape == (2, 2)
+
+
+def test_the_cost_fit_recovers_the_step_constants():
+    prior = StepCost(20.0, 2.0, 0.2)
+    fit = CostFit(prior)
+    rng = np.random.default_rng(4)
+    for i in range(400):
+        if i < MIN_STEPS:
+            assert fit.cost() == prior  # too few steps: the config's constants
+        rows = int(rng.integers(1, 17))
+        experts = int(rows * 30 + rng.integers(0, 200))  # correlated with rows, as in a step
+        noise = 0.5 * rng.standard_normal()
+        fit.observe(1, rows, experts, 5.0 + 0.5 * rows + 0.03 * experts + noise)
+    got = fit.cost()
+    assert got.fixed_ms == pytest.approx(5.0, rel=0.15)
+    assert got.row_ms == pytest.approx(0.5, rel=0.15)
+    assert got.expert_ms == pytest.approx(0.03, rel=0.15)
+    gpu_only = CostFit(prior)  # never a CPU expert: that constant stays the prior's
+    for rows in range(1, 33):
+        gpu_only.observe(1, rows % 16 + 1, 0, 5.0 + 0.5 * (rows % 16 + 1))
+    got = gpu_only.cost()
+    assert got.expert_ms == pytest.approx(0.2)
+    assert (got.fixed_ms, got.row_ms) == (pytest.approx(5.0, rel=0.05),
+                                          pytest.approx(0.5, rel=0.05))
+
+
+# ---- the worker's record and the wire ----------------------------------------------------------
+def test_counters_record_each_slots_distinct_cpu_experts():
+    rng = np.random.default_rng(5)
+    c = ExpertCounters(bytes_per_expert=1.0)
+    row_slot = np.array([3, 3, 3, -1, -1, 0, 1, 1])  # slot 3: 3 rows, 2 prompt rows, ...
+    want: dict[int, dict[int, int]] = {}
+    c.track_rows(row_slot)
+    for layer in range(4):
+        ids = np.stack([rng.choice(16, 4, replace=False) for _ in row_slot])  # [R, k]
+        cpu = ids >= 10
+        c.add_routes(layer, 16, ids, cpu)
+        for r, s in enumerate(row_slot):
+            for e in ids[r][cpu[r]]:
+                if s >= 0:
+                    slot = want.setdefault(int(s), {})
+                    slot[layer * 16 + int(e)] = slot.get(layer * 16 + int(e), 0) + 1
+    got = c.take_slot_experts()
+    assert set(got) == set(want)
+    for s, (ids, rows) in got.items():
+        assert ids.dtype == np.int32 and rows.dtype == np.uint16
+        assert dict(zip(ids.tolist(), rows.tolist(), strict=True)) == want[s]
+    assert c.take_slot_experts() == {} and not c.tracking
+
+
+def test_slot_routing_travels_and_is_configured():
+    res = SlotResult(slot=1, request_id="r", token_ids=[5], num_accepted=0,
+                     prompt=PromptPhase(phase=2, prompt_tokens_this_step=0, prompt_len=3,
+                                        cached_len=0),
+                     cpu_experts=np.array([4, 90], np.int32),
+                     cpu_expert_rows=np.array([1, 3], np.uint16))
+    back = decode(encode(StepResult(step_id=1, slots=[res])))
+    assert back.slots[0].cpu_experts.tolist() == [4, 90]
+    assert back.slots[0].cpu_expert_rows.tolist() == [1, 3]
+    with pytest.raises(ValueError, match="one row count per expert"):
+        SlotResult(slot=1, request_id="r", token_ids=[5], num_accepted=0, prompt=res.prompt,
+                   cpu_experts=np.array([4], np.int32))
+    cfg = WorkerConfig(run_dir="/tmp/x", model="m", slot_routing=True)
+    assert WorkerConfig.from_json(cfg.to_json()).slot_routing is True
+    with pytest.raises(ValueError, match="slot_routing must be a bool"):
+        WorkerConfig(run_dir="/tmp/x", model="m", slot_routing=1)
+
+
+def test_the_budget_config_keys_are_validated():
+    spec = load_config(None).speculation
+    assert spec.draft_budget == "fixed"
+    for bad, message in (({"draft_budget": "off"}, "speculation.draft_budget: must be one of"),
+                         ({"cost_row_ms": -1.0}, "speculation.cost_row_ms: must be >= 0"),
+                         ({"cost_expert_ms": "1"}, "must be a finite number"),
+                         ({"cost_fixed_ms": float("nan")}, "must be a finite number")):
+        with pytest.raises(ConfigError, match=message):
+            SpeculationSection(mode="wide", **bad)
+    got = load_config(None, {"speculation.draft_budget": "adaptive",
+                             "speculation.cost_expert_ms": 0.05}).speculation
+    assert (got.draft_budget, got.cost_expert_ms) == ("adaptive", 0.05)
+    args = build_parser().parse_args(["serve", "--speculation", "wide", "--draft-budget",
+                                      "adaptive", "--num-drafts", "6"])
+    config = config_from_args(args)
+    assert (config.speculation.draft_budget, config.speculation.num_drafts) == ("adaptive", 6)
+    assert worker_config(config).slot_routing is True  # the worker reports routing
+    assert worker_config(load_config(None, {"speculation.mode": "wide"})).slot_routing is False
