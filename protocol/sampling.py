@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from protocol.fields import check
 
 MAX_SEED = 2**63 - 1
+MAX_TOP_K = 2**31 - 1  # past any vocabulary; an unbounded int could not be sent to the worker
 # penalty -> its "off" value; any other value is refused by both APIs (not implemented yet)
 PENALTIES_OFF = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
@@ -30,7 +31,7 @@ class SamplingParams:
         fin = math.isfinite
         check(fin(self.temperature) and self.temperature >= 0, "temperature must be >= 0")
         check(fin(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
-        check(self.top_k >= 0, "top_k must be >= 0 (0 = off)")
+        check(0 <= self.top_k <= MAX_TOP_K, f"top_k must be in [0, {MAX_TOP_K}] (0 = off)")
         check(fin(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]")
         check(self.seed is None or 0 <= self.seed <= MAX_SEED, "seed must be in [0, 2**63)")
         check(fin(self.repetition_penalty) and self.repetition_penalty > 0,

@@ -13,7 +13,7 @@ def test_short_soak_passes_every_check(tmp_path):
     out = tmp_path / "soak.json"
     code = soak.main(["--clients", "8", "--duration", "20", "--gpu-kills", "1",
                       "--cpu-kills", "1", "--fuzz-http", "200", "--fuzz-zmq", "200",
-                      "--jobs", "4", "--max-tokens", "16", "--warmup", "2",
+                      "--jobs", "4", "--max-tokens", "16", "--warmup", "2", "--warmup-fuzz", "100",
                       "--probe-every", "4", "--workdir", str(tmp_path / "work"),
                       "--json", str(out)])
     result = json.loads(out.read_text())
