@@ -101,7 +101,7 @@ def _memory_plan(config: Config, model: ModelConfig) -> list[str]:
     try:
         plan = plan_for_worker(worker, model, backend=backend, hot_counts=hot)
     except PlanError as exc:
-        raise PlanRefused(str(exc), note + describe(exc.plan)) from None
+        raise PlanRefused(str(exc), note + (describe(exc.plan) if exc.plan else [])) from None
     return note + describe(plan)
 
 

@@ -18,11 +18,11 @@ from daemon.config import Config
 from daemon.logs import configure_logging, get_logger
 from daemon.metrics import Metrics
 from daemon.prefix_cache import PrefixCache
-from daemon.run_dir import RunDirError, open_lock, secure_run_dir
 from daemon.scheduler import Scheduler
 from daemon.tokenizer import Tokenizer, TokenizerError
 from daemon.worker_client import WorkerDied, WorkerProcess
 from protocol.messages import ModelInfo
+from protocol.run_dir import RunDirError, open_lock, secure_run_dir
 from protocol.worker_config import WorkerConfig
 
 log = get_logger("tandem.lifecycle")

@@ -164,6 +164,11 @@ def plan_memory(config: ModelConfig, *, dtype: str = "bfloat16", backend: str = 
     moe_layers = tuple(i for i in range(config.num_hidden_layers) if config.is_sparse(i))
     E = config.num_experts if moe_layers else 0
     weights = 3 * config.moe_intermediate_size * config.hidden_size  # per expert
+    H, I = config.hidden_size, config.moe_intermediate_size
+    if placement != "gpu" and E and (H % 32 or I % 32):  # the CPU experts' blocks of 32
+        raise PlanError(f"placement {placement!r} puts experts on the CPU, whose int8/int4 "
+                        f"blocks of 32 need hidden_size and moe_intermediate_size to be "
+                        f"multiples of 32; this model has {H} and {I}: use placement 'gpu'")
 
     # KV blocks: every slot's max_context plus the prefix cache's (gpu_worker/server.py)
     mtp_kv = 1 if include_mtp and config.num_mtp_layers else 0

@@ -37,6 +37,7 @@ from protocol.messages import (
     Usage,
     token_array,
 )
+from protocol.run_dir import check_client_run_dir
 from protocol.sockets import AsyncClientToDaemon, ClientToDaemon, client_address
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -96,7 +97,7 @@ class _Core(abc.ABC):
                  limits: Limits = DEFAULT_LIMITS, context: Any = None):
         if (address is None) == (run_dir is None):
             raise ValueError("give exactly one of address, run_dir")
-        self.address = address or client_address(run_dir)
+        self.address = address or client_address(check_client_run_dir(run_dir))
         self.timeout = timeout
         self._conn = self._socket_cls(self.address, client_keys=client_keys, limits=limits,
                                       context=context)

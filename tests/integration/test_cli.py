@@ -101,3 +101,14 @@ def test_check_config_prints_the_plan_or_refuses_it(bare_model, tmp_path):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.startswith("tandem: memory plan refused: needs ")
     assert "MiB over the 0.1 MiB budget" in out.stderr and "GPU total:" in out.stdout
+
+
+def test_check_config_refuses_a_cpu_placement_the_model_cannot_use(tmp_path):
+    """The embedded model's experts (I = 48) cannot be cut into the CPU experts' blocks of 32:
+    check-config says so in one line instead of passing a config `serve` then fails on."""
+    file = tmp_path / "cpu.toml"
+    file.write_text('[experts]\nplacement = "cpu"\n')
+    out = tandem("check-config", str(file))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("tandem: memory plan refused: placement 'cpu'")
+    assert "multiples of 32; this model has 256 and 48" in out.stderr

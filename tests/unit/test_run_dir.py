@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from daemon.run_dir import RunDirError, open_lock, secure_run_dir
+from protocol.client import TandemClient
+from protocol.run_dir import RunDirError, open_lock, secure_run_dir
 
 
 def test_an_absent_run_dir_is_created_private(tmp_path):
@@ -64,3 +65,25 @@ def test_serve_refuses_an_unsafe_run_dir_with_one_line(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().startswith("tandem: error: the run directory")
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_a_client_refuses_a_run_dir_someone_else_could_have_planted(tmp_path):
+    """The client library checks the run directory before it connects: a socket in a
+    directory another user made (or could write to) is never used."""
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(RunDirError, match="not a real directory"):
+        TandemClient(run_dir=tmp_path / "link")
+    real.chmod(0o777)
+    with pytest.raises(RunDirError, match="others may write"):
+        TandemClient(run_dir=real)
+    real.chmod(0o700)
+    if os.getuid() == 0:  # root can hand the directory to another user
+        os.chown(real, 65534, 65534)
+        with pytest.raises(RunDirError, match="belongs to uid 65534"):
+            TandemClient(run_dir=real)
+        os.chown(real, 0, 0)
+    with pytest.raises(RunDirError, match="no daemon run directory"):
+        TandemClient(run_dir=tmp_path / "absent")
+    TandemClient(run_dir=real).close()  # a private directory of this user's is fine

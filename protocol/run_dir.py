@@ -5,7 +5,9 @@ local user can write to: another user could create it first and put their own so
 or plant a symlink where the lock file goes. So the run directory must be a real directory
 (not a symlink), owned by this user, with no access for group or others (mode 0700); it is
 created so when absent, and refused otherwise. The lock file is opened without following
-symlinks and never truncated.
+symlinks and never truncated. A client (protocol/client.py) checks the directory it is
+given the same way before it connects (:func:`check_client_run_dir`), so it never talks to a
+socket someone else planted.
 """
 
 from __future__ import annotations
@@ -65,3 +67,24 @@ def open_lock(path: str | os.PathLike) -> int:
         os.close(fd)
         raise RunDirError(f"the lock file {path} is not a regular file; remove it")
     return fd
+
+
+def check_client_run_dir(path: str | os.PathLike) -> Path:
+    """A client's check of the daemon's run directory before it connects: a real directory
+    (not a symlink) owned by this user or by root, that no one else may write to. Raises
+    RunDirError saying what is wrong."""
+    run_dir = Path(path)
+    try:
+        st = os.lstat(run_dir)
+    except OSError as exc:
+        raise RunDirError(f"no daemon run directory at {run_dir}: {exc.strerror}") from None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise RunDirError(f"the run directory {run_dir} is not a real directory (a symbolic "
+                          "link or a file): refusing to connect")
+    if st.st_uid not in (os.getuid(), 0):
+        raise RunDirError(f"the run directory {run_dir} belongs to uid {st.st_uid}, not to "
+                          f"this user (uid {os.getuid()}) or root: refusing to connect")
+    if st.st_mode & 0o022:
+        raise RunDirError(f"the run directory {run_dir} has mode {stat.S_IMODE(st.st_mode):04o}:"
+                          " others may write to it, refusing to connect")
+    return run_dir
