@@ -15,6 +15,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from protocol.sockets import client_address
+
 ROOT = Path(__file__).resolve().parents[1]
 GPU_WORKER, CPU_WORKER = "gpu_worker.server", "cpu_experts.worker"
 
@@ -57,15 +59,9 @@ class Daemon:
         self.config_path.write_text(_toml(config(model, self.port, self.run_dir, max_slots,
                                                  max_queue)))
         self.log_path = workdir / "serve.log"
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.zmq_address = client_address(self.run_dir)
         self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def zmq_address(self) -> str:
-        return f"ipc://{self.run_dir}/client.sock"
 
     def start(self, timeout: float = 120) -> Daemon:
         self.proc = subprocess.Popen(
