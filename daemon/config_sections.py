@@ -284,10 +284,18 @@ class SpeculationSection:
     cost_fixed_ms: float = 8.0  # per forward pass
     cost_row_ms: float = 0.25  # per row of a pass
     cost_expert_ms: float = 0.03  # per distinct CPU expert: its bytes / DRAM bandwidth
+    # proposer = "replay" (benchmarks only): recorded continuations + acceptance profile
+    # (daemon/proposers/replay.py)
+    replay_file: Path | None = None
 
     def __post_init__(self) -> None:
         check_str("speculation.mode", self.mode, ("off", "narrow", "wide"))
-        check_str("speculation.proposer", self.proposer, ("suffix", "mtp"))
+        check_str("speculation.proposer", self.proposer, ("suffix", "mtp", "replay"))
+        if self.proposer == "replay" and not (isinstance(self.replay_file, Path)
+                                              and self.replay_file.is_file()):
+            fail("speculation.replay_file", "proposer = 'replay' needs an existing replay "
+                 "file (benchmarks only: scripts/bench_concurrency.py writes one)",
+                 self.replay_file)
         check_int("speculation.num_drafts", self.num_drafts, 1, 15)
         check_int("speculation.min_match", self.min_match, 1, 64)
         check_int("speculation.max_match", self.max_match, self.min_match, 64)

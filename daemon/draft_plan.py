@@ -32,6 +32,7 @@ import structlog
 
 from daemon.draft_stats import DraftBudget
 from daemon.proposers.global_suffix import GlobalSuffixIndex
+from daemon.proposers.replay import ReplayProposer
 from protocol.messages import DraftSource, SlotWork, StepPlan, StepResult, WorkKind
 
 if TYPE_CHECKING:
@@ -100,6 +101,8 @@ class DraftPlanner:
                                        placement=placement)
         self.wide = self.eligibility.batching in ("wide", "solo", "plain")  # one pass
         suffix = spec is not None and spec.proposer == "suffix"
+        self.replay = (ReplayProposer.load(spec.replay_file)
+                       if spec is not None and spec.proposer == "replay" else None)
         self.index = (GlobalSuffixIndex(spec.global_index_tokens, spec.min_match,
                                         spec.max_match)
                       if suffix and spec.global_index_tokens else None)
@@ -127,6 +130,11 @@ class DraftPlanner:
         seq.draft_source = 0
         if spec is None or not seq.req.speculation:
             return []
+        if self.replay is not None:  # benchmarks only (daemon/proposers/replay.py)
+            seq.draft_source = self.replay.source
+            return self.replay.propose(seq, min(
+                spec.num_drafts, seq.req.max_tokens - len(seq.generated) - 1,
+                max_context - seq.processed - 1))
         drafts = seq.drafts(spec, max_context)  # feeds the request's own suffix index
         seq.draft_source = DraftSource.MTP if spec.proposer == "mtp" else DraftSource.SUFFIX
         if self.index is None:

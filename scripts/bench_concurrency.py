@@ -5,11 +5,12 @@
 Workloads (fixed prompts and seeds, temperature 0.85, thinking disabled):
 
 * ``essay``: four independent long-form prompts, ``--essay-tokens`` each;
-* ``coding``: four independent agent loops. Each asks the model for a module through
-  ``read_file`` / ``write_file`` / ``run_check`` tool calls; this harness executes the calls in
-  a scratch directory per loop (``run_check`` byte-compiles and imports the file in a child
-  Python) and sends the results back. A turn without a tool call gets a fixed nudge. At most
-  six turns per loop, ``--coding-tokens`` per turn.
+* ``coding``: four independent agent loops of six turns, ``--coding-tokens`` per turn. The
+  tool calls are scripted (a small model never makes them): after each turn the harness
+  reads a project file of 2-8 kB, writes the module (the turn's text) or checks it
+  (``run_check`` byte-compiles and imports it in a child Python), in a scratch directory per
+  loop, and sends the result back, so contexts grow as an agent's do
+  (scripts/bench_concurrency_tools.py).
 
 Every run is a fresh ``tandem serve`` process; one short request warms it up and is excluded
 (counters are read after it). Arms (``--arms``): the server's ``--speculation`` mode
@@ -38,9 +39,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,10 +50,17 @@ from pathlib import Path
 import aiohttp
 
 from scripts.bench_common import command_line, delta, machine, scrape, served, sse_chunks
+from scripts.bench_concurrency_tools import (
+    FILE_BYTES,
+    SCRIPT,
+    TOOLS,
+    run_tool,
+    scripted_call,
+    setup_project,
+)
 
 TEMPERATURE = 0.85
 STREAMS = 4
-MAX_TURNS = 6
 ESSAYS = [
     "Write a long essay on how the printing press changed the spread of ideas in Europe.",
     "Write a long essay about the history of timekeeping, from sundials to atomic clocks.",
@@ -68,27 +76,9 @@ TASKS = [
     ("intervals.py", "a function merge(intervals) that merges overlapping (start, end) pairs"),
     ("roman.py", "functions to_roman(n) and from_roman(s) for 1 <= n <= 3999"),
 ]
-TOOLS = [
-    {"type": "function", "function": {
-        "name": "read_file", "description": "Read a file of the project.",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
-                       "required": ["path"]}}},
-    {"type": "function", "function": {
-        "name": "write_file", "description": "Write (replace) a file of the project.",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"},
-                                                        "content": {"type": "string"}},
-                       "required": ["path", "content"]}}},
-    {"type": "function", "function": {
-        "name": "run_check", "description": "Byte-compile and import a Python file.",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
-                       "required": ["path"]}}},
-]
-SYSTEM = ("You are a coding agent. Work only through the tools: write the module with "
-          "write_file, check it with run_check, fix it if the check fails, then reply with a "
-          "one-line summary.")
-NUDGE = "Use the tools: write the module with write_file, then check it with run_check."
-
-
+SYSTEM = ("You are a coding agent. Work through the tools: read the project files you need, "
+          "write the module with write_file, check it with run_check, fix it if the check "
+          "fails.")
 async def chat(session: aiohttp.ClientSession, url: str, model: str, messages: list[dict],
                max_tokens: int, seed: int, tools: list | None = None) -> dict:
     """One streamed chat completion: its text, tool calls and completion tokens."""
@@ -112,62 +102,33 @@ async def chat(session: aiohttp.ClientSession, url: str, model: str, messages: l
     return {"text": "".join(text), "tool_calls": calls, "tokens": tokens}
 
 
-def run_tool(workdir: Path, name: str, arguments: str) -> str:
-    """Execute one tool call in ``workdir``; the result text goes back to the model."""
-    try:
-        args = json.loads(arguments)
-        path = workdir / Path(str(args["path"])).name  # no way out of the scratch directory
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        return f"error: bad arguments ({exc})"
-    if name == "read_file":
-        return path.read_text() if path.exists() else f"error: {path.name} does not exist"
-    if name == "write_file":
-        content = str(args.get("content", ""))
-        path.write_text(content)
-        return f"wrote {len(content)} characters to {path.name}"
-    if name == "run_check":
-        if not path.exists():
-            return f"error: {path.name} does not exist"
-        try:
-            p = subprocess.run([sys.executable, "-c", "import runpy, sys; "
-                                "runpy.run_path(sys.argv[1])", str(path)],
-                               capture_output=True, text=True, timeout=10, cwd=workdir)
-        except subprocess.TimeoutExpired:
-            return "error: the import did not finish within 10 s"
-        return "ok" if p.returncode == 0 else p.stderr[-2000:]
-    return f"error: no tool named {name!r}"
-
-
 async def agent_loop(session: aiohttp.ClientSession, url: str, model: str, i: int,
-                     max_tokens: int) -> dict:
-    """One coding agent: up to MAX_TURNS turns (it ends early when the model answers without
-    a tool call after a passing check); returns tokens, turns and tool calls made."""
+                     max_tokens: int, chat_fn=None,
+                     file_bytes: tuple[int, int] = FILE_BYTES) -> dict:
+    """One coding agent, ``len(SCRIPT)`` turns: the model writes, then the turn's scripted
+    tool call (scripts/bench_concurrency_tools.py) runs and its result joins the context.
+    ``chat_fn``: ``chat`` (tests pass a stand-in); ``file_bytes``: the read files' sizes.
+    Returns tokens, turns, tool calls and the characters the tools sent back."""
+    chat_fn = chat_fn or chat
     filename, what = TASKS[i]
     messages = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": f"Write {filename}: {what}."}]
-    tokens = calls = turns = 0
-    checked = False
+    tokens = calls = tool_chars = 0
     with tempfile.TemporaryDirectory() as tmp:
-        for turn in range(MAX_TURNS):
-            res = await chat(session, url, model, messages, max_tokens, 100 * i + turn, TOOLS)
+        files = setup_project(Path(tmp), i, file_bytes)
+        for turn in range(len(SCRIPT)):
+            res = await chat_fn(session, url, model, messages, max_tokens, 100 * i + turn,
+                                TOOLS)
             tokens += res["tokens"]
-            turns += 1
-            if not res["tool_calls"]:
-                if checked:
-                    break
-                messages.append({"role": "assistant", "content": res["text"]})
-                messages.append({"role": "user", "content": NUDGE})
-                continue
-            messages.append({"role": "assistant", "content": res["text"],
-                             "tool_calls": [{k: c[k] for k in ("id", "type", "function")}
-                                            for c in res["tool_calls"]]})
-            for call in res["tool_calls"]:
-                calls += 1
-                out = await asyncio.to_thread(run_tool, Path(tmp), call["function"]["name"],
-                                              call["function"]["arguments"])
-                messages.append({"role": "tool", "tool_call_id": call["id"], "content": out})
-                checked = out == "ok" if call["function"]["name"] == "run_check" else checked
-    return {"tokens": tokens, "turns": turns, "tool_calls": calls}
+            call = scripted_call(turn, i, filename, files, res["text"])
+            messages.append({"role": "assistant", "content": res["text"], "tool_calls": [call]})
+            out = await asyncio.to_thread(run_tool, Path(tmp), call["function"]["name"],
+                                          call["function"]["arguments"])
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": out})
+            calls += 1
+            tool_chars += len(out)
+    return {"tokens": tokens, "turns": len(SCRIPT), "tool_calls": calls,
+            "tool_chars": tool_chars}
 
 
 async def essay(session: aiohttp.ClientSession, url: str, model: str, i: int,
@@ -180,7 +141,8 @@ async def essay(session: aiohttp.ClientSession, url: str, model: str, i: int,
 async def workload(url: str, model: str, name: str, args: argparse.Namespace
                    ) -> tuple[list[dict], float]:
     fn, max_tokens = ((essay, args.essay_tokens) if name == "essay"
-                      else (agent_loop, args.coding_tokens))
+                      else (functools.partial(agent_loop, file_bytes=args.file_bytes),
+                            args.coding_tokens))
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(timeout=timeout) as s:
         t0 = time.monotonic()
@@ -233,7 +195,8 @@ def one_run(args: argparse.Namespace, name: str, arm: str, pair: int) -> dict:
             "prompt_tokens": delta(after, before, "tandem_prompt_tokens_total"),
             "prompt_cached_tokens": delta(after, before, "tandem_prompt_cached_tokens_total"),
             "tool_calls": sum(s["tool_calls"] for s in streams),
-            "turns": sum(s["turns"] for s in streams), "drafts": per_source}
+            "turns": sum(s["turns"] for s in streams),
+            "tool_chars": sum(s.get("tool_chars", 0) for s in streams), "drafts": per_source}
 
 
 def summarize(runs: list[dict], arms: list[str]) -> dict:
@@ -267,6 +230,9 @@ def main() -> int:
     p.add_argument("--workloads", default="essay,coding")
     p.add_argument("--essay-tokens", type=int, default=256)
     p.add_argument("--coding-tokens", type=int, default=192)
+    p.add_argument("--file-bytes", type=lambda v: tuple(int(x) for x in v.split(",")),
+                   default=FILE_BYTES, help="MIN,MAX bytes of the files the coding agents "
+                   "read (default 2048,8192: needs max_context of ~8k tokens and more)")
     p.add_argument("--out-dir", type=Path, required=True)
     args = p.parse_args()
     arms = args.arms.split(",")

@@ -44,3 +44,32 @@ def test_summary_pairs_runs_by_pair_and_takes_medians():
     assert s["four_stream_decode_tps"] == {"narrow": 20.0, "wide": 17.5}
     assert s["four_stream_decode_tps_pair_ratios"] == {"wide": [1.5, 1.0]}
     assert s["whole_run_tps"]["narrow"] == 10.0
+
+
+def test_project_files_are_deterministic_python_of_two_to_eight_kb():
+    from scripts.bench_concurrency_tools import project_file
+
+    sizes = []
+    for seed in range(12):
+        name, text = project_file(seed)
+        assert (name, text) == project_file(seed)
+        sizes.append(len(text.encode()))
+        compile(text.rsplit("\ndef ", 1)[0], name, "exec")  # whole functions are valid Python
+    assert min(sizes) >= 2048 and max(sizes) <= 8192 and len(set(sizes)) > 6
+
+
+def test_scripted_agent_loop_calls_tools_and_grows_its_context():
+    import asyncio
+
+    seen: list[int] = []
+
+    async def fake_chat(session, url, model, messages, max_tokens, seed, tools):
+        seen.append(sum(len(m["content"]) for m in messages))
+        assert tools == bench.TOOLS
+        return {"text": f"X_{seed} = {len(messages)}\n", "tool_calls": [], "tokens": 5}
+
+    res = asyncio.run(bench.agent_loop(None, "", "m", 1, 32, chat_fn=fake_chat))
+    assert res["turns"] == res["tool_calls"] == 6 and res["tokens"] == 30
+    assert len(seen) == 6 and all(b > a for a, b in zip(seen, seen[1:], strict=False))
+    assert seen[1] - seen[0] >= 2048  # the first tool result is a 2-8 kB file
+    assert res["tool_chars"] >= 2 * 2048  # two reads, plus "wrote ..." and "ok"
