@@ -28,7 +28,6 @@ import asyncio
 import dataclasses
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,12 +40,12 @@ from scripts.bench_common import command_line, machine, sse_chunks, wait_ready
 from scripts.bench_load_probe import (
     GpuMemory,
     TreeMemory,
-    descendants,
     load_facts,
     meminfo,
     nvidia_smi,
 )
 from scripts.bench_load_report import GIB, checks, merge, run_facts, table
+from scripts.procs import free_port, process_tree
 
 PROMPT = "Write a Python function that reverses a string."
 
@@ -76,10 +75,6 @@ def model_dir(spec: str, work: Path) -> Path:
     return out.resolve()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass
@@ -240,13 +235,13 @@ def one_run(arm: Arm, plan: Any, args: argparse.Namespace, model: Path, work: Pa
         wait_ready(url, proc, timeout=args.ready_timeout)
         rec["load_seconds"] = time.monotonic() - t0
         rec.update(asyncio.run(_chat(url, served_model(url), args.max_tokens)))
-        pids = descendants(proc.pid)
+        pids = process_tree(proc.pid)
         tree.sample()  # the last VmHWM of every process, before they go
     except (SystemExit, OSError, ValueError) as exc:  # not ready, or the chat failed
         rec["error"] = str(exc) or type(exc).__name__
         print(f"budget {arm.label}: {rec['error']}", file=sys.stderr)
     finally:
-        pids = pids or descendants(proc.pid)
+        pids = pids or process_tree(proc.pid)
         tree.stop()
         gpu.stop()
         proc.terminate()

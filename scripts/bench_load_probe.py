@@ -15,6 +15,7 @@ the server's whole process tree, the GPU's memory, and the worker's load log lin
 
 from __future__ import annotations
 
+import abc
 import json
 import os
 import subprocess
@@ -22,6 +23,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from scripts.procs import process_tree
 
 KIB = 1024
 MIB = 2**20
@@ -68,25 +71,6 @@ def meminfo() -> dict[str, int]:
     return out
 
 
-def descendants(root: int) -> list[int]:
-    """``root`` and every process below it (one scan of /proc/*/stat)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])  # after "(comm) state"
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
 
 
 def _name(pid: int) -> str:
@@ -101,7 +85,7 @@ def _name(pid: int) -> str:
     return os.path.basename(args[0]) if args else "?"
 
 
-class _Poller:
+class _Poller(abc.ABC):
     """A daemon thread calling ``self.sample()`` every ``every`` seconds until ``stop()``."""
 
     def __init__(self, every: float) -> None:
@@ -121,8 +105,9 @@ class _Poller:
             self.samples += 1
             self._stop.wait(max(0.0, self.every - (time.monotonic() - t0)))
 
+    @abc.abstractmethod
     def sample(self) -> None:
-        raise NotImplementedError
+        """Take one reading."""
 
     def stop(self) -> None:
         self._stop.set()
@@ -146,7 +131,7 @@ class TreeMemory(_Poller):
 
     def sample(self) -> None:
         rss = pss = 0
-        for pid in descendants(self.root):
+        for pid in process_tree(self.root):
             st = _status(pid)
             if not st:
                 continue

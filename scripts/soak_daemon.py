@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,15 +15,12 @@ import urllib.request
 from pathlib import Path
 
 from protocol.sockets import client_address
+from scripts.procs import cmdline, descendants, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_WORKER, CPU_WORKER = "gpu_worker.server", "cpu_experts.worker"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def config(model: Path, port: int, run_dir: Path, max_slots: int, max_queue: int) -> dict:
@@ -114,8 +110,8 @@ class Daemon:
     def children(self) -> dict[str, list[int]]:
         """Live descendants running ``python -m MODULE``, by module."""
         out: dict[str, list[int]] = {}
-        for pid in _descendants(self.proc.pid):
-            cmd = _cmdline(pid)
+        for pid in descendants(self.proc.pid):
+            cmd = cmdline(pid)
             for module in (GPU_WORKER, CPU_WORKER):
                 if f"-m {module}" in cmd:
                     out.setdefault(module, []).append(pid)
@@ -148,22 +144,5 @@ class Daemon:
             return self.proc.wait()
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live process below ``pid``, from the kernel's children lists."""
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            kids = [int(x) for x in (task / "children").read_text().split()]
-        except (OSError, ValueError):
-            continue
-        for kid in kids:
-            out += [kid, *_descendants(kid)]
-    return out
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""

@@ -27,7 +27,7 @@ from gpu_worker.weights.files import (
     open_files,
     source_tensors,
 )
-from gpu_worker.weights.source import CheckpointError, Shape
+from gpu_worker.weights.source import CheckpointError, Shape, check_read
 from gpu_worker.weights_spec import expected_tensors, is_mtp
 
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # buffers some old exporters saved
@@ -71,11 +71,7 @@ class CheckpointSource:
     def read(self, name: str, dtype: np.dtype, *, experts: Sequence[int] | None = None
              ) -> np.ndarray:
         entry = self._entry(name)
-        dtype = np.dtype(dtype)
-        if dtype.kind != "f":
-            raise ValueError(f"dtype must be a floating type, got {dtype}")
-        if experts is not None and ".mlp.experts." not in name:
-            raise ValueError(f"{name} is not a stacked expert tensor: cannot select experts")
+        dtype = check_read(name, dtype, experts)
         try:
             if not entry.per_expert:
                 f, stored = entry.parts[0]

@@ -39,7 +39,7 @@ from gpu_worker.weights.gguf_quants import (
     q8_0_split,
     type_name,
 )
-from gpu_worker.weights.source import CheckpointError, Shape
+from gpu_worker.weights.source import CheckpointError, Shape, check_read
 from gpu_worker.weights_spec import expected_tensors
 
 _FUSED = re.compile(r"^(blk\.\d+)\.ffn_(gate|up)_exps\.weight$")
@@ -140,11 +140,7 @@ class GGUFSource:
     def read(self, name: str, dtype: np.dtype, *, experts: Sequence[int] | None = None
              ) -> np.ndarray:
         entry = self._entry(name)
-        dtype = np.dtype(dtype)
-        if dtype.kind != "f":
-            raise ValueError(f"dtype must be a floating type, got {dtype}")
-        if experts is not None and ".mlp.experts." not in name:
-            raise ValueError(f"{name} is not a stacked expert tensor: cannot select experts")
+        dtype = check_read(name, dtype, experts)
         try:
             parts = [dequantize(self._rows(n, entry.part, experts), self.tensors[n].qtype)
                      for n in entry.names]

@@ -24,6 +24,7 @@ from typing import Any
 
 from gpu_worker.loader import load_generation_config
 from gpu_worker.model_config import ModelConfig
+from gpu_worker.weights.checkpoint import CheckpointSource
 from gpu_worker.weights.files import load_config
 from gpu_worker.weights.routing import RoutingParams
 from gpu_worker.weights.source import WeightSource
@@ -62,12 +63,6 @@ def open_source(spec: str | Path) -> WeightSource:
         config = ModelConfig.from_file(path / "config.json")
         return synthetic_from(config, {"mtp": config.num_mtp_layers,
                                        **read_marker(path / MARKER)})
-    try:
-        from gpu_worker.weights.checkpoint import CheckpointSource  # noqa: PLC0415
-    except ImportError:
-        raise NotImplementedError(
-            "checkpoint directories need gpu_worker/weights/checkpoint.py (CheckpointSource), "
-            "which is not in this tree yet") from None
     return CheckpointSource(path)
 
 

@@ -51,3 +51,14 @@ class WeightSource(Protocol):
         (None: all; empty: a [0, ...] array), so a renumbered layer reads as its new order.
         With tied embeddings ``lm_head.weight`` reads as the embedding."""
         ...
+
+
+def check_read(name: str, dtype: np.dtype, experts: Sequence[int] | None) -> np.dtype:
+    """The arguments of :meth:`WeightSource.read`, checked alike by every source: a floating
+    dtype, and ``experts`` only for stacked expert tensors. Returns the dtype."""
+    dtype = np.dtype(dtype)
+    if dtype.kind != "f":
+        raise ValueError(f"dtype must be a floating type, got {dtype}")
+    if experts is not None and ".mlp.experts." not in name:
+        raise ValueError(f"{name} is not a stacked expert tensor: cannot select experts")
+    return dtype

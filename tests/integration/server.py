@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,31 +11,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def descendants(pid: int) -> list[int]:
-    """All live processes below ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+from scripts.procs import cmdline, descendants, free_port
 
 
 def alive(pid: int) -> bool:
@@ -109,7 +83,7 @@ class Server:
 
     def child_pid(self, module: str) -> int:
         """The pid of the descendant process running ``python -m module``."""
-        return next(p for p in descendants(self.proc.pid) if f"-m {module}" in _cmdline(p))
+        return next(p for p in descendants(self.proc.pid) if f"-m {module}" in cmdline(p))
 
     def stop(self) -> int:
         if self.proc is None or self.proc.poll() is not None:
@@ -125,12 +99,6 @@ class Server:
         return code
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
 
 
 def _toml(cfg: dict) -> str:

@@ -14,7 +14,7 @@ from daemon.metrics import Metrics
 from daemon.openai_tools import ToolCallStream, parse_tool_calls
 from daemon.request import EngineUnavailable
 from protocol.messages import KvLayout, ModelInfo, SamplingDefaults
-from tests.integration.server import free_port
+from scripts.procs import free_port
 from tests.unit import api_test_client
 from tests.unit.api_test_client import CHAT, COMPLETIONS, _chat, _error
 

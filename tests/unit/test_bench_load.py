@@ -20,8 +20,9 @@ import pytest
 from gpu_worker.memory_plan import plan_memory
 from gpu_worker.model_config import ModelConfig
 from scripts import bench_load
-from scripts.bench_load_probe import TreeMemory, descendants, load_facts
+from scripts.bench_load_probe import TreeMemory, load_facts
 from scripts.bench_load_report import GIB, checks, merge
+from scripts.procs import process_tree
 from scripts.tiny_model import DEFAULT_SIZES, build_config
 
 MIB = 2**20
@@ -47,7 +48,7 @@ def test_the_tree_counts_shared_memory_once_with_pss(tmp_path):
     try:
         assert proc.stdout.readline().strip() == b"ready"
         time.sleep(0.3)  # the child has touched its pages too
-        assert len(descendants(proc.pid)) == 2
+        assert len(process_tree(proc.pid)) == 2
         tree = TreeMemory(proc.pid)
         tree.sample()
         rep = tree.report()

@@ -1,0 +1,50 @@
+"""Processes and ports on this machine, for the scripts that start a server and for the
+integration tests: a free loopback port, the process tree below a pid, a process's command
+line (all from /proc)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid``, parents before children (one scan of /proc/*/stat)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            ppid = int(stat[stat.rindex(")") + 2:].split()[1])  # after "(comm) state"
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process below it."""
+    return [root, *descendants(root)]
+
+
+def cmdline(pid: int) -> str:
+    """The command line of ``pid``, arguments joined by spaces ("" once it has exited)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
