@@ -15,9 +15,9 @@ import numpy as np
 from gpu_worker.backend import get_xp, to_numpy
 from gpu_worker.experts.split import ExpertSplit, plan_split
 from gpu_worker.kernels.bf16 import BF16
+from gpu_worker.kernels.sampler import sample_token
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.model import Caches, ForwardOut, Model
-from gpu_worker.sampling import sample
 from gpu_worker.weights.resolve import open_source
 from gpu_worker.weights.source import WeightSource
 from gpu_worker.weights.stream import CHUNK_BYTES, Log, stream_load
@@ -148,13 +148,13 @@ class Engine:
         out: list[int] = []
         pos = len(ids)
         while True:
-            token = sample(logits, params, pos)
+            token = sample_token(logits, params, pos)
             if token in eos_ids:
                 break
             out.append(token)
             if len(out) == max_tokens:
                 break
-            logits = to_numpy(self.forward([(slot, pos, np.array([token]))]).logits)[0]
+            logits = self.forward([(slot, pos, np.array([token]))]).logits[0]
             pos += 1
         return out
 

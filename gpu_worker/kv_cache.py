@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 QBLOCK = 32  # int8 KV: values per fp16 scale along head_dim
 
 
@@ -99,6 +101,13 @@ class KVCache:
             self.v = xp.zeros(shape, dtype=self.dtype)
         self.allocator = BlockAllocator(self.num_blocks)
         self.tables: dict[int, list[int]] = {}
+        # table changes: ``version`` counts them, ``_dirty`` names the slots whose device row
+        # (:meth:`device_tables`) is stale; ``paged_meta`` is the paged-attention kernels'
+        # per-batch device metadata (gpu_worker/kernels/paged_attention.py)
+        self.version = 0
+        self._dirty: set[int] = set()
+        self._device_tables = None
+        self.paged_meta = None
 
     @property
     def nbytes(self) -> int:
@@ -117,6 +126,7 @@ class KVCache:
         need = self.blocks_for(length) - len(table)
         if need > 0:
             table.extend(self.allocator.allocate(need))
+            self._changed(slot)
 
     def share(self, dst: int, src_blocks: list[int]) -> None:
         """Start slot ``dst`` with a reference to ``src_blocks`` (a cached prefix)."""
@@ -124,25 +134,26 @@ class KVCache:
             raise ValueError(f"slot {dst} already holds KV blocks")
         self.allocator.incref(src_blocks)
         self.tables[dst] = list(src_blocks)
+        self._changed(dst)
 
     def free_slot(self, slot: int) -> None:
         self.allocator.free(self.tables.pop(slot, []))
+        self._changed(slot)
 
     def truncate(self, slot: int, length: int) -> None:
         """Drop whole blocks past ``length`` (rejected drafts need no truncation: kv_len rules)."""
         table = self.tables.get(slot, [])
         keep = self.blocks_for(length)
-        self.allocator.free(table[keep:])
-        del table[keep:]
+        if table[keep:]:
+            self.allocator.free(table[keep:])
+            del table[keep:]
+            self._changed(slot)
 
     def write(self, layer: int, slot: int, start: int, k, v) -> None:
         """Store k, v [n, kv_heads, head_dim] at positions start..start+n of ``slot``."""
         n = k.shape[0]
-        self.ensure(slot, start + n)
+        self.reserve(slot, start, n)
         table = self.tables[slot]
-        first, last = start // self.block_size, (start + n - 1) // self.block_size
-        for bi in range(first, last + 1):
-            self._own_block(table, bi)
         xp = self.xp
         pos = xp.arange(start, start + n)
         blocks = xp.asarray(table)[pos // self.block_size]
@@ -153,6 +164,31 @@ class KVCache:
         else:
             self.k[layer, blocks, offs] = k
             self.v[layer, blocks, offs] = v
+
+    def reserve(self, slot: int, start: int, n: int) -> None:
+        """Make positions start..start+n of ``slot`` writable: blocks allocated, and private
+        copies of shared ones among them (copy-on-write)."""
+        self.ensure(slot, start + n)
+        for bi in range(start // self.block_size, (start + n - 1) // self.block_size + 1):
+            self._own_block(slot, bi)
+
+    def device_tables(self):
+        """Every slot's block table as one int32 array [rows > max slot id, num_blocks] on the
+        backend (row = slot id; entries past a table's length are stale, never read). Rows are
+        uploaded only for slots whose table changed since the last call."""
+        xp, dev = self.xp, self._device_tables
+        rows = max(self.tables, default=-1) + 1
+        if dev is None or dev.shape[0] < rows:
+            grown = xp.zeros((max(rows, 4), self.num_blocks), dtype=xp.int32)
+            if dev is not None:
+                grown[: dev.shape[0]] = dev
+            self._device_tables = dev = grown
+        for slot in self._dirty:
+            table = self.tables.get(slot)
+            if table:
+                dev[slot, : len(table)] = xp.asarray(np.asarray(table, dtype=np.int32))
+        self._dirty.clear()
+        return dev
 
     def read(self, layer: int, slot: int, length: int):
         """K, V [length, kv_heads, head_dim] of the slot's first ``length`` positions."""
@@ -191,8 +227,9 @@ class KVCache:
         blocks = q.reshape(*q.shape[:-1], -1, QBLOCK).astype(self.dtype)
         return (blocks * d16.astype(self.dtype)[..., None]).reshape(q.shape)
 
-    def _own_block(self, table: list[int], index: int) -> None:
+    def _own_block(self, slot: int, index: int) -> None:
         """Copy-on-write: give the slot a private copy of a shared block before writing."""
+        table = self.tables[slot]
         block = table[index]
         if self.allocator.refcount(block) > 1:
             (fresh,) = self.allocator.allocate(1)
@@ -200,3 +237,8 @@ class KVCache:
                 pool[:, fresh] = pool[:, block]
             self.allocator.free([block])
             table[index] = fresh
+            self._changed(slot)
+
+    def _changed(self, slot: int) -> None:
+        self.version += 1
+        self._dirty.add(slot)

@@ -4,7 +4,7 @@ verification, the MTP head's drafts, then the after-step cache commands. Pure in
 server.py wraps it.
 
     Runner.execute -> CacheOps.apply (cache_ops.py) -> passes: Model.forward (with the
-        RoutedExperts, routed_experts.py) -> sample_and_match (verify.py) -> RecurrentStates
+        RoutedExperts, routed_experts.py) -> sample_and_match_all (verify.py) -> RecurrentStates
         adopt (states.py) -> MtpDrafter.draft (mtp_drafter.py)
 """
 
@@ -15,14 +15,13 @@ import time
 
 import numpy as np
 
-from gpu_worker.backend import to_numpy
 from gpu_worker.cache_ops import CacheOps, PlanError
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.model import Caches, Model
 from gpu_worker.mtp_drafter import MtpDrafter
 from gpu_worker.routed_experts import RoutedExperts
-from gpu_worker.verify import sample_and_match
+from gpu_worker.verify import sample_and_match_all
 from protocol.messages import (
     Phase,
     PromptPhase,
@@ -163,9 +162,8 @@ class Runner:
         self.num_passes += 1
         with verifying:
             out = forward() if self.experts is None else self.experts.run_step(forward)
-            logits = to_numpy(out.logits)
-            for w in work:
-                tokens, accepted = sample_and_match(w, logits, first.get(w.slot))
+            picks = sample_and_match_all(work, out.logits, first)
+            for w, (tokens, accepted) in zip(work, picks, strict=True):
                 committed[w.slot] = (w.num_tokens + accepted, tokens)
                 self.lengths[w.slot] = w.start_pos + w.num_tokens + accepted
                 if len(w.draft_ids) and states is not None:

@@ -149,14 +149,13 @@ def _kernels():
     return raw_module(_SOURCE, "grouped expert kernels")
 
 
-def experts_grouped(x, ids, weights, gate, up, down):
-    """``sum_k w_k * expert_{ids_k}(x)`` per row on the GPU: ``x [R, H]``, ``ids [R, k]``
-    (-1: skip the pair), ``weights [R, k]``, experts stacked ``gate/up [E, I, H]``,
-    ``down [E, H, I]``; float32 or float64 throughout, or float32 activations with bf16
-    weights (uint16 bits, gpu_worker/kernels/bf16.py). Enqueues three kernels; never waits."""
+def check_expert_args(x, ids, weights, gate, up, down, name: str) -> bool:
+    """The expert kernels' contract (``experts_grouped``, ``experts_merged``): shapes fit,
+    float32/float64 throughout or float32 with bf16 bits; returns whether the weights are
+    bf16 bits. Raises ValueError (shapes) or TypeError (dtypes)."""
     dtype = x.dtype
     if dtype not in (np.float32, np.float64):
-        raise TypeError(f"experts_grouped computes in float32 or float64, not {dtype}")
+        raise TypeError(f"{name} computes in float32 or float64, not {dtype}")
     R, H = x.shape
     E, I, H2 = gate.shape
     k = ids.shape[1]
@@ -169,6 +168,19 @@ def experts_grouped(x, ids, weights, gate, up, down):
     if any(a.dtype != (BITS if bf16 else dtype) for a in (gate, up, down)):
         raise TypeError("the experts' weights must have the activations' dtype (or be bf16 "
                         "bits with float32 activations)")
+    return bool(bf16)
+
+
+def experts_grouped(x, ids, weights, gate, up, down):
+    """``sum_k w_k * expert_{ids_k}(x)`` per row on the GPU: ``x [R, H]``, ``ids [R, k]``
+    (-1: skip the pair), ``weights [R, k]``, experts stacked ``gate/up [E, I, H]``,
+    ``down [E, H, I]``; float32 or float64 throughout, or float32 activations with bf16
+    weights (uint16 bits, gpu_worker/kernels/bf16.py). Enqueues three kernels; never waits."""
+    bf16 = check_expert_args(x, ids, weights, gate, up, down, "experts_grouped")
+    dtype = x.dtype
+    R, H = x.shape
+    E, I, _ = gate.shape
+    k = ids.shape[1]
     out = cp.empty((R, H), dtype)
     P = R * k
     if P == 0 or E == 0:

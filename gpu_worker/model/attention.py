@@ -3,14 +3,27 @@
 Qwen3-MoE: per-head q/k RMSNorm before rotate-half RoPE, GQA, scale hd^-0.5.
 Qwen3-Next adds an output gate (q_proj emits [query | gate] per head), zero-centred q/k
 norms and partial RoPE.
+
+On CuPy every row's K/V goes into the cache in one launch, and every row of a segment of at
+most :data:`PAGED_MAX_ROWS` rows (decode and verify rows, short prefill chunks) attends in one
+paged-attention launch (gpu_worker/kernels/paged_attention.py): its bits depend only on its
+own query and prefix, never on the other rows of the step. Longer segments (prefill chunks)
+use the per-segment matrix products, as on NumPy; the choice looks at the segment alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
+
+from gpu_worker.kernels import paged_attention as paged
 from gpu_worker.kv_cache import KVCache
-from gpu_worker.model.batch import RaggedBatch
+from gpu_worker.model.batch import RaggedBatch, Segment
 from gpu_worker.model.ops import Array, Ops
 from gpu_worker.model_config import ModelConfig
+
+PAGED_MAX_ROWS = 16  # a segment of more rows (a prefill chunk) uses matrix products
 
 
 def full_attention(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
@@ -34,23 +47,75 @@ def full_attention(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
     q = ops.apply_rope(q, cos, sin)
     k = ops.apply_rope(k, cos, sin)
 
-    out = xp.empty((R, Hq, hd), dtype=ops.dtype)
-    group = Hq // Hkv
     scale = ops.dtype.type(hd ** -0.5)
-    for seg in batch.segments:
-        rows = seg.rows
-        kv.write(layer, seg.slot, seg.start, k[rows], v[rows])
-        keys, values = kv.read(layer, seg.slot, seg.end)  # [L, Hkv, hd]
-        qh = q[rows].reshape(seg.num, Hkv, group, hd).transpose(1, 2, 0, 3)  # [Hkv, g, n, hd]
-        scores = (qh @ keys.transpose(1, 2, 0)[:, None]) * scale  # [Hkv, g, n, L]
-        key_pos = xp.arange(seg.end)
-        query_pos = xp.arange(seg.start, seg.end)
-        masked = key_pos[None, :] > query_pos[:, None]  # [n, L]
-        scores = xp.where(masked, -xp.inf, scores)
-        probs = ops.softmax(scores, axis=-1)
-        o = probs @ values.transpose(1, 0, 2)[:, None]  # [Hkv, g, n, hd]
-        out[rows] = o.transpose(2, 0, 1, 3).reshape(seg.num, Hq, hd)
+    if xp is np:
+        out = xp.empty((R, Hq, hd), dtype=ops.dtype)
+        for seg in batch.segments:
+            kv.write(layer, seg.slot, seg.start, k[seg.rows], v[seg.rows])
+            out[seg.rows] = _segment(ops, q[seg.rows], kv, layer, seg, scale)
+    else:
+        out = _paged(ops, q, k, v, batch, kv, layer, scale)
     out = out.reshape(R, Hq * hd)
     if gate is not None:
         out = out * ops.sigmoid(gate)
     return ops.linear(out, p["o_proj.weight"], p.get("o_proj.bias"))
+
+
+def _segment(ops: Ops, q: Array, kv: KVCache, layer: int, seg: Segment, scale) -> Array:
+    """One segment's rows q [n, Hq, hd] against its slot's keys 0..seg.end-1 (already
+    written), causal -> [n, Hq, hd]: matrix products and a softmax over the whole prefix."""
+    xp = ops.xp
+    n, Hq, hd = q.shape
+    keys, values = kv.read(layer, seg.slot, seg.end)  # [L, Hkv, hd]
+    Hkv = keys.shape[1]
+    qh = q.reshape(n, Hkv, Hq // Hkv, hd).transpose(1, 2, 0, 3)  # [Hkv, g, n, hd]
+    scores = (qh @ keys.transpose(1, 2, 0)[:, None]) * scale  # [Hkv, g, n, L]
+    masked = xp.arange(seg.end)[None, :] > xp.arange(seg.start, seg.end)[:, None]  # [n, L]
+    probs = ops.softmax(xp.where(masked, -xp.inf, scores), axis=-1)
+    o = probs @ values.transpose(1, 0, 2)[:, None]  # [Hkv, g, n, hd]
+    return o.transpose(2, 0, 1, 3).reshape(n, Hq, hd)
+
+
+@dataclasses.dataclass
+class _StepMeta:
+    """A batch's device metadata for the kernels, built once per batch (every layer reuses
+    it) while the cache's tables keep the version they had when it was built."""
+
+    batch: RaggedBatch
+    version: int
+    write: Array  # int32 [3, R]: batch row, slot, position of every row
+    paged: Array  # int32 [3, n]: the same for the rows of the paged-attention launch
+    long: tuple[Segment, ...]  # segments of more than PAGED_MAX_ROWS rows
+
+
+def _step_meta(xp, kv: KVCache, batch: RaggedBatch) -> _StepMeta:
+    meta = kv.paged_meta
+    if meta is not None and meta.batch is batch and meta.version == kv.version:
+        return meta
+    for seg in batch.segments:  # allocate blocks, copy shared ones (copy-on-write)
+        kv.reserve(seg.slot, seg.start, seg.num)
+    R = batch.num_rows
+    slots = np.repeat([s.slot for s in batch.segments], [s.num for s in batch.segments])
+    rows = np.stack([np.arange(R), slots, batch.positions]).astype(np.int32)  # [3, R]
+    short = np.concatenate([np.full(s.num, s.num <= PAGED_MAX_ROWS) for s in batch.segments])
+    dev = xp.asarray(np.concatenate([rows.ravel(), rows[:, short].ravel()]))  # one upload
+    long = tuple(s for s in batch.segments if s.num > PAGED_MAX_ROWS)
+    kv.paged_meta = _StepMeta(batch, kv.version, dev[:3 * R].reshape(3, R),
+                              dev[3 * R:].reshape(3, -1), long)
+    return kv.paged_meta
+
+
+def _paged(ops: Ops, q: Array, k: Array, v: Array, batch: RaggedBatch, kv: KVCache,
+           layer: int, scale) -> Array:
+    """The CuPy path: one K/V write launch, one paged-attention launch, then the long
+    segments' matrix products -> [R, Hq, hd]."""
+    xp = ops.xp
+    meta = _step_meta(xp, kv, batch)
+    tables = kv.device_tables()
+    q, k, v = (xp.ascontiguousarray(a) for a in (q, k, v))
+    paged.write_kv(kv, layer, k, v, meta.write, tables)
+    out = xp.empty(q.shape, dtype=ops.dtype)
+    paged.paged_attention(q, kv, layer, meta.paged, tables, out, scale)
+    for seg in meta.long:
+        out[seg.rows] = _segment(ops, q[seg.rows], kv, layer, seg, scale)
+    return out

@@ -1,15 +1,22 @@
-"""Gated DeltaNet (linear attention) layer of Qwen3-Next, token-loop form.
+"""Gated DeltaNet (linear attention) layer of Qwen3-Next.
 
 Per token and value head, with state S [Dk, Dv]:
     S <- exp(g) S;  m = k^T S;  S <- S + k (beta (v - m))^T;  o = q^T S
 The conv window and S live in ``RecurrentStates`` per slot; a segment continues its slot's
 state and leaves the updated state behind. For a slot tracked by ``states.verifying`` (a decode
-token plus drafts) the state after every row is kept too, so the runner can adopt the one of
-the last accepted row.
+token plus drafts) the state after every row is kept too (states.track_conv / track_rec), so
+the runner can adopt the one of the last accepted row.
+
+On CuPy (float32 / float64, Dk <= 256) the conv and the recurrence of every segment, decode,
+verify and prefill alike, are two kernel launches (gpu_worker/kernels/gdn_recurrent.py); on
+NumPy (and for shapes those kernels do not take) a token loop per segment.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
+from gpu_worker.kernels import gdn_recurrent
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.ops import Array, Ops
 from gpu_worker.model_config import ModelConfig
@@ -34,8 +41,32 @@ def gated_deltanet(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
     beta = ops.sigmoid(b)  # [R, Hv]
     g = -xp.exp(p["A_log"]) * ops.softplus(a + p["dt_bias"])  # [R, Hv]
     conv_w = p["conv1d.weight"][:, 0, :]  # [C, K]
+    table = states.segment_table(batch.segments)  # also allocates the per-row buffers
+    # NOTE: the path depends on the backend and the shapes only, never on the batch
+    if xp is not np and states.conv.dtype == ops.dtype and gdn_recurrent.supports(
+            ops.dtype, Dk, conv_w.shape[1]):
+        tracked = states.track_conv is not None
+        conv = gdn_recurrent.conv_silu(mixed, conv_w, states.conv[layer], table,
+                                       states.track_conv[layer] if tracked else None)
+        out = gdn_recurrent.recurrence(conv, xp.exp(g), beta, states.rec[layer], table,
+                                       key_heads=Hk, scale=float(ops.dtype.type(Dk ** -0.5)),
+                                       track=states.track_rec[layer] if tracked else None)
+    else:
+        out = _token_loop(ops, cfg, mixed, conv_w, beta, g, batch, states, layer)
+
+    o = ops.rms_norm(out, p["norm.weight"], cfg.rms_norm_eps, zero_centered=False)
+    o = o * ops.silu(z)
+    return ops.linear(o.reshape(R, Hv * Dv), p["out_proj.weight"])
+
+
+def _token_loop(ops: Ops, cfg: ModelConfig, mixed: Array, conv_w: Array, beta: Array, g: Array,
+                batch: RaggedBatch, states: RecurrentStates, layer: int) -> Array:
+    """The conv and the recurrence segment by segment, row by row -> out [R, Hv, Dv]."""
+    xp = ops.xp
+    Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    Dk, Dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, Hv // Hk
     K = conv_w.shape[1]
-    out = xp.empty((R, Hv, Dv), dtype=ops.dtype)
+    out = xp.empty((mixed.shape[0], Hv, Dv), dtype=ops.dtype)
     for seg in batch.segments:
         rows = seg.rows
         window = xp.concatenate([states.conv[layer, seg.slot], mixed[rows]], axis=0)  # [K-1+n, C]
@@ -52,22 +83,18 @@ def gated_deltanet(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
         decay = xp.exp(g[rows])  # [n, Hv]
         bt = beta[rows]
         S = states.rec[layer, seg.slot]  # [Hv, Dk, Dv]
-        keep = [] if states.is_tracked(seg.slot) else None  # S after each row (drafts)
+        first = states.track_row(seg.slot)  # T-row of the state after each row (drafts)
         for t in range(seg.num):
             S = S * decay[t][:, None, None]
             m = (kc[t][:, None, :] @ S)[:, 0]  # [Hv, Dv]
             delta = bt[t][:, None] * (vc[t] - m)
             S = S + kc[t][:, :, None] * delta[:, None, :]
             out[seg.row0 + t] = (qc[t][:, None, :] @ S)[:, 0]
-            if keep is not None:
-                keep.append(S)
+            if first is not None:
+                states.track_conv[layer, first + t] = window[t + 1:t + K]
+                states.track_rec[layer, first + t] = S
         states.rec[layer, seg.slot] = S
-        if keep is not None:
-            states.record(layer, seg.slot, window, keep)
-
-    o = ops.rms_norm(out, p["norm.weight"], cfg.rms_norm_eps, zero_centered=False)
-    o = o * ops.silu(z)
-    return ops.linear(o.reshape(R, Hv * Dv), p["out_proj.weight"])
+    return out
 
 
 def _l2norm(xp, x: Array) -> Array:

@@ -11,12 +11,14 @@ from gpu_worker.routed_experts import Quantized, RoutedExperts
 if TYPE_CHECKING:
     from gpu_worker.weights.routing import RowRouting
 
-# CuPy: row counts up to this (the default prefill chunk) use the grouped expert kernels:
-# every (row, expert) pair on its own, an expert's weights read once per pair (from L2 when
-# pairs share it). On the H200 they beat the per-expert loop, which launches ~10 kernels per
-# expert, by 66-142x at 1-64 rows and 12-59x at 256-512 (docs/bench/gpu_experts_h200.json);
-# above the limit their scratch (rows x top-k x (H + I) values) grows and the loop takes over.
+# CuPy: row counts up to this (the default prefill chunk) use the expert kernels that never
+# wait for the host; above it their scratch (rows x top-k x (H + I) values) grows and the
+# per-expert loop takes over. The merged kernels (gpu_worker/kernels/moe_merged.py) read each
+# expert's weights once for all its rows; the grouped ones (moe_experts.py: every (row,
+# expert) pair alone, the weights read once per pair) stay for comparison
+# (docs/gpu_experts.md, scripts/bench_experts_gpu.py).
 GROUPED_MAX_ROWS = 512
+GPU_EXPERT_KERNELS = "merged"  # or "grouped"
 
 
 def route(ops: Ops, cfg: ModelConfig, w_gate: Array, x: Array,
@@ -53,16 +55,21 @@ def experts_local(ops: Ops, gate: Array, up: Array, down: Array, x: Array,
     """sum_k w_k * expert_{ids_k}(x) per row, experts stacked [E, I, H] / [E, H, I].
 
     Pairs with id -1 are skipped (computed elsewhere, e.g. on CPU workers).
-    NOTE: each row accumulates its experts in ascending expert id, whatever the batch.
-    On CuPy, batches of up to :data:`GROUPED_MAX_ROWS` rows (decode, verify and prefill
-    chunks) take three kernels that never wait for the host
-    (gpu_worker/kernels/moe_experts.py); larger ones the loop below.
+    NOTE: a row's sum never depends on the batch: on NumPy (the loop below) each row
+    accumulates its experts in ascending expert id; on CuPy, batches of up to
+    :data:`GROUPED_MAX_ROWS` rows (decode, verify and prefill chunks) take the kernels of
+    :data:`GPU_EXPERT_KERNELS`, which never wait for the host: ``merged`` sums in slot order
+    (gpu_worker/kernels/moe_merged.py), ``grouped`` in ascending id (moe_experts.py).
     """
     xp = ops.xp
     if xp.__name__ == "cupy" and 0 < x.shape[0] <= GROUPED_MAX_ROWS:
-        from gpu_worker.kernels.moe_experts import experts_grouped  # noqa: PLC0415 (cupy)
+        if GPU_EXPERT_KERNELS == "grouped":
+            from gpu_worker.kernels.moe_experts import experts_grouped  # noqa: PLC0415 (cupy)
 
-        return experts_grouped(x, ids, weights, gate, up, down)
+            return experts_grouped(x, ids, weights, gate, up, down)
+        from gpu_worker.kernels.moe_merged import experts_merged  # noqa: PLC0415 (cupy)
+
+        return experts_merged(x, ids, weights, gate, up, down)
     return experts_loop(ops, gate, up, down, x, ids, weights)
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from gpu_worker.kernels.bf16 import BF16, BITS, to_bf16, widen
+from gpu_worker.kernels.rowtile import linear_rows
 
 Array = Any  # numpy.ndarray or cupy.ndarray
 
@@ -23,9 +24,12 @@ class Ops:
 
     ``dtype`` "bfloat16" (``ml_dtypes.bfloat16``): weight matrices stored in bf16 (see
     :meth:`weight`), everything computed in float32 (:attr:`dtype` is float32 then).
-    ``exact=True`` computes every matrix product one row at a time, so a row's result never
-    depends on which other rows share the batch (BLAS picks different kernels and summation
-    orders for different row counts). Tests use it in float64 to prove batching bit-exact.
+    Matrix products (:meth:`linear`) on CuPy in float32 and bf16 run the row-tile kernel
+    (gpu_worker/kernels/rowtile.py), whose per-row summation order never depends on the
+    batch. Elsewhere (NumPy, CuPy float64) BLAS picks kernels and orders by row count, so
+    ``exact=True`` computes those products one row at a time, so that a row's result never
+    depends on which other rows share the batch; tests use it in float64 to prove batching
+    bit-exact.
     """
 
     def __init__(self, xp, dtype, *, exact: bool = False) -> None:
@@ -63,7 +67,12 @@ class Ops:
         return self.up(table[self.xp.asarray(tokens)])
 
     def linear(self, x: Array, w: Array, bias: Array | None = None) -> Array:
-        """x [R, in] @ w[out, in].T -> [R, out] (a bf16 ``w`` widened to float32 first)."""
+        """x [R, in] @ w[out, in].T (+ bias [out]) -> [R, out]. CuPy float32/bf16: the
+        row-tile kernel reads ``w`` (bf16 bits widened in registers, no temporary) once per
+        16 rows, a row's bits the same in any batch. Otherwise a bf16 ``w`` is widened to
+        float32 first and BLAS does the product (row by row with ``exact``)."""
+        if self.xp is not np and self.dtype == np.float32:
+            return linear_rows(x, w, bias)
         w = self.up(w)
         if self.exact and x.shape[0] > 0:
             out = self.xp.empty((x.shape[0], w.shape[0]), dtype=self.dtype)

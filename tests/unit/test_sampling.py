@@ -1,18 +1,26 @@
 import numpy as np
 import pytest
 
-from gpu_worker.sampling import filtered_logprobs, gumbel_noise, sample
+from gpu_worker.kernels.exact_math import draw64
+from gpu_worker.sampling import filtered_logprobs, sample
 from protocol.messages import SamplingParams
 
 
 def test_noise_is_keyed_by_seed_and_position_only():
-    a = gumbel_noise(7, 100, 50)
-    assert np.array_equal(a, gumbel_noise(7, 100, 50))
-    assert not np.array_equal(a, gumbel_noise(7, 101, 50))
-    assert not np.array_equal(a, gumbel_noise(8, 100, 50))
+    a = draw64(7, 100)
+    assert a == draw64(7, 100)
+    assert a != draw64(7, 101)
+    assert a != draw64(8, 100)
+    logits = np.random.default_rng(0).normal(size=500)
+    p = SamplingParams(temperature=1.5, seed=7)
+    picks = [sample(logits, p, pos) for pos in range(40)]
+    assert picks == [sample(logits, p, pos) for pos in range(40)]
+    assert len(set(picks)) > 10  # positions draw independently
+    other = [sample(logits, SamplingParams(temperature=1.5, seed=8), pos) for pos in range(40)]
+    assert other != picks
 
 
-def test_gumbel_argmax_follows_the_distribution():
+def test_draws_follow_the_distribution():
     logits = np.log(np.array([0.5, 0.3, 0.2]))
     params = SamplingParams(temperature=1.0, seed=3)
     draws = np.bincount([sample(logits, params, pos) for pos in range(6000)], minlength=3)
@@ -24,7 +32,7 @@ def test_greedy_ties_go_to_the_lowest_id():
 
 
 def _reference_filter(logits, p: SamplingParams):
-    """Slow, literal transcription of top-k / top-p / min-p."""
+    """Slow, literal transcription of top-k / top-p / min-p (float probabilities)."""
     z = np.asarray(logits, float) / p.temperature
     keep = np.ones(z.size, bool)
     if p.top_k:

@@ -1,0 +1,280 @@
+"""Gated DeltaNet on the GPU: every slot and row of a step in two launches (CuPy RawKernels).
+
+1. ``gdn_conv``, one thread per (segment, channel), the segment's rows in order: the causal
+   depthwise conv over [the slot's conv window | the segment's rows], then SiLU; the thread
+   keeps the last K-1 inputs in registers and writes them back as the slot's new window (and,
+   for a tracked segment, the window after every row).
+2. ``gdn_recurrent``, one block of ``TILE`` threads per (segment, value head, Dv tile), thread
+   j holding the state column S[:, j] (Dk values) in registers, rows in order: q and k of the
+   row's key head l2-normalised (sum of squares by a fixed halving tree), then
+   ``S <- decay S; m = k^T S; S <- S + k (beta (v - m))^T; o = q^T S``, each dot product over
+   Dk as four interleaved sequential partial sums ``((a0 + a1) + (a2 + a3))``. The final state
+   goes back to the slot; a tracked segment's state after every row goes to a T-row buffer
+   (gpu_worker/states.py).
+
+Every value of a row depends only on its own segment (its slot's state and earlier rows), in an
+order fixed by the shapes: a row's output and the states are the same bits alone or in any
+layout of slots. The arithmetic is + - * / and sqrt only, compiled with ``--fmad=false``, so
+gpu_worker/kernels/gdn_reference.py reproduces it bit for bit in NumPy; SiLU's exp is
+``exp_neg``: Cody-Waite reduction and a Taylor polynomial (degree 7 in float32, 13 in
+float64, within ~1 ulp of exp), 0 below -87 (float32) / -708 (float64).
+
+Registers (ptxas, sm_90): float32 with Dk 128 uses 188 per thread, no spill; float64 (the exact
+test dtype) and Dk 256 spill to local memory, correct but slower. The segment table is uploaded
+once per forward (RecurrentStates.segment_table); a CUDA graph will need it in a static buffer.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from gpu_worker.kernels import raw_module
+
+TILE = 32  # threads (state columns) per recurrence block
+CONV_THREADS = 128  # channels per conv block
+MAX_KEY_DIM = 256  # S[:, j] lives in registers: Dk values per thread
+L2_EPS = 1e-6  # inside the l2norm's square root, as gpu_worker/model/gdn.py
+
+
+def exp_constants(dtype) -> dict:
+    """exp_neg's constants for ``dtype`` (float32 or float64): the same values in the kernel
+    source and in the NumPy reference."""
+    t = np.dtype(dtype).type
+    # ln2 = ln2_hi + ln2_lo to well beyond the dtype's precision, n * ln2_hi exact
+    if t is np.float32:
+        under, degree, bias, shift = -87.0, 7, 127, 23
+        ln2_hi, ln2_lo = 0.693359375, math.log(2) - 0.693359375
+    else:  # fdlibm's split
+        under, degree, bias, shift = -708.0, 13, 1023, 52
+        ln2_hi, ln2_lo = 6.93147180369123816490e-01, 1.90821492927058770002e-10
+    return {"under": t(under), "log2e": t(1 / math.log(2)), "ln2_hi": t(ln2_hi),
+            "ln2_lo": t(ln2_lo), "bias": bias, "shift": shift,
+            "coeffs": [t(1 / math.factorial(k)) for k in range(degree + 1)]}
+
+
+def _literal(v, real: str) -> str:
+    return repr(float(v)) + ("f" if real == "float" else "")
+
+
+_HELPERS = r"""
+__device__ __forceinline__ T exp_neg(T u) {  // exp(u) for u <= 0 from + - * only
+    if (!(u >= UNDER)) return (T)0;
+    T n = RINT(u * LOG2E);
+    T r = u - n * LN2_HI;
+    r = r - n * LN2_LO;
+    T p = HORNER;
+    return p * POW2((int)n);
+}
+
+__device__ __forceinline__ T silu(T x) {  // as Ops.silu: x * sigmoid(x), split by sign
+    T e = exp_neg(-fabs(x));
+    T s = x >= (T)0 ? (T)1 / ((T)1 + e) : e / ((T)1 + e);
+    return x * s;
+}
+
+"""
+
+_CONV = r"""
+// grid (segments, ceil(C / blockDim.x)); seg[4 s..]: slot, row0, rows, first T-row or -1
+extern "C" __global__ void gdn_conv(const T* x, const T* w, T* win, T* win_track, T* y,
+                                    const int* seg, int C) {
+    int s = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    int slot = seg[4 * s], row0 = seg[4 * s + 1], n = seg[4 * s + 2], track = seg[4 * s + 3];
+    T wc[KW], h[KW];  // h: the window (oldest first), then the current row's input
+#pragma unroll
+    for (int j = 0; j < KW; ++j) wc[j] = w[(long long)c * KW + j];
+    T* ws = win + (long long)slot * (KW - 1) * C + c;
+#pragma unroll
+    for (int j = 0; j < KW - 1; ++j) h[j] = ws[(long long)j * C];
+    for (int t = 0; t < n; ++t) {
+        long long row = row0 + t;
+        h[KW - 1] = x[row * C + c];
+        T acc = (T)0;
+#pragma unroll
+        for (int j = 0; j < KW; ++j) acc = acc + h[j] * wc[j];
+        y[row * C + c] = silu(acc);
+#pragma unroll
+        for (int j = 0; j < KW - 1; ++j) h[j] = h[j + 1];
+        if (track >= 0) {
+            T* wt = win_track + (long long)(track + t) * (KW - 1) * C + c;
+#pragma unroll
+            for (int j = 0; j < KW - 1; ++j) wt[(long long)j * C] = h[j];
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < KW - 1; ++j) ws[(long long)j * C] = h[j];
+}
+"""
+
+_RECURRENT = r"""
+// grid (segments, Hv, ceil(Dv / blockDim.x)); y [R, C]: q (Hk*DK) | k (Hk*DK) | v (Hv*Dv)
+extern "C" __global__ void gdn_recurrent(const T* y, const T* decay, const T* beta,
+                                         T* state, T* state_track, T* out, const int* seg,
+                                         int C, int Hk, int Hv, int Dv, T scale) {
+    __shared__ T qs[DKP], ks[DKP], sq[DKP], sk[DKP];
+    int s = blockIdx.x, hv = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
+    int j = blockIdx.z * nt + tid;
+    bool on = j < Dv;
+    int slot = seg[4 * s], row0 = seg[4 * s + 1], n = seg[4 * s + 2], track = seg[4 * s + 3];
+    int hk = hv / (Hv / Hk);
+    T S[DK];
+    T* st = state + ((long long)slot * Hv + hv) * DK * Dv + j;
+    if (on) {
+#pragma unroll
+        for (int i = 0; i < DK; ++i) S[i] = st[(long long)i * Dv];
+    }
+    for (int t = 0; t < n; ++t) {
+        long long row = row0 + t;
+        const T* qr = y + row * C + (long long)hk * DK;
+        const T* kr = qr + (long long)Hk * DK;
+        for (int i = tid; i < DKP; i += nt) {
+            T a = i < DK ? qr[i] : (T)0, b = i < DK ? kr[i] : (T)0;
+            qs[i] = a; ks[i] = b; sq[i] = a * a; sk[i] = b * b;
+        }
+        __syncthreads();
+        for (int half = DKP / 2; half > 0; half >>= 1) {
+            for (int i = tid; i < half; i += nt) {
+                sq[i] = sq[i] + sq[i + half];
+                sk[i] = sk[i] + sk[i + half];
+            }
+            __syncthreads();
+        }
+        T nq = SQRT(sq[0] + EPS), nk = SQRT(sk[0] + EPS);
+        for (int i = tid; i < DK; i += nt) {
+            qs[i] = (qs[i] / nq) * scale;
+            ks[i] = ks[i] / nk;
+        }
+        __syncthreads();
+        if (on) {
+            T dec = decay[row * Hv + hv], b = beta[row * Hv + hv];
+            T v = y[row * C + 2LL * Hk * DK + (long long)hv * Dv + j];
+            T a[4] = {(T)0, (T)0, (T)0, (T)0};
+#pragma unroll
+            for (int i = 0; i < DK; ++i) {
+                S[i] = S[i] * dec;
+                a[i & 3] = a[i & 3] + ks[i] * S[i];
+            }
+            // NOTE: makes the second loop re-read ks from shared memory instead of keeping
+            // all Dk of them in registers next to S (float32, Dk 128: 188 registers, no spill)
+            __syncwarp();
+            T d = b * (v - ((a[0] + a[1]) + (a[2] + a[3])));
+            T o[4] = {(T)0, (T)0, (T)0, (T)0};
+#pragma unroll
+            for (int i = 0; i < DK; ++i) {
+                S[i] = S[i] + ks[i] * d;
+                o[i & 3] = o[i & 3] + qs[i] * S[i];
+            }
+            out[(row * Hv + hv) * Dv + j] = (o[0] + o[1]) + (o[2] + o[3]);
+            if (track >= 0) {
+                T* tr = state_track + ((long long)(track + t) * Hv + hv) * DK * Dv + j;
+#pragma unroll
+                for (int i = 0; i < DK; ++i) tr[(long long)i * Dv] = S[i];
+            }
+        }
+        __syncthreads();  // qs / ks / sq / sk are the next row's
+    }
+    if (on) {
+#pragma unroll
+        for (int i = 0; i < DK; ++i) st[(long long)i * Dv] = S[i];
+    }
+}
+"""
+
+
+def source(dtype, *, conv_kernel: int | None = None, key_dim: int | None = None) -> str:
+    """The CUDA source of ``gdn_conv`` for a K-tap conv (``conv_kernel``) or of
+    ``gdn_recurrent`` for Dk = ``key_dim``, in ``dtype`` (float32 or float64)."""
+    real = "float" if np.dtype(dtype) == np.float32 else "double"
+    c = exp_constants(dtype)
+    lit = [_literal(v, real) for v in c["coeffs"]]
+    horner = lit[-1]
+    for v in reversed(lit[:-1]):
+        horner = f"({horner}) * r + {v}"
+    pow2 = ("__int_as_float((k + 127) << 23)" if real == "float"
+            else "__longlong_as_double((long long)(k + 1023) << 52)")
+    defines = {
+        "UNDER": _literal(c["under"], real), "LOG2E": _literal(c["log2e"], real),
+        "LN2_HI": _literal(c["ln2_hi"], real), "LN2_LO": _literal(c["ln2_lo"], real),
+        "HORNER": f"({horner})", "RINT": "rintf" if real == "float" else "rint",
+        "EPS": _literal(np.dtype(dtype).type(L2_EPS), real),
+        "SQRT": "sqrtf" if real == "float" else "sqrt"}
+    if conv_kernel is not None:
+        defines["KW"] = str(conv_kernel)
+    if key_dim is not None:
+        defines.update(DK=str(key_dim), DKP=str(1 << (key_dim - 1).bit_length()))
+    head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+    head += f"typedef {real} T;\n__device__ __forceinline__ T POW2(int k) {{ return {pow2}; }}\n"
+    return head + _HELPERS + (_CONV if conv_kernel is not None else _RECURRENT)
+
+
+def supports(dtype, key_dim: int, conv_kernel: int) -> bool:
+    """Whether the kernels take this layer: float32/float64, Dk <= MAX_KEY_DIM, K >= 2."""
+    return (np.dtype(dtype) in (np.float32, np.float64) and 0 < key_dim <= MAX_KEY_DIM
+            and conv_kernel >= 2)
+
+
+@functools.cache
+def _function(name: str, dtype, **shape: int):
+    # NOTE: cached, so a step pays neither the source's formatting nor a module lookup
+    return raw_module(source(dtype, **shape), "Gated DeltaNet kernels").get_function(name)
+
+
+def conv_silu(x, weight, window, table, track=None):
+    """``silu(causal depthwise conv)`` of every segment's rows: x [R, C] raw conv inputs,
+    weight [C, K], window [slots, K-1, C] (the layer's conv state: C-contiguous, updated in
+    place), table [segments, 4] int32 (RecurrentStates.segment_table), track [T, K-1, C] or
+    None (the window after every tracked row) -> y [R, C]. One launch, no sync."""
+    import cupy as cp  # noqa: PLC0415 (only on the GPU backend)
+
+    R, C = x.shape
+    K = weight.shape[1]
+    _check(window, (window.shape[0], K - 1, C), x.dtype, "window")
+    if track is not None:
+        _check(track, (track.shape[0], K - 1, C), x.dtype, "track")
+    y = cp.empty((R, C), x.dtype)
+    if R and table.shape[0]:
+        x = cp.ascontiguousarray(x)
+        weight = cp.ascontiguousarray(weight, dtype=x.dtype)
+        fn = _function("gdn_conv", np.dtype(x.dtype), conv_kernel=K)
+        fn((table.shape[0], -(-C // CONV_THREADS)), (CONV_THREADS,),
+           (x, weight, window, window if track is None else track, y, table, np.int32(C)))
+    return y
+
+
+def recurrence(y, decay, beta, state, table, *, key_heads: int, scale: float, track=None):
+    """The delta rule over every segment's rows: y [R, C] (``conv_silu``'s output), decay and
+    beta [R, Hv], state [slots, Hv, Dk, Dv] (the layer's delta-rule state: C-contiguous,
+    updated in place), table as ``conv_silu``, track [T, Hv, Dk, Dv] or None (the state after
+    every tracked row) -> out [R, Hv, Dv]. ``scale``: q's factor after the l2norm (Dk^-0.5).
+    One launch, no sync."""
+    import cupy as cp  # noqa: PLC0415 (only on the GPU backend)
+
+    R, C = y.shape
+    _, Hv, Dk, Dv = state.shape
+    dt = y.dtype
+    if C != 2 * key_heads * Dk + Hv * Dv or Hv % key_heads or decay.shape != (R, Hv) \
+            or beta.shape != (R, Hv):
+        raise ValueError(f"y {y.shape}, decay {decay.shape}, beta {beta.shape}, state "
+                         f"{state.shape}, key heads {key_heads} do not fit")
+    _check(state, state.shape, dt, "state")
+    if track is not None:
+        _check(track, (track.shape[0], Hv, Dk, Dv), dt, "track")
+    out = cp.empty((R, Hv, Dv), dt)
+    if R and table.shape[0]:
+        y, decay, beta = (cp.ascontiguousarray(a, dtype=dt) for a in (y, decay, beta))
+        fn = _function("gdn_recurrent", np.dtype(dt), key_dim=Dk)
+        fn((table.shape[0], Hv, -(-Dv // TILE)), (TILE,),
+           (y, decay, beta, state, state if track is None else track, out, table,
+            np.int32(C), np.int32(key_heads), np.int32(Hv), np.int32(Dv), dt.type(scale)))
+    return out
+
+
+def _check(a, shape: tuple, dtype, what: str) -> None:
+    # NOTE: states are updated in place, so they must be the caller's own contiguous memory
+    if a.shape != shape or a.dtype != dtype or not a.flags.c_contiguous:
+        raise ValueError(f"{what}: {a.shape} {a.dtype} (contiguous: {a.flags.c_contiguous}); "
+                         f"expected {shape} {np.dtype(dtype)}, C-contiguous")

@@ -1,0 +1,357 @@
+"""Paged attention for every decode and verify row of a step in two launches (CuPy RawModule).
+
+1. ``kv_write``: grid (rows, kv heads); scatters each row's K and V into its slot's block at
+   its position (block tables: :meth:`KVCache.device_tables`). An int8 cache quantizes each
+   32 values as ``KVCache._quantize`` does (``d = fp16(amax / 127)``, ``q = rint(x / d)``),
+   same bytes.
+2. ``paged_attn``: grid (rows, kv heads), one block computes the ``group`` q heads that share
+   a kv head, so K/V are read once per group. Keys 0..pos of the row are taken in chunks of
+   :data:`CHUNK` positions (always from position 0: the order depends on the row's position
+   only, never on the launch): per chunk the scores ``s_j = (sum_d q_d k_jd) * scale``
+   (sequential over d), the running max ``m``, ``alpha = exp(m_old - m)``, ``p_j = exp(s_j -
+   m)``, ``l = l * alpha + p_0 + p_1 + ...`` and ``acc_d = acc_d * alpha + p_0 v_0d + ...``
+   (ascending j); the output is ``acc / l``. So a row's bits are the same alone or in any
+   layout, and a verify row equals a decode row at the same position.
+
+``exp`` is not the CUDA library's (NumPy's differs in the last bit): :func:`exp_reference`'s
+steps (Cody-Waite reduction by ln 2, Taylor polynomial by Horner, times 2^n) use only ``* + -``
+and ``rint``, compiled with ``--fmad=false``, so :func:`attention_reference` (NumPy) gives
+the kernel's bits. The math is float32 for float32 models and float64 for float64 ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from gpu_worker.kernels import raw_module
+
+CHUNK = 16  # key positions per online-softmax step (fixes the arithmetic order: never change)
+THREADS = 256
+DEFAULT_SHARED = 48 * 1024  # more needs the kernel's opt-in attribute
+
+
+@functools.cache
+def _exp_constants(dtype: np.dtype) -> dict:
+    """The exp's constants as ``dtype`` scalars: cut-off, log2(e), ln 2 split in a high part
+    with trailing zeros (n * hi is exact) and a low part, Taylor coefficients 1/k!."""
+    t = np.dtype(dtype).type
+    if np.dtype(dtype) == np.float32:
+        hi, cut, degree = np.uint32(0x3F317200).view(np.float32), -80.0, 7
+        lo = t(math.log(2) - float(hi))  # double's ln 2 is precise enough for this tail
+    else:  # fdlibm's split: hi has 32 significant bits, lo the next 53
+        hi, cut, degree = np.uint64(0x3FE62E42FEE00000).view(np.float64), -700.0, 13
+        lo = np.uint64(0x3DEA39EF35793C76).view(np.float64)
+    return {"cut": t(cut), "log2e": t(1 / math.log(2)), "ln2_hi": t(hi), "ln2_lo": t(lo),
+            "coef": [t(1 / math.factorial(k)) for k in range(degree + 1)]}
+
+
+def exp_reference(x: np.ndarray) -> np.ndarray:
+    """e^x for x <= 0 as the kernels compute it (0 below the cut-off, for -inf and NaN)."""
+    c = _exp_constants(x.dtype)
+    with np.errstate(all="ignore"):
+        keep = x >= c["cut"]
+        xs = np.where(keep, x, x.dtype.type(0))
+        n = np.rint(xs * c["log2e"])
+        r = (xs - n * c["ln2_hi"]) - n * c["ln2_lo"]
+        p = np.full_like(r, c["coef"][-1])
+        for coef in reversed(c["coef"][:-1]):
+            p = p * r + coef
+        return np.where(keep, p * np.ldexp(np.ones_like(p), n.astype(np.int32)),
+                        x.dtype.type(0))
+
+
+def _literal(v) -> str:
+    if v.dtype == np.float32:
+        return f"__int_as_float({int(np.asarray(v).view(np.int32))})"
+    return f"__longlong_as_double({int(np.asarray(v).view(np.int64))}LL)"
+
+
+def _exp_source(real: str, dtype) -> str:
+    c = {k: (_literal(v) if k != "coef" else [_literal(x) for x in v])
+         for k, v in _exp_constants(np.dtype(dtype)).items()}
+    two_n = ("__int_as_float(((int)n + 127) << 23)" if real == "float"
+             else "__longlong_as_double((long long)((int)n + 1023) << 52)")
+    horner = "".join(f"    p = p * r + {k};\n" for k in reversed(c["coef"][:-1]))
+    return (f"__device__ __forceinline__ {real} exp_neg({real} x) {{\n"
+            f"    if (!(x >= {c['cut']})) return 0;\n"
+            f"    {real} n = rint_t(x * {c['log2e']});\n"
+            f"    {real} r = (x - n * {c['ln2_hi']}) - n * {c['ln2_lo']};\n"
+            f"    {real} p = {c['coef'][-1]};\n{horner}"
+            f"    return p * {two_n};\n}}\n")
+
+
+_HEADER = r"""
+__device__ __forceinline__ float rint_t(float x) { return rintf(x); }
+__device__ __forceinline__ double rint_t(double x) { return rint(x); }
+__device__ __forceinline__ float max_t(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double max_t(double a, double b) { return fmax(a, b); }
+__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
+
+// fp16 bits -> float, exactly (subnormals included)
+__device__ __forceinline__ float half_to_float(unsigned short h) {
+    unsigned int s = ((unsigned int)h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0) { float v = (float)m * 5.9604644775390625e-08f; return s ? -v : v; }
+    if (e == 31) return __uint_as_float(s | 0x7f800000u | (m << 13));
+    return __uint_as_float(s | ((e + 112u) << 23) | (m << 13));
+}
+
+// float d >= 0 -> fp16 bits, round to nearest even as NumPy's astype(float16) (inf above)
+__device__ __forceinline__ unsigned short float_to_half(float d) {
+    if (d >= 65520.0f) return 0x7c00;
+    if (d < 6.103515625e-05f) return (unsigned short)rintf(d * 16777216.0f);
+    int e;
+    frexpf(d, &e);  // d = m 2^e, m in [0.5, 1): 11 significant bits kept
+    int r = (int)rintf(ldexpf(d, 11 - e));
+    return (unsigned short)(((e + 14) << 10) + (r - 1024));  // r == 2048 carries into e
+}
+
+// one warp quantizes 32 values (lane = value) as KVCache._quantize
+__device__ __forceinline__ void quant32(float x, signed char* q, unsigned short* sc, int d) {
+    unsigned int m = __float_as_uint(x) & 0x7fffffffu;
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    unsigned short bits = float_to_half(__fdiv_rn(__uint_as_float(m), 127.0f));
+    float dd = half_to_float(bits);
+    float r = rintf(__fdiv_rn(x, dd > 0.0f ? dd : 1.0f));
+    q[d] = (signed char)fminf(fmaxf(r, -127.0f), 127.0f);
+    if ((d & 31) == 0) sc[d >> 5] = bits;
+}
+"""
+
+# NAME: variant; REAL: math type; KT: cache element; LOAD(i, si): cache element i as REAL
+# (si: its fp16 scale's index); STORE: one value into the cache.
+# Pools [layers, blocks, block_size, Hkv, hd]; a (layer, block, offset, head) vector is `vec`.
+_KERNELS = r"""
+#define VEC(pos) ((((long long)layer * nblocks + table[(pos) / bsize]) * bsize \
+                   + (pos) % bsize) * hkv + h)
+
+// grid (R, Hkv), block hd rounded up to 32; meta [3, n]: batch row, slot, position
+extern "C" __global__ void kv_write_NAME(
+        const REAL* __restrict__ k, const REAL* __restrict__ v, KT* kpool, KT* vpool,
+        unsigned short* kscale, unsigned short* vscale, const int* __restrict__ tables,
+        int width, const int* __restrict__ meta, int n, int layer, int nblocks, int bsize,
+        int hkv, int hd) {
+    int i = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+    int row = meta[i], pos = meta[2 * n + i];
+    const int* table = tables + (long long)meta[n + i] * width;
+    long long vec = VEC(pos), src = ((long long)row * hkv + h) * hd;
+    if (d >= hd) return;
+    STORE
+}
+
+// grid (n, Hkv), block THREADS; dynamic shared memory: see _shared_bytes
+extern "C" __global__ void paged_attn_NAME(
+        const REAL* __restrict__ q, const KT* __restrict__ kpool, const KT* __restrict__ vpool,
+        const unsigned short* __restrict__ kscale, const unsigned short* __restrict__ vscale,
+        const int* __restrict__ tables, int width, const int* __restrict__ meta, int n,
+        REAL* __restrict__ out, int layer, int nblocks, int bsize, int hkv, int hd, int group,
+        REAL scale) {
+    extern __shared__ double smem_[];
+    const int C = CHUNK, G = group * hd, T = blockDim.x, t = threadIdx.x;
+    REAL* ks = (REAL*)smem_;            // [C][hd + 1] (padded: no bank conflicts on j)
+    REAL* vs = ks + C * (hd + 1);       // [C][hd]
+    REAL* qs = vs + C * hd;             // [group][hd]
+    REAL* acc = qs + G;                 // [group][hd]
+    REAL* ps = acc + G;                 // [group][C]: scores, then probabilities
+    REAL* ml = ps + group * C;          // [3][group]: running max, running sum, alpha
+    int i = blockIdx.x, h = blockIdx.y;
+    int row = meta[i], pos = meta[2 * n + i];
+    const int* table = tables + (long long)meta[n + i] * width;
+    long long qoff = ((long long)row * hkv * group + (long long)h * group) * hd;
+    for (int e = t; e < G; e += T) { qs[e] = q[qoff + e]; acc[e] = 0; }
+    for (int e = t; e < group; e += T) { ml[e] = NEG_INF; ml[group + e] = 0; }
+    __syncthreads();
+    for (int c0 = 0; c0 <= pos; c0 += C) {
+        int valid = min(C, pos + 1 - c0);
+        for (int e = t; e < C * hd; e += T) {
+            int j = e / hd, d = e % hd;
+            REAL kx = 0, vx = 0;
+            if (j < valid) {
+                long long vec = VEC(c0 + j);
+                long long idx = vec * hd + d, sidx = vec * (hd / 32) + d / 32;
+                kx = LOAD(kpool, kscale, idx, sidx);
+                vx = LOAD(vpool, vscale, idx, sidx);
+            }
+            ks[j * (hd + 1) + d] = kx;
+            vs[j * hd + d] = vx;
+        }
+        __syncthreads();
+        for (int e = t; e < group * C; e += T) {  // scores: one thread per (head, key)
+            int g = e / C, j = e % C;
+            if (j >= valid) continue;
+            const REAL* qq = qs + g * hd;
+            const REAL* kk = ks + j * (hd + 1);
+            REAL s = 0;
+            for (int d = 0; d < hd; ++d) s = s + qq[d] * kk[d];
+            ps[e] = s * scale;
+        }
+        __syncthreads();
+        for (int g = t; g < group; g += T) {  // online softmax: one thread per head
+            REAL* pr = ps + g * C;
+            REAL mc = pr[0];
+            for (int j = 1; j < valid; ++j) mc = max_t(mc, pr[j]);
+            REAL mo = ml[g], mn = max_t(mo, mc);
+            REAL alpha = exp_neg(mo - mn);
+            REAL l = ml[group + g] * alpha;
+            for (int j = 0; j < valid; ++j) {
+                REAL p = exp_neg(pr[j] - mn);
+                pr[j] = p;
+                l = l + p;
+            }
+            ml[g] = mn;
+            ml[group + g] = l;
+            ml[2 * group + g] = alpha;
+        }
+        __syncthreads();
+        for (int e = t; e < G; e += T) {  // values: one thread per (head, dim)
+            int g = e / hd, d = e % hd;
+            const REAL* pr = ps + g * C;
+            REAL a = acc[e] * ml[2 * group + g];
+            for (int j = 0; j < valid; ++j) a = a + pr[j] * vs[j * hd + d];
+            acc[e] = a;
+        }
+        __syncthreads();
+    }
+    for (int e = t; e < G; e += T) out[qoff + e] = div_rn(acc[e], ml[group + e / hd]);
+}
+#undef VEC
+"""
+
+_STORE_FLOAT = "kpool[vec * hd + d] = k[src + d]; vpool[vec * hd + d] = v[src + d];"
+_STORE_INT8 = ("quant32((float)k[src + d], kpool + vec * hd, kscale + vec * (hd / 32), d);\n"
+               "    quant32((float)v[src + d], vpool + vec * hd, vscale + vec * (hd / 32), d);")
+_LOAD_FLOAT = "(REAL)P[I]"
+_LOAD_INT8 = "(REAL)P[I] * (REAL)half_to_float(S[SI])"
+# name, REAL, KT, int8
+_VARIANTS = (("f32", "float", "float", False), ("f64", "double", "double", False),
+             ("f32_i8", "float", "signed char", True), ("f64_i8", "double", "signed char", True))
+
+
+def _neg_inf(real: str):
+    return (np.float32 if real == "float" else np.float64)(-np.inf)
+
+
+def _source() -> str:
+    parts = [_HEADER, _exp_source("float", np.float32), _exp_source("double", np.float64)]
+    for name, real, kt, int8 in _VARIANTS:
+        load = (_LOAD_INT8 if int8 else _LOAD_FLOAT).replace("REAL", real)
+        parts.append(
+            f"#define LOAD(P, S, I, SI) ({load})\n#define NEG_INF {_literal(_neg_inf(real))}\n"
+            + _KERNELS.replace("STORE", _STORE_INT8 if int8 else _STORE_FLOAT)
+            .replace("NAME", name).replace("REAL", real).replace("KT", kt)
+            .replace("CHUNK", str(CHUNK)) + "#undef LOAD\n#undef NEG_INF\n")
+    return "".join(parts)
+
+
+def _module():
+    return raw_module(_source(), "paged attention kernels")
+
+
+@functools.cache
+def _function(name: str, shared: int = 0):
+    """A kernel of the module (looked up once), opted in to ``shared`` bytes of dynamic
+    shared memory where that is more than the default 48 KiB."""
+    fn = _module().get_function(name)
+    if shared > DEFAULT_SHARED:
+        fn.max_dynamic_shared_size_bytes = shared
+    return fn
+
+
+def _variant(dtype, quant: bool) -> str:
+    if np.dtype(dtype) not in (np.float32, np.float64):
+        raise TypeError(f"paged attention computes in float32 or float64, not {dtype}")
+    return ("f32" if np.dtype(dtype) == np.float32 else "f64") + ("_i8" if quant else "")
+
+
+def _shared_bytes(hd: int, group: int, itemsize: int) -> int:
+    return (CHUNK * (2 * hd + 1) + 2 * group * hd + group * CHUNK + 3 * group) * itemsize
+
+
+def _check_dtype(kv, dtype) -> None:
+    if not kv.quant and kv.k.dtype != dtype:
+        raise TypeError(f"a {kv.k.dtype} cache with {dtype} activations")
+
+
+def _pool_args(kv) -> tuple:
+    scales = (kv.ks, kv.vs) if kv.quant else (kv.k, kv.v)  # unused pointers when not int8
+    return kv.k, kv.v, *scales
+
+
+def write_kv(kv, layer: int, k, v, meta, tables) -> None:
+    """Store ``k, v [R, Hkv, hd]`` (the compute dtype) at each row's (slot, position) given
+    by ``meta`` (int32 [3, n] on the device: batch row, slot, position; blocks reserved)."""
+    n = meta.shape[1]
+    if n == 0:
+        return
+    hd = kv.head_dim
+    _check_dtype(kv, k.dtype)
+    fn = _function(f"kv_write_{_variant(k.dtype, kv.quant)}")
+    k, v = (a.reshape(-1, kv.kv_heads, hd) for a in (k, v))
+    fn((n, kv.kv_heads), (-(-hd // 32) * 32,),
+       (k, v, *_pool_args(kv), tables, np.int32(tables.shape[1]), meta, np.int32(n),
+        np.int32(layer), np.int32(kv.num_blocks), np.int32(kv.block_size),
+        np.int32(kv.kv_heads), np.int32(hd)))
+
+
+def paged_attention(q, kv, layer: int, meta, tables, out, scale) -> None:
+    """``out[row] = softmax(q[row] K^T * scale) V`` over keys 0..position of the row's slot,
+    for the rows of ``meta`` (int32 [3, n] on the device); ``q``, ``out`` [R, Hq, hd]
+    C-contiguous, the compute dtype; ``scale`` of that dtype. Other rows of ``out`` are left
+    as they are."""
+    n = meta.shape[1]
+    if n == 0:
+        return
+    R, hq, hd = q.shape
+    group = hq // kv.kv_heads
+    if hd != kv.head_dim or group * kv.kv_heads != hq or out.shape != q.shape:
+        raise ValueError(f"q {q.shape}, out {out.shape} do not fit the cache "
+                         f"({kv.kv_heads} kv heads of {kv.head_dim})")
+    _check_dtype(kv, q.dtype)
+    shared = _shared_bytes(hd, group, q.dtype.itemsize)
+    fn = _function(f"paged_attn_{_variant(q.dtype, kv.quant)}", shared)
+    fn((n, kv.kv_heads), (THREADS,),
+       (q, *_pool_args(kv), tables, np.int32(tables.shape[1]), meta, np.int32(n), out,
+        np.int32(layer), np.int32(kv.num_blocks), np.int32(kv.block_size),
+        np.int32(kv.kv_heads), np.int32(hd), np.int32(group), q.dtype.type(scale)),
+       shared_mem=shared)
+
+
+def attention_reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                        positions: np.ndarray, scale) -> np.ndarray:
+    """The kernel's arithmetic in NumPy, step for step (the same bits): ``q [n, Hq, hd]``,
+    ``keys``/``values [n, L, Hkv, hd]`` (row i uses keys 0..positions[i]; L > max position),
+    ``scale`` a scalar of q's dtype -> ``[n, Hq, hd]``. Slow (a NumPy op per dim and key)."""
+    n, hq, hd = q.shape
+    hkv = keys.shape[2]
+    t = q.dtype.type
+    qg = q.reshape(n, hkv, hq // hkv, hd)  # [n, Hkv, g, hd]
+    m = np.full(qg.shape[:3], -np.inf, q.dtype)
+    l = np.zeros(qg.shape[:3], q.dtype)
+    acc = np.zeros(qg.shape, q.dtype)
+    positions = np.asarray(positions)
+    for c0 in range(0, int(positions.max()) + 1, CHUNK):
+        kc = keys[:, c0:c0 + CHUNK].transpose(0, 2, 1, 3)[:, :, None]  # [n, Hkv, 1, c, hd]
+        vc = values[:, c0:c0 + CHUNK].transpose(0, 2, 1, 3)[:, :, None]
+        c = kc.shape[3]
+        valid = (c0 + np.arange(c))[None, :] <= positions[:, None]  # [n, c]
+        active = valid[:, 0][:, None, None]  # rows whose keys reach this chunk
+        s = np.zeros((*qg.shape[:3], c), q.dtype)
+        for d in range(hd):
+            s = s + qg[..., d, None] * kc[..., d]
+        s = s * t(scale)
+        vmask = valid[:, None, None, :]
+        mn = np.maximum(m, np.where(vmask, s, t(-np.inf)).max(axis=-1))
+        with np.errstate(invalid="ignore"):
+            alpha = exp_reference(m - mn)
+        p = exp_reference(s - mn[..., None])
+        l = np.where(active, l * alpha, l)
+        acc = np.where(active[..., None], acc * alpha[..., None], acc)
+        for j in range(c):
+            ok = vmask[..., j]
+            l = np.where(ok, l + p[..., j], l)
+            acc = np.where(ok[..., None], acc + p[..., j, None] * vc[..., j, :], acc)
+        m = np.where(active, mn, m)
+    return (acc / l[..., None]).reshape(n, hq, hd)

@@ -1,0 +1,274 @@
+"""Weight-stationary, batch-invariant matrix product on CuPy: ``x [R, K] @ w[N, K].T``.
+
+Every dense projection of the model (attention, Gated DeltaNet, shared expert, router,
+lm_head) goes through :func:`linear_rows` on CuPy (``Ops.linear``). One block reads a tile of
+``WARPS * nw`` weight rows once, as 16-byte loads, and applies it to a tile of up to 16 rows
+of ``x`` staged in shared memory; more rows launch more row tiles, each computing its rows
+exactly as it would alone. Decode and verify steps (1-16 rows) are thus one pass over the
+weights, bandwidth-bound, and a row's bits never depend on its batch:
+
+**The summation order** (``gpu_worker/kernels/rowtile_ref.py`` is its NumPy formula). K is
+cut into chunks of 8 elements; chunk ``c`` belongs to lane ``c % 32`` of a warp. A lane
+accumulates its chunks in ascending order, elements ascending, one correctly rounded float32
+fused multiply-add each (``acc = fma(w, x, acc)``, from +0; K padded with zeros to a multiple
+of 256), then the 32 lane sums fold as a butterfly ``s[l] + s[l ^ o]`` for o = 16, 8, 4, 2, 1
+(commutative adds: every lane ends with the same bits), then ``+ bias``. The order depends on
+K alone: not on R, the tile's size, the row's position or the other rows, nor on ``nw`` or
+whether a load was vectorised. bf16 weights (uint16 bits) are widened exactly in registers,
+so float32 weights holding the same values give the same bits.
+
+FMA rather than a multiply then an add: at 16 rows the kernel runs 16 float32 operations per
+weight, and the H200's float32 units would cap a mul+add kernel near half the HBM rate.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from gpu_worker.kernels import raw_module
+from gpu_worker.kernels.bf16 import BITS
+
+WARPS = 8  # warps per block
+TILES = (1, 2, 4, 8, 12, 16)  # row-tile sizes compiled; R > 16 uses tiles of 16
+MIN_BLOCKS = 1  # __launch_bounds__' blocks per SM (more forces spills at 8-16 rows)
+SMEM_FLOATS = 8 * 1024  # x staging per block (32 KiB): 8 * RT * SC floats
+
+_SOURCE = r"""
+// RT rows per tile, stored in shared memory as V-float vectors (V = min(RT, 4), RQ = RT / V):
+// x[r][k = 8 c + e] of the current slice at xs[((e * RQ + r / V) * SC + c) * V + r % V], so a
+// warp's 32 lanes (chunks c = lane + 32 j) read 32 consecutive vectors (no bank conflicts).
+#define RT __RT__
+#define V __V__
+#define RQ (RT / V)
+#define SC __SC__
+#define NW __NW__
+#define PF __PF__  // weight chunks per row in flight + 1
+#define WARPS __WARPS__
+#define VEC __VEC__  // 16-byte loads: K % 8 == 0 and x, w 16-byte aligned
+typedef __VT__ VT;
+
+#if __BF16__
+typedef unsigned short WT;
+struct Chunk { uint4 u; };  // 8 bf16: element e in word e / 2, low half first
+__device__ __forceinline__ float elem(const Chunk& c, int e) {
+    unsigned int w = (e >> 1) == 0 ? c.u.x : (e >> 1) == 1 ? c.u.y : (e >> 1) == 2 ? c.u.z : c.u.w;
+    return __uint_as_float((e & 1) ? (w & 0xffff0000u) : (w << 16));
+}
+__device__ __forceinline__ Chunk load_chunk(const WT* row, long long k0, long long K) {
+    Chunk c;
+    if (VEC) {  // K % 8 == 0, rows 16-byte aligned: a chunk is all in or all out
+        c.u = k0 < K ? __ldg(reinterpret_cast<const uint4*>(row + k0)) : make_uint4(0, 0, 0, 0);
+    } else {
+        unsigned int h[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) h[i] = k0 + i < K ? (unsigned int)row[k0 + i] : 0u;
+        c.u = make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
+                         h[6] | (h[7] << 16));
+    }
+    return c;
+}
+#else
+typedef float WT;
+struct Chunk { float4 a, b; };
+__device__ __forceinline__ float elem(const Chunk& c, int e) {
+    const float4& h = e < 4 ? c.a : c.b;
+    int i = e & 3;
+    return i == 0 ? h.x : i == 1 ? h.y : i == 2 ? h.z : h.w;
+}
+__device__ __forceinline__ Chunk load_chunk(const WT* row, long long k0, long long K) {
+    Chunk c;
+    if (VEC) {
+        const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        c.a = k0 < K ? __ldg(reinterpret_cast<const float4*>(row + k0)) : z;
+        c.b = k0 < K ? __ldg(reinterpret_cast<const float4*>(row + k0 + 4)) : z;
+    } else {
+        float h[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) h[i] = k0 + i < K ? row[k0 + i] : 0.0f;
+        c.a = make_float4(h[0], h[1], h[2], h[3]);
+        c.b = make_float4(h[4], h[5], h[6], h[7]);
+    }
+    return c;
+}
+#endif
+
+// grid (ceil(R / RT), ceil(N / (WARPS * NW))), block WARPS * 32
+extern "C" __global__ void __launch_bounds__(WARPS * 32, __MINB__) __NAME__(
+        const float* __restrict__ x, const WT* __restrict__ w, const float* __restrict__ bias,
+        float* __restrict__ out, int R, int N, int K, int has_bias) {
+    __shared__ __align__(16) float xs[8 * RT * SC];
+    const int lane = threadIdx.x & 31;
+    const int r0 = blockIdx.x * RT;
+    const long long n0 = ((long long)blockIdx.y * WARPS + (threadIdx.x >> 5)) * NW;
+    const int JT = (K + 255) / 256;  // chunks per lane, K padded to a multiple of 256
+    const int JS = SC / 32;          // chunks per lane per staged slice
+    const WT* wrow[NW];
+#pragma unroll
+    for (int n = 0; n < NW; ++n) wrow[n] = w + (n0 + n < N ? (n0 + n) * (long long)K : 0);
+    float acc[NW][RT];
+#pragma unroll
+    for (int n = 0; n < NW; ++n)
+#pragma unroll
+        for (int r = 0; r < RT; ++r) acc[n][r] = 0.0f;
+    // PF chunks per weight row in a register ring: PF - 1 loads in flight while one computes
+    Chunk buf[PF][NW];
+#pragma unroll
+    for (int p = 0; p < PF - 1; ++p)
+#pragma unroll
+        for (int n = 0; n < NW; ++n)
+            buf[p][n] = load_chunk(wrow[n], ((long long)p * 32 + lane) * 8,
+                                   p < JT && n0 + n < N ? K : 0);
+    for (int j0 = 0; j0 < JT; j0 += PF) {
+#pragma unroll
+        for (int p = 0; p < PF; ++p) {
+            const int j = j0 + p;  // this lane's chunk j: elements 8 (32 j + lane) + 0..7
+            if (j >= JT) break;    // uniform over the block
+            if (j % JS == 0) {  // stage chunks [32 j, 32 j + nc) of the tile's rows (0 past K, R)
+                const int cs = j * 32, nc = min(SC, JT * 32 - cs);
+                __syncthreads();
+                for (int it = threadIdx.x; it < RT * nc; it += WARPS * 32) {
+                    const int ri = it % V, c = (it / V) % nc, q = it / (V * nc);
+                    const int r = r0 + q * V + ri;
+                    const long long k0 = (long long)(cs + c) * 8;
+                    const float* xr = x + (long long)r * K + k0;
+                    float v[8];
+                    if (VEC && r < R && k0 < K) {
+                        float4 a = *reinterpret_cast<const float4*>(xr);
+                        float4 b = *reinterpret_cast<const float4*>(xr + 4);
+                        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+                        v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) v[e] = r < R && k0 + e < K ? xr[e] : 0.0f;
+                    }
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) xs[((e * RQ + q) * SC + c) * V + ri] = v[e];
+                }
+                __syncthreads();
+            }
+            const int jn = j + PF - 1;  // into the slot chunk j - 1 used
+#pragma unroll
+            for (int n = 0; n < NW; ++n)
+                buf[(p + PF - 1) % PF][n] = load_chunk(wrow[n], ((long long)jn * 32 + lane) * 8,
+                                                       jn < JT && n0 + n < N ? K : 0);
+            const int cl = (j % JS) * 32 + lane;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                float wf[NW];
+#pragma unroll
+                for (int n = 0; n < NW; ++n) wf[n] = elem(buf[p][n], e);
+#pragma unroll
+                for (int q = 0; q < RQ; ++q) {
+                    const VT xv = reinterpret_cast<const VT*>(xs)[(e * RQ + q) * SC + cl];
+                    const float* xf = reinterpret_cast<const float*>(&xv);
+#pragma unroll
+                    for (int i = 0; i < V; ++i)
+#pragma unroll
+                        for (int n = 0; n < NW; ++n)
+                            acc[n][q * V + i] = __fmaf_rn(wf[n], xf[i], acc[n][q * V + i]);
+                }
+            }
+        }
+    }
+    // butterfly over the lanes: s[l] + s[l ^ o]; every lane ends with the same bits
+#pragma unroll
+    for (int n = 0; n < NW; ++n)
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+            float s = acc[n][r];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) s = s + __shfl_xor_sync(0xffffffffu, s, o);
+            acc[n][r] = s;
+        }
+#pragma unroll
+    for (int n = 0; n < NW; ++n)
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+            if (lane == (n * RT + r) % 32 && n0 + n < N && r0 + r < R) {
+                float s = acc[n][r];
+                if (has_bias) s = s + bias[n0 + n];
+                out[(long long)(r0 + r) * N + n0 + n] = s;
+            }
+        }
+}
+"""
+
+
+def tile_rows(rows: int) -> int:
+    """The row-tile size for ``rows`` rows: the smallest of :data:`TILES` that holds them
+    (16 above 16: several tiles). A speed choice only: a row's bits do not depend on it."""
+    return next((t for t in TILES if t >= rows), TILES[-1])
+
+
+def speed_knobs(rt: int, bf16: bool) -> tuple[int, int]:
+    """(weight rows per warp ``nw``, register ring depth ``pf``) for row tiles of ``rt``:
+    registers without spills (ptxas, sm_90) and loads in flight; bits never depend on them."""
+    if not bf16:
+        return 2, 4
+    return (2, 4) if rt <= 4 else (4, 2)  # 8-16 rows: x reused over 4 weight rows
+
+
+def kernel_source(rt: int, bf16: bool, nw: int, pf: int, vec: bool) -> tuple[str, str]:
+    """(CUDA source, kernel name) of the variant for row tiles of ``rt`` rows, ``nw`` weight
+    rows per warp, ``pf`` chunks per row in registers, 16-byte loads (``vec``: K % 8 == 0, x
+    and w 16-byte aligned) or element loads."""
+    if rt not in TILES or nw < 1 or pf < 2:
+        raise ValueError(f"row tile {rt} (one of {TILES}), nw {nw}, pf {pf} (>= 2)")
+    v = min(rt, 4)
+    sc = SMEM_FLOATS // (8 * rt) // 32 * 32  # chunks per slice, a multiple of the 32 lanes
+    name = f"rowtile_{'bf16' if bf16 else 'f32'}_r{rt}_w{nw}_p{pf}_{'v' if vec else 's'}"
+    subs = {"__RT__": rt, "__V__": v, "__SC__": sc, "__NW__": nw, "__PF__": pf,
+            "__WARPS__": WARPS, "__VT__": {1: "float", 2: "float2", 4: "float4"}[v],
+            "__BF16__": int(bf16), "__VEC__": int(vec), "__MINB__": MIN_BLOCKS,
+            "__NAME__": name}
+    src = _SOURCE
+    for key, val in subs.items():
+        src = src.replace(key, str(val))
+    return src, name
+
+
+@functools.cache
+def _function(*variant):
+    src, name = kernel_source(*variant)
+    return raw_module(src, "row-tile matrix kernels").get_function(name)
+
+
+def linear_rows(x, w, bias=None, *, nw: int | None = None, pf: int | None = None):
+    """``x [R, K] @ w[N, K].T (+ bias [N])`` -> a new float32 CuPy array ``[R, N]``, in the
+    order of the module docstring: ``x`` float32, ``w`` float32 or bf16 bits (uint16),
+    ``bias`` float32 or None; ``nw``, ``pf``: speed knobs (None: :func:`speed_knobs`; the bits
+    do not depend on them). One launch (none when R or N is 0); never waits."""
+    import cupy as cp  # noqa: PLC0415 (only on the GPU backend)
+
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"linear_rows: x {x.shape} and w {w.shape} do not fit")
+    if x.dtype != np.float32 or w.dtype not in (BITS, np.dtype(np.float32)):
+        raise TypeError(f"linear_rows: float32 x and float32 or bf16-bit w, not {x.dtype}, "
+                        f"{w.dtype}")
+    R, K = x.shape
+    N = w.shape[0]
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"linear_rows: bias {bias.shape} for {N} outputs")
+    out = cp.empty((R, N), np.float32)
+    if R == 0 or N == 0:
+        return out
+    if K == 0:
+        out[...] = 0 if bias is None else bias
+        return out
+    rt = tile_rows(R)
+    bf16 = w.dtype == BITS
+    nw0, pf0 = speed_knobs(rt, bf16)
+    nw, pf = nw or nw0, pf or pf0
+    blocks_n = -(-N // (WARPS * nw))
+    if blocks_n > 65535 or K >= 2 ** 31 // 8:
+        raise ValueError(f"linear_rows: N {N} / K {K} too large for one grid")
+    x = cp.ascontiguousarray(x)
+    w = cp.ascontiguousarray(w)
+    vec = K % 8 == 0 and x.data.ptr % 16 == 0 and w.data.ptr % 16 == 0
+    b = out if bias is None else cp.ascontiguousarray(bias, dtype=np.float32)
+    _function(rt, bf16, nw, pf, vec)(
+        (-(-R // rt), blocks_n), (WARPS * 32,),
+        (x, w, b, out, np.int32(R), np.int32(N), np.int32(K), np.int32(bias is not None)))
+    return out

@@ -1,0 +1,186 @@
+"""The floor of one decode/verify step: the bytes it must read and the time they take.
+
+    floor = max(GPU bytes / HBM rate, distinct CPU-expert bytes / DRAM rate)
+
+(the definition every step-time figure of Tandem stands next to, docs/benchmarks.md "Step
+time vs floor"). GPU bytes: the resident weights the step reads once (every layer's
+attention / GDN projections, norms, routers, shared experts, dense MLPs, the final norm, the
+lm_head and the embedding rows it looks up; not the MTP head, which a step without MTP
+drafts does not run), the KV positions and GDN states it reads, and each distinct GPU expert
+the step routes to, once. CPU bytes: each distinct CPU expert, once, in the CPU workers'
+format. Writes (KV rows, new states) and host<->device transfers are not counted.
+
+Everything here is counted from the model's own arrays (what the worker actually holds, in
+its storage dtype), so the floor follows the placement and the weight format in use.
+:class:`StepRouting` records the expert ids a step routes to, per MoE layer; :func:`table`
+and :func:`merge` are the report of scripts/bench_step.py's records.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+HBM_TBS = 4.2  # H200 HBM, TB/s (BENCHMARKS: 4.23 TB/s device-to-device copy)
+CPU_BENCH = Path(__file__).resolve().parents[1] / "docs" / "bench" / "cpu_experts_h200.json"
+FALLBACK_DRAM_GBS = 101.8  # that file's int8 1-row kernel rate at the 80B's expert shape
+T = TypeVar("T")
+
+
+def _nbytes(arrays: dict[str, Any], experts: bool) -> int:
+    """Bytes of a layer dict's arrays: the routed expert stacks (``experts.*``) or the rest."""
+    return sum(int(a.nbytes) for k, a in arrays.items()
+               if k.startswith("experts.") == experts and hasattr(a, "nbytes"))
+
+
+def dense_read_bytes(model: Any, rows: int) -> int:
+    """Resident non-expert weight bytes a step of ``rows`` rows reads: every layer's
+    attention or GDN and MLP arrays but the routed experts, both norms, the final norm, the
+    lm_head, and ``rows`` rows of the embedding (a tied lm_head already reads the table)."""
+    total = sum(_nbytes(layer.attn, False) + _nbytes(layer.mlp, False)
+                + int(layer.input_norm.nbytes) + int(layer.post_norm.nbytes)
+                for layer in model.layers)
+    total += int(model.final_norm.nbytes) + int(model.lm_head.nbytes)
+    if model.lm_head is not model.embed:
+        total += rows * int(model.embed.nbytes) // int(model.embed.shape[0])
+    return total
+
+
+def gpu_expert_bytes(model: Any) -> dict[int, float]:
+    """Per MoE layer: bytes of one expert the backend holds (all arrays of its stacks, scales
+    included, over the stack's experts); 0 where the backend holds none."""
+    out = {}
+    for i, layer in enumerate(model.layers):
+        if not layer.sparse:
+            continue
+        stacks = [a for k, a in layer.mlp.items() if k.startswith("experts.")]
+        held = int(stacks[0].shape[0]) if stacks else 0  # every stack is [held experts, ...]
+        out[i] = _nbytes(layer.mlp, True) / held if held else 0.0
+    return out
+
+
+def kv_state_read_bytes(caches: Any, full_layers: int, slots: list[tuple[int, int]]) -> int:
+    """KV and GDN-state bytes the step reads: per slot of ``(context, rows)``, K and V of
+    ``context + rows`` positions in each of the ``full_layers`` full-attention layers (the
+    union of what its rows attend to), and the slot's GDN states once (conv windows and
+    delta-rule states of every GDN layer)."""
+    kv = caches.kv
+    per_position_layer = kv.nbytes / (kv.num_layers * kv.num_blocks * kv.block_size)
+    positions = sum(c + r for c, r in slots)
+    state = caches.states.bytes_per_slot if caches.states is not None else 0
+    return int(round(positions * full_layers * per_position_layer)) + len(slots) * state
+
+
+def floor_ms(gpu_bytes: float, cpu_bytes: float, hbm_tbs: float = HBM_TBS,
+             dram_gbs: float = FALLBACK_DRAM_GBS) -> dict[str, float]:
+    """``gpu_floor_ms`` = GPU bytes / HBM rate, ``cpu_floor_ms`` = CPU bytes / DRAM rate,
+    ``floor_ms`` the larger (decimal units: TB/s = 1e12 B/s, GB/s = 1e9 B/s)."""
+    gpu = gpu_bytes / (hbm_tbs * 1e12) * 1e3
+    cpu = cpu_bytes / (dram_gbs * 1e9) * 1e3
+    return {"gpu_floor_ms": gpu, "cpu_floor_ms": cpu, "floor_ms": max(gpu, cpu)}
+
+
+def default_dram_gbs(path: Path = CPU_BENCH) -> tuple[float, str]:
+    """The CPU experts' DRAM rate for the floor and where it comes from: the kernel rate
+    (``kernel_gbps``) of ``path``'s in-process int8 pool run at the 80B's expert shape
+    (H 2048, I 512, 512 experts, top-10), one row, random routing; FALLBACK_DRAM_GBS when the
+    file lacks that record."""
+    try:
+        records = json.loads(path.read_text())
+    except (OSError, ValueError):
+        records = []
+    for r in records if isinstance(records, list) else []:
+        if (r.get("H"), r.get("I"), r.get("E"), r.get("topk"), r.get("rows"),
+                r.get("routing"), r.get("path")) == (2048, 512, 512, 10, 1, "random", None) \
+                and r.get("weight_format", "int8") == "int8" and r.get("kernel_gbps"):
+            return float(r["kernel_gbps"]), (
+                f"{path.name}: int8, H 2048 I 512 E 512 top-10, 1 row, random routing, "
+                f"kernel_gbps (machine DRAM read {r.get('dram_read_gbps')} GB/s)")
+    return FALLBACK_DRAM_GBS, "built-in default (cpu_experts_h200.json record not found)"
+
+
+def distinct_per_layer(ids: dict[int, np.ndarray], on_cpu: dict[int, np.ndarray] | None
+                       ) -> dict[int, tuple[int, int]]:
+    """Per MoE layer: (distinct GPU experts, distinct CPU experts) among the step's picks
+    ``ids[layer]`` (int [R, k]); ``on_cpu[layer]`` bool [E] marks the CPU's ids (None: all on
+    the GPU)."""
+    out = {}
+    for layer, picks in ids.items():
+        uniq = np.unique(np.asarray(picks).reshape(-1))
+        cpu = on_cpu[layer][uniq] if on_cpu is not None and layer in on_cpu \
+            else np.zeros(uniq.size, bool)
+        out[layer] = (int((~cpu).sum()), int(cpu.sum()))
+    return out
+
+
+class StepRouting:
+    """A :class:`gpu_worker.routed_experts.RoutedExperts` that records each MoE layer's
+    expert ids (host copies, ``ids[layer]`` [R, k]) and otherwise is ``inner`` (an
+    ExpertPlacement), or, with ``inner`` None, the model's own all-backend experts. The
+    copies synchronize the device: use it for an untimed step only."""
+
+    def __init__(self, model: Any, inner: Any = None) -> None:
+        self.model, self.inner = model, inner
+        self.ids: dict[int, np.ndarray] = {}
+
+    def moe_norm(self, x, weight, eps: float, zero_centered: bool):
+        if self.inner is not None:
+            return self.inner.moe_norm(x, weight, eps, zero_centered)
+        return self.model.ops.rms_norm(x, weight, eps, zero_centered=zero_centered), None
+
+    def __call__(self, layer: int, x, ids, weights, quant):
+        from gpu_worker.backend import to_numpy  # noqa: PLC0415
+
+        self.ids[layer] = np.array(to_numpy(ids))
+        if self.inner is not None:
+            return self.inner(layer, x, ids, weights, quant)
+        from gpu_worker.model.moe import expert_stacks, experts_local  # noqa: PLC0415
+
+        return experts_local(self.model.ops, *expert_stacks(self.model.layers[layer].mlp), x,
+                             ids, weights)
+
+    def run_step(self, forward: Callable[[], T]) -> T:
+        return forward() if self.inner is None else self.inner.run_step(forward)
+
+    def take_stats(self) -> dict[str, float]:
+        """The inner placement's counters; without one, no CPU expert time."""
+        return {"cpu_experts_ms": 0.0} if self.inner is None else self.inner.take_stats()
+
+
+# --------------------------------------------------------------------------- records
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    """The records as a markdown table (docs/benchmarks.md's format)."""
+    lines = ["| model | GPU budget | graphs | slots x rows | step ms | floor ms (GPU / CPU) | "
+             "step / floor | host ms | experts / layer GPU / CPU |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in records:
+        budget = "whole" if r["gpu_budget_gb"] is None else f"{r['gpu_budget_gb']:g} GiB"
+        host = f"{r['host_ms']:.3g}" + ("" if r["host_exact"] else " (bound)")
+        lines.append(
+            f"| {r['model']} | {budget} | {'yes' if r['graphs'] else 'no'} | "
+            f"{r['slots']} x {r['rows_per_slot']} | {r['step_ms']:.3g} | {r['floor_ms']:.3g} "
+            f"({r['gpu_floor_ms']:.3g} / {r['cpu_floor_ms']:.3g}) | {r['ratio']:.3g}x | "
+            f"{host} | {r['distinct_experts_gpu']:.1f} / {r['distinct_experts_cpu']:.1f} |")
+    return "\n".join(lines)
+
+
+def _key(r: dict[str, Any]) -> tuple:
+    return (r["model"], r["gpu_budget_gb"], r["graphs"], r.get("cpu_format"),
+            r.get("experts_cpu_per_layer"), r["slots"], r["rows_per_slot"])
+
+
+def merge(old: dict[str, Any] | None, result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` after the records of ``old`` (an earlier --out) that it does not measure
+    again; ``runs`` lists both runs' settings, each record's ``run`` indexes them."""
+    if not old:
+        return result
+    base, new_keys = len(old.get("runs", [])), {_key(r) for r in result["records"]}
+    return {**result, "runs": old.get("runs", []) + result["runs"],
+            "records": [r for r in old.get("records", []) if _key(r) not in new_keys]
+            + [{**r, "run": r["run"] + base} for r in result["records"]]}

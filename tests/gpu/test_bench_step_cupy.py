@@ -1,0 +1,47 @@
+"""scripts/bench_step.py on the device: the kernel that keeps the GPU busy while the host time
+is measured, and a run on a tiny bf16 Qwen3-Next split with a CPU worker."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from scripts import bench_step
+from scripts.bench_common import tiny_checkpoint
+
+cupy = pytest.importorskip("cupy")
+
+
+def test_the_spin_kernel_keeps_the_device_busy():
+    spin = cupy.RawKernel(bench_step.SPIN, "spin")
+    start, after = cupy.cuda.Event(), cupy.cuda.Event()
+    cupy.cuda.Device().synchronize()
+    start.record()
+    spin((1,), (1,), (np.uint64(50e6),))  # 50 ms
+    after.record()
+    pending = not after.done  # the host is far ahead of the device
+    after.synchronize()
+    ms = cupy.cuda.get_elapsed_time(start, after)
+    assert pending and 49 <= ms < 200, (pending, ms)
+
+
+@pytest.mark.timeout(300)
+def test_a_tiny_split_run_on_cupy(tmp_path):
+    ckpt = tiny_checkpoint("qwen3_next")
+    out = tmp_path / "step.json"
+    rc = bench_step.main(["--model", str(ckpt), "--backend", "cupy", "--dtype", "bfloat16",
+                          "--gpu-budget", "whole", "--cpu-experts-per-layer", "4",
+                          "--cpu-workers", "1", "--layouts", "1x1,2x3", "--steps", "3",
+                          "--context", "40", "--max-context", "128", "--out", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    print(json.dumps(result["records"], indent=1))
+    for r in result["records"]:
+        assert r["floor_ms"] > 0 and r["step_ms"] > 0 and r["host_ms"] > 0, r
+        assert isinstance(r["host_exact"], bool)
+        assert r["distinct_from_counters"] == pytest.approx(
+            [r["distinct_experts_gpu"], r["distinct_experts_cpu"]]), r
+        assert 1 <= r["distinct_experts_gpu"] + r["distinct_experts_cpu"] <= 8
+        assert r["gpu_bytes_per_expert"] == 3 * 32 * 64 * 2  # bf16 experts: 2 B a weight
