@@ -28,7 +28,7 @@ from cpu_experts.pairs import group_pairs
 from cpu_experts.quant import BLOCK, quantize_block_bits
 from cpu_experts.reference import EXP_COEF, EXP_MAX, EXP_MIN, INV_LN2, LN2_HI, LN2_LO
 from cpu_experts.tiles import TU, block_prologue, rows_block
-from cpu_experts.tiles4 import BLOCK_BYTES4
+from cpu_experts.tiles4 import BLOCK_BYTES4, WIDE_ROWS, block_sum, rows_per_call
 
 PREFETCH_AHEAD = 16384  # bytes ahead of the block being read (default; 0 = the block itself)
 ROWS = 4  # rows per micro-kernel call (tiles.rows_block); a remainder goes 2, then 1
@@ -106,9 +106,15 @@ def _block_rows(isa, wf, at, x, xs, xc, rows, lo, hi, b, of, obase, ostride, ws)
     """One block (at byte ``at`` of wf) applied to slots ``lo:hi``: slot j reads activation row
     ``rows[j]`` (j when rows is None) of x/xs/xc and adds into ``of[obase + j * ostride:][:16]``.
     :data:`ROWS` slots per micro-kernel call while that many are left, then 2, then 1 (the
-    bits are the same). Inlined into the stage (whose ``isa`` is a literal): a call here
-    would cost more than one block at 1 row."""
+    bits are the same); int4 tiles on VNNI first take tiles4.WIDE_ROWS at a time. Inlined
+    into the stage (whose ``isa`` is a literal): a call here would cost more than one block
+    at 1 row."""
     j = lo
+    if rows_per_call(isa, wf) == WIDE_ROWS:
+        while hi - j >= WIDE_ROWS:
+            rows_block(isa, WIDE_ROWS, wf, at, x, xs, xc, rows, j, b, of, obase + j * ostride,
+                       ostride, ws)
+            j += WIDE_ROWS
     while hi - j >= ROWS:
         rows_block(isa, ROWS, wf, at, x, xs, xc, rows, j, b, of, obase + j * ostride, ostride, ws)
         j += ROWS
@@ -170,11 +176,9 @@ def _act_chunk(gf, uf, flip, hk, hs, hc, nb, hbuf, hbits, qbuf, pbuf, two_k, kbi
         sc, fine = quantize_block_bits(hbuf, hbits, qbuf, so)
         ok = ok and fine
         hs[p, it % nb] = np.float32(sc)
-        total = np.int32(0)
         for i in range(BLOCK):
             hk[p, o + i] = qbuf[so + i] ^ np.int8(-128) if flip else qbuf[so + i]
-            total += np.int32(qbuf[so + i])
-        hc[p, it % nb] = np.int32(-8) * total
+        hc[p, it % nb] = np.int32(-8) * block_sum(qbuf, so)
     return ok
 
 
@@ -220,13 +224,15 @@ def _down_combine_stage(isa, w, hk, hs, hc, active, offsets, pair_of, slot_of_pa
     ``out[r] = 0; out[r] += weights[r, k] * y[pair(r, k)]`` for k in increasing order.
 
     Items are the 16-unit micro-tiles of H: each computes its 16 outputs for every expert and
-    every row. w [E, 1, T, nb, 576 or 288]; y [P, H] scratch; out [R, H]. An item reads one run of
+    every row. w [E, 1, T, nb, 576 or 288]; y: P * H float32 scratch, laid out [T, P, 16] (an
+    item's slots contiguous: a [P, H] layout puts its 16 rows 8 KiB apart, all in one L1 set,
+    and 16 rows then miss L1 on every block); out [R, H]. An item reads one run of
     ``nb`` blocks per expert; the prefetch follows that sequence across experts (then into the
     thread's next item).
     """
     numba.literally(isa)
     T, nb, bb = w.shape[2], w.shape[3], w.shape[4]
-    H = T * TU
+    P = slot_of_pair.shape[0]
     R, K = pair_of.shape
     A = active.shape[0]
     step = ahead // bb
@@ -234,22 +240,23 @@ def _down_combine_stage(isa, w, hk, hs, hc, active, offsets, pair_of, slot_of_pa
     for t in prange(T):
         ws = np.empty(TU, np.int32)
         c0 = t * TU
+        # the prefetch cursor: block pb of run pa, ``step`` blocks ahead in this item's
+        # sequence (runs a = 0..A-1 of nb blocks, then the next item's runs, from a = 0)
+        pa, pb = step // nb, step % nb
         for a in range(A):
             lo, hi = offsets[a], offsets[a + 1]
             base = (active[a] * T + t) * nb
             for j in range(lo, hi):
-                yf[j * H + c0:j * H + c0 + TU] = 0.0
+                yf[(t * P + j) * TU:(t * P + j + 1) * TU] = 0.0
             for b in range(nb):
                 at = (base + b) * bb
-                ahead_b = b + step
-                if ahead_b < nb:
-                    pf = at + step * bb
-                elif a + 1 < A:
-                    pf = ((active[a + 1] * T + t) * nb + min(ahead_b - nb, nb - 1)) * bb
-                else:
-                    pf = ((active[0] * T + t + 1) * nb + min(ahead_b - nb, nb - 1)) * bb
+                na = pa if pa < A else min(pa - A, A - 1)
+                pf = ((active[na] * T + t + (pa >= A)) * nb + pb) * bb
                 block_prologue(isa, wf, at, ws, pf)
-                _block_rows(isa, wf, at, hk, hs, hc, None, lo, hi, b, yf, c0, H, ws)  # slots
+                pb += 1
+                if pb == nb:
+                    pa, pb = pa + 1, 0
+                _block_rows(isa, wf, at, hk, hs, hc, None, lo, hi, b, yf, t * P * TU, TU, ws)
         for r in range(R):
             o = out[r]
             for i in range(c0, c0 + TU):
@@ -258,31 +265,42 @@ def _down_combine_stage(isa, w, hk, hs, hc, active, offsets, pair_of, slot_of_pa
                 p = pair_of[r, k]
                 if p >= 0:
                     wk = np.float32(weights[r, k])
-                    yr = y[slot_of_pair[p]]
-                    for i in range(c0, c0 + TU):
-                        o[i] += wk * yr[i]
+                    ys = (t * P + slot_of_pair[p]) * TU
+                    for i in range(TU):
+                        o[c0 + i] += wk * yf[ys + i]
 
 
 @njit(cache=True, nogil=True)
 def _decode_activations(xq, xd_bits, rows, flip, sums):
     """The first ``rows`` rows: int8 activations in tiles.py form, fp16-bit scales -> float32
-    and, when ``sums``, ``-8 *`` each block's sum (int32 [rows, H/32]; else [0, H/32])."""
+    and, when ``sums``, ``-8 *`` each block's sum (int32 [rows, H/32]; else [0, H/32]).
+    Serial (before the first parallel stage), so written as loops LLVM vectorises: unsigned
+    indices, no branch per byte, the scales widened by integer operations (f16_value's
+    values, exactly: a normal half's bits shifted and rebiased, a subnormal's ``m * 2**-24``)."""
     H = xq.shape[1]
     nb = H // BLOCK
     xk = np.empty((rows, H), np.int8)
     xs = np.empty((rows, nb), np.float32)
     xc = np.empty((rows if sums else 0, nb), np.int32)
+    xs_bits = xs.view(np.int32)
+    mask = np.int8(-128) if flip else np.int8(0)
     for r in range(rows):
+        src, dst = xq[r], xk[r]
         for i in range(H):
-            xk[r, i] = xq[r, i] ^ np.int8(-128) if flip else xq[r, i]
+            dst[np.uintp(i)] = src[np.uintp(i)] ^ mask
         for b in range(nb):
-            xs[r, b] = f16_value(xd_bits[r, b])
+            h = np.int32(xd_bits[r, b])
+            em = h & np.int32(0x7FFF)
+            sign = (h & np.int32(0x8000)) << np.int32(16)
+            xs_bits[r, b] = ((em << np.int32(13)) + np.int32(112 << 23)) | sign
+        for b in range(nb):
+            em = np.int32(xd_bits[r, b]) & np.int32(0x7FFF)
+            if em < np.int32(0x400):  # zero or subnormal: exact in float32
+                v = np.float32(em) * np.float32(2.0**-24)
+                xs[r, b] = -v if xd_bits[r, b] & 0x8000 else v
         if sums:
             for b in range(nb):
-                total = np.int32(0)
-                for t in range(BLOCK):
-                    total += np.int32(xq[r, b * BLOCK + t])
-                xc[r, b] = np.int32(-8) * total
+                xc[r, b] = np.int32(-8) * block_sum(src, b * BLOCK)
     return xk, xs, xc
 
 
@@ -322,7 +340,7 @@ def moe_layer(isa, gu, down, xq, xd_bits, expert_ids, weights, out, ahead) -> in
     hc = np.empty((P, Is // BLOCK), np.int32)
     if not _act_stage(g_u[0], g_u[1], flip, hk, hs, hc):
         return ERR_NON_FINITE
-    y = empty_f32_aligned(P * H).reshape((P, H))
+    y = empty_f32_aligned(P * H)  # [T, P, 16]
     _down_combine_stage(isa, down, hk, hs, hc, active, offsets, pair_of, slot_of_pair, weights,
                         y, out[:R], ahead)
     return ERR_OK

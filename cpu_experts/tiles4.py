@@ -24,6 +24,8 @@ scales become float32 by integer operations only (exact, no F16C, no denormal ar
 from __future__ import annotations
 
 from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 from cpu_experts.irhelp import (
     F32,
@@ -31,7 +33,11 @@ from cpu_experts.irhelp import (
     I8,
     I16,
     I32,
+    I64,
+    at,
+    check_array,
     fn,
+    isa_of,
     lanes4,
     splat,
     sum4,
@@ -43,6 +49,11 @@ TU = 16
 NIBBLE_BYTES = 256  # the nibbles of one block of one micro-tile
 BLOCK_BYTES4 = NIBBLE_BYTES + TU * 2  # ... followed by its 16 fp16 scales
 CHUNKS = 4  # 64-byte chunks of nibbles, two groups each
+# Rows per micro-kernel call of int4 tiles on VNNI (kernels._block_rows; int8 tiles and the
+# other instruction sets take 4): the nibbles are unpacked and the scales widened once per
+# call, so 8 rows pay for them half as often as 4; 8 row accumulators + 8 weight vectors fit
+# the 32 zmm registers (16 rows per call spilled and ran slower).
+WIDE_ROWS = 8
 
 
 def _nibbles(builder, chunk, count: int):
@@ -68,16 +79,21 @@ def _groups(builder, wp8, count: int, byte0: int, stride: int = 64):
 
 
 def dots_vnni(builder, wp8, xps, xcs):
-    """Per row: one <16 x i32> ``xc + sum_g vpdpbusd(n_g, x_g)``; weights unpacked once."""
+    """Per row: one <16 x i32> ``xc + sum_g vpdpbusd(n_g, x_g)``; weights unpacked once.
+    Below :data:`WIDE_ROWS` rows each row runs two dependent chains (half the latency); at
+    WIDE_ROWS the rows' chains are independent enough, and one chain saves the add that
+    joins two (an integer sum: the same dot either way)."""
     v16 = ir.VectorType(I32, 16)
     dp = fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16, v16, v16])
     wvs = [builder.bitcast(v, v16) for v in _groups(builder, wp8, 64, 0)]
+    chains = 1 if len(xps) >= WIDE_ROWS else 2
     out = []
     for xp, xc in zip(xps, xcs, strict=True):
-        acc = [splat(builder, xc, v16), ir.Constant(v16, [0] * 16)]  # two dependent chains
+        acc = [splat(builder, xc, v16), ir.Constant(v16, [0] * 16)][:chains]
         for g, word in enumerate(x_words(builder, xp)):
-            acc[g % 2] = builder.call(dp, [acc[g % 2], wvs[g], splat(builder, word, v16)])
-        out.append([builder.add(acc[0], acc[1])])
+            c = g % chains
+            acc[c] = builder.call(dp, [acc[c], wvs[g], splat(builder, word, v16)])
+        out.append([acc[0] if chains == 1 else builder.add(acc[0], acc[1])])
     return out
 
 
@@ -144,6 +160,39 @@ def scales(builder, wp8, parts: int):
     base = builder.bitcast(builder.gep(wp8, [ir.Constant(I32, NIBBLE_BYTES)]), vt.as_pointer())
     return [half_to_float(builder, builder.load(builder.gep(base, [ir.Constant(I32, h)]),
                                                 align=2)) for h in range(parts)]
+
+
+@intrinsic
+def rows_per_call(typingctx, isa, w):
+    """The most rows one ``tiles.rows_block`` call of the stages takes for tiles ``w`` on
+    instruction set ``isa`` (a literal): :data:`WIDE_ROWS` for int4 (uint8) tiles on VNNI,
+    else 4. A constant in the compiled code, so the stages' branch on it folds away."""
+    wide = (isa_of(isa) == ISA_AVX512VNNI and isinstance(w, types.Array)
+            and w.dtype == types.uint8)
+    sig = types.int64(isa, w)
+
+    def codegen(context, builder, signature, args):
+        return ir.Constant(I64, WIDE_ROWS if wide else 4)
+
+    return sig, codegen
+
+
+@intrinsic
+def block_sum(typingctx, x, off):
+    """``sum(x[off:off+32])`` of a C-contiguous int8 array as an int32, exactly (the int4
+    kernels' ``xc = -8 * sum``): one vector load and an add reduction in int16 (|sum| <=
+    32 * 128 fits), several times faster than the scalar loop LLVM makes of it."""
+    check_array(x, types.int8, "x")
+    sig = types.int32(x, types.int64)
+
+    def codegen(context, builder, signature, args):
+        v32b, v32h = ir.VectorType(I8, 32), ir.VectorType(I16, 32)
+        p = at(context, builder, signature.args[0], args[0], args[1], v32b)
+        wide = builder.sext(builder.load(p, align=1), v32h)
+        red = fn(builder, "llvm.vector.reduce.add.v32i16", I16, [v32h])
+        return builder.sext(builder.call(red, [wide]), I32)
+
+    return sig, codegen
 
 
 assert GROUPS == 2 * CHUNKS

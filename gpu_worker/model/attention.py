@@ -18,6 +18,7 @@ import dataclasses
 import numpy as np
 
 from gpu_worker.kernels import paged_attention as paged
+from gpu_worker.kernels.enabled import enabled
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model.batch import RaggedBatch, Segment
 from gpu_worker.model.ops import Array, Ops
@@ -48,7 +49,7 @@ def full_attention(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
     k = ops.apply_rope(k, cos, sin)
 
     scale = ops.dtype.type(hd ** -0.5)
-    if xp is np:
+    if xp is np or not enabled("paged_attention"):
         out = xp.empty((R, Hq, hd), dtype=ops.dtype)
         for seg in batch.segments:
             kv.write(layer, seg.slot, seg.start, k[seg.rows], v[seg.rows])

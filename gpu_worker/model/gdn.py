@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpu_worker.kernels import gdn_recurrent
+from gpu_worker.kernels.enabled import enabled
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.ops import Array, Ops
 from gpu_worker.model_config import ModelConfig
@@ -43,8 +44,8 @@ def gated_deltanet(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
     conv_w = p["conv1d.weight"][:, 0, :]  # [C, K]
     table = states.segment_table(batch.segments)  # also allocates the per-row buffers
     # NOTE: the path depends on the backend and the shapes only, never on the batch
-    if xp is not np and states.conv.dtype == ops.dtype and gdn_recurrent.supports(
-            ops.dtype, Dk, conv_w.shape[1]):
+    if (xp is not np and enabled("gdn") and states.conv.dtype == ops.dtype
+            and gdn_recurrent.supports(ops.dtype, Dk, conv_w.shape[1])):
         tracked = states.track_conv is not None
         conv = gdn_recurrent.conv_silu(mixed, conv_w, states.conv[layer], table,
                                        states.track_conv[layer] if tracked else None)

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from gpu_worker.kernels.bf16 import BF16, BITS, to_bf16, widen
+from gpu_worker.kernels.enabled import enabled
 from gpu_worker.kernels.rowtile import linear_rows
 
 Array = Any  # numpy.ndarray or cupy.ndarray
@@ -71,7 +72,7 @@ class Ops:
         row-tile kernel reads ``w`` (bf16 bits widened in registers, no temporary) once per
         16 rows, a row's bits the same in any batch. Otherwise a bf16 ``w`` is widened to
         float32 first and BLAS does the product (row by row with ``exact``)."""
-        if self.xp is not np and self.dtype == np.float32:
+        if self.xp is not np and self.dtype == np.float32 and enabled("rowtile"):
             return linear_rows(x, w, bias)
         w = self.up(w)
         if self.exact and x.shape[0] > 0:

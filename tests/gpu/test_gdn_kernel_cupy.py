@@ -19,6 +19,12 @@ from scripts.tiny_model import make_tiny_model
 
 cupy = pytest.importorskip("cupy")
 
+
+@pytest.fixture(autouse=True)
+def _kernels_on(monkeypatch):
+    """The model takes the kernels under test (gpu_worker/kernels/enabled.py)."""
+    monkeypatch.setenv("TANDEM_GPU_KERNELS", "all")
+
 SHAPES = {  # Hk, Hv, Dk, Dv, K
     "tiny": (2, 4, 16, 16, 4),
     "real": (2, 4, 128, 128, 4),  # Qwen3-Next-80B's head dims, fewer heads

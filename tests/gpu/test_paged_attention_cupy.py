@@ -22,6 +22,12 @@ from scripts.tiny_model import make_tiny_model
 
 cupy = pytest.importorskip("cupy")
 
+
+@pytest.fixture(autouse=True)
+def _kernels_on(monkeypatch):
+    """The model takes the kernels under test (gpu_worker/kernels/enabled.py)."""
+    monkeypatch.setenv("TANDEM_GPU_KERNELS", "all")
+
 LAYER, LAYERS = 1, 3
 
 

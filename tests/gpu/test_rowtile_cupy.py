@@ -14,6 +14,12 @@ from gpu_worker.model.ops import Ops
 
 cupy = pytest.importorskip("cupy")
 
+
+@pytest.fixture(autouse=True)
+def _kernels_on(monkeypatch):
+    """The model takes the kernels under test (gpu_worker/kernels/enabled.py)."""
+    monkeypatch.setenv("TANDEM_GPU_KERNELS", "all")
+
 # (K, N): aligned; K not a multiple of 8 and N not of a block's 8-32 rows; K past one
 # 256-element lane sweep with a short tail; K = 4096 (several shared-memory slices at 16 rows)
 SHAPES = [(512, 64), (1003, 77), (2056, 40), (4096, 33)]

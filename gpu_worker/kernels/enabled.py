@@ -1,0 +1,32 @@
+"""Which of the GPU step's new CuPy kernels the model takes (issue 14, in progress).
+
+A kernel is on by default once its tests have passed on a GPU. Until then the model keeps
+the path that was verified before it (cuBLAS products of widened weights, attention and
+Gated DeltaNet one segment at a time), and ``TANDEM_GPU_KERNELS`` turns kernels on for
+development and their GPU tests: a comma list of names, ``all`` or ``none``.
+
+* ``rowtile``: every dense product through gpu_worker/kernels/rowtile.py (model/ops.py)
+* ``paged_attention``: one launch per layer for segments of <= 16 rows (model/attention.py)
+* ``gdn``: the conv + delta-rule kernels of gpu_worker/kernels/gdn_recurrent.py (model/gdn.py)
+
+The merged expert kernels and the sampler passed on the H200 and are not switched here.
+"""
+
+from __future__ import annotations
+
+import os
+
+KERNELS = ("rowtile", "paged_attention", "gdn")
+DEFAULT: frozenset[str] = frozenset()  # none of the three has passed on a GPU yet
+ENV = "TANDEM_GPU_KERNELS"
+
+
+def enabled(name: str) -> bool:
+    """Whether the model takes kernel ``name`` (one of :data:`KERNELS`)."""
+    if name not in KERNELS:
+        raise KeyError(f"unknown GPU kernel {name!r} (have {', '.join(KERNELS)})")
+    raw = os.environ.get(ENV)
+    if raw is None:
+        return name in DEFAULT
+    names = {n.strip() for n in raw.split(",") if n.strip()}
+    return "all" in names or name in names
