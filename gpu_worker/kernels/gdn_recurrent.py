@@ -10,7 +10,10 @@
    ``S <- decay S; m = k^T S; S <- S + k (beta (v - m))^T; o = q^T S``, each dot product over
    Dk as four interleaved sequential partial sums ``((a0 + a1) + (a2 + a3))``. The final state
    goes back to the slot; a tracked segment's state after every row goes to a T-row buffer
-   (gpu_worker/states.py).
+   (gpu_worker/states.py). In a partial tile (Dv not a multiple of TILE) the threads past Dv
+   compute on zeros and store nothing: every thread reaches every barrier (a ``__syncwarp()``
+   that some lanes skip deadlocks the block; tests/unit/test_gdn_reference.py checks the
+   source for barriers under a condition).
 
 Every value of a row depends only on its own segment (its slot's state and earlier rows), in an
 order fixed by the shapes: a row's output and the states are the same bits alone or in any
@@ -118,15 +121,16 @@ extern "C" __global__ void gdn_recurrent(const T* y, const T* decay, const T* be
     __shared__ T qs[DKP], ks[DKP], sq[DKP], sk[DKP];
     int s = blockIdx.x, hv = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
     int j = blockIdx.z * nt + tid;
+    // NOTE: the threads of a partial Dv tile past Dv (on = false) run every row's arithmetic
+    // on zeros and store nothing: all threads must reach the __syncwarp below (a divergent
+    // __syncwarp() waits for the lanes that went on to __syncthreads(): the block deadlocks)
     bool on = j < Dv;
     int slot = seg[4 * s], row0 = seg[4 * s + 1], n = seg[4 * s + 2], track = seg[4 * s + 3];
     int hk = hv / (Hv / Hk);
     T S[DK];
-    T* st = state + ((long long)slot * Hv + hv) * DK * Dv + j;
-    if (on) {
+    T* st = state + ((long long)slot * Hv + hv) * DK * Dv + (on ? j : 0);
 #pragma unroll
-        for (int i = 0; i < DK; ++i) S[i] = st[(long long)i * Dv];
-    }
+    for (int i = 0; i < DK; ++i) S[i] = on ? st[(long long)i * Dv] : (T)0;
     for (int t = 0; t < n; ++t) {
         long long row = row0 + t;
         const T* qr = y + row * C + (long long)hk * DK;
@@ -149,25 +153,25 @@ extern "C" __global__ void gdn_recurrent(const T* y, const T* decay, const T* be
             ks[i] = ks[i] / nk;
         }
         __syncthreads();
+        T dec = decay[row * Hv + hv], b = beta[row * Hv + hv];
+        T v = on ? y[row * C + 2LL * Hk * DK + (long long)hv * Dv + j] : (T)0;
+        T a[4] = {(T)0, (T)0, (T)0, (T)0};
+#pragma unroll
+        for (int i = 0; i < DK; ++i) {
+            S[i] = S[i] * dec;
+            a[i & 3] = a[i & 3] + ks[i] * S[i];
+        }
+        // NOTE: makes the second loop re-read ks from shared memory instead of keeping
+        // all Dk of them in registers next to S (float32, Dk 128: 188 registers, no spill)
+        __syncwarp();
+        T d = b * (v - ((a[0] + a[1]) + (a[2] + a[3])));
+        T o[4] = {(T)0, (T)0, (T)0, (T)0};
+#pragma unroll
+        for (int i = 0; i < DK; ++i) {
+            S[i] = S[i] + ks[i] * d;
+            o[i & 3] = o[i & 3] + qs[i] * S[i];
+        }
         if (on) {
-            T dec = decay[row * Hv + hv], b = beta[row * Hv + hv];
-            T v = y[row * C + 2LL * Hk * DK + (long long)hv * Dv + j];
-            T a[4] = {(T)0, (T)0, (T)0, (T)0};
-#pragma unroll
-            for (int i = 0; i < DK; ++i) {
-                S[i] = S[i] * dec;
-                a[i & 3] = a[i & 3] + ks[i] * S[i];
-            }
-            // NOTE: makes the second loop re-read ks from shared memory instead of keeping
-            // all Dk of them in registers next to S (float32, Dk 128: 188 registers, no spill)
-            __syncwarp();
-            T d = b * (v - ((a[0] + a[1]) + (a[2] + a[3])));
-            T o[4] = {(T)0, (T)0, (T)0, (T)0};
-#pragma unroll
-            for (int i = 0; i < DK; ++i) {
-                S[i] = S[i] + ks[i] * d;
-                o[i & 3] = o[i & 3] + qs[i] * S[i];
-            }
             out[(row * Hv + hv) * Dv + j] = (o[0] + o[1]) + (o[2] + o[3]);
             if (track >= 0) {
                 T* tr = state_track + ((long long)(track + t) * Hv + hv) * DK * Dv + j;

@@ -1,17 +1,19 @@
 """The NumPy twin of the GDN kernels (gpu_worker/kernels/gdn_reference.py) against the token
 loop of gpu_worker/model/gdn.py in float64, and its exp against np.exp. The GPU kernels equal
 the twin bit for bit (tests/gpu/test_gdn_kernel_cupy.py), so this ties them to the model's
-math. Also the token loop's per-row states (the NumPy path of speculative verification)."""
+math. Also the token loop's per-row states (the NumPy path of speculative verification), and
+the kernels' CUDA source: no barrier that only some threads reach (they deadlock on a GPU)."""
 
 from __future__ import annotations
 
+import re
 import types
 
 import numpy as np
 import pytest
 
 from gpu_worker.kernels import gdn_reference as ref
-from gpu_worker.kernels.gdn_recurrent import exp_constants
+from gpu_worker.kernels.gdn_recurrent import exp_constants, source
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.gdn import _token_loop
 from gpu_worker.model.ops import Ops
@@ -97,3 +99,55 @@ def test_adopt_takes_the_state_after_the_accepted_rows():
     _token_loop(ops, cfg, mixed[:2], conv_w, beta[:2], g[:2], batch, plain, 0)
     np.testing.assert_array_equal(verified.conv, plain.conv)
     np.testing.assert_array_equal(verified.rec, plain.rec)
+
+
+# a condition or thread-dependent value in a block header around a barrier
+_DIVERGENT = re.compile(r"\b(if|else|while|switch|return|tid|threadIdx|lane|on|j)\b|\?")
+
+
+def barrier_problems(src: str) -> list[str]:
+    """Each __syncthreads() / __syncwarp() of the CUDA ``src`` that some threads of a block
+    may not reach: inside a block whose header (the text before its ``{``) is a condition or
+    names a thread-dependent value, in an unbraced statement, or after a ``return`` of its
+    kernel. Headers are split at ``;`` outside parentheses (a ``for`` header stays whole);
+    the line numbers count the source without its comments."""
+    src = re.sub(r"//[^\n]*|/\*.*?\*/", "", src, flags=re.S)  # line numbers: without comments
+    problems, stack, last, depth, kernel = [], [], 0, 0, 0
+    for m in re.finditer(r"[{}();]|__sync(?:threads|warp)\s*\(", src):
+        tok = m.group()
+        if tok in "()":
+            depth += 1 if tok == "(" else -1
+            continue
+        if tok == ";" and depth:
+            continue
+        if tok == "{":
+            header = src[last:m.start()].strip()
+            stack.append(header)
+            kernel = m.end() if "__global__" in header else kernel
+        elif tok == "}":
+            stack.pop()
+        elif tok != ";":
+            depth += 1  # the call's "(": its ")" comes next
+            where = f"{tok.strip()}) at {src.count(chr(10), 0, m.start()) + 1}"
+            bad = [h for h in stack if "__global__" not in h and _DIVERGENT.search(h)]
+            if bad or src[last:m.start()].strip():
+                problems.append(f"{where}: under {bad or src[last:m.start()].strip()!r}")
+            if re.search(r"\breturn\b", src[kernel:m.start()]):
+                problems.append(f"{where}: after a return")
+            continue
+        last = m.end()
+    return problems
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [{"key_dim": 16}, {"key_dim": 24}, {"key_dim": 128},
+                                   {"conv_kernel": 4}])
+def test_every_thread_of_a_block_reaches_every_barrier(dtype, shape):
+    src = source(dtype, **shape)
+    assert barrier_problems(src) == [], src
+    if "key_dim" in shape:  # the checker sees a barrier under a condition
+        assert src.count("__syncwarp();") == 1
+        bad = src.replace("__syncwarp();", "if (on) { __syncwarp(); }")
+        assert len(barrier_problems(bad)) == 1
+        assert barrier_problems(src.replace("__syncwarp();", "if (on) __syncwarp();"))
+        assert barrier_problems(src.replace("bool on", "if (!on) return; bool on"))
