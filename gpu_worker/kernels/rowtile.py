@@ -19,6 +19,13 @@ so float32 weights holding the same values give the same bits.
 
 FMA rather than a multiply then an add: at 16 rows the kernel runs 16 float32 operations per
 weight, and the H200's float32 units would cap a mul+add kernel near half the HBM rate.
+
+**IEEE float32, subnormals kept.** CuPy appends ``-ftz=true`` to every compile, after the
+caller's options (so ``--ftz=false`` cannot win), and ``__fmaf_rn`` or ``+`` then become their
+flushing forms: a subnormal weight, activation or partial sum turns into 0. That changed the
+last bits of some outputs next to subnormal weights (the device run of issue 14). So the FMA
+and the adds are written as PTX ``fma.rn.f32`` / ``add.rn.f32``, which no compile flag alters;
+on sm_90 they run at full speed with subnormals.
 """
 
 from __future__ import annotations
@@ -48,6 +55,30 @@ _SOURCE = r"""
 #define WARPS __WARPS__
 #define VEC __VEC__  // 16-byte loads: K % 8 == 0 and x, w 16-byte aligned
 typedef __VT__ VT;
+
+// IEEE float32 whatever the compile flags: CuPy appends -ftz=true to every compile (after the
+// caller's options, so --ftz=false cannot win), which turns __fmaf_rn and + into their .ftz
+// forms: subnormal inputs and results become 0. Written in PTX, fma.rn.f32 and add.rn.f32 keep
+// subnormals (full speed on sm_90) and are never contracted or reassociated. A host build (the
+// CPU emulation in tests/unit/test_rowtile_reference.py) takes the C library's exact fmaf.
+__device__ __forceinline__ float fma_rn(float a, float b, float c) {
+#ifdef __CUDA_ARCH__
+    float d;
+    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(d) : "f"(a), "f"(b), "f"(c));
+    return d;
+#else
+    return fmaf(a, b, c);
+#endif
+}
+__device__ __forceinline__ float add_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+    float d;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+#else
+    return a + b;
+#endif
+}
 
 #if __BF16__
 typedef unsigned short WT;
@@ -167,7 +198,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, __MINB__) __NAME__(
                     for (int i = 0; i < V; ++i)
 #pragma unroll
                         for (int n = 0; n < NW; ++n)
-                            acc[n][q * V + i] = __fmaf_rn(wf[n], xf[i], acc[n][q * V + i]);
+                            acc[n][q * V + i] = fma_rn(wf[n], xf[i], acc[n][q * V + i]);
                 }
             }
         }
@@ -179,7 +210,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, __MINB__) __NAME__(
         for (int r = 0; r < RT; ++r) {
             float s = acc[n][r];
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) s = s + __shfl_xor_sync(0xffffffffu, s, o);
+            for (int o = 16; o > 0; o >>= 1) s = add_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
             acc[n][r] = s;
         }
 #pragma unroll
@@ -188,7 +219,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, __MINB__) __NAME__(
         for (int r = 0; r < RT; ++r) {
             if (lane == (n * RT + r) % 32 && n0 + n < N && r0 + r < R) {
                 float s = acc[n][r];
-                if (has_bias) s = s + bias[n0 + n];
+                if (has_bias) s = add_rn(s, bias[n0 + n]);
                 out[(long long)(r0 + r) * N + n0 + n] = s;
             }
         }

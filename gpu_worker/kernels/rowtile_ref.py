@@ -4,9 +4,11 @@ Per output ``(r, n)``: K padded with zeros to a multiple of 256; lane ``l`` (0..
 from +0 and, for ``j = 0, 1, ...`` and ``e = 0..7``, does ``acc = fma(w[n, k], x[r, k], acc)``
 at ``k = 8 (32 j + l) + e`` (float32, one rounding); then the lane sums fold
 ``s[l] = s[l] + s[l + o]`` for o = 16, 8, 4, 2, 1 (the kernel's butterfly gives lane 0 this
-same tree); then ``+ bias[n]``. NumPy has no float32 FMA: :func:`fma32` computes it exactly
-(the product of two float32 is exact in float64; the sum is rounded to odd in float64, and
-rounding that to float32 is the correctly rounded result, since 53 >= 24 + 2).
+same tree); then ``+ bias[n]``. IEEE arithmetic throughout: subnormals are kept, never
+flushed to 0 (the kernel's PTX keeps them despite CuPy's ``-ftz=true``). NumPy has no float32
+FMA: :func:`fma32` computes it exactly (the product of two float32 is exact in float64; the
+sum is rounded to odd in float64, and rounding that to float32 is the correctly rounded
+result, since 53 >= 24 + 2).
 """
 
 from __future__ import annotations

@@ -1,6 +1,11 @@
 """The row-tile matrix kernel (gpu_worker/kernels/rowtile.py) on the device: bits equal to its
 NumPy formula, a row's bits the same alone and at every position of every batch size, within
-the stated float64 bound, bf16 bits == float32 weights of the same values, Ops.linear on it."""
+the stated float64 bound, bf16 bits == float32 weights of the same values, subnormals kept
+(not flushed, although CuPy compiles with -ftz=true), Ops.linear on it.
+
+A failure says in one line what differs: shape, count, which rows and columns, the first
+index with both values and their bits, and the distance in ulps. About 25 kernel variants are
+compiled (NVRTC) on first use; the shapes reuse them where they can to keep the file fast."""
 
 from __future__ import annotations
 
@@ -40,15 +45,28 @@ def _x(rng, r: int, k: int) -> np.ndarray:
     return x
 
 
+def _ulps(a: np.ndarray) -> np.ndarray:
+    """float32 bits as integers ordered like the values (distance in ulps by subtraction)."""
+    i = a.view(np.int32).astype(np.int64)
+    return np.where(i < 0, -(i & 0x7FFFFFFF), i)
+
+
 def _same(got, want, what: str) -> None:
-    got, want = np.asarray(got), np.asarray(want)
+    """Equal bits, or one line: count, rows and columns, first index (both values, bits)."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert got.shape == want.shape, (what, got.shape, want.shape)
-    if got.tobytes() != want.tobytes():
-        diff = got.view(np.uint32) != want.view(np.uint32)
-        first = tuple(int(i) for i in np.argwhere(diff)[0])
-        raise AssertionError(f"{what}: {int(diff.sum())} of {diff.size} differ; first at "
-                             f"{first}: got {got[first]!r}, want {want[first]!r}; max |diff| "
-                             f"{float(np.abs(got.astype(np.float64) - want).max())}")
+    if got.tobytes() == want.tobytes():
+        return
+    diff = got.view(np.uint32) != want.view(np.uint32)
+    at = np.argwhere(diff)
+    first = tuple(int(i) for i in at[0])
+    g, w = got[first], want[first]
+    where = ", ".join(f"axis {a}: {np.unique(at[:, a])[:8].tolist()}" for a in range(at.shape[1]))
+    ulp = np.abs(_ulps(got) - _ulps(want))[diff]
+    raise AssertionError(
+        f"{what}: {int(diff.sum())} of {diff.size} differ ({where}); first {first}: got "
+        f"{g!r} 0x{int(g.view(np.uint32)):08x}, want {w!r} 0x{int(w.view(np.uint32)):08x}; "
+        f"ulps max {int(ulp.max())} median {float(np.median(ulp))}")
 
 
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "f32"])
@@ -61,14 +79,19 @@ def test_bits_equal_the_numpy_formula(K, N, bf16):
     for R in (1, 4, 16, 21):
         x = _x(rng, R, K)
         for b in (None, bias):
-            got = linear_rows(cupy.asarray(x), wg, None if b is None else cupy.asarray(b))
-            want = linear_rows_reference(x, w, b)
-            _same(cupy.asnumpy(got), want, f"K {K} N {N} R {R} bias {b is not None}")
+            what = f"{'bf16' if bf16 else 'f32'} K {K} N {N} R {R} bias {b is not None}"
+            got = cupy.asnumpy(linear_rows(cupy.asarray(x), wg,
+                                           None if b is None else cupy.asarray(b)))
+            _same(got, linear_rows_reference(x, w, b), what)
             exact = x.astype(np.float64) @ weights_f32(w).astype(np.float64).T
             exact = exact + (0 if b is None else b)
-            err = np.abs(cupy.asnumpy(got) - exact)
+            err = np.abs(got - exact)
             bound = error_bound(x, w, b)
-            assert (err <= bound).all(), (K, N, R, float((err / np.maximum(bound, 1e-300)).max()))
+            if not (err <= bound).all():
+                i = np.unravel_index(np.argmax(err - bound), err.shape)
+                raise AssertionError(f"{what}: error {err[i]:.3g} over the bound {bound[i]:.3g} "
+                                     f"at {tuple(map(int, i))} ({int((err > bound).sum())} "
+                                     f"outputs)")
 
 
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "f32"])
@@ -115,7 +138,28 @@ def test_ops_linear_uses_the_kernel(dtype):
     ops = Ops(cupy, dtype)
     w = ops.weight("model.layers.0.self_attn.q_proj.weight", host)
     b = ops.weight("model.layers.0.self_attn.q_proj.bias", bias)
-    x = _x(rng, 5, 300)
+    x = _x(rng, 4, 300)  # a 4-row tile, element loads (K % 8 = 4)
     got = cupy.asnumpy(ops.linear(cupy.asarray(x), w, b))
     _same(got, linear_rows_reference(x, cupy.asnumpy(w), bias), "Ops.linear")
     assert ops.linear(cupy.zeros((0, 300), np.float32), w).shape == (0, 70)
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "f32"])
+def test_subnormals_are_kept_not_flushed(bf16):
+    """CuPy appends -ftz=true to every compile; flushed, a row of subnormal weights or of
+    subnormal activations would give 0 (or the bias alone) here. K = 264: a tail past 256."""
+    K, N, R = 264, 24, 4
+    rng = np.random.default_rng(11)
+    w = _weights(rng, N, K, bf16)
+    sub = (rng.standard_normal(K) * 1e-39).astype(np.float32)  # subnormal float32 values
+    w[1] = (sub.view(np.uint32) >> 16).astype(np.uint16) if bf16 else sub
+    x = rng.standard_normal((R, K)).astype(np.float32)
+    x[3] = (rng.standard_normal(K) * 1e-39).astype(np.float32)
+    bias = rng.standard_normal(N).astype(np.float32)
+    want = linear_rows_reference(x, w, None)
+    # (subnormal x subnormal underflows to 0 even unflushed: output (3, 1) is left out)
+    assert (want[:3, 1] != 0).all() and (np.delete(want[3], 1) != 0).all(), want[:, 1]
+    for b in (None, bias):
+        got = cupy.asnumpy(linear_rows(cupy.asarray(x), cupy.asarray(w),
+                                       None if b is None else cupy.asarray(b)))
+        _same(got, linear_rows_reference(x, w, b), f"subnormals, bias {b is not None}")
