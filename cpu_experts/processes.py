@@ -32,7 +32,8 @@ class WorkerProcesses:
         self.doorbells: list[rings.Doorbell] = []
         self.stop = threading.Event()  # ends the watchdog thread
         self.ready_info: list[dict] = []  # each worker's READY line
-        self.fds: list[int] = []  # read-only handles on the unlinked shards (ShardFiles.read)
+        self.fds: list[int] = []  # per shard: written through (ShardFiles.write), then a
+        # read-only handle on the unlinked file (ShardFiles.read)
 
     def launch(self, specs: list[dict], timeout: float) -> None:
         """Start a worker per spec and wait for each READY; then unlink every shared file
@@ -120,8 +121,17 @@ class ShardFiles:
     """A pool's shared memory before its workers start: ``procs.files`` gets the ring (first)
     and one shard per worker, each created at its final size from the manifest of the
     layers' shapes (shard.plan_shard), then filled a run of experts at a time
-    (:meth:`write`): nothing is held twice. :meth:`seal` unmaps the shards here before the
-    workers start; :attr:`layers` reads them back on demand through read-only handles."""
+    (:meth:`write`, from any number of threads at once): nothing is held twice. :meth:`seal`
+    unmaps the shards here before the workers start; :attr:`layers` reads them back on
+    demand through read-only handles.
+
+    A run is tiled into a buffer of the calling thread's (reused) and written with
+    ``pwrite``; the shards are never written through this process's mapping. Faulting the
+    shared pages in here instead (4 KiB at a time, ~18 million faults for 70 GiB) put
+    every page in this process's page tables, and anything that walks them (a monitor
+    reading /proc/PID/smaps_rollup) then held the address space's lock for a time that
+    grows with the bytes written, stalling every mmap/munmap of the load's threads
+    (docs/loading.md, "Filling the shared memory")."""
 
     def __init__(self, procs: WorkerProcesses, shapes: dict[int, shard.LayerShape],
                  bounds: list[dict[int, tuple[int, int]]], ring_size: int,
@@ -132,11 +142,15 @@ class ShardFiles:
         self.sizes = [size for _, size in plans]
         _check_space(ring_size + sum(self.sizes))
         procs.files.append(rings.SharedFile.create(ring_size, "ring"))
-        self._dst: list[dict] = []
+        self._dst: list[dict] = []  # views for read() before seal(), never written
         for w, size in enumerate(self.sizes):
             f = rings.SharedFile.create(size, f"experts{w}")
             procs.files.append(f)
+            procs.fds.append(os.open(f.path, os.O_WRONLY))
             self._dst.append(shard.views(f.buf, self.manifests[w]))
+        self._entries = [{layer: [e for e in m if e[0] == layer] for layer in shapes}
+                         for m in self.manifests]  # per worker, per layer: (gu, down)
+        self._scratch = threading.local()  # .buf: each writing thread's tile buffer
         self._filled = {layer: np.zeros(s.num_experts, bool) for layer, s in shapes.items()}
         self.layers = {layer: shard.TiledLayer(s, [b[layer] for b in bounds],
                                                lambda w, layer=layer: self.read(w, layer))
@@ -152,9 +166,18 @@ class ShardFiles:
                 or not 0 <= first <= first + n <= want.num_experts):
             raise ValueError(f"layer {layer}: experts {first}..{first + n} of I={ql.intermediate}"
                              f", H={ql.hidden} do not fit {want}")
-        for w, dst in enumerate(self._dst):
-            shard.write_experts(dst[layer], ql, self.layers[layer].bounds[w], first)
+        for w, fd in enumerate(self.procs.fds):
+            entries = self._entries[w][layer]
+            scratch = self._buffer(shard.run_bytes(entries, n))
+            shard.pwrite_experts(fd, entries, ql, self.layers[layer].bounds[w], first, scratch)
         self._filled[layer][first:first + n] = True
+
+    def _buffer(self, nbytes: int) -> np.ndarray:
+        """This thread's tile buffer, at least ``nbytes`` (grown, never shrunk, until seal)."""
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None or buf.size < nbytes:
+            buf = self._scratch.buf = np.empty(nbytes, np.uint8)
+        return buf
 
     def seal(self) -> None:
         """Every expert written (else ValueError naming the first gap): keep a read-only
@@ -163,9 +186,10 @@ class ShardFiles:
             if not filled.all():
                 raise ValueError(f"layer {layer}: expert {int(np.argmin(filled))} was never "
                                  "written to the CPU workers' shards")
-        self._dst = []
-        for f in self.procs.files[1:]:
-            self.procs.fds.append(os.open(f.path, os.O_RDONLY))
+        self._dst, self._scratch = [], threading.local()  # every thread's buffer goes
+        for w, f in enumerate(self.procs.files[1:]):
+            fd, self.procs.fds[w] = self.procs.fds[w], os.open(f.path, os.O_RDONLY)
+            os.close(fd)
             f.close()
 
     def specs(self, common: dict, cores: list[list[int]]) -> list[dict]:

@@ -11,6 +11,7 @@ out in one flat shared-memory buffer.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -211,6 +212,32 @@ def write_experts(dst: tuple[np.ndarray, np.ndarray], ql: QuantizedLayer,
     tile_into(gq, gs, gu[first:first + n, 0])
     tile_into(uq, us, gu[first:first + n, 1])
     tile_into(dq, ds, down[first:first + n, 0])
+
+
+def run_bytes(entries: list, n: int) -> int:
+    """Bytes of ``n`` experts' tiles of one layer's manifest ``entries`` (gu, down)."""
+    return sum(n * int(np.prod(shape[1:])) * np.dtype(dt).itemsize
+               for _layer, _name, shape, dt, _off in entries)
+
+
+def pwrite_experts(fd: int, entries: list, ql: QuantizedLayer, bounds: tuple[int, int],
+                   first: int, scratch: np.ndarray) -> None:
+    """:func:`write_experts` into a shard file, without mapping it: experts ``ql`` are tiled
+    into ``scratch`` (uint8, at least :func:`run_bytes`) and written with ``pwrite`` at
+    experts ``first..`` of the layer's manifest ``entries`` ``[(layer, "gu", ...), (layer,
+    "down", ...)]``. A run's tiles are one contiguous range of each array (experts lead)."""
+    n, pos, spans, dst = ql.num_experts, 0, [], []
+    for _layer, _name, shape, dt, off in entries:
+        per = int(np.prod(shape[1:])) * np.dtype(dt).itemsize  # one expert's tile bytes
+        dst.append(scratch[pos:pos + n * per].view(dt).reshape(n, *shape[1:]))
+        spans.append((pos, n * per, off + first * per))
+        pos += n * per
+    write_experts((dst[0], dst[1]), ql, bounds, 0)
+    for pos, size, at in spans:
+        view = memoryview(scratch[pos:pos + size])
+        while view.nbytes:  # a write stops short past 2 GiB (or on a signal)
+            done = os.pwrite(fd, view, at)
+            view, at = view[done:], at + done
 
 
 def untile(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

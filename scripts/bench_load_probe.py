@@ -85,6 +85,9 @@ def _name(pid: int) -> str:
     return os.path.basename(args[0]) if args else "?"
 
 
+BACKOFF = 20  # a reading that took t seconds waits at least BACKOFF * t for the next
+
+
 class _Poller(abc.ABC):
     """A daemon thread calling ``self.sample()`` every ``every`` seconds until ``stop()``."""
 
@@ -103,7 +106,11 @@ class _Poller(abc.ABC):
             t0 = time.monotonic()
             self.sample()
             self.samples += 1
-            self._stop.wait(max(0.0, self.every - (time.monotonic() - t0)))
+            took = time.monotonic() - t0
+            # NOTE: reading smaps_rollup walks the page tables under the process's mmap
+            # lock, and every mmap/munmap of the process waits for it (docs/loading.md):
+            # a slow read backs off so the probe holds the lock at most 1/BACKOFF of the time
+            self._stop.wait(max(self.every - took, BACKOFF * took))
 
     @abc.abstractmethod
     def sample(self) -> None:

@@ -205,15 +205,22 @@ class _Loader:
         step = max(1, self.chunk_bytes // max(1, per_expert * self.threads))
         return [(a, min(n, a + step)) for a in range(0, n, step)]
 
-    def _on_threads(self, job: Callable[[int, int], None], runs: list[tuple[int, int]]) -> None:
-        """``job(a, b)`` for every run, on up to :attr:`threads` threads."""
-        if self.threads == 1 or len(runs) == 1:
-            for a, b in runs:
-                job(a, b)
+    def _on_threads(self, job: Callable[..., None], runs: list[tuple[int, ...]]) -> None:
+        """``job(*run)`` for every run, on up to :attr:`threads` threads; the first error
+        is raised once the runs in flight have finished (the others never start)."""
+        if self.threads == 1 or len(runs) <= 1:
+            for run in runs:
+                job(*run)
             return
         with ThreadPoolExecutor(min(self.threads, len(runs))) as pool:
-            for f in [pool.submit(job, a, b) for a, b in runs]:
-                f.result()  # the first error, after every run has finished
+            futures = [pool.submit(job, *run) for run in runs]
+            try:
+                for f in futures:
+                    f.result()
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
 
     def _read_stack(self, name: str, ids: np.ndarray) -> np.ndarray:
         """Experts ``ids`` of stacked tensor ``name`` (in that order), read a run at a time
@@ -236,22 +243,23 @@ class _Loader:
         return out
 
     def fill_cpu(self, pool: Any) -> None:
-        """Each layer's CPU experts, a run at a time on threads, quantized into the pool's
-        shards (each run writes its own experts' bytes: the same bytes in any order)."""
+        """Each layer's CPU experts, a run at a time on threads (one set of threads for
+        every layer: no idle tail per layer), quantized into the pool's shards (each run
+        writes its own experts' bytes: the same bytes in any order)."""
         cfg, split = self.cfg, self.split
         per = 3 * cfg.moe_intermediate_size * cfg.hidden_size * 4  # float32 gate+up+down
+
+        def job(layer: int, a: int, b: int) -> None:
+            ids, p = split.cpu_ids(layer)[a:b], f"model.layers.{layer}.mlp.experts."
+            stacks = [self._cpu_stack(p + k, ids) for k in EXPERT_KEYS]
+            pool.fill(layer, a, *stacks)
+            self.advance(sum(self._part_bytes(p + k, b - a) for k in EXPERT_KEYS))
+
+        runs = [(layer, a, b) for layer in sorted(split.order)
+                for a, b in self._runs(split.n_cpu[layer], per)]
         with self.phase("experts CPU", self.cpu_bytes_to_read(), cpu_bytes=pool.shard_bytes,
                         threads=self.threads):
-            for layer in sorted(split.order):
-                ids = split.cpu_ids(layer)
-                p = f"model.layers.{layer}.mlp.experts."
-
-                def job(a: int, b: int, ids=ids, p=p, layer=layer) -> None:
-                    stacks = [self._cpu_stack(p + k, ids[a:b]) for k in EXPERT_KEYS]
-                    pool.fill(layer, a, *stacks)
-                    self.advance(sum(self._part_bytes(p + k, b - a) for k in EXPERT_KEYS))
-
-                self._on_threads(job, self._runs(len(ids), per))
+            self._on_threads(job, runs)
 
     def _cpu_stack(self, name: str, ids: np.ndarray) -> Any:
         """Experts ``ids`` of ``name`` for ``pool.fill``: the blocks of 32 the source stores

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -85,7 +86,11 @@ class SyntheticSource:
             jobs = [(out[r:r + rows], r // rows) for r in range(0, shape[0], rows)] \
                 if shape else [(out, 0)]
         gen = _Generator(self.seed, key, shape, self.config)
-        if out.size > UNIT_ELEMS and len(jobs) > 1 and _THREADS > 1:
+        # NOTE: threads of its own only for a read from the main thread (a dense tensor);
+        # the loader's threads each read a run of experts already: a pool per run under
+        # them would be up to 16 x 16 threads on 16 cores
+        if (out.size > UNIT_ELEMS and len(jobs) > 1 and _THREADS > 1
+                and threading.current_thread() is threading.main_thread()):
             with ThreadPoolExecutor(_THREADS) as pool:  # NumPy fills release the GIL
                 list(pool.map(lambda job: gen.fill(*job), jobs))
         else:
