@@ -16,6 +16,7 @@ import subprocess
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 
@@ -80,6 +81,9 @@ class CpuExpertPool:
                         for layer, s in shapes.items()} for w in range(self.num_workers)]
         self._seq = 0
         self.timer: DispatchTimer | None = None  # set one to time host dispatches (benchmarks)
+        # called once per host load between ringing the workers and awaiting them (the MTP
+        # drafter's deferred work, gpu_worker/draft_overlap.py); None: nothing to do meanwhile
+        self.while_waiting: Callable[[], None] | None = None
         self._in_flight: tuple[int, int] | None = None
         self._device = False  # a device session is open (device_begin)
         self._watchdog: threading.Thread | None = None  # started by the first device session
@@ -307,7 +311,11 @@ class CpuExpertPool:
         ids_v[...] = ids
         w_v[...] = w
         self.start(layer, rows, k)
-        parts = self.finish()
+        try:
+            if self.while_waiting is not None:
+                self.while_waiting()
+        finally:
+            parts = self.finish()
         np.copyto(out, parts[0])
         for wk in range(1, self.num_workers):
             out += parts[wk]

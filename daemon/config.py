@@ -77,7 +77,8 @@ _SECTION_TYPES = {"model": ModelSection, "server": ServerSection, "limits": Limi
                   "speculation": SpeculationSection, "logging": LoggingSection,
                   "systemd": SystemdSection}
 _PATH_KEYS = {"model.path", "server.api_keys_file", "server.run_dir",
-              "server.zmq_curve_secret_key_file", "experts.hot_experts"}
+              "server.zmq_curve_secret_key_file", "experts.hot_experts",
+              "speculation.replay_file", "speculation.record_file"}
 
 
 # ---- loading ------------------------------------------------------------------------------------
@@ -176,5 +177,6 @@ def summary(config: Config) -> list[str]:
         f"experts: {e.placement}{cpu}; GPU budget {budget}",
         "speculation: off" if config.speculation.mode == "off" else
         f"speculation: {config.speculation.mode}, {config.speculation.num_drafts} "
-        f"{config.speculation.proposer} drafts per slot",
+        f"{config.speculation.proposer} drafts per slot"
+        + (", draft overlap" if config.speculation.draft_overlap else ""),
     ]

@@ -284,9 +284,15 @@ class SpeculationSection:
     cost_fixed_ms: float = 8.0  # per forward pass
     cost_row_ms: float = 0.25  # per row of a pass
     cost_expert_ms: float = 0.03  # per distinct CPU expert: its bytes / DRAM bandwidth
+    # the worker runs a pass's MTP drafter while the CPU experts of the step's next pass are
+    # in flight (same drafts and tokens; docs/speculation.md "Draft overlap")
+    draft_overlap: bool = False
     # proposer = "replay" (benchmarks only): recorded continuations + acceptance profile
     # (daemon/proposers/replay.py)
     replay_file: Path | None = None
+    # benchmarks only, any mode: append each finished request's prompt and generated ids
+    # (JSON lines: a replay file's records, daemon/proposers/replay.py ReplayRecorder)
+    record_file: Path | None = None
 
     def __post_init__(self) -> None:
         check_str("speculation.mode", self.mode, ("off", "narrow", "wide"))
@@ -296,6 +302,10 @@ class SpeculationSection:
             fail("speculation.replay_file", "proposer = 'replay' needs an existing replay "
                  "file (benchmarks only: scripts/bench_concurrency.py writes one)",
                  self.replay_file)
+        if self.record_file is not None and not (isinstance(self.record_file, Path)
+                                                 and self.record_file.parent.is_dir()):
+            fail("speculation.record_file", "must be a file in an existing directory",
+                 self.record_file)
         check_int("speculation.num_drafts", self.num_drafts, 1, 15)
         check_int("speculation.min_match", self.min_match, 1, 64)
         check_int("speculation.max_match", self.max_match, self.min_match, 64)
@@ -305,6 +315,7 @@ class SpeculationSection:
         check_str("speculation.draft_budget", self.draft_budget, ("fixed", "adaptive"))
         for key in ("cost_fixed_ms", "cost_row_ms", "cost_expert_ms"):
             check_num(f"speculation.{key}", getattr(self, key), 0.0)
+        check_bool("speculation.draft_overlap", self.draft_overlap)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,9 @@ def worker_config(config: Config) -> WorkerConfig:
                         max_drafts=0 if config.speculation.mode == "off"
                         else config.speculation.num_drafts,
                         slot_routing=config.speculation.mode != "off"
-                        and config.speculation.draft_budget == "adaptive")
+                        and config.speculation.draft_budget == "adaptive",
+                        draft_overlap=config.speculation.mode != "off"
+                        and config.speculation.draft_overlap)
 
 
 def serve(config: Config) -> int:

@@ -25,6 +25,7 @@ from daemon.draft_plan import DraftPlanner
 from daemon.metrics import Metrics, NullMetrics
 from daemon.prefix_cache import PrefixCache
 from daemon.progress import queue_status, slot_status
+from daemon.proposers.replay import ReplayRecorder
 from daemon.request import (
     EngineUnavailable,
     GenerationRequest,
@@ -73,6 +74,7 @@ class Scheduler:
                  backend: str = "numpy", placement: str = "gpu") -> None:
         if preemption not in ("swap", "recompute"):
             raise ValueError(f"preemption must be swap or recompute, got {preemption!r}")
+        self.recorder = ReplayRecorder.of(speculation)  # benchmarks only: record_file
         self.speculation = speculation if speculation is not None and \
             speculation.mode != "off" else None
         mtp = self.speculation is not None and self.speculation.proposer == "mtp"
@@ -347,6 +349,8 @@ class Scheduler:
 
     def _done(self, seq: Sequence) -> None:
         self.by_id.pop(seq.req.request_id, None)
+        if self.recorder is not None:
+            self.recorder.add(seq)
         self.metrics.request_finished(seq.finished, len(seq.prompt), len(seq.generated),
                                       seq.cached)
 

@@ -5,9 +5,16 @@ After each pass the head runs over every committed position of the slots that as
 (``SlotWork.mtp_drafts``), so its KV (the last layer of the main cache) never has holes; then,
 from each slot's last committed row, it drafts up to ``mtp_drafts`` argmax tokens, each
 chained on the head's own previous output.
+
+:meth:`MtpDrafter.steps` is that work as a generator that yields after issuing each head pass:
+``[speculation] draft_overlap`` (gpu_worker/draft_overlap.py) runs those units while the CPU
+experts of the step's next pass are in flight; :meth:`MtpDrafter.draft` runs them at once.
+Either way the same head passes run on the same rows in the same order.
 """
 
 from __future__ import annotations
+
+from collections.abc import Generator
 
 import numpy as np
 
@@ -19,6 +26,18 @@ from protocol.messages import SlotWork
 
 # slot -> (rows of the pass committed, tokens sampled after them)
 Committed = dict[int, tuple[int, list[int]]]
+Drafts = dict[int, list[int]]  # slot -> its argmax drafts
+# a drafter's work: yields after issuing each head pass, returns the drafts
+DraftSteps = Generator[None, None, Drafts]
+
+
+def run_all(steps: DraftSteps) -> Drafts:
+    """Every unit of ``steps`` now; its drafts."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
 
 
 class MtpDrafter:
@@ -35,9 +54,17 @@ class MtpDrafter:
         self.pending.pop(slot, None)
 
     def draft(self, work: list[SlotWork], batch: RaggedBatch, hidden: Array,
-              committed: Committed) -> dict[int, list[int]]:
+              committed: Committed) -> Drafts:
         """After the pass over ``batch`` (``hidden`` [R, H] its final-normed rows): the
         head's rows for every committed position, then each slot's drafts."""
+        return run_all(self.steps(work, batch, hidden, committed))
+
+    def steps(self, work: list[SlotWork], batch: RaggedBatch, hidden: Array,
+              committed: Committed) -> DraftSteps:
+        """:meth:`draft` as a generator: it yields after issuing each head pass (the first
+        over every committed row, then one per chained draft) and returns the drafts. It
+        reads only this pass's ``hidden`` and ``committed`` and the head's KV rows of these
+        slots, so it may run while the step's next pass runs (other slots)."""
         xp = self.model.xp
         parts, rows_h, last_pos = self._head_rows(work, batch, hidden, committed)
         if not parts:
@@ -48,12 +75,13 @@ class MtpDrafter:
         last_rows = np.asarray([ends[s] for s in want], dtype=np.int64)
         out = self.model.mtp_forward(mbatch, xp.concatenate(rows_h, axis=0), self.caches,
                                      last_rows)
+        yield
         if not want:  # prompt chunks only: the head's KV is written, nothing to propose
             return {}
         k_of = {w.slot: w.mtp_drafts for w in work}
         limit = {s: min(k_of[s], self.max_context - 1 - last_pos[s]) for s in want}
-        return self._chain(want, limit, last_pos, to_numpy(out.logits),
-                           out.hidden[xp.asarray(last_rows)])
+        return (yield from self._chain(want, limit, last_pos, to_numpy(out.logits),
+                                       out.hidden[xp.asarray(last_rows)]))
 
     def _head_rows(self, work: list[SlotWork], batch: RaggedBatch, hidden: Array,
                    committed: Committed
@@ -86,10 +114,10 @@ class MtpDrafter:
         return parts, rows_h, last_pos
 
     def _chain(self, live: list[int], limit: dict[int, int], last_pos: dict[int, int],
-               logits: np.ndarray, h: Array) -> dict[int, list[int]]:
+               logits: np.ndarray, h: Array) -> DraftSteps:
         """Argmax drafts from the head's output rows (``logits`` [n, V], ``h`` [n, H], one per
         slot of ``live``); each further draft is one more head row at the next position, on
-        the head's own output, until the slot has ``limit`` drafts."""
+        the head's own output, until the slot has ``limit`` drafts (a yield after each)."""
         xp = self.model.xp
         drafts: dict[int, list[int]] = {s: [] for s in live}
         while live:
@@ -104,5 +132,6 @@ class MtpDrafter:
                                         for s in live])
             out = self.model.mtp_forward(cbatch, h[xp.asarray(np.asarray(keep, np.int64))],
                                          self.caches)
+            yield
             logits, h = to_numpy(out.logits), out.hidden
         return drafts

@@ -5,21 +5,24 @@ server.py wraps it.
 
     Runner.execute -> CacheOps.apply (cache_ops.py) -> passes: Model.forward (with the
         RoutedExperts, routed_experts.py) -> sample_and_match_all (verify.py) -> RecurrentStates
-        adopt (states.py) -> MtpDrafter.draft (mtp_drafter.py)
+        adopt (states.py) -> MtpDrafter.draft (mtp_drafter.py; with draft overlap, under the
+        next pass's CPU experts: draft_overlap.py)
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
 import numpy as np
 
 from gpu_worker.cache_ops import CacheOps, PlanError
+from gpu_worker.draft_overlap import DraftOverlap, overlap_status
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.model import Caches, Model
-from gpu_worker.mtp_drafter import MtpDrafter
+from gpu_worker.mtp_drafter import MtpDrafter, run_all
 from gpu_worker.routed_experts import RoutedExperts
 from gpu_worker.verify import sample_and_match_all
 from protocol.messages import (
@@ -39,11 +42,14 @@ _NO_ROUTES = (np.zeros(0, np.int32), np.zeros(0, np.uint16))
 class Runner:
     """The model, its caches and the interpreter of their commands, behind ``execute``.
     ``experts``: the routed experts that are not all on the backend (None: all are);
-    ``slot_routing``: report each decode slot's CPU experts (SlotResult.cpu_experts)."""
+    ``slot_routing``: report each decode slot's CPU experts (SlotResult.cpu_experts);
+    ``draft_overlap``: run a pass's MTP drafter under the next pass's CPU experts where it
+    can (``overlap_reason`` says whether and why, draft_overlap.py)."""
 
     def __init__(self, model: Model, *, max_slots: int, max_context: int, block_size: int = 16,
                  extra_blocks: int = 0, kv_int8: bool = False,
-                 experts: RoutedExperts | None = None, slot_routing: bool = False) -> None:
+                 experts: RoutedExperts | None = None, slot_routing: bool = False,
+                 draft_overlap: bool = False) -> None:
         self.model = model
         self.slot_routing = slot_routing and experts is not None
         self.max_slots = max_slots
@@ -55,6 +61,8 @@ class Runner:
         self.drafter = MtpDrafter(model, caches, max_context)
         self.cache_ops = CacheOps(caches, max_slots, on_release=self.drafter.forget)
         self.num_passes = 0  # forward passes run so far (tests count them)
+        active, self.overlap_reason = overlap_status(draft_overlap, model, experts)
+        self.overlap = DraftOverlap(experts, model.xp) if active else None
 
     @property
     def caches(self) -> Caches:
@@ -92,6 +100,10 @@ class Runner:
             for res in results:
                 res.cpu_experts, res.cpu_expert_rows = routes.get(res.slot, _NO_ROUTES)
             counters["cpu_experts_held"] = self.experts.cpu_experts_held
+        if self.overlap is not None:
+            draft_ms, draft_counts = self.overlap.take_stats()
+            timings.update(draft_ms)
+            counters.update(draft_counts)
         if self.experts is not None:
             stats = self.experts.take_stats()
             timings["cpu_experts"] = stats.pop("cpu_experts_ms")
@@ -112,9 +124,13 @@ class Runner:
             plain = [w for w in work if not len(w.draft_ids)]
             groups = ([plain] if plain else []) + [[w] for w in drafted]
         results = {}
+        if self.overlap is not None:
+            self.overlap.discard()  # a failed step's leftovers
         for group in groups:
             for w, res in zip(group, self._pass(group), strict=True):
                 results[w.slot] = res
+        if self.overlap is not None:
+            self.overlap.drain()  # the last pass's drafter: nothing left to hide it under
         return [results[w.slot] for w in work]
 
     def _check(self, w: SlotWork) -> None:
@@ -161,7 +177,8 @@ class Runner:
         results, committed = [], {}
         self.num_passes += 1
         with verifying:
-            out = forward() if self.experts is None else self.experts.run_step(forward)
+            out = (forward() if self.experts is None else self.experts.run_step(forward)
+                   if self.overlap is None else self.overlap.run_pass(forward))
             picks = sample_and_match_all(work, out.logits, first)
             for w, (tokens, accepted) in zip(work, picks, strict=True):
                 committed[w.slot] = (w.num_tokens + accepted, tokens)
@@ -170,10 +187,17 @@ class Runner:
                     states.adopt(w.slot, w.num_tokens + accepted)
                 results.append(_result(w, tokens, accepted))
         if self.model.mtp is not None and any(w.mtp_drafts for w in work):
-            drafts = self.drafter.draft(work, batch, out.hidden, committed)
-            for res in results:
-                res.drafts = drafts.get(res.slot, [])
+            steps = self.drafter.steps(work, batch, out.hidden, committed)
+            if self.overlap is None:
+                _attach(results, run_all(steps))
+            else:  # under the next pass's CPU experts, or at the end of the step
+                self.overlap.defer(steps, functools.partial(_attach, results))
         return results
+
+
+def _attach(results: list[SlotResult], drafts: dict[int, list[int]]) -> None:
+    for res in results:
+        res.drafts = drafts.get(res.slot, [])
 
 
 def _result(w: SlotWork, tokens: list[int], accepted: int) -> SlotResult:

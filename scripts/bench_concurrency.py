@@ -12,13 +12,20 @@ Workloads (fixed prompts and seeds, temperature 0.85, thinking disabled):
   loop, and sends the result back, so contexts grow as an agent's do
   (scripts/bench_concurrency_tools.py).
 
-Every run is a fresh ``tandem serve`` process; one short request warms it up and is excluded
-(counters are read after it). Arms (``--arms``): the server's ``--speculation`` mode
-(``narrow``: each drafted slot verified alone; ``wide``: 2-4 drafted slots in one pass;
-``off``), or ``adaptive``: wide with ``draft_budget = "adaptive"`` (docs/speculation.md, the
-draft budget); ``@N`` after an arm sets ``num_drafts`` (``wide@2``, ``adaptive@8``: the fixed
+Every run is a fresh ``tandem serve`` process with its own config
+(scripts/bench_concurrency_serve.py); one short request warms it up and is excluded
+(counters are read after it). Arms (``--arms``): the speculation mode (``narrow``: each
+drafted slot verified alone; ``wide``: 2-4 drafted slots in one pass; ``off``), or
+``adaptive``: wide with ``draft_budget = "adaptive"`` (docs/speculation.md, the draft
+budget); ``@N`` after an arm sets ``num_drafts`` (``wide@2``, ``adaptive@8``: the fixed
 lengths beside the adaptive budget). ``--pairs`` paired runs per workload, the arms' order
 alternating pair by pair.
+
+``--proposer replay`` (benchmarks of random synthetic models): pair 1's ``off`` run records
+every request's token ids (``[speculation] record_file``), they become the workload's replay
+file, and the other arms draft the plain run's continuation with the acceptance profile's
+lengths (daemon/proposers/replay.py). Every run records its ids too, and ``exact`` says how
+many of its requests gave the plain run's tokens. docs/benchmarks.md has the whole method.
 
 Figures per run, from the server's own counters (``/metrics``):
 
@@ -27,12 +34,14 @@ Figures per run, from the server's own counters (``/metrics``):
   (``tandem_steady_decode_{tokens,seconds}_total{slots="4"}``);
 * whole-run TPS: every completion token over the run's wall time (prompt reads, tool calls
   and fewer active streams included);
-* accepted drafts per verification, per draft source.
+* accepted drafts per verification, per draft source;
+* per step: wall time, distinct CPU experts and the CPU floor (scripts/bench_concurrency_serve).
 
-Outputs differ between arms (sampling meets different batch timing, float32 rounding and
-different drafts' acceptances), so whole-run time is not an equal-work comparison. The
-summary (``summary.json`` in ``--out-dir``, one JSON per run beside it) gives medians per arm
-and the per-pair ratios of each arm over the first (``narrow`` by default).
+Outputs are the same in every arm only where the backend's rows are batch-invariant (float64;
+float32 BLAS may round a batch otherwise): ``exact`` says whether they were, and where not,
+whole-run time is not an equal-work comparison. The summary (``summary.json`` in
+``--out-dir``, one JSON per run beside it; scripts/bench_concurrency_report.py) gives medians
+per arm and the per-pair ratios of each arm over ``--base`` (``narrow`` by default).
 """
 
 from __future__ import annotations
@@ -41,7 +50,8 @@ import argparse
 import asyncio
 import functools
 import json
-import statistics
+import os
+import signal
 import sys
 import tempfile
 import time
@@ -49,7 +59,21 @@ from pathlib import Path
 
 import aiohttp
 
-from scripts.bench_common import command_line, delta, machine, scrape, served, sse_chunks
+from daemon.proposers.replay import prompt_key, read_records, write_replay_file
+from scripts.bench_common import REPO, command_line, delta, machine, scrape, sse_chunks
+from scripts.bench_concurrency_report import best_fixed, load_runs, summarize, table
+from scripts.bench_concurrency_serve import (
+    DRAM_GBS,
+    arm_speculation,
+    base_config,
+    cpu_bytes_per_expert,
+    draft_figures,
+    exactness,
+    run_config,
+    serving,
+    step_figures,
+    write_toml,
+)
 from scripts.bench_concurrency_tools import (
     FILE_BYTES,
     SCRIPT,
@@ -58,6 +82,7 @@ from scripts.bench_concurrency_tools import (
     scripted_call,
     setup_project,
 )
+from scripts.procs import free_port
 
 TEMPERATURE = 0.85
 STREAMS = 4
@@ -151,44 +176,46 @@ async def workload(url: str, model: str, name: str, args: argparse.Namespace
         return streams, time.monotonic() - t0
 
 
-def arm_flags(arm: str) -> tuple[str, tuple[str, ...]]:
-    """An arm's ``--speculation`` mode and further ``tandem serve`` flags: "adaptive@8" ->
-    ("wide", ("--draft-budget", "adaptive", "--num-drafts", "8"))."""
-    mode, _, drafts = arm.partition("@")
-    extra: tuple[str, ...] = ()
-    if mode == "adaptive":
-        mode, extra = "wide", ("--draft-budget", "adaptive")
-    if mode not in ("off", "narrow", "wide"):
-        raise SystemExit(f"unknown arm {arm!r}: off, narrow, wide or adaptive, then @N")
-    return mode, extra + (("--num-drafts", str(int(drafts))) if drafts else ())
-
-
-def one_run(args: argparse.Namespace, name: str, arm: str, pair: int) -> dict:
-    mode, extra = arm_flags(arm)
-    with served(args.config, args.port, mode, args.proposer, extra) as (url, model):
+def one_run(args: argparse.Namespace, ctx: dict, name: str, arm: str, pair: int,
+            replay: Path | None) -> dict:
+    """One fresh server, warm-up excluded, the workload, its figures; every request's
+    token ids go to ``ctx["work"]/<run>.records.jsonl`` (docs/speculation.md, the replay
+    proposer)."""
+    records = ctx["work"] / f"{name}_{arm}_{pair}.records.jsonl"
+    records.unlink(missing_ok=True)
+    spec = arm_speculation(arm, args.proposer)
+    spec["record_file"] = str(records)
+    if args.proposer == "replay":
+        if spec["mode"] == "off":
+            spec["proposer"] = "suffix"  # (unused with mode off; replay needs a file)
+        else:
+            spec["replay_file"] = str(replay)
+    port = free_port()
+    run_dir = Path(tempfile.mkdtemp(prefix="tbc-"))  # short: ipc socket paths are <= 107 B
+    config = write_toml(ctx["work"] / f"{name}_{arm}_{pair}.toml",
+                        run_config(ctx["base"], port=port, run_dir=run_dir, speculation=spec))
+    if "per_expert" not in ctx:
+        ctx["per_expert"] = cpu_bytes_per_expert(config)
+    log = ctx["work"] / f"{name}_{arm}_{pair}.log"
+    with serving(config, port, log, args.ready_timeout, args.blas_threads) as (url, model):
 
         async def warm_up() -> None:
             async with aiohttp.ClientSession() as s:
                 await chat(s, url, model, [{"role": "user", "content": "Hello"}], 8, 0)
 
         asyncio.run(warm_up())
-        before = scrape(url)
+        before, load = scrape(url), os.getloadavg()[0]
         streams, wall = asyncio.run(workload(url, model, name, args))
-        after = scrape(url)
+        after, load = scrape(url), [load, os.getloadavg()[0]]
     steady_s = delta(after, before, "tandem_steady_decode_seconds_total", slots=str(STREAMS))
     steady_t = delta(after, before, "tandem_steady_decode_tokens_total", slots=str(STREAMS))
     tokens = sum(s["tokens"] for s in streams)
-    per_source = {}
-    for source in ("mtp", "suffix"):
-        verifies = delta(after, before, "tandem_spec_verifies_total", source=source)
-        if verifies:
-            per_source[source] = {
-                "verifies": verifies,
-                "accepted_per_verify": delta(after, before,
-                                             "tandem_spec_accepted_by_source_tokens_total",
-                                             source=source) / verifies}
     return {"workload": name, "arm": arm, "pair": pair, "proposer": args.proposer,
-            "config": args.config, "machine": machine(),
+            "speculation": {k: v for k, v in spec.items() if not k.endswith("_file")},
+            "replay_file": str(replay) if replay else None,
+            "model": ctx["facts"]["model"], "gpu_budget_gb": ctx["facts"]["gpu_budget_gb"],
+            "machine": ctx["machine"], "blas_threads": args.blas_threads,
+            "load_avg_1min": load,  # other work on the machine
             "four_stream_decode_tps": steady_t / steady_s if steady_s else None,
             "four_stream_seconds": steady_s, "four_stream_tokens": steady_t,
             "whole_run_tps": tokens / wall, "wall_s": wall, "completion_tokens": tokens,
@@ -196,66 +223,142 @@ def one_run(args: argparse.Namespace, name: str, arm: str, pair: int) -> dict:
             "prompt_cached_tokens": delta(after, before, "tandem_prompt_cached_tokens_total"),
             "tool_calls": sum(s["tool_calls"] for s in streams),
             "turns": sum(s["turns"] for s in streams),
-            "tool_chars": sum(s.get("tool_chars", 0) for s in streams), "drafts": per_source}
+            "tool_chars": sum(s.get("tool_chars", 0) for s in streams),
+            "drafts": draft_figures(after, before),
+            "steps": step_figures(after, before, ctx["per_expert"], args.dram_gbs),
+            "records": str(records)}
 
 
-def summarize(runs: list[dict], arms: list[str]) -> dict:
-    out = {}
-    for name in sorted({r["workload"] for r in runs}):
-        mine = [r for r in runs if r["workload"] == name]
-        entry = {}
-        for key in ("four_stream_decode_tps", "whole_run_tps"):
-            by_arm = {a: [r[key] for r in mine if r["arm"] == a and r[key] is not None]
-                      for a in arms}
-            entry[key] = {a: statistics.median(v) if v else None for a, v in by_arm.items()}
-            base = arms[0]
-            entry[key + "_pair_ratios"] = {
-                a: [round(x[key] / y[key], 3) for x in mine for y in mine
-                    if x["arm"] == a and y["arm"] == base and x["pair"] == y["pair"]
-                    and x[key] and y[key]]
-                for a in arms[1:]}
-        out[name] = entry
-    return out
+def replay_reference(path: Path) -> dict[str, list[int]]:
+    """prompt key -> the plain run's continuation, from a replay file."""
+    data = json.loads(path.read_text())
+    return {prompt_key(r["prompt_ids"]): r["continuation"] for r in data["records"]}
 
 
-def main() -> int:
+def record_replay(args: argparse.Namespace, run: dict, path: Path) -> None:
+    """The replay file of a workload from its plain (``off``) run's records."""
+    profile = json.loads(Path(args.profile).read_text())
+    stats = write_replay_file(path, read_records(Path(run["records"])),
+                              workload=run["workload"], source=args.replay_source,
+                              profile=profile, seed=args.replay_seed)
+    print(f"{run['workload']}: replay file {path}: {stats}", flush=True)
+
+
+def arm_order(args: argparse.Namespace) -> list[str]:
+    """The arms in run order; with the replay proposer ``off`` goes first (pair 1's off run
+    records the replay file the other arms read)."""
+    arms = args.arms.split(",")
+    if args.proposer == "replay" and "off" in arms:
+        arms = ["off"] + [a for a in arms if a != "off"]
+    return arms
+
+
+def run_workload(args: argparse.Namespace, ctx: dict, name: str, arms: list[str]) -> None:
+    """Every pair of one workload; each run's ``exact`` compares its requests' tokens with
+    the plain run's (the replay file's records, else ``off`` pair 1's)."""
+    replay = ctx["work"] / f"replay_{name}.json" if args.proposer == "replay" else None
+    if replay is not None and not replay.is_file() and "off" not in arms:
+        record_replay(args, one_run(args, ctx, name, "off", 0, None), replay)
+    ref = replay_reference(replay) if replay is not None and replay.is_file() else None
+    done: list[dict] = []
+    for pair in range(1, args.pairs + 1):
+        order = arms if pair % 2 else arms[::-1]  # alternate which arm goes first
+        for arm in order:
+            out = args.out_dir / f"{name}_{arm}_{pair}.json"
+            if args.resume and out.is_file() and (replay is None or replay.is_file()):
+                done.append(json.loads(out.read_text()))
+                continue
+            run = one_run(args, ctx, name, arm, pair, replay)
+            if replay is not None and ref is None:  # pair 1's off run: the first of the pair
+                record_replay(args, run, replay)
+                ref = replay_reference(replay)
+            if ref is not None:
+                run["exact"] = exactness(read_records(Path(run["records"])), ref)
+            done.append(run)
+            out.write_text(json.dumps(run, indent=1) + "\n")
+            tps = run["four_stream_decode_tps"]
+            print(f"{name:6s} {arm:10s} pair {pair}: four-stream "
+                  f"{'-' if tps is None else f'{tps:.1f}'} tok/s, whole run "
+                  f"{run['whole_run_tps']:.1f} tok/s, drafts {run['drafts']}, "
+                  f"exact {run.get('exact')}", flush=True)
+    plain = args.out_dir / f"{name}_off_1.json"
+    if replay is not None or not plain.is_file():
+        return
+    ref = {prompt_key(r["prompt_ids"]): r["continuation"]
+           for r in read_records(Path(json.loads(plain.read_text())["records"]))}
+    for run in done:  # other proposers: against off pair 1, once it ran
+        if "exact" not in run and Path(run["records"]).is_file():
+            run["exact"] = exactness(read_records(Path(run["records"])), ref)
+            (args.out_dir / f"{name}_{run['arm']}_{run['pair']}.json").write_text(
+                json.dumps(run, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="configs/tiny.toml")
-    p.add_argument("--port", type=int, default=8189)
+    p.add_argument("--config", default="configs/tiny.toml",
+                   help="the base config (not with --model)")
+    p.add_argument("--model", default=None, help="instead of --config: a configs/models "
+                   "name or config.json, served as a synthetic model (scripts/bench_load.py)")
+    p.add_argument("--gpu-budget", default=None, help="with --model: GiB or 'whole'")
+    p.add_argument("--max-context", type=int, default=12288, help="with --model")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="a config override (TOML value), e.g. experts.placement=\"split\"")
     p.add_argument("--arms", default="narrow,wide",
                    help="comma-separated: off, narrow, wide, adaptive, each with an optional "
-                        "@N (num_drafts), e.g. narrow,wide,wide@2,adaptive")
-    p.add_argument("--proposer", choices=("suffix", "mtp"), default="mtp")
-    p.add_argument("--pairs", type=int, default=3)
+                        "@N (num_drafts), e.g. off,narrow,wide,adaptive,wide@1,wide@2")
+    p.add_argument("--base", default=None, help="the arm ratios are over (default: narrow if "
+                   "among the arms, else the first)")
+    p.add_argument("--proposer", choices=("suffix", "mtp", "replay"), default="mtp")
+    p.add_argument("--replay-source", choices=("mtp", "suffix"), default="mtp",
+                   help="replay: the source whose acceptance profile the drafts follow")
+    p.add_argument("--replay-seed", type=int, default=0)
+    p.add_argument("--profile", default=str(REPO / "docs/bench/acceptance_profile.json"))
+    p.add_argument("--pairs", type=int, default=3,
+                   help="0 with --resume: only the summary of the runs already there")
     p.add_argument("--workloads", default="essay,coding")
     p.add_argument("--essay-tokens", type=int, default=256)
     p.add_argument("--coding-tokens", type=int, default=192)
     p.add_argument("--file-bytes", type=lambda v: tuple(int(x) for x in v.split(",")),
                    default=FILE_BYTES, help="MIN,MAX bytes of the files the coding agents "
                    "read (default 2048,8192: needs max_context of ~8k tokens and more)")
+    p.add_argument("--dram-gbs", type=float, default=DRAM_GBS,
+                   help="the CPU's expert read rate for the floor (GB/s)")
+    p.add_argument("--ready-timeout", type=float, default=1200.0)
+    p.add_argument("--blas-threads", type=int, default=None, help="OMP/OpenBLAS/MKL threads "
+                   "of the server's processes (a shared small machine: 1)")
     p.add_argument("--out-dir", type=Path, required=True)
-    args = p.parse_args()
-    arms = args.arms.split(",")
+    p.add_argument("--work-dir", type=Path, default=None, help="configs, logs, records and "
+                   "replay files (default: /tmp/tandem-bench-concurrency/<out-dir name>)")
+    p.add_argument("--resume", action="store_true", help="keep runs already in --out-dir "
+                   "(with their records in --work-dir): rerun the command after a time limit")
+    args = p.parse_args(argv)
+    arms = arm_order(args)
+    for arm in arms:
+        arm_speculation(arm, args.proposer)  # refuse an unknown arm before any server
+    base = args.base or ("narrow" if "narrow" in arms else arms[0])
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    runs = []
-    for name in args.workloads.split(","):
-        for pair in range(1, args.pairs + 1):
-            order = arms if pair % 2 else arms[::-1]  # alternate which arm goes first
-            for arm in order:
-                run = one_run(args, name, arm, pair)
-                runs.append(run)
-                (args.out_dir / f"{name}_{arm}_{pair}.json").write_text(
-                    json.dumps(run, indent=1) + "\n")
-                tps = run["four_stream_decode_tps"]
-                print(f"{name:6s} {arm:6s} pair {pair}: four-stream "
-                      f"{'-' if tps is None else f'{tps:.1f}'} tok/s, whole run "
-                      f"{run['whole_run_tps']:.1f} tok/s, drafts {run['drafts']}", flush=True)
-    summary = {"command": command_line(),
-               "arms": arms, "runs": len(runs), "by_workload": summarize(runs, arms)}
+    work = args.work_dir or Path(tempfile.gettempdir()) / "tandem-bench-concurrency" / \
+        args.out_dir.resolve().name
+    work.mkdir(parents=True, exist_ok=True)
+    cfg, facts = base_config(args, work)
+    ctx = {"work": work, "base": cfg, "facts": facts, "machine": machine()}
+    workloads = args.workloads.split(",")
+    for name in workloads:
+        run_workload(args, ctx, name, arms)
+    runs = load_runs(args.out_dir, workloads, arms)
+    by_workload = summarize(runs, arms, base)
+    summary = {"command": command_line(), "machine": ctx["machine"], **facts,
+               "proposer": args.proposer,
+               "replay_source": args.replay_source if args.proposer == "replay" else None,
+               "arms": arms, "base": base, "runs": len(runs), "by_workload": by_workload,
+               "adaptive_vs_best_fixed": {n: best_fixed(e, arms)
+                                          for n, e in by_workload.items()}}
     (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(json.dumps(summary["by_workload"], indent=1))
+    print(table(summary))
     return 0
 
 
 if __name__ == "__main__":
+    # `timeout` sends SIGTERM: leave through the finally blocks, which stop the server
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.exit(main())

@@ -104,5 +104,8 @@ def run_tool(workdir: Path, name: str, arguments: str) -> str:
                                capture_output=True, text=True, timeout=10, cwd=workdir)
         except subprocess.TimeoutExpired:
             return "error: the import did not finish within 10 s"
-        return "ok" if p.returncode == 0 else p.stderr[-2000:]
+        # the scratch directory's random name out of the text: every arm's agent must see
+        # the same bytes (the replay arms' prompts are the plain run's)
+        return "ok" if p.returncode == 0 else \
+            p.stderr.replace(str(workdir), "/project")[-2000:]
     return f"error: no tool named {name!r}"

@@ -18,6 +18,12 @@ The replay file (``[speculation] replay_file``) is JSON::
 
 A request whose prompt has no record, or whose generated tokens left the recorded
 continuation (a plain run that sampled differently), gets no drafts; ``stats`` counts both.
+
+The records come from a plain run of the same workload: ``[speculation] record_file`` makes
+the scheduler append one JSON line per finished request (``ReplayRecorder``:
+``{"prompt_ids": [...], "continuation": [...], "finish_reason": "length"}``), whatever the
+mode, and ``write_replay_file`` turns such a file into a replay file
+(scripts/bench_concurrency.py does both).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import TYPE_CHECKING
 from protocol.messages import DraftSource
 
 if TYPE_CHECKING:
+    from daemon.config_sections import SpeculationSection
     from daemon.sequence import Sequence
 
 SOURCES = {"mtp": DraftSource.MTP, "suffix": DraftSource.SUFFIX}
@@ -132,3 +139,55 @@ class ReplayProposer:
             drafts[a] = drafts[a] - 1 if drafts[a] > 0 else drafts[a] + 1
             self.stats["cut"] += 1  # (the rows after it stay: a real proposer's would)
         return drafts
+
+
+class ReplayRecorder:
+    """Appends each finished request's prompt ids and generated ids to a JSON-lines file
+    (benchmarks only: ``[speculation] record_file``). A line is written and closed at once,
+    so a server stopped after its requests finished has written them all."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    @classmethod
+    def of(cls, spec: SpeculationSection | None) -> ReplayRecorder | None:
+        """The recorder a config asks for (None: no ``record_file``), in any mode."""
+        path = getattr(spec, "record_file", None)
+        return cls(path) if path is not None else None
+
+    def add(self, seq: Sequence) -> None:
+        line = json.dumps({"prompt_ids": [int(t) for t in seq.prompt],
+                           "continuation": [int(t) for t in seq.generated],
+                           "finish_reason": seq.finished}, separators=(",", ":"))
+        with self.path.open("a") as f:
+            f.write(line + "\n")
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records a ``ReplayRecorder`` wrote, in order (a torn last line is skipped)."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def write_replay_file(path: Path, records: list[dict], *, workload: str, source: str,
+                      profile: str | dict, seed: int = 0) -> dict[str, int]:
+    """A replay file (module docstring) of recorded requests; a prompt recorded twice keeps
+    its longest continuation. Returns ``{"records", "prompt_tokens", "continuation_tokens"}``."""
+    if source not in SOURCES:
+        raise ValueError(f"replay source must be one of {sorted(SOURCES)}, got {source!r}")
+    best: dict[str, dict] = {}
+    for r in records:
+        key = prompt_key(r["prompt_ids"])
+        if key not in best or len(r["continuation"]) > len(best[key]["continuation"]):
+            best[key] = {"prompt_ids": r["prompt_ids"], "continuation": r["continuation"]}
+    data = {"workload": workload, "source": source, "seed": seed, "profile": profile,
+            "records": list(best.values())}
+    Path(path).write_text(json.dumps(data, separators=(",", ":")) + "\n")
+    return {"records": len(best),
+            "prompt_tokens": sum(len(r["prompt_ids"]) for r in best.values()),
+            "continuation_tokens": sum(len(r["continuation"]) for r in best.values())}

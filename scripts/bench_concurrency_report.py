@@ -1,0 +1,101 @@
+"""The concurrency benchmark's summary and table (scripts/bench_concurrency.py): medians per
+arm, per-pair ratios over a base arm, and the replay arms' figures (accepted drafts per
+verify per source, distinct CPU experts per step, step time against its CPU floor, whether
+the tokens equal the plain run's)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+RATIO_KEYS = ("four_stream_decode_tps", "whole_run_tps")
+STEP_KEYS = ("step_ms", "cpu_floor_ms", "step_over_cpu_floor", "cpu_experts_per_step")
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(runs: list[dict], arms: list[str], base: str | None = None) -> dict:
+    """Per workload: each figure's median per arm; for the TPS figures the per-pair ratios of
+    each arm over ``base`` (default the first arm) too."""
+    base = base or arms[0]
+    out = {}
+    for name in sorted({r["workload"] for r in runs}):
+        mine = [r for r in runs if r["workload"] == name]
+        entry: dict = {}
+        for key in RATIO_KEYS:
+            entry[key] = {a: _median([r[key] for r in mine if r["arm"] == a]) for a in arms}
+            entry[key + "_pair_ratios"] = {
+                a: [round(x[key] / y[key], 3) for x in mine for y in mine
+                    if x["arm"] == a and y["arm"] == base and x["pair"] == y["pair"]
+                    and x[key] and y[key]]
+                for a in arms if a != base}
+        if any("steps" in r for r in mine):
+            for key in STEP_KEYS:
+                entry[key] = {a: _median([r.get("steps", {}).get(key) for r in mine
+                                          if r["arm"] == a]) for a in arms}
+            sources = sorted({s for r in mine for s in r.get("drafts", {})})
+            entry["accepted_per_verify"] = {
+                a: {s: _median([r["drafts"][s]["accepted_per_verify"] for r in mine
+                                if r["arm"] == a and s in r.get("drafts", {})])
+                    for s in sources} for a in arms}
+            entry["tokens_equal_plain"] = {
+                a: [r["exact"]["equal"] == r["exact"]["requests"] if r.get("exact") else None
+                    for r in sorted(mine, key=lambda r: r["pair"]) if r["arm"] == a]
+                for a in arms}
+        out[name] = entry
+    return out
+
+
+def best_fixed(entry: dict, arms: list[str]) -> dict | None:
+    """The adaptive budget against the best fixed draft length (wide arms), four-stream."""
+    tps = entry["four_stream_decode_tps"]
+    fixed = {a: tps[a] for a in arms if a.partition("@")[0] == "wide" and tps.get(a)}
+    adaptive = {a: tps[a] for a in arms if a.startswith("adaptive") and tps.get(a)}
+    if not fixed or not adaptive:
+        return None
+    arm = max(fixed, key=fixed.get)
+    return {"best_fixed_arm": arm, "best_fixed_tps": fixed[arm],
+            "adaptive": {a: round(v / fixed[arm], 3) for a, v in adaptive.items()}}
+
+
+def table(summary: dict) -> str:
+    """The markdown table of a summary (one row per workload and arm)."""
+    arms, base = summary["arms"], summary.get("base", summary["arms"][0])
+    rows = ["| workload | arm | four-stream decode tok/s | ratio over " + base + " (pairs) "
+            "| whole-run tok/s | accepted per verify | CPU experts / step | step ms "
+            "(CPU floor ms) | tokens = plain |", "|" + "---|" * 9]
+    for name, e in summary["by_workload"].items():
+        for a in arms:
+            ratios = e["four_stream_decode_tps_pair_ratios"].get(a)
+            acc = e.get("accepted_per_verify", {}).get(a, {})
+            exact = e.get("tokens_equal_plain", {}).get(a, [])
+            rows.append("| " + " | ".join([
+                name, a, _fmt(e["four_stream_decode_tps"][a]),
+                ", ".join(f"{x:.2f}" for x in ratios) if ratios else "-",
+                _fmt(e["whole_run_tps"][a]),
+                ", ".join(f"{s} {v:.2f}" for s, v in acc.items() if v is not None) or "-",
+                _fmt(e.get("cpu_experts_per_step", {}).get(a)),
+                f"{_fmt(e.get('step_ms', {}).get(a))} "
+                f"({_fmt(e.get('cpu_floor_ms', {}).get(a), 2)})",
+                "yes" if exact and all(exact) else "no" if exact else "-"]) + " |")
+    return "\n".join(rows)
+
+
+def _fmt(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def load_runs(out_dir: Path, workloads: list[str], arms: list[str]) -> list[dict]:
+    """Every run file of ``out_dir`` of these workloads and arms, whatever its pair (a
+    command with ``--pairs 0 --resume`` summarizes what earlier commands ran)."""
+    runs = []
+    for name in workloads:
+        for arm in arms:
+            for f in sorted(out_dir.glob(f"{name}_{arm}_*.json")):
+                if f.stem.rpartition("_")[2].isdigit():
+                    runs.append(json.loads(f.read_text()))
+    return runs

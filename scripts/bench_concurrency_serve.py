@@ -1,0 +1,217 @@
+"""What one run of the concurrency benchmark serves and what it reads back
+(scripts/bench_concurrency.py): the config of each run, the server process, and the figures
+taken from its ``/metrics``.
+
+Every run gets its own TOML config, written from a base: ``--config FILE`` (paths resolved
+against the file's directory) or ``--model NAME --gpu-budget GIB|whole`` (a synthetic model
+directory and a split placement, as scripts/bench_load.py serves it), then ``--set KEY=VALUE``
+overrides, then the run's own ``[server]`` port and run directory and its ``[speculation]``
+section (the arm, the replay file, the record file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tomllib
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from scripts.bench_common import REPO, Samples, delta, wait_ready
+
+# the H200's int8 CPU expert kernel rate at the 80B's expert shape (docs/benchmarks.md,
+# bench_step's default): the CPU floor of a step is its CPU expert bytes over this
+DRAM_GBS = 101.8
+
+
+def arm_speculation(arm: str, proposer: str) -> dict[str, Any]:
+    """An arm's ``[speculation]`` keys: "off", "narrow", "wide" or "adaptive" (wide with
+    ``draft_budget = "adaptive"``), then an optional "@N" (``num_drafts``)."""
+    mode, _, drafts = arm.partition("@")
+    spec: dict[str, Any] = {"proposer": proposer}
+    if mode == "adaptive":
+        mode, spec["draft_budget"] = "wide", "adaptive"
+    if mode not in ("off", "narrow", "wide"):
+        raise SystemExit(f"unknown arm {arm!r}: off, narrow, wide or adaptive, then @N")
+    spec["mode"] = mode
+    if drafts:
+        spec["num_drafts"] = int(drafts)
+    return spec
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """``--set section.key=VALUE`` (VALUE a TOML value; a bare word is a string)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or "." not in key:
+            raise SystemExit(f"--set wants section.key=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def base_config(args: argparse.Namespace, work: Path) -> tuple[dict, dict]:
+    """(the config every run starts from, facts for the summary: model, gpu_budget_gb)."""
+    from daemon.config import _PATH_KEYS  # noqa: PLC0415 (the keys whose values are paths)
+
+    if args.model:
+        cfg, budget = synthetic_config(args, work)
+    else:
+        path = Path(args.config)
+        cfg = tomllib.loads(path.read_text())
+        for key in _PATH_KEYS:
+            section, _, name = key.partition(".")
+            value = cfg.get(section, {}).get(name)
+            if isinstance(value, str) and value:
+                cfg[section][name] = str((path.resolve().parent / value).resolve())
+        budget = cfg.get("experts", {}).get("gpu_memory_gb")
+    for key, value in parse_set(args.set).items():
+        section, _, name = key.partition(".")
+        cfg.setdefault(section, {})[name] = value
+    model = cfg.get("model", {})
+    name = f"synthetic:{args.model}" if args.model else None
+    facts = {"model": name or model.get("name") or Path(model.get("path", "")).name,
+             "model_path": model.get("path"), "gpu_budget_gb": budget,
+             "backend": model.get("backend"), "dtype": model.get("dtype"),
+             "placement": cfg.get("experts", {}).get("placement", "gpu")}
+    return cfg, facts
+
+
+def synthetic_config(args: argparse.Namespace, work: Path) -> tuple[dict, float | str]:
+    """A synthetic model's config at a GPU budget (GiB, or "whole": the device's size)."""
+    from scripts.bench_load import model_dir  # noqa: PLC0415
+    from scripts.bench_load_probe import nvidia_smi  # noqa: PLC0415
+
+    budget: float | str = args.gpu_budget or "whole"
+    if budget == "whole":
+        device = nvidia_smi("memory.total")
+        if device is None:
+            raise SystemExit("--gpu-budget whole needs nvidia-smi (the device's size)")
+        gb = device // 2**20 / 1024  # whole MiB, as nvidia-smi counts them
+    else:
+        gb = float(budget)
+    cfg = {"model": {"path": str(model_dir(args.model, work)), "dtype": "bfloat16",
+                     "backend": "cupy"},
+           "limits": {"max_queue": 8, "request_timeout_s": 1800, "step_timeout_s": 300,
+                      "worker_ready_timeout_s": 900},
+           "scheduler": {"max_slots": 4, "max_context": args.max_context,
+                         "prefill_chunk": 512, "prefix_cache": True,
+                         "prefix_cache_max_mb": 256},
+           "experts": {"placement": "split", "gpu_memory_gb": gb},
+           "logging": {"level": "info", "json": True}, "systemd": {"watchdog": False}}
+    return cfg, (gb if budget == "whole" else float(budget))
+
+
+def run_config(base: dict, *, port: int, run_dir: Path, speculation: dict) -> dict:
+    """One run's config: the base with its own port, run directory and speculation."""
+    cfg = {k: dict(v) for k, v in base.items()}
+    cfg.setdefault("server", {}).update(host="127.0.0.1", port=port, run_dir=str(run_dir))
+    cfg["speculation"] = {**base.get("speculation", {}), **speculation}
+    return cfg
+
+
+def write_toml(path: Path, cfg: dict) -> Path:
+    """``cfg`` ({section: {key: scalar or list}}) as TOML (JSON scalars are TOML's)."""
+    lines = ["# written by scripts/bench_concurrency.py"]
+    for section, values in cfg.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items() if v is not None]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+BLAS_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@contextlib.contextmanager
+def serving(config: Path, port: int, log: Path, ready_timeout: float,
+            blas_threads: int | None = None) -> Iterator[tuple[str, str]]:
+    """A fresh ``tandem serve --config config``, ready: yields (base URL, model id); its
+    output goes to ``log``; terminated on exit. ``blas_threads``: the BLAS pool's threads
+    in the server's processes (None: the environment's)."""
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ)
+    if blas_threads:
+        env.update({v: str(blas_threads) for v in BLAS_VARS})
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--config",
+                                 str(config)], stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                env=env)
+        try:
+            wait_ready(url, proc, ready_timeout)
+            with urllib.request.urlopen(url + "/v1/models") as r:
+                model = json.load(r)["data"][0]["id"]
+            yield url, model
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
+def cpu_bytes_per_expert(config: Path) -> float | None:
+    """One CPU expert's weight bytes in the CPU workers' format (the memory plan's figure;
+    None where no plan is made here)."""
+    from scripts.bench_load import plan_of  # noqa: PLC0415
+
+    try:
+        plan = plan_of(config)
+    except Exception as exc:  # a figure of the report, not a reason to stop the run
+        print(f"no memory plan for {config}: {exc}", flush=True)
+        return None
+    return None if plan is None else float(plan.cpu_bytes_per_expert)
+
+
+def step_figures(after: Samples, before: Samples, per_expert: float | None,
+                 dram_gbs: float) -> dict[str, float | None]:
+    """Per step of the run (all steps, prompt work included): wall ms, CPU expert bytes,
+    distinct CPU experts (bytes / one expert's bytes; each distinct expert of a layer is read
+    once per step), and the CPU floor (bytes / ``dram_gbs``) beside the step time."""
+    steps = delta(after, before, "tandem_step_seconds_count")
+    if not steps:
+        return {"steps": 0}
+    step_ms = delta(after, before, "tandem_step_seconds_sum") / steps * 1e3
+    cpu_bytes = delta(after, before, "tandem_cpu_expert_weight_bytes_total") / steps
+    moe_steps = delta(after, before, "tandem_cpu_experts_seconds_per_layer_count")
+    out: dict[str, float | None] = {
+        "steps": steps, "step_ms": step_ms, "cpu_expert_bytes_per_step": cpu_bytes,
+        "cpu_bytes_per_expert": per_expert, "dram_gbs": dram_gbs,
+        "cpu_experts_per_step": (cpu_bytes * steps / moe_steps / per_expert
+                                 if per_expert and moe_steps else None),
+        "cpu_floor_ms": cpu_bytes / (dram_gbs * 1e9) * 1e3}
+    floor = out["cpu_floor_ms"]
+    out["step_over_cpu_floor"] = step_ms / floor if floor else None
+    return out
+
+
+def draft_figures(after: Samples, before: Samples) -> dict[str, dict[str, float]]:
+    """Per draft source: slot verifications and mean accepted drafts per verification."""
+    out = {}
+    for source in ("mtp", "suffix", "global_suffix"):
+        verifies = delta(after, before, "tandem_spec_verifies_total", source=source)
+        if verifies:
+            accepted = delta(after, before, "tandem_spec_accepted_by_source_tokens_total",
+                             source=source)
+            out[source] = {"verifies": verifies, "accepted": accepted,
+                           "accepted_per_verify": accepted / verifies}
+    return out
+
+
+def exactness(records: list[dict], reference: dict[str, list[int]]) -> dict[str, int]:
+    """How a run's recorded requests compare with the plain run's (prompt key -> ids):
+    ``equal`` (same prompt, same tokens), ``differ`` (same prompt, other tokens),
+    ``unknown`` (a prompt the plain run never saw: an earlier turn differed)."""
+    from daemon.proposers.replay import prompt_key  # noqa: PLC0415
+
+    out = {"requests": len(records), "equal": 0, "differ": 0, "unknown": 0}
+    for r in records:
+        ref = reference.get(prompt_key(r["prompt_ids"]))
+        out["unknown" if ref is None else "equal" if ref == r["continuation"] else "differ"] += 1
+    return out
