@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
 import statistics
 import sys
@@ -339,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="keep --out's records of other budgets and layouts (one budget per "
                         "command: each builds its model)")
     args = p.parse_args(argv)
+    args.command = command_line() if argv is None else shlex.join(
+        ["python", "-m", "scripts.bench_step", *argv])  # main() called in process
     args.layouts = args.layouts or list(ALL_LAYOUTS)
     if args.context < 1 or args.context + max(r for _, r in args.layouts) > args.max_context:
         p.error("need 1 <= --context and --context + rows <= --max-context")
@@ -370,7 +373,8 @@ def run(args: argparse.Namespace, cfg: WorkerConfig, dram_source: str) -> dict[s
     try:
         held = bench.placement.on_cpu if bench.placement is not None else {}
         cpu_held = sorted({int(m.sum()) for m in held.values()})  # one count unless per layer
-        where, command = machine(), command_line()
+        where = machine()
+        command = args.command
         result = {"benchmark": "bench_step", "machine": where, "command": command,
                   "runs": [{"machine": where, "command": command,
                             "worker_config": json.loads(cfg.to_json()),

@@ -1,0 +1,124 @@
+"""``cupy.cuda`` of the fake CuPy: one device, streams and events that do nothing (every
+emulated launch has finished when it returns), pinned memory as host buffers."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+import types
+
+_GIB = 1 << 30
+
+
+class Stream:
+    """A stream: launches run at once, so waiting and synchronising do nothing."""
+
+    null = None
+    ptr = 0
+
+    def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False):
+        pass
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def use(self) -> Stream:
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record(self, event=None) -> Event:
+        return event or Event()
+
+    def done(self) -> bool:
+        return True
+
+
+Stream.null = Stream(null=True)
+
+
+class Event:
+    """An event: records the host time (get_elapsed_time gives wall time between two)."""
+
+    def __init__(self, block: bool = False, disable_timing: bool = False,
+                 interprocess: bool = False):
+        self.t = time.perf_counter()
+
+    def record(self, stream=None) -> None:
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    @property
+    def done(self) -> bool:
+        return True
+
+
+def get_elapsed_time(start: Event, end: Event) -> float:
+    return (end.t - start.t) * 1e3
+
+
+class Device:
+    def __init__(self, device: int = 0):
+        self.id = device
+        self.compute_capability = "90"
+
+    def __enter__(self) -> Device:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def use(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    @property
+    def mem_info(self) -> tuple[int, int]:
+        return 100 * _GIB, 140 * _GIB
+
+
+def _pinned(nbytes: int):
+    return (ctypes.c_char * max(1, nbytes))()  # supports the buffer protocol everywhere
+
+
+runtime = types.SimpleNamespace(
+    getDeviceCount=lambda: 1,
+    memGetInfo=lambda: (100 * _GIB, 140 * _GIB),
+    deviceGetAttribute=lambda attr, device=0: 1,
+    deviceSynchronize=lambda: None,
+    hostRegister=lambda ptr, size, flags=0: None,
+    hostUnregister=lambda ptr: None,
+    getDevice=lambda: 0,
+    runtimeGetVersion=lambda: 13000,
+    driverGetVersion=lambda: 13000,
+    CUDARuntimeError=RuntimeError,
+)
+
+
+def _no_driver(*args, **kwargs):
+    raise NotImplementedError("the CUDA emulator has no driver API (cuLaunchKernel)")
+
+
+cuda = types.SimpleNamespace(
+    Stream=Stream, Event=Event, Device=Device, runtime=runtime,
+    get_current_stream=lambda device=None: Stream.null,
+    get_elapsed_time=get_elapsed_time,
+    alloc_pinned_memory=_pinned,
+    driver=types.SimpleNamespace(launchKernel=_no_driver),
+    is_available=lambda: True,
+    Graph=None,
+)

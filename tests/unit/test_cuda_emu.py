@@ -1,0 +1,202 @@
+"""The CUDA emulator (scripts/cuda_emu): kernels' CUDA sources compiled with g++ and run on the
+CPU give their NumPy references' bits; a barrier under a per-thread condition is reported as a
+deadlock naming the kernel and the lines; -ftz=true is modelled (subnormals flushed, PTX
+without .ftz kept); kernel arguments are checked as CuPy would need them."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from scripts.cuda_emu.module import DeadlockError, KernelFault, LaunchTimeout, RawModule, gxx
+
+pytestmark = pytest.mark.skipif(gxx() is None, reason="no g++ for the CUDA emulator")
+OPTS = ("--fmad=false",)
+
+
+@pytest.fixture
+def cupy(monkeypatch):
+    """The fake CuPy as ``cupy`` for the kernel modules' lazy imports."""
+    from scripts.cuda_emu import fake_cupy  # noqa: PLC0415
+
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    return fake_cupy
+
+
+def _bits_equal(got, want, what: str) -> None:
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    diff = got.tobytes() != want.tobytes()
+    assert not diff, (what, np.argwhere(got != want)[:3].tolist(), float(np.abs(got - want).max()))
+
+
+def test_rowtile_kernel_gives_the_reference_bits(cupy):
+    from gpu_worker.kernels.rowtile import linear_rows  # noqa: PLC0415
+    from gpu_worker.kernels.rowtile_ref import linear_rows_reference  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    K, N, R = 300, 19, 3  # element loads (K % 8 = 4), a partial block of outputs
+    w = (rng.standard_normal((N, K)) * 0.05).astype(np.float32)
+    w[1] *= np.float32(1e-37)  # subnormal weights: kept by the kernel's PTX even under -ftz
+    x = rng.standard_normal((R, K)).astype(np.float32)
+    bias = rng.standard_normal(N).astype(np.float32)
+    for b in (None, bias):
+        got = cupy.asnumpy(linear_rows(cupy.asarray(x), cupy.asarray(w),
+                                       None if b is None else cupy.asarray(b)))
+        _bits_equal(got, linear_rows_reference(x, w, b), f"rowtile, bias {b is not None}")
+    assert (cupy.asnumpy(linear_rows(cupy.asarray(x), cupy.asarray(w)))[:, 1] != 0).all()
+
+
+def test_gdn_kernels_with_a_partial_tile_give_the_twin_bits(cupy):
+    from gpu_worker.kernels import gdn_recurrent as kern  # noqa: PLC0415
+    from gpu_worker.kernels import gdn_reference as ref  # noqa: PLC0415
+
+    Hk, Hv, Dk, Dv, K, R = 1, 3, 24, 40, 3, 5  # Dv 40: a tile of 32 and one of 8 threads
+    C = 2 * Hk * Dk + Hv * Dv
+    rng = np.random.default_rng(1)
+    a = {"x": rng.normal(size=(R, C)), "w": rng.normal(size=(C, K)) * 0.5,
+         "window": rng.normal(size=(2, K - 1, C)), "state": rng.normal(size=(2, Hv, Dk, Dv)),
+         "decay": rng.uniform(0.5, 1, (R, Hv)), "beta": rng.uniform(size=(R, Hv))}
+    a = {k: v.astype(np.float32) for k, v in a.items()}
+    table = np.array([[1, 0, 2, -1], [0, 2, 3, -1]], np.int32)
+    outs = []
+    for xp, mod in ((cupy, kern), (np, ref)):
+        window, state = xp.array(a["window"]), xp.array(a["state"])
+        y = mod.conv_silu(xp.asarray(a["x"]), xp.asarray(a["w"]), window, xp.asarray(table))
+        out = mod.recurrence(y, xp.asarray(a["decay"]), xp.asarray(a["beta"]), state,
+                             xp.asarray(table), key_heads=Hk, scale=float(Dk ** -0.5))
+        outs.append([v.get() if xp is cupy else v for v in (y, out, window, state)])
+    for name, got, want in zip(("y", "out", "window", "state"), *outs, strict=True):
+        _bits_equal(got, want, name)
+
+
+def test_paged_attention_gives_the_reference_bits(cupy):
+    from gpu_worker.kernels import paged_attention as pa  # noqa: PLC0415
+    from gpu_worker.kv_cache import KVCache  # noqa: PLC0415
+
+    hd, hkv, g, lengths = 32, 2, 2, (3, 20)
+    rng = np.random.default_rng(2)
+    kv = KVCache(cupy, 2, 8, 16, hkv, hd, np.dtype(np.float32))
+    host = []
+    for s, n in enumerate(lengths):
+        kv.reserve(s, 0, n)
+        k, v = (rng.standard_normal((n, hkv, hd)).astype(np.float32) for _ in range(2))
+        meta = np.array([np.arange(n), np.full(n, s), np.arange(n)], np.int32)
+        pa.write_kv(kv, 1, cupy.asarray(k), cupy.asarray(v), cupy.asarray(meta),
+                    kv.device_tables())
+        host.append((k, v))
+    rows = [(0, 0, 2), (1, 1, 19), (2, 1, 7)]
+    q = rng.standard_normal((3, hkv * g, hd)).astype(np.float32)
+    out = cupy.empty(q.shape, np.float32)
+    scale = np.float32(hd ** -0.5)
+    pa.paged_attention(cupy.asarray(q), kv, 1, cupy.asarray(np.array(rows, np.int32).T.copy()),
+                       kv.device_tables(), out, scale)
+    keys, values = (np.zeros((3, 20, hkv, hd), np.float32) for _ in range(2))
+    for i, (_, s, p) in enumerate(rows):
+        keys[i, :p + 1], values[i, :p + 1] = host[s][0][:p + 1], host[s][1][:p + 1]
+    want = pa.attention_reference(q, keys, values, np.array([p for *_, p in rows]), scale)
+    _bits_equal(out.get(), want, "paged attention")
+
+
+_BARRIERS = r"""
+extern "C" __global__ void partial_tile(const float* x, float* y, int n) {
+    __shared__ float s[64];
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    bool on = j < n;
+    s[threadIdx.x] = on ? x[j] : 0.0f;
+    if (on) __syncwarp();   // lanes past n skip it and wait at __syncthreads
+    __syncthreads();
+    if (on) y[j] = s[threadIdx.x ^ 1];
+}
+extern "C" __global__ void early_exit(const float* x, float* y, int n) {
+    int j = threadIdx.x;
+    if (j >= n) return;     // exited threads count as arrived at __syncthreads
+    __shared__ float s[64];
+    s[j] = x[j];
+    __syncthreads();
+    y[j] = s[n - 1 - j];
+}
+extern "C" __global__ void spin(volatile int* flag) {
+    while (!*flag) __nanosleep(100);
+}
+"""
+
+
+def test_a_barrier_under_a_condition_is_reported_as_a_deadlock(cupy):
+    mod = RawModule(code=_BARRIERS, options=OPTS)
+    x = cupy.asarray(np.arange(64, dtype=np.float32))
+    y = cupy.zeros(64, np.float32)
+    with pytest.raises(DeadlockError) as err:
+        mod.get_function("partial_tile")((2,), (32,), (x, y, np.int32(40)))
+    msg = str(err.value)
+    assert "kernel partial_tile, block (1,0,0)" in msg, msg
+    assert "threads 0-7: __syncwarp (line 7)" in msg and "threads 8-31: __syncthreads (line 8)" \
+        in msg, msg
+    y = cupy.zeros(64, np.float32)  # all 64 lanes on: no deadlock, every value swapped
+    mod.get_function("partial_tile")((2,), (32,), (x, y, np.int32(64)))
+    _bits_equal(y.get(), np.arange(64, dtype=np.float32).reshape(-1, 2)[:, ::-1].ravel(), "xor")
+    y = cupy.zeros(64, np.float32)
+    mod.get_function("early_exit")((1,), (64,), (x, y, np.int32(50)))
+    assert y.get()[:50].tolist() == list(range(49, -1, -1)) and not y.get()[50:].any()
+
+
+def test_a_launch_that_never_ends_times_out(cupy, monkeypatch):
+    monkeypatch.setenv("CUDA_EMU_TIMEOUT", "0.5")
+    mod = RawModule(code=_BARRIERS, options=OPTS)
+    with pytest.raises(LaunchTimeout, match="kernel spin"):
+        mod.get_function("spin")((1,), (32,), (cupy.zeros(1, np.int32),))
+
+
+_FTZ = r"""
+extern "C" __global__ void ops(const float* a, const float* b, float* y) {
+    int i = threadIdx.x;
+    y[4 * i] = a[i] + b[i];              // add.ftz.f32 under -ftz=true
+    y[4 * i + 1] = __fmaf_rn(a[i], 1.0f, b[i]);
+    float d;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a[i]), "f"(b[i]));  // IEEE whatever the flags
+    y[4 * i + 2] = d;
+    y[4 * i + 3] = (float)((double)a[i] * 2.0);  // double: not flushed by nvcc's -ftz
+}
+"""
+
+
+@pytest.mark.parametrize("ftz", [True, False])
+def test_ftz_flushes_float_subnormals_but_not_ieee_ptx(cupy, ftz):
+    a = np.array([1e-39, 3e-39, 1.0], np.float32)  # subnormal, subnormal, normal
+    b = np.array([0.0, -1e-39, 2e-39], np.float32)
+    y = cupy.zeros(12, np.float32)
+    RawModule(code=_FTZ, options=OPTS, ftz=ftz).get_function("ops")(
+        (1,), (3,), (cupy.asarray(a), cupy.asarray(b), y))
+    got = y.get().reshape(3, 4)
+    exact = a + b
+    want_flushed = np.where(np.abs(exact) < np.finfo(np.float32).tiny, 0, exact)
+    want_flushed[2] = np.float32(1.0)  # 1 + subnormal: the subnormal input is read as 0
+    _bits_equal(got[:, 0], want_flushed if ftz else exact, f"a + b, ftz {ftz}")
+    _bits_equal(got[:, 1], want_flushed if ftz else exact, f"__fmaf_rn, ftz {ftz}")
+    _bits_equal(got[:, 2], exact, f"PTX add.rn.f32, ftz {ftz}")
+    if not ftz:
+        _bits_equal(got[:, 3], (a.astype(np.float64) * 2).astype(np.float32), "double")
+
+
+def test_arguments_are_checked_as_the_device_needs_them(cupy):
+    fn = RawModule(code=_BARRIERS, options=OPTS).get_function("early_exit")
+    x, y = cupy.zeros(4, np.float32), cupy.zeros(4, np.float32)
+    with pytest.raises(TypeError, match="device array is needed"):
+        fn((1,), (4,), (np.zeros(4, np.float32), y, np.int32(4)))
+    with pytest.raises(TypeError, match="int64 for a 4-byte signed integer"):
+        fn((1,), (4,), (x, y, np.int64(4)))
+    with pytest.raises(TypeError, match="NumPy scalar"):
+        fn((1,), (4,), (x, y, 4))
+    with pytest.raises(TypeError, match="Implicit conversion"):
+        np.asarray(x)
+    assert not isinstance(x, np.ndarray) and isinstance(x.get(), np.ndarray)
+
+
+def test_a_misaligned_vector_load_faults(cupy):
+    src = r"""extern "C" __global__ void v(const float* x, float* y) {
+        float4 a = __ldg((const float4*)(x + 1)); y[0] = a.x; }"""
+    with pytest.raises(KernelFault, match="misaligned"):
+        RawModule(code=src, options=OPTS).get_function("v")(
+            (1,), (1,), (cupy.zeros(8, np.float32), cupy.zeros(1, np.float32)))
