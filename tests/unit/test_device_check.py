@@ -1,0 +1,35 @@
+"""scripts/device_check.py: per-check timeouts, the budget, one tar of logs plus a summary."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+
+from scripts import device_check
+from scripts.device_check import Check
+
+
+def test_checks_run_time_out_and_skip_within_the_budget(tmp_path, monkeypatch):
+    monkeypatch.setitem(device_check.PLANS, "t", [
+        Check("ok", "echo hello; echo bye > $OUT/made.txt", 10),
+        Check("fails", "echo broken; exit 3", 10),
+        Check("hangs", "sleep 30", 1),
+        Check("late", "echo never", 60),
+    ])
+    rc = device_check.main(["--out", str(tmp_path), "--plan", "t", "--budget", "20"])
+    assert rc == 1
+    got = {r["name"]: r for r in json.loads((tmp_path / "summary.json").read_text())["checks"]}
+    assert got["ok"]["rc"] == 0 and got["ok"]["last_line"] == "hello"
+    assert (tmp_path / "made.txt").read_text().strip() == "bye"  # $OUT is the output folder
+    assert got["fails"]["rc"] == 3 and got["fails"]["last_line"] == "broken"
+    assert got["hangs"]["rc"] == "timeout" and got["hangs"]["seconds"] < 10
+    assert got["late"]["rc"] == "skipped"  # under 30 s left of 20: not started
+    with tarfile.open(tmp_path / "logs.tar.gz") as tar:
+        assert sorted(tar.getnames()) == ["logs", "logs/fails.log", "logs/hangs.log",
+                                          "logs/ok.log"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs.tar.gz", "made.txt",
+                                                          "summary.json"]
+
+
+def test_every_plan_lists():
+    assert device_check.main(["--list"]) == 0
