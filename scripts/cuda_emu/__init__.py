@@ -7,5 +7,11 @@ without a GPU").
 * :mod:`scripts.cuda_emu.module`: ``RawModule``, ``RawKernel``, the errors;
 * :mod:`scripts.cuda_emu.ptx`: inline PTX as C++;
 * :mod:`scripts.cuda_emu.fake_cupy`, ``fake_cuda``, ``elementwise``: the fake CuPy;
-* :mod:`scripts.cuda_emu.plugin`: the pytest plugin that installs it; ``run``: the command.
+* :mod:`scripts.cuda_emu.plugin`: the pytest plugin that installs it; ``run``: the command;
+* :mod:`scripts.cuda_emu.audit`: ``with audit() as a:`` records launches, syncs, uploads and
+  allocations (scripts/step_audit.py).
 """
+
+from scripts.cuda_emu.audit import Audit, audit
+
+__all__ = ["Audit", "audit"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from scripts.cuda_emu.audit import active
 from scripts.cuda_emu.module import RawModule
 
 _C_TYPES = {"bool": "bool", "int8": "signed char", "uint8": "unsigned char", "int16": "short",
@@ -39,6 +40,14 @@ class ElementwiseKernel:
         return np.dtype(t) if t in _C_TYPES else generic
 
     def __call__(self, *args, size: int | None = None, **_kw):
+        audit = active()
+        if audit is None:
+            return self._call(args)
+        audit.launch(f"elementwise {self.name}")
+        with audit.inner():
+            return self._call(args)
+
+    def _call(self, args: tuple):
         cp = self.xp
         n_in = len(self.ins)
         ins = [a if isinstance(a, cp.ndarray) else cp.asarray(a) for a in args[:n_in]]

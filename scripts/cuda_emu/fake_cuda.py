@@ -7,6 +7,16 @@ import ctypes
 import time
 import types
 
+from scripts.cuda_emu.audit import active
+
+
+def _synchronize(what: str):
+    def synchronize(*_args) -> None:
+        if active() is not None:
+            active().sync(what)
+
+    return synchronize
+
 _GIB = 1 << 30
 
 
@@ -28,8 +38,7 @@ class Stream:
     def use(self) -> Stream:
         return self
 
-    def synchronize(self) -> None:
-        pass
+    synchronize = _synchronize("Stream.synchronize")
 
     def wait_event(self, event) -> None:
         pass
@@ -54,8 +63,7 @@ class Event:
     def record(self, stream=None) -> None:
         self.t = time.perf_counter()
 
-    def synchronize(self) -> None:
-        pass
+    synchronize = _synchronize("Event.synchronize")
 
     def query(self) -> bool:
         return True
@@ -83,8 +91,7 @@ class Device:
     def use(self) -> None:
         pass
 
-    def synchronize(self) -> None:
-        pass
+    synchronize = _synchronize("Device.synchronize")
 
     @property
     def mem_info(self) -> tuple[int, int]:
@@ -99,7 +106,7 @@ runtime = types.SimpleNamespace(
     getDeviceCount=lambda: 1,
     memGetInfo=lambda: (100 * _GIB, 140 * _GIB),
     deviceGetAttribute=lambda attr, device=0: 1,
-    deviceSynchronize=lambda: None,
+    deviceSynchronize=_synchronize("runtime.deviceSynchronize"),
     hostRegister=lambda ptr, size, flags=0: None,
     hostUnregister=lambda ptr: None,
     getDevice=lambda: 0,

@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 
+from scripts.cuda_emu.audit import active
 from scripts.cuda_emu.elementwise import ElementwiseKernel
 from scripts.cuda_emu.module import RawKernel, RawModule
 
@@ -42,12 +43,62 @@ def _dev(v):
     if isinstance(v, np.ndarray):
         return ndarray._of(v)
     if isinstance(v, np.generic) and not isinstance(v, (np.str_, np.bytes_, np.void)):
-        return ndarray._of(np.asarray(v))
+        return _dev(np.asarray(v))
     if isinstance(v, tuple):
         return tuple(_dev(x) for x in v)
     if isinstance(v, list):
         return [_dev(x) for x in v]
     return v
+
+
+def _launched(name: str, res, ins=(), always: bool = False):
+    """Record (auditing) ``name`` as a launch when it made new arrays (not views or its
+    inputs ``ins``: they are allocations too) or wrote in place (``always``); -> ``res``."""
+    a = active()
+    if a is not None:
+        fresh = _fresh(res, ins)
+        if always or fresh:
+            a.launch(name)
+        for v in fresh:
+            a.alloc(v.nbytes)
+    return res
+
+
+def _fresh(v, ins) -> list:
+    if isinstance(v, ndarray):
+        v = v._a
+    if isinstance(v, np.ndarray):
+        return [v] if v.flags.owndata and not any(v is x for x in ins) else []
+    if isinstance(v, (tuple, list)):
+        return [x for part in v for x in _fresh(part, ins)]
+    return []
+
+
+def _alloc(a: np.ndarray) -> np.ndarray:
+    if active() is not None:
+        active().alloc(a.nbytes)
+    return a
+
+
+def _sync(what: str) -> None:
+    if active() is not None:
+        active().sync(what)
+
+
+def _uploads(name: str, args) -> None:
+    """Record (auditing) the host arrays among ``args`` as uploads of ``name``."""
+    a = active()
+    if a is None:
+        return
+    for v in args:
+        if isinstance(v, (list, tuple)):
+            _uploads(name, v)
+        elif isinstance(v, np.ndarray) and v.ndim:
+            a.upload(f"{name}(host {v.dtype}{list(v.shape)})", v.nbytes)
+
+
+def _ins(*vals) -> tuple:
+    return tuple(v._a for v in vals if isinstance(v, ndarray))
 
 
 class _Pointer:
@@ -64,6 +115,8 @@ class ndarray:  # noqa: N801 (CuPy's name)
 
     def __init__(self, shape, dtype=float, memptr=None, strides=None, order="C"):
         self._a = _garbage(np.empty(shape, dtype, order=order))
+        if active() is not None:
+            active().alloc(self._a.nbytes)
 
     @classmethod
     def _of(cls, a: np.ndarray) -> ndarray:
@@ -79,12 +132,14 @@ class ndarray:  # noqa: N801 (CuPy's name)
         return _Pointer(self.__emu_ptr__())
 
     def get(self, stream=None, order="C", out=None) -> np.ndarray:
+        _sync(f"get {self._a.dtype}{list(self._a.shape)}")
         if out is not None:
             out[...] = self._a
             return out
         return np.array(self._a, order=order, copy=True)
 
     def set(self, arr, stream=None) -> None:
+        _uploads("set", (arr,))
         self._a[...] = _host(arr, False)
 
     def __array__(self, dtype=None, copy=None):
@@ -94,27 +149,34 @@ class ndarray:  # noqa: N801 (CuPy's name)
         if "out" in kwargs:
             kwargs["out"] = tuple(_host(o, True) for o in kwargs["out"])
         res = getattr(ufunc, method)(*(_host(x, True) for x in inputs), **kwargs)
-        return _dev(res)
+        return _launched(f"{ufunc.__name__}.{method}" if method != "__call__" else ufunc.__name__,
+                   _dev(res), _ins(*inputs), "out" in kwargs)
 
     def __array_function__(self, func, types_, args, kwargs):
-        return _dev(func(*_host(args, True), **{k: _host(v, True) for k, v in kwargs.items()}))
+        res = func(*_host(args, True), **{k: _host(v, True) for k, v in kwargs.items()})
+        return _launched(func.__name__, _dev(res), _ins(*args))
 
     def __getattr__(self, name):
         if name.startswith("__"):  # no __array_interface__ etc.: no implicit host copies
             raise AttributeError(name)
         attr = getattr(self._a, name)
         if name in ("item", "tolist", "tobytes"):
+            _sync(f"{name}() {self._a.dtype}{list(self._a.shape)}")
             return attr
         if callable(attr):
-            return lambda *a, **k: _dev(attr(*_host(a, True),
-                                             **{n: _host(v, True) for n, v in k.items()}))
+            return lambda *a, **k: _launched(name, _dev(attr(
+                *_host(a, True), **{n: _host(v, True) for n, v in k.items()})), (self._a,),
+                name in ("fill", "sort", "put"))
         return _dev(attr) if isinstance(attr, np.ndarray) else attr
 
     def __getitem__(self, key):
-        return _dev(self._a[_host(key, False)])
+        _uploads("index", key if isinstance(key, tuple) else (key,))
+        return _launched("getitem (gather)", _dev(self._a[_host(key, False)]), (self._a,))
 
     def __setitem__(self, key, value) -> None:
+        _uploads("index", key if isinstance(key, tuple) else (key,))
         self._a[_host(key, False)] = _host(value, True)
+        _launched("setitem", None, always=True)
 
     def __len__(self) -> int:
         return len(self._a)
@@ -126,39 +188,44 @@ class ndarray:  # noqa: N801 (CuPy's name)
         return repr(self._a).replace("array(", "cupy.array(", 1)
 
     def __format__(self, spec: str) -> str:
+        _sync("format")
         return format(self._a.item() if self._a.ndim == 0 else self._a, spec)
 
     def __bool__(self) -> bool:
+        _sync("__bool__")
         return bool(self._a)
 
     def __int__(self) -> int:
+        _sync("__int__")
         return int(self._a)
 
     def __float__(self) -> float:
+        _sync("__float__")
         return float(self._a)
 
     def __index__(self) -> int:
+        _sync("__index__")
         return operator.index(self._a.item())
 
     def __copy__(self):
-        return _dev(self._a.copy())
+        return _launched("copy", _dev(self._a.copy()))
 
     def __neg__(self):
-        return _dev(-self._a)
+        return _launched("negative", _dev(-self._a))
 
     def __pos__(self):
-        return _dev(+self._a)
+        return _launched("positive", _dev(+self._a))
 
     def __abs__(self):
-        return _dev(abs(self._a))
+        return _launched("absolute", _dev(abs(self._a)))
 
     def __invert__(self):
-        return _dev(~self._a)
+        return _launched("invert", _dev(~self._a))
 
 
 def _binary(name: str):
     def f(self, other):
-        return _dev(getattr(self._a, name)(_host(other, True)))
+        return _launched(name.strip("_"), _dev(getattr(self._a, name)(_host(other, True))))
 
     f.__name__ = name
     return f
@@ -174,7 +241,7 @@ for _op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or
 def _inplace_keeps_identity(name: str):
     def f(self, other):
         getattr(self._a, name)(_host(other, True))
-        return self
+        return _launched(name.strip("_"), self, always=True)
 
     return f
 
@@ -197,30 +264,45 @@ def asarray(a, dtype=None, order=None, *, blocking=False) -> ndarray:
     """Device array of ``a``: the same memory for a device array of the dtype, else a copy
     (host memory is never shared with the device)."""
     if isinstance(a, ndarray):
-        return _dev(np.asarray(a._a, dtype=dtype, order=order))
-    return _dev(np.array(a, dtype=dtype, order=order or "K", copy=True))
+        return _launched("astype", _dev(np.asarray(a._a, dtype=dtype, order=order)), (a._a,))
+    host = np.array(a, dtype=dtype, order=order or "K", copy=True)
+    if active() is not None:
+        active().upload(f"asarray(host {host.dtype}{list(host.shape)})", host.nbytes)
+    return _dev(_alloc(host))
 
 
 def array(a, dtype=None, copy=True, order="K", ndmin=0, **_kw) -> ndarray:
-    return _dev(np.array(_host(a, False), dtype=dtype, copy=True, order=order, ndmin=ndmin))
+    if not isinstance(a, ndarray) and active() is not None:
+        host = np.asarray(_host(a, False))
+        active().upload(f"array(host {host.dtype}{list(host.shape)})", host.nbytes)
+    return _dev(_alloc(np.array(_host(a, False), dtype=dtype, copy=True, order=order,
+                                ndmin=ndmin)))
 
 
 def ascontiguousarray(a, dtype=None) -> ndarray:
-    return _dev(np.ascontiguousarray(asarray(a)._a, dtype=dtype))
+    dev = asarray(a)
+    res = _dev(np.ascontiguousarray(dev._a, dtype=dtype))
+    return _launched("ascontiguousarray", res, (dev._a,))
 
 
 def asnumpy(a, stream=None, order="C", out=None, *, blocking=True) -> np.ndarray:
     if isinstance(a, ndarray):
+        a_ = active()
+        if a_ is not None:
+            a_.sync(f"asnumpy {a._a.dtype}{list(a._a.shape)}")
+            with a_.inner():
+                return a.get(order=order, out=out)
         return a.get(order=order, out=out)
     return np.asarray(a, order=order)
 
 
 def empty(shape, dtype=float, order="C") -> ndarray:
-    return _dev(_garbage(np.empty(shape, dtype, order=order)))
+    return _dev(_alloc(_garbage(np.empty(shape, dtype, order=order))))
 
 
 def empty_like(a, dtype=None, order="K", subok=None, shape=None) -> ndarray:
-    return _dev(_garbage(np.empty_like(_host(a, False), dtype=dtype, order=order, shape=shape)))
+    return _dev(_alloc(_garbage(np.empty_like(_host(a, False), dtype=dtype, order=order,
+                                              shape=shape))))
 
 
 def get_array_module(*args):
@@ -266,7 +348,10 @@ def __getattr__(name: str):
         return obj
 
     def f(*a, **k):
-        return _dev(obj(*_host(a, False), **{n: _host(v, False) for n, v in k.items()}))
+        _uploads(name, (*a, *k.values()))
+        res = _dev(obj(*_host(a, False), **{n: _host(v, False) for n, v in k.items()}))
+        return _launched(name, res, _ins(*a, *(x for v in a if isinstance(v, (list, tuple))
+                                          for x in v)))
 
     f.__name__ = name
     return f

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from scripts.cuda_emu.audit import active
 from scripts.cuda_emu.ptx import translate_asm
 
 HERE = Path(__file__).resolve().parent
@@ -141,6 +142,9 @@ class Function:
 
     def __call__(self, grid, block, args, *, shared_mem: int = 0, stream=None,
                  enable_cooperative_groups: bool = False) -> None:
+        audit = active()
+        if audit is not None:
+            audit.launch(self.name)
         grid, block = _dims(grid), _dims(block)
         where = f"kernel {self.name} grid {grid} block {block}"
         if np.prod(block) > 1024 or block[2] > 64 or min(grid + block) < 1 \
