@@ -1,17 +1,25 @@
-"""Paged attention for every decode and verify row of a step in two launches (CuPy RawModule).
+"""Paged attention for every decode and verify row of a step in three launches (CuPy RawModule).
 
 1. ``kv_write``: grid (rows, kv heads); scatters each row's K and V into its slot's block at
    its position (block tables: :meth:`KVCache.device_tables`). An int8 cache quantizes each
    32 values as ``KVCache._quantize`` does (``d = fp16(amax / 127)``, ``q = rint(x / d)``),
    same bytes.
-2. ``paged_attn``: grid (rows, kv heads), one block computes the ``group`` q heads that share
-   a kv head, so K/V are read once per group. Keys 0..pos of the row are taken in chunks of
-   :data:`CHUNK` positions (always from position 0: the order depends on the row's position
-   only, never on the launch): per chunk the scores ``s_j = (sum_d q_d k_jd) * scale``
-   (sequential over d), the running max ``m``, ``alpha = exp(m_old - m)``, ``p_j = exp(s_j -
-   m)``, ``l = l * alpha + p_0 + p_1 + ...`` and ``acc_d = acc_d * alpha + p_0 v_0d + ...``
-   (ascending j); the output is ``acc / l``. So a row's bits are the same alone or in any
-   layout, and a verify row equals a decode row at the same position.
+2. ``paged_attn``: grid (rows, kv heads, partitions). A row's keys 0..pos are cut in fixed
+   partitions of ``P`` positions (:data:`PARTITION`, a constant: partition z holds keys
+   ``[z P, (z + 1) P) & [0, pos]``), so one long row keeps many SMs busy. One block computes
+   the ``group`` q heads that share a kv head over one partition (K/V read once per group),
+   in chunks of :data:`CHUNK` positions from the partition's start: per chunk the scores
+   ``s_j = (sum_d q_d k_jd) * scale`` (sequential over d), the running max ``m``, ``alpha =
+   exp(m_old - m)``, ``p_j = exp(s_j - m)``, ``l = l * alpha + p_0 + p_1 + ...`` and ``acc_d =
+   acc_d * alpha + p_0 v_0d + ...`` (ascending j); it stores ``m, l, acc`` of the partition.
+3. ``paged_merge``: grid (rows, kv heads); ``M = max_z m_z``, ``a_z = exp(m_z - M)``, ``L =
+   l_0 a_0 + l_1 a_1 + ...`` and ``A_d = acc_0d a_0 + acc_1d a_1 + ...`` in ascending z; the
+   output is ``A / L``. A row with one partition (pos < P) gets ``a_0 = exp(0) = 1`` exactly:
+   the bits of the one-level online softmax.
+
+A row's bits depend only on its position, its q and keys, and ``P`` (never on the batch, the
+other rows or the grid's size): the same alone or in any layout, and a verify row equals a
+decode row at the same position.
 
 ``exp`` is not the CUDA library's (NumPy's differs in the last bit): :func:`exp_reference`'s
 steps (Cody-Waite reduction by ln 2, Taylor polynomial by Horner, times 2^n) use only ``* + -``
@@ -22,45 +30,16 @@ the kernel's bits. The math is float32 for float32 models and float64 for float6
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 
 from gpu_worker.kernels import raw_module
+from gpu_worker.kernels.paged_attention_ref import CHUNK, PARTITION, exp_constants
+from gpu_worker.kernels.paged_attention_ref import attention_reference as attention_reference
+from gpu_worker.kernels.paged_attention_ref import exp_reference as exp_reference
 
-CHUNK = 16  # key positions per online-softmax step (fixes the arithmetic order: never change)
 THREADS = 256
 DEFAULT_SHARED = 48 * 1024  # more needs the kernel's opt-in attribute
-
-
-@functools.cache
-def _exp_constants(dtype: np.dtype) -> dict:
-    """The exp's constants as ``dtype`` scalars: cut-off, log2(e), ln 2 split in a high part
-    with trailing zeros (n * hi is exact) and a low part, Taylor coefficients 1/k!."""
-    t = np.dtype(dtype).type
-    if np.dtype(dtype) == np.float32:
-        hi, cut, degree = np.uint32(0x3F317200).view(np.float32), -80.0, 7
-        lo = t(math.log(2) - float(hi))  # double's ln 2 is precise enough for this tail
-    else:  # fdlibm's split: hi has 32 significant bits, lo the next 53
-        hi, cut, degree = np.uint64(0x3FE62E42FEE00000).view(np.float64), -700.0, 13
-        lo = np.uint64(0x3DEA39EF35793C76).view(np.float64)
-    return {"cut": t(cut), "log2e": t(1 / math.log(2)), "ln2_hi": t(hi), "ln2_lo": t(lo),
-            "coef": [t(1 / math.factorial(k)) for k in range(degree + 1)]}
-
-
-def exp_reference(x: np.ndarray) -> np.ndarray:
-    """e^x for x <= 0 as the kernels compute it (0 below the cut-off, for -inf and NaN)."""
-    c = _exp_constants(x.dtype)
-    with np.errstate(all="ignore"):
-        keep = x >= c["cut"]
-        xs = np.where(keep, x, x.dtype.type(0))
-        n = np.rint(xs * c["log2e"])
-        r = (xs - n * c["ln2_hi"]) - n * c["ln2_lo"]
-        p = np.full_like(r, c["coef"][-1])
-        for coef in reversed(c["coef"][:-1]):
-            p = p * r + coef
-        return np.where(keep, p * np.ldexp(np.ones_like(p), n.astype(np.int32)),
-                        x.dtype.type(0))
 
 
 def _literal(v) -> str:
@@ -71,7 +50,7 @@ def _literal(v) -> str:
 
 def _exp_source(real: str, dtype) -> str:
     c = {k: (_literal(v) if k != "coef" else [_literal(x) for x in v])
-         for k, v in _exp_constants(np.dtype(dtype)).items()}
+         for k, v in exp_constants(np.dtype(dtype)).items()}
     two_n = ("__int_as_float(((int)n + 127) << 23)" if real == "float"
              else "__longlong_as_double((long long)((int)n + 1023) << 52)")
     horner = "".join(f"    p = p * r + {k};\n" for k in reversed(c["coef"][:-1]))
@@ -142,30 +121,35 @@ extern "C" __global__ void kv_write_NAME(
     STORE
 }
 
-// grid (n, Hkv), block THREADS; dynamic shared memory: see _shared_bytes
+// grid (n, Hkv, nz), block THREADS; dynamic shared memory: see _shared_bytes.
+// Partition z of row i: keys [z part, (z + 1) part) & [0, pos] -> m, l [group], acc [group][hd]
+// at workspace index w = (i hkv + h) nz + z.
 extern "C" __global__ void paged_attn_NAME(
         const REAL* __restrict__ q, const KT* __restrict__ kpool, const KT* __restrict__ vpool,
         const unsigned short* __restrict__ kscale, const unsigned short* __restrict__ vscale,
         const int* __restrict__ tables, int width, const int* __restrict__ meta, int n,
-        REAL* __restrict__ out, int layer, int nblocks, int bsize, int hkv, int hd, int group,
-        REAL scale) {
+        REAL* __restrict__ pm, REAL* __restrict__ pl, REAL* __restrict__ pacc, int layer,
+        int nblocks, int bsize, int hkv, int hd, int group, int part, REAL scale) {
     extern __shared__ double smem_[];
     const int C = CHUNK, G = group * hd, T = blockDim.x, t = threadIdx.x;
+    int i = blockIdx.x, h = blockIdx.y, z = blockIdx.z;
+    int row = meta[i], pos = meta[2 * n + i];
+    int first = z * part;
+    if (first > pos) return;  // past the row's last partition (whole block: no barrier yet)
+    int last = min(pos, first + part - 1);
     REAL* ks = (REAL*)smem_;            // [C][hd + 1] (padded: no bank conflicts on j)
     REAL* vs = ks + C * (hd + 1);       // [C][hd]
     REAL* qs = vs + C * hd;             // [group][hd]
     REAL* acc = qs + G;                 // [group][hd]
     REAL* ps = acc + G;                 // [group][C]: scores, then probabilities
     REAL* ml = ps + group * C;          // [3][group]: running max, running sum, alpha
-    int i = blockIdx.x, h = blockIdx.y;
-    int row = meta[i], pos = meta[2 * n + i];
     const int* table = tables + (long long)meta[n + i] * width;
     long long qoff = ((long long)row * hkv * group + (long long)h * group) * hd;
     for (int e = t; e < G; e += T) { qs[e] = q[qoff + e]; acc[e] = 0; }
     for (int e = t; e < group; e += T) { ml[e] = NEG_INF; ml[group + e] = 0; }
     __syncthreads();
-    for (int c0 = 0; c0 <= pos; c0 += C) {
-        int valid = min(C, pos + 1 - c0);
+    for (int c0 = first; c0 <= last; c0 += C) {
+        int valid = min(C, last + 1 - c0);
         for (int e = t; e < C * hd; e += T) {
             int j = e / hd, d = e % hd;
             REAL kx = 0, vx = 0;
@@ -215,7 +199,40 @@ extern "C" __global__ void paged_attn_NAME(
         }
         __syncthreads();
     }
-    for (int e = t; e < G; e += T) out[qoff + e] = div_rn(acc[e], ml[group + e / hd]);
+    long long w = ((long long)i * hkv + h) * gridDim.z + z;
+    for (int e = t; e < G; e += T) pacc[w * G + e] = acc[e];
+    for (int e = t; e < group; e += T) {
+        pm[w * group + e] = ml[e];
+        pl[w * group + e] = ml[group + e];
+    }
+}
+
+// grid (n, Hkv), block THREADS: the row's partitions 0..pos / part in ascending order
+extern "C" __global__ void paged_merge_NAME(
+        const REAL* __restrict__ pm, const REAL* __restrict__ pl, const REAL* __restrict__ pacc,
+        const int* __restrict__ meta, int n, REAL* __restrict__ out, int hkv, int hd,
+        int group, int part, int nz) {
+    const int G = group * hd;
+    int i = blockIdx.x, h = blockIdx.y;
+    int row = meta[i], parts = meta[2 * n + i] / part + 1;
+    long long w0 = ((long long)i * hkv + h) * nz;
+    long long qoff = ((long long)row * hkv * group + (long long)h * group) * hd;
+    for (int e = threadIdx.x; e < G; e += blockDim.x) {  // one thread per (head, dim)
+        int g = e / hd;
+        const REAL* m = pm + w0 * group + g;  // partition z's max: m[z * group]
+        const REAL* l = pl + w0 * group + g;
+        const REAL* a = pacc + w0 * G + e;    // partition z's acc: a[z * G]
+        REAL mx = m[0];
+        for (int z = 1; z < parts; ++z) mx = max_t(mx, m[(long long)z * group]);
+        REAL r = exp_neg(m[0] - mx);  // 1 exactly for a single partition
+        REAL sl = l[0] * r, sa = a[0] * r;
+        for (int z = 1; z < parts; ++z) {
+            r = exp_neg(m[(long long)z * group] - mx);
+            sl = sl + l[(long long)z * group] * r;
+            sa = sa + a[(long long)z * G] * r;
+        }
+        out[qoff + e] = div_rn(sa, sl);
+    }
 }
 #undef VEC
 """
@@ -296,62 +313,44 @@ def write_kv(kv, layer: int, k, v, meta, tables) -> None:
         np.int32(kv.kv_heads), np.int32(hd)))
 
 
-def paged_attention(q, kv, layer: int, meta, tables, out, scale) -> None:
+def _partitions(partition: int, kv, tables, max_position: int | None) -> int:
+    """Partitions of the grid (nz): enough for ``max_position``, else for a whole table."""
+    if partition <= 0 or partition % CHUNK:
+        raise ValueError(f"the partition ({partition}) is not a positive multiple of {CHUNK}")
+    top = tables.shape[1] * kv.block_size - 1 if max_position is None else max_position
+    return max(1, top // partition + 1)
+
+
+def paged_attention(q, kv, layer: int, meta, tables, out, scale, *,
+                    max_position: int | None = None, partition: int = PARTITION) -> None:
     """``out[row] = softmax(q[row] K^T * scale) V`` over keys 0..position of the row's slot,
     for the rows of ``meta`` (int32 [3, n] on the device); ``q``, ``out`` [R, Hq, hd]
     C-contiguous, the compute dtype; ``scale`` of that dtype. Other rows of ``out`` are left
-    as they are."""
+    as they are. ``max_position`` (>= every row's position, host int) only sizes the grid
+    and the workspace (the bits never depend on it); None bounds it by the tables' width.
+    ``partition``: keys per block (a multiple of :data:`CHUNK`; tests set it low)."""
     n = meta.shape[1]
     if n == 0:
         return
     R, hq, hd = q.shape
-    group = hq // kv.kv_heads
-    if hd != kv.head_dim or group * kv.kv_heads != hq or out.shape != q.shape:
+    hkv = kv.kv_heads
+    group = hq // hkv
+    if hd != kv.head_dim or group * hkv != hq or out.shape != q.shape:
         raise ValueError(f"q {q.shape}, out {out.shape} do not fit the cache "
-                         f"({kv.kv_heads} kv heads of {kv.head_dim})")
+                         f"({hkv} kv heads of {kv.head_dim})")
     _check_dtype(kv, q.dtype)
+    nz = _partitions(partition, kv, tables, max_position)
+    xp = kv.xp
+    pm = xp.empty((n, hkv, nz, group), q.dtype)  # per partition: max, sum, weighted values
+    pl = xp.empty_like(pm)
+    pacc = xp.empty((n, hkv, nz, group, hd), q.dtype)
+    variant = _variant(q.dtype, kv.quant)
     shared = _shared_bytes(hd, group, q.dtype.itemsize)
-    fn = _function(f"paged_attn_{_variant(q.dtype, kv.quant)}", shared)
-    fn((n, kv.kv_heads), (THREADS,),
-       (q, *_pool_args(kv), tables, np.int32(tables.shape[1]), meta, np.int32(n), out,
-        np.int32(layer), np.int32(kv.num_blocks), np.int32(kv.block_size),
-        np.int32(kv.kv_heads), np.int32(hd), np.int32(group), q.dtype.type(scale)),
-       shared_mem=shared)
-
-
-def attention_reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
-                        positions: np.ndarray, scale) -> np.ndarray:
-    """The kernel's arithmetic in NumPy, step for step (the same bits): ``q [n, Hq, hd]``,
-    ``keys``/``values [n, L, Hkv, hd]`` (row i uses keys 0..positions[i]; L > max position),
-    ``scale`` a scalar of q's dtype -> ``[n, Hq, hd]``. Slow (a NumPy op per dim and key)."""
-    n, hq, hd = q.shape
-    hkv = keys.shape[2]
-    t = q.dtype.type
-    qg = q.reshape(n, hkv, hq // hkv, hd)  # [n, Hkv, g, hd]
-    m = np.full(qg.shape[:3], -np.inf, q.dtype)
-    l = np.zeros(qg.shape[:3], q.dtype)
-    acc = np.zeros(qg.shape, q.dtype)
-    positions = np.asarray(positions)
-    for c0 in range(0, int(positions.max()) + 1, CHUNK):
-        kc = keys[:, c0:c0 + CHUNK].transpose(0, 2, 1, 3)[:, :, None]  # [n, Hkv, 1, c, hd]
-        vc = values[:, c0:c0 + CHUNK].transpose(0, 2, 1, 3)[:, :, None]
-        c = kc.shape[3]
-        valid = (c0 + np.arange(c))[None, :] <= positions[:, None]  # [n, c]
-        active = valid[:, 0][:, None, None]  # rows whose keys reach this chunk
-        s = np.zeros((*qg.shape[:3], c), q.dtype)
-        for d in range(hd):
-            s = s + qg[..., d, None] * kc[..., d]
-        s = s * t(scale)
-        vmask = valid[:, None, None, :]
-        mn = np.maximum(m, np.where(vmask, s, t(-np.inf)).max(axis=-1))
-        with np.errstate(invalid="ignore"):
-            alpha = exp_reference(m - mn)
-        p = exp_reference(s - mn[..., None])
-        l = np.where(active, l * alpha, l)
-        acc = np.where(active[..., None], acc * alpha[..., None], acc)
-        for j in range(c):
-            ok = vmask[..., j]
-            l = np.where(ok, l + p[..., j], l)
-            acc = np.where(ok[..., None], acc + p[..., j, None] * vc[..., j, :], acc)
-        m = np.where(active, mn, m)
-    return (acc / l[..., None]).reshape(n, hq, hd)
+    dims = (np.int32(hkv), np.int32(hd), np.int32(group), np.int32(partition))
+    _function(f"paged_attn_{variant}", shared)(
+        (n, hkv, nz), (THREADS,),
+        (q, *_pool_args(kv), tables, np.int32(tables.shape[1]), meta, np.int32(n), pm, pl,
+         pacc, np.int32(layer), np.int32(kv.num_blocks), np.int32(kv.block_size), *dims,
+         q.dtype.type(scale)), shared_mem=shared)
+    _function(f"paged_merge_{variant}")(
+        (n, hkv), (THREADS,), (pm, pl, pacc, meta, np.int32(n), out, *dims, np.int32(nz)))

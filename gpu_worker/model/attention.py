@@ -116,7 +116,8 @@ def _paged(ops: Ops, q: Array, k: Array, v: Array, batch: RaggedBatch, kv: KVCac
     q, k, v = (xp.ascontiguousarray(a) for a in (q, k, v))
     paged.write_kv(kv, layer, k, v, meta.write, tables)
     out = xp.empty(q.shape, dtype=ops.dtype)
-    paged.paged_attention(q, kv, layer, meta.paged, tables, out, scale)
+    paged.paged_attention(q, kv, layer, meta.paged, tables, out, scale,
+                          max_position=int(batch.positions.max(initial=0)))
     for seg in meta.long:
         out[seg.rows] = _segment(ops, q[seg.rows], kv, layer, seg, scale)
     return out

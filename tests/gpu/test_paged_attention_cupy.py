@@ -58,11 +58,12 @@ def _filled(dtype, quant, hd, hkv, lengths, block_size, seed=0):
     return dev, host, kvs
 
 
-def _run(kv, q, rows):
-    """One attention launch over ``rows`` (batch row, slot, position) of ``q`` -> host out."""
+def _run(kv, q, rows, **kw):
+    """One attention launch over ``rows`` (batch row, slot, position) of ``q`` -> host out
+    (``kw``: paged_attention's max_position, partition)."""
     out = cupy.full(q.shape, np.nan, q.dtype)
     pa.paged_attention(q, kv, LAYER, _meta(rows), kv.device_tables(), out,
-                       q.dtype.type(q.shape[2] ** -0.5))
+                       q.dtype.type(q.shape[2] ** -0.5), **kw)
     return cupy.asnumpy(out)
 
 
@@ -121,37 +122,75 @@ def test_kernels_equal_the_numpy_reference(name):
     want = pa.attention_reference(q, keys, values, np.array([p for *_, p in rows]),
                                   np.dtype(dtype).type(hd ** -0.5))
     assert got.tobytes() == want.tobytes(), (name, _first_diff(got, want))
-    # float64 softmax attention: the kernel is attention, to float rounding
-    qg = q.astype(np.float64).reshape(len(rows), hkv, g, hd)
-    tol = 2e-5 if dtype == np.float32 else 1e-12
+    _assert_attention(name, got, q, keys, values, rows)
+
+
+def _assert_attention(name, got, q, keys, values, rows):
+    """float64 softmax attention: the kernel is attention, to float rounding."""
+    n, hq, hd = q.shape
+    hkv = keys.shape[2]
+    qg = q.astype(np.float64).reshape(n, hkv, hq // hkv, hd)
+    tol = 2e-5 if q.dtype == np.float32 else 1e-12
     for i, (_, _, p) in enumerate(rows):
         s = np.einsum("hgd,lhd->hgl", qg[i], keys[i, :p + 1].astype(np.float64)) * hd ** -0.5
         w = np.exp(s - s.max(-1, keepdims=True))
         o = np.einsum("hgl,lhd->hgd", w / w.sum(-1, keepdims=True),
-                      values[i, :p + 1].astype(np.float64)).reshape(hkv * g, hd)
+                      values[i, :p + 1].astype(np.float64)).reshape(hq, hd)
         err = np.abs(got[i] - o).max()
         assert err <= tol * max(1.0, np.abs(values).max()), (name, i, p, err)
+
+
+@pytest.mark.parametrize("name", ["next80b", "next80b-int8", "moe30b", "f64-int8"])
+def test_long_rows_merge_their_partitions_as_the_reference(name):
+    """Rows of up to 1,300 keys: with 64-key partitions (up to 21 per row, the last holding
+    one key) and with the model's 512, the bits equal the two-level reference; rows of one
+    partition equal the one-partition launch; the grid's size (max_position) changes no bit."""
+    dtype, quant, hd, hkv, g, bs = CONFIGS[name]
+    lengths = (1300, 200, 65, 5)
+    kv, _, _ = _filled(dtype, quant, hd, hkv, lengths, bs, seed=7)
+    rows = [(0, 1299), (0, 1280), (0, 1279), (0, 640), (1, 199), (1, 128), (1, 127),
+            (2, 64), (2, 63), (3, 4), (0, 0)]
+    rows = [(i, s, p) for i, (s, p) in enumerate(rows)]
+    positions = np.array([p for *_, p in rows])
+    q = np.random.default_rng(8).standard_normal((len(rows), hkv * g, hd)).astype(dtype)
+    keys, values = _reference_inputs(kv, rows, dtype)
+    scale = np.dtype(dtype).type(hd ** -0.5)
+    runs = {}
+    for part in (64, pa.PARTITION):
+        runs[part] = got = _run(kv, cupy.asarray(q), rows, partition=part)
+        want = pa.attention_reference(q, keys, values, positions, scale, partition=part)
+        assert got.tobytes() == want.tobytes(), (name, part, _first_diff(got, want))
+        _assert_attention(name, got, q, keys, values, rows)
+    tight = _run(kv, cupy.asarray(q), rows, partition=64, max_position=1299)
+    assert tight.tobytes() == runs[64].tobytes(), (name, _first_diff(tight, runs[64]))
+    one = positions < 64  # one partition either way: the merge leaves its bits alone
+    assert runs[64][one].tobytes() == runs[pa.PARTITION][one].tobytes(), (
+        name, _first_diff(runs[64][one], runs[pa.PARTITION][one]))
+    assert runs[64][~one].tobytes() != runs[pa.PARTITION][~one].tobytes()  # two orders
 
 
 START = (0, 13, 62, 295)  # a slot's first row position; 5 rows each: keys 1..300, blocks crossed
 ROWS = 5
 
 
-@pytest.mark.parametrize("quant", [False, True], ids=["float32", "int8"])
-def test_a_rows_bits_are_the_same_in_every_layout(quant):
+@pytest.mark.parametrize(("quant", "part"), [(False, pa.PARTITION), (True, pa.PARTITION),
+                                             (False, 64)], ids=["float32", "int8", "p64"])
+def test_a_rows_bits_are_the_same_in_every_layout(quant, part):
     """Qwen3-Next's attention shape: every layout of 1-4 slots (in two orders) x 1-5 rows,
     K/V rewritten by each step as a verify step does; each row equals it alone (a decode row
-    at that position), which equals the reference."""
+    at that position), which equals the reference. ``part`` 64: rows of up to 5 partitions."""
     hd, hkv, g = 256, 2, 8
     kv, _, kvs = _filled(np.float32, quant, hd, hkv, [s + ROWS for s in START], 16, seed=2)
     q = np.random.default_rng(3).standard_normal((4, ROWS, hkv * g, hd)).astype(np.float32)
-    alone = np.stack([[_run(kv, cupy.asarray(q[s, j:j + 1]), [(0, s, START[s] + j)])[0]
+    alone = np.stack([[_run(kv, cupy.asarray(q[s, j:j + 1]), [(0, s, START[s] + j)],
+                            partition=part)[0]
                        for j in range(ROWS)] for s in range(4)])  # [4, ROWS, Hq, hd]
     rows = [(i, s, START[s] + j) for i, (s, j) in
             enumerate(itertools.product(range(4), range(ROWS)))]
     keys, values = _reference_inputs(kv, rows, np.float32)
     want = pa.attention_reference(q.reshape(-1, hkv * g, hd), keys, values,
-                                  np.array([p for *_, p in rows]), np.float32(hd ** -0.5))
+                                  np.array([p for *_, p in rows]), np.float32(hd ** -0.5),
+                                  partition=part)
     assert alone.reshape(want.shape).tobytes() == want.tobytes(), _first_diff(
         alone.reshape(want.shape), want)
     alone_dev = cupy.asarray(alone)
@@ -169,7 +208,8 @@ def test_a_rows_bits_are_the_same_in_every_layout(quant):
                     pa.write_kv(kv, LAYER, k, v, meta, kv.device_tables())
                     out = cupy.empty((len(rows), hkv * g, hd), cupy.float32)
                     pa.paged_attention(cupy.asarray(q[idx[:, 0], idx[:, 1]]), kv, LAYER, meta,
-                                       kv.device_tables(), out, np.float32(hd ** -0.5))
+                                       kv.device_tables(), out, np.float32(hd ** -0.5),
+                                       partition=part)
                     expect = alone_dev[idx[:, 0], idx[:, 1]]
                     if bool((out.view(cupy.int32) != expect.view(cupy.int32)).any()):
                         got = cupy.asnumpy(out)
