@@ -8,6 +8,7 @@ development and their GPU tests: a comma list of names, ``all`` or ``none``.
 * ``rowtile``: every dense product through gpu_worker/kernels/rowtile.py (model/ops.py)
 * ``paged_attention``: one launch per layer for segments of <= 16 rows (model/attention.py)
 * ``gdn``: the conv + delta-rule kernels of gpu_worker/kernels/gdn_recurrent.py (model/gdn.py)
+* ``fused_norm``: RMSNorm in one launch, gpu_worker/kernels/fused_norm.py (model/ops.py)
 
 The merged expert kernels and the sampler passed on the H200 and are not switched here.
 """
@@ -16,8 +17,8 @@ from __future__ import annotations
 
 import os
 
-KERNELS = ("rowtile", "paged_attention", "gdn")
-DEFAULT: frozenset[str] = frozenset()  # none of the three has passed on a GPU yet
+KERNELS = ("rowtile", "paged_attention", "gdn", "fused_norm")
+DEFAULT: frozenset[str] = frozenset()  # none of them has passed on a GPU yet
 ENV = "TANDEM_GPU_KERNELS"
 
 

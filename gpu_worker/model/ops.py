@@ -8,6 +8,7 @@ import numpy as np
 
 from gpu_worker.kernels.bf16 import BF16, BITS, to_bf16, widen
 from gpu_worker.kernels.enabled import enabled
+from gpu_worker.kernels.fused_norm import rms_norm_rows
 from gpu_worker.kernels.rowtile import linear_rows
 
 Array = Any  # numpy.ndarray or cupy.ndarray
@@ -86,8 +87,13 @@ class Ops:
         return out
 
     def rms_norm(self, x: Array, w: Array, eps: float, *, zero_centered: bool) -> Array:
-        """RMSNorm over the last axis; ``zero_centered`` multiplies by (1 + w) (Qwen3-Next)."""
+        """RMSNorm over the last axis; ``zero_centered`` multiplies by (1 + w) (Qwen3-Next).
+        CuPy float32 with ``fused_norm`` on: one launch, a fixed per-row order
+        (gpu_worker/kernels/fused_norm.py)."""
         xp = self.xp
+        if (xp is not np and self.dtype == np.float32 and x.dtype == np.float32
+                and w.dtype == np.float32 and enabled("fused_norm")):
+            return rms_norm_rows(x, w, eps, zero_centered=zero_centered)
         var = xp.mean(x * x, axis=-1, keepdims=True)
         normed = x / xp.sqrt(var + self.dtype.type(eps))
         return normed * ((1 + w) if zero_centered else w)

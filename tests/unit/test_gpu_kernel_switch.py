@@ -19,6 +19,13 @@ def test_the_environment_chooses(monkeypatch, raw, want):
     assert {k for k in KERNELS if enabled(k)} == want
 
 
+def test_fused_norm_is_switched_and_off_by_default(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    assert "fused_norm" in KERNELS and not enabled("fused_norm")
+    monkeypatch.setenv(ENV, "fused_norm")
+    assert enabled("fused_norm") and not enabled("rowtile")
+
+
 def test_an_unknown_name_is_refused():
     with pytest.raises(KeyError, match="unknown GPU kernel"):
         enabled("flash")

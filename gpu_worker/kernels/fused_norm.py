@@ -1,0 +1,144 @@
+"""Fused, batch-invariant RMSNorm on CuPy float32: one launch per call, one warp per row.
+
+``Ops.rms_norm`` on CuPy float32 (switch ``fused_norm``, gpu_worker/kernels/enabled.py) was
+five elementwise launches and a reduction whose order CuPy picks; :func:`rms_norm_rows` is one
+launch. A row is the last axis of ``x`` ([R, H] or [R, heads, hd]: then every (r, head) is a
+row of ``hd``), normalised by one warp of 32 lanes:
+
+**The order** (:func:`rms_norm_reference` is its NumPy formula, bit for bit). Lane ``l`` (0..31)
+starts from +0 and adds ``x[k] * x[k]`` (each product rounded to float32) for
+``k = l, l + 32, l + 64, ...`` ascending; the 32 lane sums fold as a butterfly
+``s[l] + s[l ^ o]`` for o = 16, 8, 4, 2, 1 (commutative adds: every lane ends with the same
+bits, those of the tree ``s[l] + s[l + o]`` of the reference). Then
+``d = sqrt(s / H + eps)`` and ``out[k] = (x[k] / d) * w[k]`` (``* (1 + w[k])`` zero-centered,
+the sum rounded first), every operation one correctly rounded float32 step. The order depends
+on H alone: never on the number of rows, a row's position or its neighbours.
+
+**IEEE float32, subnormals kept.** CuPy compiles with ``-ftz=true`` (docs/gpu_step.md), which
+turns ``+ * / sqrtf`` into flushing forms; so every operation is PTX ``add/mul/div/sqrt.rn.f32``
+without ``.ftz`` (as in rowtile.py), which no compile flag alters, and NumPy's float32
+arithmetic is the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from gpu_worker.kernels import raw_module
+
+WARPS = 4  # rows (warps) per block of 128 threads
+LANES = 32
+
+_SOURCE = r"""
+#define WARPS __WARPS__
+// IEEE float32 whatever CuPy's -ftz=true: PTX .rn without .ftz keeps subnormals
+__device__ __forceinline__ float add_rn(float a, float b) {
+    float d; asm("add.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b)); return d; }
+__device__ __forceinline__ float mul_rn(float a, float b) {
+    float d; asm("mul.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b)); return d; }
+__device__ __forceinline__ float div_rn(float a, float b) {
+    float d; asm("div.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b)); return d; }
+__device__ __forceinline__ float sqrt_rn(float a) {
+    float d; asm("sqrt.rn.f32 %0, %1;" : "=f"(d) : "f"(a)); return d; }
+
+// grid ceil(rows / WARPS), block WARPS * 32; row i of x at x + i * stride (elements), its
+// H elements contiguous; out is [rows, H] contiguous; w [H]
+extern "C" __global__ void rms_norm_rows(
+        const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out,
+        long long rows, int H, long long stride, float eps, int zero_centered) {
+    const int lane = threadIdx.x & 31;
+    const long long row = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;  // a whole warp: the shuffles below see all 32 lanes or none
+    const float* xr = x + row * stride;
+    float s = 0.0f;
+    for (int k = lane; k < H; k += 32) {
+        const float v = xr[k];
+        s = add_rn(s, mul_rn(v, v));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s = add_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+    const float d = sqrt_rn(add_rn(div_rn(s, (float)H), eps));
+    float* orow = out + row * (long long)H;
+    for (int k = lane; k < H; k += 32) {
+        const float wk = zero_centered ? add_rn(1.0f, w[k]) : w[k];
+        orow[k] = mul_rn(div_rn(xr[k], d), wk);
+    }
+}
+"""
+
+
+@functools.cache
+def _function():
+    src = _SOURCE.replace("__WARPS__", str(WARPS))
+    return raw_module(src, "fused RMSNorm kernel").get_function("rms_norm_rows")
+
+
+def _row_stride(x) -> int | None:
+    """The element stride between consecutive rows of ``x`` (rows: every index of the leading
+    axes, in C order) when its last axis is contiguous and the leading axes collapse to one
+    stride (e.g. a slice ``q[..., :hd]`` of [R, heads, 2 hd]); None otherwise."""
+    item = x.itemsize
+    if x.strides[-1] != item or any(s % item for s in x.strides):
+        return None
+    lead = [(n, s // item) for n, s in zip(x.shape[:-1], x.strides[:-1], strict=True) if n != 1]
+    if not lead:
+        return x.shape[-1]
+    for (_, outer), (n, inner) in zip(lead, lead[1:], strict=False):
+        if outer != inner * n:
+            return None
+    return lead[-1][1]
+
+
+def rms_norm_rows(x, w, eps: float, *, zero_centered: bool):
+    """RMSNorm of ``x [..., H]`` float32 (CuPy) over its last axis with ``w [H]`` float32 ->
+    a new float32 array of ``x``'s shape, in the order of the module docstring. One launch
+    (a copy first only when ``x``'s rows do not sit at one stride); never waits."""
+    import cupy as cp  # noqa: PLC0415 (only on the GPU backend)
+
+    if x.dtype != np.float32 or w.dtype != np.float32:
+        raise TypeError(f"rms_norm_rows: float32 x and w, not {x.dtype}, {w.dtype}")
+    H = x.shape[-1] if x.ndim else 0
+    if x.ndim < 1 or w.shape != (H,):
+        raise ValueError(f"rms_norm_rows: x {x.shape} and w {w.shape} do not fit")
+    out = cp.empty(x.shape, np.float32)
+    rows = x.size // H if H else 0
+    if rows == 0:
+        return out
+    stride = _row_stride(x)
+    if stride is None:
+        x = cp.ascontiguousarray(x)
+        stride = H
+    w = cp.ascontiguousarray(w)
+    _function()((-(-rows // WARPS),), (WARPS * LANES,),
+                (x, w, out, np.int64(rows), np.int32(H), np.int64(stride), np.float32(eps),
+                 np.int32(bool(zero_centered))))
+    return out
+
+
+def rms_norm_reference(x: np.ndarray, w: np.ndarray, eps: float, *,
+                       zero_centered: bool) -> np.ndarray:
+    """NumPy formula of :func:`rms_norm_rows`, bit for bit: ``x [..., H]``, ``w [H]`` float32
+    -> float32 of ``x``'s shape. Lane sums over k = l (mod 32) ascending (H padded with
+    zeros to a multiple of 32: adding +0 to a sum of squares changes no bit), the tree fold,
+    then the per-element formula, all in float32 (IEEE, subnormals kept)."""
+    x = np.asarray(x, np.float32)
+    w = np.asarray(w, np.float32)
+    H = x.shape[-1]
+    rows = x.reshape(-1, H)
+    n = rows.shape[0]
+    hp = -(-H // LANES) * LANES
+    sq = np.zeros((n, hp), np.float32)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        sq[:, :H] = rows * rows
+        lanes = sq.reshape(n, hp // LANES, LANES)  # [row, j, lane]: k = 32 j + lane
+        acc = np.zeros((n, LANES), np.float32)
+        for j in range(hp // LANES):
+            acc = acc + lanes[:, j]
+        for o in (16, 8, 4, 2, 1):
+            acc[:, :o] = acc[:, :o] + acc[:, o:2 * o]
+        d = np.sqrt(acc[:, 0] / np.float32(H) + np.float32(eps))  # [n] float32
+        wk = np.float32(1.0) + w if zero_centered else w
+        out = (rows / d[:, None]) * wk
+    return out.astype(np.float32, copy=False).reshape(x.shape)
