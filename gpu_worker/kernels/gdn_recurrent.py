@@ -1,5 +1,10 @@
-"""Gated DeltaNet on the GPU: every slot and row of a step in two launches (CuPy RawKernels).
+"""Gated DeltaNet on the GPU: every slot and row of a step in three launches (CuPy RawKernels).
 
+0. ``gdn_gates``, one thread per (row, value head): beta = sigmoid(b) and decay =
+   exp(-exp(A_log) * softplus(a + dt_bias)), softplus(x) = x above 20, else
+   max(x, 0) + log1p(exp(-|x|)), its log1p ``log1p01``: 2 atanh(y / (2 + y)) by a fixed odd
+   series (7 terms in float32, 16 in float64; within 3 ulps of log1p on [0, 1], softplus
+   within 4 ulps of log(1 + e^x)).
 1. ``gdn_conv``, one thread per (segment, channel), the segment's rows in order: the causal
    depthwise conv over [the slot's conv window | the segment's rows], then SiLU; the thread
    keeps the last K-1 inputs in registers and writes them back as the slot's new window (and,
@@ -18,9 +23,10 @@
 Every value of a row depends only on its own segment (its slot's state and earlier rows), in an
 order fixed by the shapes: a row's output and the states are the same bits alone or in any
 layout of slots. The arithmetic is + - * / and sqrt only, compiled with ``--fmad=false``, so
-gpu_worker/kernels/gdn_reference.py reproduces it bit for bit in NumPy; SiLU's exp is
-``exp_neg``: Cody-Waite reduction and a Taylor polynomial (degree 7 in float32, 13 in
-float64, within ~1 ulp of exp), 0 below -87 (float32) / -708 (float64).
+gpu_worker/kernels/gdn_reference.py reproduces it bit for bit in NumPy; the exp of SiLU and
+the gates is ``exp_neg``: Cody-Waite reduction and a Taylor polynomial (degree 7 in float32, 13 in
+float64, within ~1 ulp of exp), 0 below -87 (float32) / -708 (float64); the same formula
+holds for u > 0 up to 88 / 709 (exp(A_log) in the gates).
 
 Registers (ptxas, sm_90): float32 with Dk 128 uses 188 per thread, no spill; float64 (the exact
 test dtype) and Dk 256 spill to local memory, correct but slower. The segment table is uploaded
@@ -58,6 +64,25 @@ def exp_constants(dtype) -> dict:
             "coeffs": [t(1 / math.factorial(k)) for k in range(degree + 1)]}
 
 
+def log1p_constants(dtype) -> dict:
+    """log1p01's constants for ``dtype``: below ``tiny`` log1p(y) rounds to y; ``coeffs``
+    1/3, 1/5, ... of atanh(s) / s - 1 in s^2, enough terms that the first one left out,
+    s^(2k+1) / (2k+1) <= (1/9)^k / (2k+1), is under a quarter ulp of 2s (7 / 16 terms)."""
+    t = np.dtype(dtype).type
+    f32 = t is np.float32
+    return {"tiny": t(2.0 ** (-30 if f32 else -60)),
+            "coeffs": [t(1 / (2 * k + 1)) for k in range(1, (7 if f32 else 16) + 1)]}
+
+
+def _horner(coeffs: list, var: str, real: str) -> str:
+    """c0 + var * (c1 + var * (...)) as C, innermost first as the NumPy twin's loop."""
+    lit = [_literal(v, real) for v in coeffs]
+    out = lit[-1]
+    for v in reversed(lit[:-1]):
+        out = f"({out}) * {var} + {v}"
+    return f"({out})"
+
+
 def _literal(v, real: str) -> str:
     return repr(float(v)) + ("f" if real == "float" else "")
 
@@ -72,12 +97,46 @@ __device__ __forceinline__ T exp_neg(T u) {  // exp(u) for u <= 0 from + - * onl
     return p * POW2((int)n);
 }
 
-__device__ __forceinline__ T silu(T x) {  // as Ops.silu: x * sigmoid(x), split by sign
+__device__ __forceinline__ T sigmoid(T x) {  // as Ops.sigmoid: split by sign
     T e = exp_neg(-fabs(x));
-    T s = x >= (T)0 ? (T)1 / ((T)1 + e) : e / ((T)1 + e);
-    return x * s;
+    return x >= (T)0 ? (T)1 / ((T)1 + e) : e / ((T)1 + e);
 }
 
+__device__ __forceinline__ T silu(T x) { return x * sigmoid(x); }  // as Ops.silu
+
+"""
+
+_GATES = r"""
+__device__ __forceinline__ T log1p01(T y) {  // log1p(y) for 0 <= y <= 1 from + - * / only
+    if (y < LOG1P_TINY) return y;  // y - y^2/2 rounds to y; s, s * s below stay normal
+    T s = y / ((T)2 + y);  // log1p(y) = 2 atanh(s), 0 <= s <= 1/3
+    T s2 = s * s;
+    T p = LOG1P_HORNER;
+    return (T)2 * (s + s * (s2 * p));
+}
+
+__device__ __forceinline__ T softplus(T x) {  // Ops.softplus as max(x, 0) + log1p(exp(-|x|))
+    if (x > (T)20) return x;
+    T m = x > (T)0 ? x : (T)0;
+    return m + log1p01(exp_neg(-fabs(x)));
+}
+
+// grid ceil(R * Hv / blockDim.x); ba [R, Hk, 2r]: a key head's r b-values, then its r a-values
+// NOTE: -ftz=true cannot change a bit here. exp_neg's results are normal or 0 (its cutoff),
+// so are sigmoid's and log1p01's (a tiny y is returned as is); the one product that can be
+// subnormal, A * softplus, only feeds exp_neg, which gives exactly 1 for |u| < 2^-25 either
+// way. A subnormal input is absorbed the same way: sigmoid's and exp_neg's argument, or an
+// addend of a + dt_bias far below the other's ulp (or softplus(~0) = ln 2 + ~0 = ln 2).
+extern "C" __global__ void gdn_gates(const T* ba, const T* a_log, const T* dt_bias, T* beta,
+                                     T* decay, int n, int Hv, int r) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    int row = i / Hv, hv = i % Hv;
+    long long at = (long long)row * 2 * Hv + (long long)(hv / r) * 2 * r + hv % r;
+    beta[i] = sigmoid(ba[at]);
+    T A = exp_neg(a_log[hv]);  // exp(A_log): exp_neg's formula holds up to 88 / 709
+    decay[i] = exp_neg(-(A * softplus(ba[at + r] + dt_bias[hv])));
+}
 """
 
 _CONV = r"""
@@ -189,30 +248,32 @@ extern "C" __global__ void gdn_recurrent(const T* y, const T* decay, const T* be
 """
 
 
-def source(dtype, *, conv_kernel: int | None = None, key_dim: int | None = None) -> str:
-    """The CUDA source of ``gdn_conv`` for a K-tap conv (``conv_kernel``) or of
-    ``gdn_recurrent`` for Dk = ``key_dim``, in ``dtype`` (float32 or float64)."""
+def source(dtype, *, conv_kernel: int | None = None, key_dim: int | None = None,
+           gates: bool = False) -> str:
+    """The CUDA source of ``gdn_conv`` for a K-tap conv (``conv_kernel``), of
+    ``gdn_recurrent`` for Dk = ``key_dim`` or of ``gdn_gates``, in ``dtype`` (float32 or
+    float64)."""
     real = "float" if np.dtype(dtype) == np.float32 else "double"
-    c = exp_constants(dtype)
-    lit = [_literal(v, real) for v in c["coeffs"]]
-    horner = lit[-1]
-    for v in reversed(lit[:-1]):
-        horner = f"({horner}) * r + {v}"
+    c, lc = exp_constants(dtype), log1p_constants(dtype)
     pow2 = ("__int_as_float((k + 127) << 23)" if real == "float"
             else "__longlong_as_double((long long)(k + 1023) << 52)")
     defines = {
         "UNDER": _literal(c["under"], real), "LOG2E": _literal(c["log2e"], real),
         "LN2_HI": _literal(c["ln2_hi"], real), "LN2_LO": _literal(c["ln2_lo"], real),
-        "HORNER": f"({horner})", "RINT": "rintf" if real == "float" else "rint",
+        "HORNER": _horner(c["coeffs"], "r", real), "RINT": "rintf" if real == "float" else "rint",
         "EPS": _literal(np.dtype(dtype).type(L2_EPS), real),
         "SQRT": "sqrtf" if real == "float" else "sqrt"}
     if conv_kernel is not None:
         defines["KW"] = str(conv_kernel)
     if key_dim is not None:
         defines.update(DK=str(key_dim), DKP=str(1 << (key_dim - 1).bit_length()))
+    if gates:
+        defines.update(LOG1P_TINY=_literal(lc["tiny"], real),
+                       LOG1P_HORNER=_horner(lc["coeffs"], "s2", real))
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     head += f"typedef {real} T;\n__device__ __forceinline__ T POW2(int k) {{ return {pow2}; }}\n"
-    return head + _HELPERS + (_CONV if conv_kernel is not None else _RECURRENT)
+    body = _GATES if gates else _CONV if conv_kernel is not None else _RECURRENT
+    return head + _HELPERS + body
 
 
 def supports(dtype, key_dim: int, conv_kernel: int) -> bool:
@@ -225,6 +286,28 @@ def supports(dtype, key_dim: int, conv_kernel: int) -> bool:
 def _function(name: str, dtype, **shape: int):
     # NOTE: cached, so a step pays neither the source's formatting nor a module lookup
     return raw_module(source(dtype, **shape), "Gated DeltaNet kernels").get_function(name)
+
+
+def gates(ba, a_log, dt_bias, *, key_heads: int):
+    """``(beta, decay)`` [R, Hv] of ``ba`` [R, Hk * 2r] (in_proj_ba's output: per key head its
+    r b-values, then its r a-values), a_log and dt_bias [Hv]: beta = sigmoid(b), decay =
+    exp(-exp(A_log) * softplus(a + dt_bias)), as gpu_worker/model/gdn.py's token loop but with
+    this module's exp and log1p (gdn_reference.py: the same bits). One launch, no sync."""
+    import cupy as cp  # noqa: PLC0415 (only on the GPU backend)
+
+    R, dt = ba.shape[0], ba.dtype
+    Hv = a_log.shape[0]
+    if ba.shape != (R, 2 * Hv) or Hv % key_heads or dt_bias.shape != (Hv,):
+        raise ValueError(f"ba {ba.shape}, A_log {a_log.shape}, dt_bias {dt_bias.shape}, "
+                         f"key heads {key_heads} do not fit")
+    beta, decay = cp.empty((R, Hv), dt), cp.empty((R, Hv), dt)
+    if R:
+        ba, a_log, dt_bias = (cp.ascontiguousarray(a, dtype=dt) for a in (ba, a_log, dt_bias))
+        fn = _function("gdn_gates", np.dtype(dt), gates=True)
+        fn((-(-R * Hv // CONV_THREADS),), (CONV_THREADS,),
+           (ba, a_log, dt_bias, beta, decay, np.int32(R * Hv), np.int32(Hv),
+            np.int32(Hv // key_heads)))
+    return beta, decay
 
 
 def conv_silu(x, weight, window, table, track=None):

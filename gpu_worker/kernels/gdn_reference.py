@@ -2,7 +2,8 @@
 on the same dtype, so on a GPU the kernels' outputs and states equal these bits exactly
 (tests/gpu/test_gdn_kernel_cupy.py). Slow (Python loops over segments, rows and Dk); for tests.
 
-Arguments and in-place updates are those of ``conv_silu`` and ``recurrence`` there, on NumPy
+Arguments and in-place updates are those of ``gates``, ``conv_silu`` and ``recurrence``
+there, on NumPy
 arrays; ``table`` [segments, 4] int32: slot, row0, rows, first T-row of ``track`` or -1.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpu_worker.kernels.gdn_recurrent import L2_EPS, exp_constants
+from gpu_worker.kernels.gdn_recurrent import L2_EPS, exp_constants, log1p_constants
 
 
 def exp_neg(u: np.ndarray) -> np.ndarray:
@@ -30,9 +31,42 @@ def exp_neg(u: np.ndarray) -> np.ndarray:
     return np.where(ok, p * pow2, 0).astype(u.dtype)
 
 
-def silu(x: np.ndarray) -> np.ndarray:
+def sigmoid(x: np.ndarray) -> np.ndarray:
     e = exp_neg(-np.abs(x))
-    return x * np.where(x >= 0, 1 / (1 + e), e / (1 + e))
+    return np.where(x >= 0, 1 / (1 + e), e / (1 + e))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x * sigmoid(x)
+
+
+def log1p01(y: np.ndarray) -> np.ndarray:
+    """The kernels' log1p for 0 <= y <= 1: 2 atanh(y / (2 + y)) by a fixed series; within 2
+    ulps of log1p (tests/unit/test_gdn_reference.py)."""
+    c, t = log1p_constants(y.dtype), y.dtype.type
+    s = y / (2 + y)
+    s2 = s * s
+    p = np.full_like(y, c["coeffs"][-1])
+    for coef in reversed(c["coeffs"][:-1]):
+        p = p * s2 + coef
+    return np.where(y < c["tiny"], y, t(2) * (s + s * (s2 * p))).astype(y.dtype)
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """x above 20, else max(x, 0) + log1p(exp(-|x|)) (the kernels' exp and log1p)."""
+    m = np.where(x > 0, x, 0).astype(x.dtype)
+    return np.where(x > 20, x, m + log1p01(exp_neg(-np.abs(x)))).astype(x.dtype)
+
+
+def gates(ba, a_log, dt_bias, *, key_heads: int) -> tuple[np.ndarray, np.ndarray]:
+    """ba [R, Hk * 2r] (per key head r b-values, then r a-values), a_log / dt_bias [Hv] ->
+    beta = sigmoid(b), decay = exp(-exp(A_log) * softplus(a + dt_bias)), [R, Hv] each."""
+    R, Hv = ba.shape[0], a_log.shape[0]
+    r = Hv // key_heads
+    ba = ba.reshape(R, key_heads, 2 * r)
+    b, a = ba[..., :r].reshape(R, Hv), ba[..., r:].reshape(R, Hv)
+    A = exp_neg(a_log)
+    return sigmoid(b), exp_neg(-(A * softplus(a + dt_bias)))
 
 
 def conv_silu(x, weight, window, table, track=None) -> np.ndarray:

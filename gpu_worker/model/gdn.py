@@ -7,9 +7,10 @@ state and leaves the updated state behind. For a slot tracked by ``states.verify
 token plus drafts) the state after every row is kept too (states.track_conv / track_rec), so
 the runner can adopt the one of the last accepted row.
 
-On CuPy (float32 / float64, Dk <= 256) the conv and the recurrence of every segment, decode,
-verify and prefill alike, are two kernel launches (gpu_worker/kernels/gdn_recurrent.py); on
-NumPy (and for shapes those kernels do not take) a token loop per segment.
+On CuPy (float32 / float64, Dk <= 256) the gates, the conv and the recurrence of every
+segment, decode, verify and prefill alike, are three kernel launches
+(gpu_worker/kernels/gdn_recurrent.py); on NumPy (and for shapes those kernels do not take)
+a token loop per segment.
 """
 
 from __future__ import annotations
@@ -32,27 +33,30 @@ def gated_deltanet(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
     Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     Dk, Dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, Hv // Hk
     qkvz = ops.linear(x, p["in_proj_qkvz.weight"]).reshape(R, Hk, 2 * Dk + 2 * r * Dv)
-    ba = ops.linear(x, p["in_proj_ba.weight"]).reshape(R, Hk, 2 * r)
+    ba = ops.linear(x, p["in_proj_ba.weight"])  # [R, Hk * 2r]: per key head r b, then r a
     q, k = qkvz[..., :Dk], qkvz[..., Dk:2 * Dk]  # [R, Hk, Dk]
     v = qkvz[..., 2 * Dk:2 * Dk + r * Dv].reshape(R, Hv, Dv)
     z = qkvz[..., 2 * Dk + r * Dv:].reshape(R, Hv, Dv)
-    b, a = ba[..., :r].reshape(R, Hv), ba[..., r:].reshape(R, Hv)
     mixed = xp.concatenate([q.reshape(R, -1), k.reshape(R, -1), v.reshape(R, -1)], axis=1)  # [R, C]
 
-    beta = ops.sigmoid(b)  # [R, Hv]
-    g = -xp.exp(p["A_log"]) * ops.softplus(a + p["dt_bias"])  # [R, Hv]
     conv_w = p["conv1d.weight"][:, 0, :]  # [C, K]
     table = states.segment_table(batch.segments)  # also allocates the per-row buffers
     # NOTE: the path depends on the backend and the shapes only, never on the batch
     if (xp is not np and enabled("gdn") and states.conv.dtype == ops.dtype
             and gdn_recurrent.supports(ops.dtype, Dk, conv_w.shape[1])):
         tracked = states.track_conv is not None
+        # beta = sigmoid(b), decay = exp(g) in one launch (the kernels' exp and log1p)
+        beta, decay = gdn_recurrent.gates(ba, p["A_log"], p["dt_bias"], key_heads=Hk)
         conv = gdn_recurrent.conv_silu(mixed, conv_w, states.conv[layer], table,
                                        states.track_conv[layer] if tracked else None)
-        out = gdn_recurrent.recurrence(conv, xp.exp(g), beta, states.rec[layer], table,
+        out = gdn_recurrent.recurrence(conv, decay, beta, states.rec[layer], table,
                                        key_heads=Hk, scale=float(ops.dtype.type(Dk ** -0.5)),
                                        track=states.track_rec[layer] if tracked else None)
     else:
+        ba = ba.reshape(R, Hk, 2 * r)
+        b, a = ba[..., :r].reshape(R, Hv), ba[..., r:].reshape(R, Hv)
+        beta = ops.sigmoid(b)  # [R, Hv]
+        g = -xp.exp(p["A_log"]) * ops.softplus(a + p["dt_bias"])  # [R, Hv]
         out = _token_loop(ops, cfg, mixed, conv_w, beta, g, batch, states, layer)
 
     o = ops.rms_norm(out, p["norm.weight"], cfg.rms_norm_eps, zero_centered=False)

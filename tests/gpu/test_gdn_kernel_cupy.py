@@ -1,7 +1,7 @@
 """The Gated DeltaNet kernels (gpu_worker/kernels/gdn_recurrent.py) on the GPU: the same bits
-as their NumPy twin (gdn_reference.py), a slot's rows the same bits alone, one at a time and
-in any layout of slots (tracked per-row states included), and the Qwen3-Next tiny model on
-CuPy against NumPy, with speculation's adopt path."""
+as their NumPy twin (gdn_reference.py, the gates included), a slot's rows the same bits
+alone, one at a time and in any layout of slots (tracked per-row states included), and the
+Qwen3-Next tiny model on CuPy against NumPy, with speculation's adopt path."""
 
 from __future__ import annotations
 
@@ -93,6 +93,34 @@ def test_kernels_give_the_bits_of_the_numpy_twin(dtype, name):
     for k in NAMES:
         _same_bits(got[k], want[k], f"{name} {k}")
     assert np.abs(got["out"]).max() > 0 and not np.isnan(got["out"]).any()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gates_give_the_bits_of_the_numpy_twin(dtype):
+    Hk, r, R = 2, 3, 700
+    rng = np.random.default_rng(4)
+    ba = rng.normal(scale=8.0, size=(R, Hk * 2 * r))
+    edges = [0.0, -0.0, 20.0, 20.5, 19.99, -87.0, -87.5, -700.0, -710.0, 1e-41, -1e-41,
+             1e-300, 50.0, -50.0, 1e-3, -1e-3, np.inf, -np.inf]
+    ba[:len(edges)] = np.array(edges)[:, None]  # b and a alike, every head
+    a_log = np.array([-3.0, -0.5, 0.0, 0.7, 1.5, 2.77])  # Hv = 6
+    dt_bias = np.array([0.0, 1e-41, -2.0, 0.3, 5.0, -20.0])
+    args = [v.astype(dtype) for v in (ba, a_log, dt_bias)]
+    want = ref.gates(*args, key_heads=Hk)
+    got = kern.gates(*(cupy.asarray(v) for v in args), key_heads=Hk)
+    for name, g, w in zip(("beta", "decay"), got, want, strict=True):
+        _same_bits(to_numpy(g), w, f"gates {name}")
+    # and near the float64 formula of the token loop (Ops.sigmoid / Ops.softplus)
+    ba, a_log, dt_bias = (v.astype(np.float64) for v in args)
+    b, a = (ba.reshape(R, Hk, 2 * r)[..., sl].reshape(R, -1) for sl in (slice(0, r),
+                                                                          slice(r, None)))
+    with np.errstate(over="ignore"):
+        beta = 1 / (1 + np.exp(-b))
+        x = a + dt_bias
+        decay = np.exp(-np.exp(a_log) * np.where(x > 20, x, np.logaddexp(0, x)))
+    tol = 1e-6 if dtype == np.float32 else 1e-14
+    np.testing.assert_allclose(want[0], beta, rtol=tol, atol=tol)
+    np.testing.assert_allclose(want[1], decay, rtol=0, atol=tol)
 
 
 def test_a_slot_gives_the_same_bits_alone_row_by_row_and_in_any_layout():

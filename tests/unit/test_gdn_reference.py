@@ -1,8 +1,9 @@
 """The NumPy twin of the GDN kernels (gpu_worker/kernels/gdn_reference.py) against the token
-loop of gpu_worker/model/gdn.py in float64, and its exp against np.exp. The GPU kernels equal
-the twin bit for bit (tests/gpu/test_gdn_kernel_cupy.py), so this ties them to the model's
-math. Also the token loop's per-row states (the NumPy path of speculative verification), and
-the kernels' CUDA source: no barrier that only some threads reach (they deadlock on a GPU)."""
+loop of gpu_worker/model/gdn.py in float64, its exp, log1p and softplus against NumPy's. The
+GPU kernels equal the twin bit for bit (tests/gpu/test_gdn_kernel_cupy.py), so this ties them
+to the model's math. Also the token loop's per-row states (the NumPy path of speculative
+verification), and the kernels' CUDA source: no barrier that only some threads reach (they
+deadlock on a GPU)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,35 @@ def test_exp_neg_is_within_two_ulps_of_exp(dtype, ulps):
     assert err.max() <= ulps, (u[normal][err.argmax()], err.max())
     assert ref.exp_neg(np.array([-1e3, -np.inf, np.nan], dtype)).tolist() == [0, 0, 0]
     assert ref.exp_neg(np.zeros(1, dtype))[0] == 1
+
+
+@pytest.mark.parametrize("dtype, top", [(np.float32, 88.0), (np.float64, 709.0)])
+def test_exp_neg_holds_for_positive_arguments_too(dtype, top):
+    u = np.linspace(0, top, 100_001).astype(dtype)  # exp(A_log) in the gates kernel
+    got, want = ref.exp_neg(u), np.exp(u.astype(np.float64))
+    assert (np.abs(got - want) / np.spacing(want.astype(dtype))).max() <= 2
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_log1p01_is_within_three_ulps_of_log1p(dtype):
+    tiny = np.finfo(dtype).tiny
+    y = np.concatenate([np.linspace(0, 1, 400_001), np.geomspace(tiny, 1, 100_001)]).astype(dtype)
+    got, want = ref.log1p01(y), np.log1p(y.astype(np.float64))
+    err = np.abs(got - want) / np.spacing(want.astype(dtype))
+    assert err.max() <= 3, (y[err.argmax()], err.max())
+    assert ref.log1p01(np.array([0, 1], dtype)).tolist() == [0, np.log1p(dtype(1))]
+
+
+@pytest.mark.parametrize("dtype, under", [(np.float32, -87.0), (np.float64, -708.0)])
+def test_softplus_is_within_four_ulps_and_keeps_the_rule_above_20(dtype, under):
+    x = np.concatenate([np.linspace(under, 20, 400_001), np.geomspace(1e-30, 1, 10_001),
+                        -np.geomspace(1e-30, 1, 10_001)]).astype(dtype)
+    got, want = ref.softplus(x), np.logaddexp(0, x.astype(np.float64))
+    err = np.abs(got - want) / np.spacing(want.astype(dtype))
+    assert err.max() <= 4, (x[err.argmax()], err.max())
+    big = np.array([20.5, 1e3, np.inf], dtype)
+    np.testing.assert_array_equal(ref.softplus(big), big)  # Ops.softplus: x above 20
+    assert ref.softplus(np.array([under - 1, -np.inf], dtype)).tolist() == [0, 0]  # exp_neg's 0
 
 
 def _states(slots: int, dtype) -> RecurrentStates:
@@ -141,7 +171,7 @@ def barrier_problems(src: str) -> list[str]:
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("shape", [{"key_dim": 16}, {"key_dim": 24}, {"key_dim": 128},
-                                   {"conv_kernel": 4}])
+                                   {"conv_kernel": 4}, {"gates": True}])
 def test_every_thread_of_a_block_reaches_every_barrier(dtype, shape):
     src = source(dtype, **shape)
     assert barrier_problems(src) == [], src
