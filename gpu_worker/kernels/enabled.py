@@ -9,6 +9,8 @@ development and their GPU tests: a comma list of names, ``all`` or ``none``.
 * ``paged_attention``: one launch per layer for segments of <= 16 rows (model/attention.py)
 * ``gdn``: the conv + delta-rule kernels of gpu_worker/kernels/gdn_recurrent.py (model/gdn.py)
 * ``fused_norm``: RMSNorm in one launch, gpu_worker/kernels/fused_norm.py (model/ops.py)
+* ``fused_silu``: SwiGLU's silu(gate) * up in one launch, gpu_worker/kernels/fused_silu.py
+  (model/ops.py, the shared expert and dense MLP of model/moe.py)
 
 The merged expert kernels and the sampler passed on the H200 and are not switched here.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-KERNELS = ("rowtile", "paged_attention", "gdn", "fused_norm")
+KERNELS = ("rowtile", "paged_attention", "gdn", "fused_norm", "fused_silu")
 DEFAULT: frozenset[str] = frozenset()  # none of them has passed on a GPU yet
 ENV = "TANDEM_GPU_KERNELS"
 

@@ -42,7 +42,7 @@ def route(ops: Ops, cfg: ModelConfig, w_gate: Array, x: Array,
 
 def swiglu(ops: Ops, x: Array, gate: Array, up: Array, down: Array) -> Array:
     """down(silu(gate x) * up x): x [n, H] -> [n, H]."""
-    return ops.linear(ops.silu(ops.linear(x, gate)) * ops.linear(x, up), down)
+    return ops.linear(ops.silu_mul(ops.linear(x, gate), ops.linear(x, up)), down)
 
 
 def expert_stacks(mlp: dict[str, Array]) -> tuple[Array, Array, Array]:

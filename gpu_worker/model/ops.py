@@ -9,6 +9,7 @@ import numpy as np
 from gpu_worker.kernels.bf16 import BF16, BITS, to_bf16, widen
 from gpu_worker.kernels.enabled import enabled
 from gpu_worker.kernels.fused_norm import rms_norm_rows
+from gpu_worker.kernels.fused_silu import silu_mul
 from gpu_worker.kernels.rowtile import linear_rows
 
 Array = Any  # numpy.ndarray or cupy.ndarray
@@ -100,6 +101,14 @@ class Ops:
 
     def silu(self, x: Array) -> Array:
         return x * self.sigmoid(x)
+
+    def silu_mul(self, gate: Array, up: Array) -> Array:
+        """``silu(gate) * up`` (SwiGLU's activation), same shapes. CuPy float32 with
+        ``fused_silu`` on: one launch (gpu_worker/kernels/fused_silu.py, its own exp)."""
+        if (self.xp is not np and self.dtype == np.float32 and gate.dtype == np.float32
+                and up.dtype == np.float32 and enabled("fused_silu")):
+            return silu_mul(gate, up)
+        return self.silu(gate) * up
 
     def sigmoid(self, x: Array) -> Array:
         xp = self.xp

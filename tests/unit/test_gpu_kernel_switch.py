@@ -29,3 +29,10 @@ def test_fused_norm_is_switched_and_off_by_default(monkeypatch):
 def test_an_unknown_name_is_refused():
     with pytest.raises(KeyError, match="unknown GPU kernel"):
         enabled("flash")
+
+
+def test_fused_silu_is_switched_and_off_by_default(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    assert "fused_silu" in KERNELS and not enabled("fused_silu")
+    monkeypatch.setenv(ENV, "fused_silu")
+    assert enabled("fused_silu") and not enabled("fused_norm")

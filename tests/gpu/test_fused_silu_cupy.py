@@ -1,0 +1,122 @@
+"""The fused SwiGLU activation (gpu_worker/kernels/fused_silu.py) on the device: bits equal to
+its NumPy formula over ordinary, signed-zero, huge, subnormal and exp-cut-off values and
+shapes with partial blocks, NaN/inf where the formula has them, within a float64 bound of
+silu(g) * u, and Ops.silu_mul taking it. A failure says in one line what differs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_worker.kernels.fused_silu import THREADS, silu_mul, silu_mul_reference
+from gpu_worker.model.ops import Ops
+
+cupy = pytest.importorskip("cupy")
+
+SHAPES = ((1,), (THREADS - 1,), (THREADS + 1,), (3, 5), (7, 1000), (2, 3, 129))
+
+
+@pytest.fixture(autouse=True)
+def _kernels_on(monkeypatch):
+    """The model takes the kernels under test (gpu_worker/kernels/enabled.py)."""
+    monkeypatch.setenv("TANDEM_GPU_KERNELS", "all")
+
+
+def _same(got, want, what: str) -> None:
+    """Equal bits, or one line: count, first index with both values and their bits."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    if got.tobytes() == want.tobytes():
+        return
+    diff = got.view(np.uint32) != want.view(np.uint32)
+    at = np.argwhere(diff)
+    first = tuple(int(i) for i in at[0])
+    g, w = got[first], want[first]
+    raise AssertionError(
+        f"{what}: {int(diff.sum())} of {diff.size} differ; first {first}: got {g!r} "
+        f"0x{int(g.view(np.uint32)):08x}, want {w!r} 0x{int(w.view(np.uint32)):08x}")
+
+
+def _specials() -> np.ndarray:
+    """Finite gate values where an exp, a sign split or a flush could go wrong."""
+    cut = [-87.0, np.nextafter(np.float32(-87), np.float32(0)),
+           np.nextafter(np.float32(-87), np.float32(-100)), -86.5, -88.0, -100.0]
+    v = [0.0, -0.0, 1e-45, -1e-45, 1e-40, -3e-40, 1.1754942e-38, -1.1754942e-38, 1e-30,
+         -1e-30, 0.5, -0.5, 0.34657359, -0.34657359, 1.0, -1.0, 20.0, -20.0, 3e38, -3e38,
+         1e30, -1e30, 1e5, -1e5] + cut + [-c for c in cut]
+    return np.array(v, np.float32)
+
+
+def _gate_up(rng, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    g = (rng.standard_normal(shape) * 4).astype(np.float32)
+    u = rng.standard_normal(shape).astype(np.float32)
+    flat_g, flat_u = g.reshape(-1), u.reshape(-1)
+    sp = _specials()
+    m = min(flat_g.size, sp.size)
+    flat_g[:m] = sp[:m]
+    flat_u[: min(flat_u.size, 4)] = [1e-40, -1e-38, 2.0, -0.0][: min(flat_u.size, 4)]
+    return g, u
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_bits_equal_the_numpy_formula(shape):
+    rng = np.random.default_rng(sum(shape))
+    g, u = _gate_up(rng, shape)
+    got = cupy.asnumpy(silu_mul(cupy.asarray(g), cupy.asarray(u)))
+    _same(got, silu_mul_reference(g, u), f"shape {shape}")
+
+
+def test_every_special_value_against_many_ups_and_the_float64_bound():
+    """Each special gate with ordinary, subnormal and signed-zero ups; then the result
+    within a few ulp of the float64 silu(g) * u (the exp is ~1 ulp, then 3 roundings)."""
+    sp = _specials()
+    ups = np.array([1.0, -1.0, 0.0, -0.0, 1e-40, -2.5, 1e-20, 7.0], np.float32)
+    g = np.repeat(sp, ups.size)
+    u = np.tile(ups, sp.size)
+    got = cupy.asnumpy(silu_mul(cupy.asarray(g), cupy.asarray(u)))
+    _same(got, silu_mul_reference(g, u), "special gates x ups")
+    g64 = g.astype(np.float64)
+    with np.errstate(over="ignore"):
+        exact = g64 / (1.0 + np.exp(-g64)) * u
+    # away from the subnormal range, float32 overflow and exp_neg's cut-off (0 below -87)
+    ok = (np.abs(exact) > 1e-36) & (np.abs(exact) < np.finfo(np.float32).max) & (g >= -87)
+    err = np.abs(got[ok] - exact[ok]) / np.abs(exact[ok])
+    assert (err <= 8 * 2.0 ** -24).all(), (
+        f"relative error {err.max():.3g} at gate {g[ok][np.argmax(err)]!r}, "
+        f"up {u[ok][np.argmax(err)]!r}")
+
+
+def test_inf_and_nan_where_the_formula_has_them():
+    """NaN payloads differ between CPU and GPU: compare NaN positions, other bits exactly."""
+    g = np.array([np.inf, -np.inf, np.nan, 1.0, 3e38, -3e38], np.float32)
+    u = np.array([2.0, 2.0, 1.0, np.inf, 10.0, 10.0], np.float32)
+    got = cupy.asnumpy(silu_mul(cupy.asarray(g), cupy.asarray(u)))
+    want = silu_mul_reference(g, u)
+    assert (np.isnan(got) == np.isnan(want)).all(), (got, want)
+    keep = ~np.isnan(want)
+    _same(got[keep], want[keep], "inf / overflow")
+
+
+def test_views_empty_and_errors():
+    rng = np.random.default_rng(3)
+    g, u = _gate_up(rng, (6, 40))
+    gg, ug = cupy.asarray(g), cupy.asarray(u)
+    _same(cupy.asnumpy(silu_mul(gg[:, ::2], ug[:, 1::2])),
+          silu_mul_reference(g[:, ::2], u[:, 1::2]), "strided views")
+    assert silu_mul(gg[:0], ug[:0]).shape == (0, 40)
+    with pytest.raises(ValueError, match="differ"):
+        silu_mul(gg, ug[:3])
+    with pytest.raises(TypeError, match="float32"):
+        silu_mul(gg.astype(np.float64), ug)
+
+
+def test_ops_silu_mul_takes_the_kernel(monkeypatch):
+    """On: the kernel's bits (its exp, not CuPy's); off: the fallback silu(g) * u."""
+    rng = np.random.default_rng(9)
+    g, u = _gate_up(rng, (5, 300))
+    ops = Ops(cupy, np.float32)
+    gg, ug = cupy.asarray(g), cupy.asarray(u)
+    _same(cupy.asnumpy(ops.silu_mul(gg, ug)), silu_mul_reference(g, u), "Ops.silu_mul")
+    monkeypatch.setenv("TANDEM_GPU_KERNELS", "none")
+    _same(cupy.asnumpy(ops.silu_mul(gg, ug)), cupy.asnumpy(ops.silu(gg) * ug),
+          "Ops.silu_mul, switch off")
