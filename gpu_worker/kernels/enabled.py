@@ -17,6 +17,7 @@ The merged expert kernels and the sampler passed on the H200 and are not switche
 
 from __future__ import annotations
 
+import functools
 import os
 
 KERNELS = ("rowtile", "paged_attention", "gdn", "fused_norm", "fused_silu")
@@ -25,11 +26,17 @@ ENV = "TANDEM_GPU_KERNELS"
 
 
 def enabled(name: str) -> bool:
-    """Whether the model takes kernel ``name`` (one of :data:`KERNELS`)."""
+    """Whether the model takes kernel ``name`` (one of :data:`KERNELS`). Called per product
+    and layer, so the variable's value is parsed once per distinct value."""
     if name not in KERNELS:
         raise KeyError(f"unknown GPU kernel {name!r} (have {', '.join(KERNELS)})")
-    raw = os.environ.get(ENV)
+    return name in _chosen(os.environ.get(ENV))
+
+
+@functools.lru_cache(maxsize=8)
+def _chosen(raw: str | None) -> frozenset[str]:
+    """The kernels a value of :data:`ENV` turns on (None: :data:`DEFAULT`)."""
     if raw is None:
-        return name in DEFAULT
+        return DEFAULT
     names = {n.strip() for n in raw.split(",") if n.strip()}
-    return "all" in names or name in names
+    return frozenset(KERNELS) if "all" in names else frozenset(names)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from scripts.cuda_emu.audit import active
-from scripts.cuda_emu.module import RawModule
+from scripts.cuda_emu.module import RawModule, Unsupported
 
 _C_TYPES = {"bool": "bool", "int8": "signed char", "uint8": "unsigned char", "int16": "short",
             "uint16": "unsigned short", "int32": "int", "uint32": "unsigned int",
@@ -22,7 +22,7 @@ def _params(spec: str) -> list[tuple[str, str]]:
     for p in filter(None, (s.strip() for s in spec.split(","))):
         words = p.split()
         if len(words) != 2 or words[0] == "raw":
-            raise NotImplementedError(f"ElementwiseKernel parameter {p!r} (emulator: 'type name')")
+            raise Unsupported(f"ElementwiseKernel parameter {p!r}: only 'type name' ones")
         out.append((words[0], words[1]))
     return out
 

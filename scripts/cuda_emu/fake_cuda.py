@@ -8,6 +8,7 @@ import time
 import types
 
 from scripts.cuda_emu.audit import active
+from scripts.cuda_emu.module import Unsupported
 
 
 def _synchronize(what: str):
@@ -117,7 +118,7 @@ runtime = types.SimpleNamespace(
 
 
 def _no_driver(*args, **kwargs):
-    raise NotImplementedError("the CUDA emulator has no driver API (cuLaunchKernel)")
+    raise Unsupported("the CUDA emulator has no driver API (cuLaunchKernel)")
 
 
 cuda = types.SimpleNamespace(

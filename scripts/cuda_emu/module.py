@@ -45,6 +45,11 @@ class KernelFault(EmuError):
     """The kernel did something the device would not allow (misaligned load, bad mask)."""
 
 
+class Unsupported(EmuError):
+    """A CUDA feature the emulator does not model (listed in docs/gpu_step.md): the driver
+    API, raw ElementwiseKernel parameters. Tests that need one are skipped (plugin.SKIP)."""
+
+
 class LaunchTimeout(EmuError):
     """A launch ran longer than CUDA_EMU_TIMEOUT seconds (a spin that never ends?)."""
 

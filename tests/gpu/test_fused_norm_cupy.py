@@ -10,6 +10,7 @@ import pytest
 
 from gpu_worker.kernels.fused_norm import rms_norm_reference, rms_norm_rows
 from gpu_worker.model.ops import Ops
+from tests.gpu.bits import assert_same_bits as _same
 
 cupy = pytest.importorskip("cupy")
 
@@ -32,21 +33,6 @@ def _x(rng, r: int, h: int) -> np.ndarray:
     return x
 
 
-def _same(got, want, what: str) -> None:
-    """Equal bits, or one line: count, rows, first index with both values and their bits."""
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert got.shape == want.shape, (what, got.shape, want.shape)
-    if got.tobytes() == want.tobytes():
-        return
-    diff = got.view(np.uint32) != want.view(np.uint32)
-    at = np.argwhere(diff)
-    first = tuple(int(i) for i in at[0])
-    g, w = got[first], want[first]
-    rel = np.abs(got.astype(np.float64) - want)[diff] / np.maximum(np.abs(want[diff]), 1e-45)
-    raise AssertionError(
-        f"{what}: {int(diff.sum())} of {diff.size} differ (rows {np.unique(at[:, 0])[:8].tolist()}"
-        f"); first {first}: got {g!r} 0x{int(g.view(np.uint32)):08x}, want {w!r} "
-        f"0x{int(w.view(np.uint32)):08x}; max relative difference {float(rel.max()):.3g}")
 
 
 def _weights(rng, h: int) -> np.ndarray:

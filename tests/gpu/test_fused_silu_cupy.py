@@ -10,6 +10,7 @@ import pytest
 
 from gpu_worker.kernels.fused_silu import THREADS, silu_mul, silu_mul_reference
 from gpu_worker.model.ops import Ops
+from tests.gpu.bits import assert_same_bits as _same
 
 cupy = pytest.importorskip("cupy")
 
@@ -22,19 +23,6 @@ def _kernels_on(monkeypatch):
     monkeypatch.setenv("TANDEM_GPU_KERNELS", "all")
 
 
-def _same(got, want, what: str) -> None:
-    """Equal bits, or one line: count, first index with both values and their bits."""
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert got.shape == want.shape, (what, got.shape, want.shape)
-    if got.tobytes() == want.tobytes():
-        return
-    diff = got.view(np.uint32) != want.view(np.uint32)
-    at = np.argwhere(diff)
-    first = tuple(int(i) for i in at[0])
-    g, w = got[first], want[first]
-    raise AssertionError(
-        f"{what}: {int(diff.sum())} of {diff.size} differ; first {first}: got {g!r} "
-        f"0x{int(g.view(np.uint32)):08x}, want {w!r} 0x{int(w.view(np.uint32)):08x}")
 
 
 def _specials() -> np.ndarray:

@@ -16,6 +16,7 @@ from gpu_worker.kernels.bf16 import BF16
 from gpu_worker.kernels.rowtile import linear_rows
 from gpu_worker.kernels.rowtile_ref import error_bound, linear_rows_reference, weights_f32
 from gpu_worker.model.ops import Ops
+from tests.gpu.bits import assert_same_bits as _same
 
 cupy = pytest.importorskip("cupy")
 
@@ -45,28 +46,8 @@ def _x(rng, r: int, k: int) -> np.ndarray:
     return x
 
 
-def _ulps(a: np.ndarray) -> np.ndarray:
-    """float32 bits as integers ordered like the values (distance in ulps by subtraction)."""
-    i = a.view(np.int32).astype(np.int64)
-    return np.where(i < 0, -(i & 0x7FFFFFFF), i)
 
 
-def _same(got, want, what: str) -> None:
-    """Equal bits, or one line: count, rows and columns, first index (both values, bits)."""
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert got.shape == want.shape, (what, got.shape, want.shape)
-    if got.tobytes() == want.tobytes():
-        return
-    diff = got.view(np.uint32) != want.view(np.uint32)
-    at = np.argwhere(diff)
-    first = tuple(int(i) for i in at[0])
-    g, w = got[first], want[first]
-    where = ", ".join(f"axis {a}: {np.unique(at[:, a])[:8].tolist()}" for a in range(at.shape[1]))
-    ulp = np.abs(_ulps(got) - _ulps(want))[diff]
-    raise AssertionError(
-        f"{what}: {int(diff.sum())} of {diff.size} differ ({where}); first {first}: got "
-        f"{g!r} 0x{int(g.view(np.uint32)):08x}, want {w!r} 0x{int(w.view(np.uint32)):08x}; "
-        f"ulps max {int(ulp.max())} median {float(np.median(ulp))}")
 
 
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "f32"])
