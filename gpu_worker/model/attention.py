@@ -87,6 +87,7 @@ class _StepMeta:
     write: Array  # int32 [3, R]: batch row, slot, position of every row
     paged: Array  # int32 [3, n]: the same for the rows of the paged-attention launch
     long: tuple[Segment, ...]  # segments of more than PAGED_MAX_ROWS rows
+    max_position: int  # the batch's last position: sizes the partitioned launch
 
 
 def _step_meta(xp, kv: KVCache, batch: RaggedBatch) -> _StepMeta:
@@ -102,7 +103,8 @@ def _step_meta(xp, kv: KVCache, batch: RaggedBatch) -> _StepMeta:
     dev = xp.asarray(np.concatenate([rows.ravel(), rows[:, short].ravel()]))  # one upload
     long = tuple(s for s in batch.segments if s.num > PAGED_MAX_ROWS)
     kv.paged_meta = _StepMeta(batch, kv.version, dev[:3 * R].reshape(3, R),
-                              dev[3 * R:].reshape(3, -1), long)
+                              dev[3 * R:].reshape(3, -1), long,
+                              int(batch.positions.max(initial=0)))
     return kv.paged_meta
 
 
@@ -117,7 +119,7 @@ def _paged(ops: Ops, q: Array, k: Array, v: Array, batch: RaggedBatch, kv: KVCac
     paged.write_kv(kv, layer, k, v, meta.write, tables)
     out = xp.empty(q.shape, dtype=ops.dtype)
     paged.paged_attention(q, kv, layer, meta.paged, tables, out, scale,
-                          max_position=int(batch.positions.max(initial=0)))
+                          max_position=meta.max_position)
     for seg in meta.long:
         out[seg.rows] = _segment(ops, q[seg.rows], kv, layer, seg, scale)
     return out
