@@ -65,6 +65,7 @@ class ModelSection:
     aliases: tuple[str, ...] = ()  # other names accepted in requests' "model"
     dtype: str = ""  # "" -> bfloat16 on the cupy backend, else float32
     backend: str = "numpy"
+    cuda_graphs: bool = False  # cupy: decode/verify passes replayed as CUDA graphs
 
     def __post_init__(self) -> None:
         if self.dtype == "":
@@ -77,6 +78,7 @@ class ModelSection:
         check_strs("model.aliases", self.aliases)
         check_str("model.dtype", self.dtype, DTYPES)
         check_str("model.backend", self.backend, BACKENDS)
+        check_bool("model.cuda_graphs", self.cuda_graphs)
 
     @property
     def served_name(self) -> str:

@@ -49,7 +49,8 @@ def worker_config(config: Config) -> WorkerConfig:
                         slot_routing=config.speculation.mode != "off"
                         and config.speculation.draft_budget == "adaptive",
                         draft_overlap=config.speculation.mode != "off"
-                        and config.speculation.draft_overlap)
+                        and config.speculation.draft_overlap,
+                        cuda_graphs=config.model.cuda_graphs)
 
 
 def serve(config: Config) -> int:

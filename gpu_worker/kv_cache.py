@@ -172,12 +172,13 @@ class KVCache:
         for bi in range(start // self.block_size, (start + n - 1) // self.block_size + 1):
             self._own_block(slot, bi)
 
-    def device_tables(self):
+    def device_tables(self, min_rows: int = 0):
         """Every slot's block table as one int32 array [rows > max slot id, num_blocks] on the
         backend (row = slot id; entries past a table's length are stale, never read). Rows are
-        uploaded only for slots whose table changed since the last call."""
+        uploaded only for slots whose table changed since the last call. ``min_rows``: at
+        least that many rows (a CUDA graph needs the array to keep its address)."""
         xp, dev = self.xp, self._device_tables
-        rows = max(self.tables, default=-1) + 1
+        rows = max(max(self.tables, default=-1) + 1, min_rows)
         if dev is None or dev.shape[0] < rows:
             grown = xp.zeros((max(rows, 4), self.num_blocks), dtype=xp.int32)
             if dev is not None:

@@ -24,6 +24,8 @@ from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.model import Caches, Model
 from gpu_worker.mtp_drafter import MtpDrafter, run_all
 from gpu_worker.routed_experts import RoutedExperts
+from gpu_worker.step_graph import StepGraphs, graphs_status
+from gpu_worker.step_graph import takes as graph_takes
 from gpu_worker.verify import sample_and_match_all
 from protocol.messages import (
     Phase,
@@ -44,12 +46,13 @@ class Runner:
     ``experts``: the routed experts that are not all on the backend (None: all are);
     ``slot_routing``: report each decode slot's CPU experts (SlotResult.cpu_experts);
     ``draft_overlap``: run a pass's MTP drafter under the next pass's CPU experts where it
-    can (``overlap_reason`` says whether and why, draft_overlap.py)."""
+    can (``overlap_reason`` says whether and why, draft_overlap.py); ``cuda_graphs``: decode
+    and verify passes through CUDA graphs where they can (``graphs_reason``, step_graph.py)."""
 
     def __init__(self, model: Model, *, max_slots: int, max_context: int, block_size: int = 16,
                  extra_blocks: int = 0, kv_int8: bool = False,
                  experts: RoutedExperts | None = None, slot_routing: bool = False,
-                 draft_overlap: bool = False) -> None:
+                 draft_overlap: bool = False, cuda_graphs: bool = False) -> None:
         self.model = model
         self.slot_routing = slot_routing and experts is not None
         self.max_slots = max_slots
@@ -63,6 +66,11 @@ class Runner:
         self.num_passes = 0  # forward passes run so far (tests count them)
         active, self.overlap_reason = overlap_status(draft_overlap, model, experts)
         self.overlap = DraftOverlap(experts, model.xp) if active else None
+        active, self.graphs_reason = graphs_status(cuda_graphs, model, experts)
+        if active and self.overlap is not None:
+            active, self.graphs_reason = False, "draft overlap keeps the passes eager"
+        self.graphs = (StepGraphs(model, self.caches, max_slots=max_slots,
+                                  max_context=max_context) if active else None)
 
     @property
     def caches(self) -> Caches:
@@ -104,6 +112,8 @@ class Runner:
             draft_ms, draft_counts = self.overlap.take_stats()
             timings.update(draft_ms)
             counters.update(draft_counts)
+        if self.graphs is not None:
+            counters.update(self.graphs.take_counts())
         if self.experts is not None:
             stats = self.experts.take_stats()
             timings["cpu_experts"] = stats.pop("cpu_experts_ms")
@@ -177,9 +187,15 @@ class Runner:
         results, committed = [], {}
         self.num_passes += 1
         with verifying:
-            out = (forward() if self.experts is None else self.experts.run_step(forward)
-                   if self.overlap is None else self.overlap.run_pass(forward))
-            picks = sample_and_match_all(work, out.logits, first)
+            ran = None
+            if self.graphs is not None and self.experts is None and graph_takes(work, batch):
+                ran = self.graphs.run(work, batch, np.asarray(rows, dtype=np.int64), first)
+            if ran is not None:
+                out, picks = ran
+            else:
+                out = (forward() if self.experts is None else self.experts.run_step(forward)
+                       if self.overlap is None else self.overlap.run_pass(forward))
+                picks = sample_and_match_all(work, out.logits, first)
             for w, (tokens, accepted) in zip(work, picks, strict=True):
                 committed[w.slot] = (w.num_tokens + accepted, tokens)
                 self.lengths[w.slot] = w.start_pos + w.num_tokens + accepted

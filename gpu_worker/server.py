@@ -94,9 +94,11 @@ def build_runner(cfg: WorkerConfig) -> tuple[Runner, object, ModelInfo]:
                     block_size=cfg.block_size, extra_blocks=extra_blocks,
                     kv_int8=cfg.kv_cache_dtype == "int8",
                     experts=pool if pool else None, slot_routing=cfg.slot_routing,
-                    draft_overlap=cfg.draft_overlap)
+                    draft_overlap=cfg.draft_overlap, cuda_graphs=cfg.cuda_graphs)
     _log("draft overlap", enabled=cfg.draft_overlap, active=runner.overlap is not None,
          reason=runner.overlap_reason)
+    _log("cuda graphs", enabled=cfg.cuda_graphs, active=runner.graphs is not None,
+         reason=runner.graphs_reason)
     kv, states = runner.caches.kv, runner.caches.states
     layout = KvLayout(block_size=kv.block_size, block_bytes=kv.nbytes // max(kv.num_blocks, 1),
                       num_blocks=kv.num_blocks, prefix_blocks=extra_blocks,

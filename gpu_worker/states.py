@@ -58,6 +58,12 @@ class RecurrentStates:
         also allocates ``track_conv`` / ``track_rec`` for the tracked segments' rows."""
         if self._table is not None and self._table[0] is segments:
             return self._table[1]
+        return self.install_table(segments, self.xp.asarray(self.table_host(segments)))
+
+    def table_host(self, segments: Sequence, buffers: tuple | None = None) -> np.ndarray:
+        """The host side of :meth:`segment_table`: the table as a NumPy array; in a verifying
+        forward also the per-row buffers, allocated, or ``buffers`` (track_conv, track_rec)
+        reused where they have the rows (a CUDA graph keeps the ones it was captured with)."""
         rows, total = {}, 0
         for seg in segments:
             if seg.slot in self._tracked:
@@ -66,13 +72,19 @@ class RecurrentStates:
         if rows:
             xp, L = self.xp, self.num_layers
             self._rows = rows
-            self.track_conv = xp.empty((L, total, self.conv_kernel - 1, self.conv_dim),
-                                       self.dtype)
-            self.track_rec = xp.empty((L, total, self.value_heads, self.key_dim,
-                                       self.value_dim), self.dtype)
-        host = np.array([(s.slot, s.row0, s.num, rows.get(s.slot, (-1, 0))[0])
+            if buffers is not None and buffers[0] is not None and buffers[0].shape[1] == total:
+                self.track_conv, self.track_rec = buffers
+            else:
+                self.track_conv = xp.empty((L, total, self.conv_kernel - 1, self.conv_dim),
+                                           self.dtype)
+                self.track_rec = xp.empty((L, total, self.value_heads, self.key_dim,
+                                           self.value_dim), self.dtype)
+        return np.array([(s.slot, s.row0, s.num, rows.get(s.slot, (-1, 0))[0])
                          for s in segments], dtype=np.int32).reshape(-1, 4)
-        table = self.xp.asarray(host)
+
+    def install_table(self, segments: Sequence, table: object) -> object:
+        """Make ``table`` (:meth:`table_host` on the backend) the one every layer of the
+        forward over ``segments`` reads."""
         self._table = (segments, table)
         return table
 

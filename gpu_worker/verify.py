@@ -43,20 +43,40 @@ def sample_and_match_all(work: list[SlotWork], logits, first: dict[int, int]
     if isinstance(logits, np.ndarray) or logits.shape[1] > sampler.MAX_VOCAB:
         host = logits if isinstance(logits, np.ndarray) else logits.get()
         return [sample_and_match(w, host, first.get(w.slot)) for w in work]
+    n = logits.shape[0]
+    host = sampling_inputs(work, n, first)
     sampled = [w for w in work if w.slot in first]
-    params = [SamplingParams(temperature=0)] * logits.shape[0]  # rows of no slot: unused
-    positions = [0] * logits.shape[0]
+    out = sampler.sample_and_match_rows(logits, host["fp"], host["ip"],
+                                        [first[w.slot] for w in sampled],
+                                        [w.draft_ids for w in sampled])
+    return picks(work, first, out.get(), n)
+
+
+def sampling_inputs(work: list[SlotWork], n: int, first: dict[int, int]
+                    ) -> dict[str, np.ndarray]:
+    """The device sampler's host arrays for ``n`` logits rows: packed per-row parameters
+    ``fp``/``ip`` (gpu_worker/kernels/sampler.py ``pack_rows``) and the draft matching's
+    arrays (``match_inputs``) of the slots in ``first``, in ``work`` order."""
+    sampled = [w for w in work if w.slot in first]
+    params = [SamplingParams(temperature=0)] * n  # rows of no slot: unused
+    positions = [0] * n
     for w in sampled:
         pos = w.start_pos + w.num_tokens
         for j in range(len(w.draft_ids) + 1):
             params[first[w.slot] + j], positions[first[w.slot] + j] = w.sampling, pos + j
     fp, ip = sampler.params_rows(params, positions)
-    out = sampler.sample_and_match_rows(logits, fp, ip, [first[w.slot] for w in sampled],
-                                        [w.draft_ids for w in sampled]).get()
-    n = logits.shape[0]
-    picks = {}
+    return {"fp": fp, "ip": ip, **sampler.match_inputs([first[w.slot] for w in sampled],
+                                                       [w.draft_ids for w in sampled])}
+
+
+def picks(work: list[SlotWork], first: dict[int, int], out: np.ndarray, n: int
+          ) -> list[tuple[list[int], int]]:
+    """Each slot's (tokens, accepted drafts) from the sampler's int32 output [n + S]: n
+    sampled tokens, then the accepted count of each slot in ``first`` (``work`` order)."""
+    sampled = [w for w in work if w.slot in first]
+    chosen = {}
     for s, w in enumerate(sampled):
         accepted = int(out[n + s])
         row = first[w.slot]
-        picks[w.slot] = ([int(t) for t in out[row:row + accepted + 1]], accepted)
-    return [picks.get(w.slot, ([], 0)) for w in work]
+        chosen[w.slot] = ([int(t) for t in out[row:row + accepted + 1]], accepted)
+    return [chosen.get(w.slot, ([], 0)) for w in work]

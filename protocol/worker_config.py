@@ -73,6 +73,7 @@ class WorkerConfig:
     max_drafts: int = 0  # draft tokens per slot and step (0: speculation off)
     slot_routing: bool = False  # SlotResult.cpu_experts per decode slot (adaptive drafts)
     draft_overlap: bool = False  # a pass's MTP drafter under the next pass's CPU experts
+    cuda_graphs: bool = False  # decode/verify passes as CUDA graphs where they can be
     heartbeat_s: float = HEARTBEAT_S  # a Heartbeat this often while idle
 
     def __post_init__(self) -> None:
@@ -91,7 +92,7 @@ class WorkerConfig:
                          ("prefix_cache_max_mb", 0), ("cpu_experts_per_layer", 0),
                          ("cpu_workers", 0), ("prefill_chunk", 1), ("max_drafts", 0)):
             _count(name, getattr(self, name), lo)
-        for name in ("prefix_cache", "slot_routing", "draft_overlap"):
+        for name in ("prefix_cache", "slot_routing", "draft_overlap", "cuda_graphs"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not all(isinstance(g, tuple) and g and all(type(c) is int and c >= 0 for c in g)

@@ -103,7 +103,7 @@ def worker_config(args: argparse.Namespace, spec: str) -> WorkerConfig:
         placement="split", cpu_experts_per_layer=args.cpu_experts_per_layer,
         cpu_workers=args.cpu_workers, cpu_format=args.cpu_format,
         gpu_memory_gb=args.gpu_budget, prefill_chunk=512,
-        max_drafts=max(4, max(r for _, r in args.layouts) - 1))
+        max_drafts=max(4, max(r for _, r in args.layouts) - 1), cuda_graphs=args.graphs)
 
 
 class Bench:
@@ -195,13 +195,19 @@ class Bench:
         model, mark = self.model, {}
         inner = model.forward
 
-        def forward(*a: Any, **k: Any) -> Any:
-            out = inner(*a, **k)
+        def launched() -> None:
             mark["t"] = time.perf_counter()
             mark["pending"] = mark.get("event") is not None and not mark["event"].done
+
+        def forward(*a: Any, **k: Any) -> Any:
+            out = inner(*a, **k)
+            launched()
             return out
 
         model.forward = forward  # the runner calls self.model.forward
+        graphs = self.runner.graphs  # a replayed pass ends its launches at the graph's launch
+        if graphs is not None:
+            graphs.on_launch = launched
         try:
             spun = self._host_runs(work, runs, spin_ms, mark) if self.cupy else None
             if spun is not None and all(p for _, p in spun):
@@ -210,6 +216,8 @@ class Bench:
             return statistics.median(t for t, _ in plain), not self.cupy
         finally:
             del model.forward
+            if graphs is not None:
+                graphs.on_launch = None
 
     def _host_runs(self, work: list[SlotWork], runs: int, spin_ms: float, mark: dict
                    ) -> list[tuple[float, bool]]:
@@ -295,7 +303,7 @@ def measure(bench: Bench, slots: int, rows: int, args: argparse.Namespace) -> di
         if c.get("moe_layers") else None
     return {
         "model": args.model, "gpu_budget_gb": args.gpu_budget,
-        "graphs": bool(getattr(bench.runner, "graphs_enabled", False)),
+        "graphs": bench.runner.graphs is not None,
         "slots": slots, "rows_per_slot": rows, "step_ms": step, **floor,
         "ratio": step / floor["floor_ms"], "host_ms": host, "host_exact": exact,
         "distinct_experts_gpu": sum(g for g, _ in per_layer.values()) / n,
@@ -321,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cupy, else float32")
     p.add_argument("--kv-cache-dtype", choices=("model", "int8"), default="model")
     p.add_argument("--cpu-format", choices=("int8", "int4"), default="int8")
+    p.add_argument("--graphs", action="store_true",
+                   help="decode/verify passes as CUDA graphs where the runner can (cupy)")
     p.add_argument("--cpu-experts-per-layer", type=int, default=0,
                    help="fix the split instead of letting the memory plan choose (0: plan)")
     p.add_argument("--cpu-workers", type=int, default=0, help="0: one per NUMA node")
@@ -387,8 +397,13 @@ def run(args: argparse.Namespace, cfg: WorkerConfig, dram_source: str) -> dict[s
             rec = measure(bench, slots, rows, args)
             rec.update(run=0, cpu_format=args.cpu_format, dtype=cfg.dtype,
                        backend=args.backend, experts_cpu_per_layer=max(cpu_held, default=0))
+            graphs = bench.runner.graphs
+            if graphs is not None:  # what the step's graphs did for this layout
+                rec["graph_counts"] = graphs.take_counts()
+                rec["graph_refused"] = sorted(set(graphs.refused.values()))
             result["records"].append(rec)
-            print(table([rec]).splitlines()[-1], flush=True)
+            print(table([rec]).splitlines()[-1], rec.get("graph_counts", ""),
+                  rec.get("graph_refused", ""), flush=True)
             if args.out:  # after every layout: a time limit keeps what was measured
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(merge(old, result), indent=2) + "\n")

@@ -310,6 +310,29 @@ def sample_rows(logits, temperature, top_k, top_p, min_p, seed, position):
     return launch(logits, *pack_rows(temperature, top_k, top_p, min_p, seed, position))
 
 
+def match_inputs(row0: Sequence[int], drafts: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+    """The draft matching's host arrays: int32 first rows [S], draft counts [S], offsets [S]
+    into the flat draft ids [D + 1] (one spare entry: never empty)."""
+    ndraft = np.array([len(d) for d in drafts], np.int32)
+    offset = np.concatenate([[0], np.cumsum(ndraft)[:-1]]).astype(np.int32)
+    flat = np.concatenate([np.asarray(d, np.int32).reshape(-1) for d in drafts]
+                          + [np.zeros(1, np.int32)])
+    return {"row0": np.asarray(row0, np.int32).reshape(-1), "ndraft": ndraft,
+            "offset": offset[:ndraft.size], "drafts": flat}
+
+
+def sample_and_match_device(logits, fp, ip, match: dict, out) -> None:
+    """:func:`sample_and_match_rows` over device arrays only (a CUDA graph captures it):
+    ``fp``/``ip`` the packed parameters (:func:`pack_rows`), ``match`` the arrays of
+    :func:`match_inputs`, ``out`` int32 [n + S]."""
+    n, S = logits.shape[0], match["row0"].size
+    launch(logits, fp, ip, out)
+    if S:
+        _module().get_function("match_drafts")(
+            (-(-S // 128),), (128,), (np.int32(n), np.int32(S), match["row0"],
+                                      match["ndraft"], match["offset"], match["drafts"], out))
+
+
 def sample_and_match_rows(logits, fp: np.ndarray, ip: np.ndarray, row0: Sequence[int],
                           drafts: Sequence[np.ndarray]):
     """Sample every row, then match each slot's drafts (slot s: rows ``row0[s]`` to
@@ -319,16 +342,8 @@ def sample_and_match_rows(logits, fp: np.ndarray, ip: np.ndarray, row0: Sequence
 
     n, S = logits.shape[0], len(row0)
     out = cp.empty(n + S, cp.int32)
-    launch(logits, fp, ip, out)
-    ndraft = np.array([len(d) for d in drafts], np.int32)
-    offset = np.concatenate([[0], np.cumsum(ndraft)[:-1]]).astype(np.int32)
-    flat = np.concatenate([np.asarray(d, np.int32).reshape(-1) for d in drafts]
-                          + [np.zeros(1, np.int32)])
-    if S:
-        _module().get_function("match_drafts")(
-            (-(-S // 128),), (128,), (np.int32(n), np.int32(S), cp.asarray(row0, cp.int32),
-                                      cp.asarray(ndraft), cp.asarray(offset),
-                                      cp.asarray(flat), out))
+    match = {k: cp.asarray(v) for k, v in match_inputs(row0, drafts).items()}
+    sample_and_match_device(logits, cp.asarray(fp), cp.asarray(ip), match, out)
     return out
 
 

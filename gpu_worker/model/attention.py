@@ -29,8 +29,9 @@ PAGED_MAX_ROWS = 16  # a segment of more rows (a prefill chunk) uses matrix prod
 
 def full_attention(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
                    batch: RaggedBatch, cos: Array, sin: Array,
-                   kv: KVCache, layer: int) -> Array:
-    """x [R, H] (normed) -> attention output [R, H]; writes this batch's K/V into ``kv``."""
+                   kv: KVCache, layer: int, meta: StepMeta | None = None) -> Array:
+    """x [R, H] (normed) -> attention output [R, H]; writes this batch's K/V into ``kv``.
+    ``meta``: the paged kernels' metadata when the step built it beforehand."""
     xp = ops.xp
     R, hd = x.shape[0], cfg.head_dim
     Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -55,7 +56,7 @@ def full_attention(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
             kv.write(layer, seg.slot, seg.start, k[seg.rows], v[seg.rows])
             out[seg.rows] = _segment(ops, q[seg.rows], kv, layer, seg, scale)
     else:
-        out = _paged(ops, q, k, v, batch, kv, layer, scale)
+        out = _paged(ops, q, k, v, batch, kv, layer, scale, meta)
     out = out.reshape(R, Hq * hd)
     if gate is not None:
         out = out * ops.sigmoid(gate)
@@ -78,7 +79,7 @@ def _segment(ops: Ops, q: Array, kv: KVCache, layer: int, seg: Segment, scale) -
 
 
 @dataclasses.dataclass
-class _StepMeta:
+class StepMeta:
     """A batch's device metadata for the kernels, built once per batch (every layer reuses
     it) while the cache's tables keep the version they had when it was built."""
 
@@ -87,33 +88,49 @@ class _StepMeta:
     write: Array  # int32 [3, R]: batch row, slot, position of every row
     paged: Array  # int32 [3, n]: the same for the rows of the paged-attention launch
     long: tuple[Segment, ...]  # segments of more than PAGED_MAX_ROWS rows
-    max_position: int  # the batch's last position: sizes the partitioned launch
+    max_position: int  # >= the batch's last position: sizes the partitioned launch
 
 
-def _step_meta(xp, kv: KVCache, batch: RaggedBatch) -> _StepMeta:
-    meta = kv.paged_meta
-    if meta is not None and meta.batch is batch and meta.version == kv.version:
-        return meta
-    for seg in batch.segments:  # allocate blocks, copy shared ones (copy-on-write)
+def step_meta_host(kv: KVCache, batch: RaggedBatch) -> np.ndarray:
+    """The host side of a batch's :class:`StepMeta`: allocates the segments' KV blocks and
+    copies shared ones (copy-on-write), then returns int32 [3R + 3n]: row, slot, position of
+    every row, then of the rows of the paged launch (segments of <= PAGED_MAX_ROWS rows)."""
+    for seg in batch.segments:
         kv.reserve(seg.slot, seg.start, seg.num)
     R = batch.num_rows
     slots = np.repeat([s.slot for s in batch.segments], [s.num for s in batch.segments])
     rows = np.stack([np.arange(R), slots, batch.positions]).astype(np.int32)  # [3, R]
     short = np.concatenate([np.full(s.num, s.num <= PAGED_MAX_ROWS) for s in batch.segments])
-    dev = xp.asarray(np.concatenate([rows.ravel(), rows[:, short].ravel()]))  # one upload
+    return np.concatenate([rows.ravel(), rows[:, short].ravel()])
+
+
+def step_meta(kv: KVCache, batch: RaggedBatch, dev: Array,
+              max_position: int | None = None) -> StepMeta:
+    """The :class:`StepMeta` over ``dev``, :func:`step_meta_host` on the backend.
+    ``max_position``: the batch's last position when None (a CUDA graph passes the context
+    limit: its grid must cover any step it replays; a row's bits do not depend on it)."""
+    R = batch.num_rows
     long = tuple(s for s in batch.segments if s.num > PAGED_MAX_ROWS)
-    kv.paged_meta = _StepMeta(batch, kv.version, dev[:3 * R].reshape(3, R),
-                              dev[3 * R:].reshape(3, -1), long,
-                              int(batch.positions.max(initial=0)))
+    top = int(batch.positions.max(initial=0)) if max_position is None else max_position
+    return StepMeta(batch, kv.version, dev[:3 * R].reshape(3, R), dev[3 * R:].reshape(3, -1),
+                    long, top)
+
+
+def _step_meta(xp, kv: KVCache, batch: RaggedBatch) -> StepMeta:
+    meta = kv.paged_meta
+    if meta is not None and meta.batch is batch and meta.version == kv.version:
+        return meta
+    kv.paged_meta = step_meta(kv, batch, xp.asarray(step_meta_host(kv, batch)))  # one upload
     return kv.paged_meta
 
 
 def _paged(ops: Ops, q: Array, k: Array, v: Array, batch: RaggedBatch, kv: KVCache,
-           layer: int, scale) -> Array:
+           layer: int, scale, meta: StepMeta | None) -> Array:
     """The CuPy path: one K/V write launch, one paged-attention launch, then the long
-    segments' matrix products -> [R, Hq, hd]."""
+    segments' matrix products -> [R, Hq, hd]. ``meta``: the step's (gpu_worker/
+    step_inputs.py), else built here once per batch."""
     xp = ops.xp
-    meta = _step_meta(xp, kv, batch)
+    meta = meta if meta is not None else _step_meta(xp, kv, batch)
     tables = kv.device_tables()
     q, k, v = (xp.ascontiguousarray(a) for a in (q, k, v))
     paged.write_kv(kv, layer, k, v, meta.write, tables)

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from gpu_worker.kv_cache import KVCache
-from gpu_worker.model.attention import full_attention
+from gpu_worker.model.attention import StepMeta, full_attention
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.gdn import gated_deltanet
 from gpu_worker.model.moe import dense_mlp, sparse_moe
@@ -16,6 +16,7 @@ from gpu_worker.model.ops import Array, Ops
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.routed_experts import RoutedExperts
 from gpu_worker.states import RecurrentStates
+from gpu_worker.step_inputs import StepInputs, host_inputs, step_inputs, upload
 from gpu_worker.weights.routing import RoutingModel, RowRouting
 
 
@@ -117,33 +118,39 @@ class Model:
 
     # ---- forward -----------------------------------------------------------------------
     def forward(self, batch: RaggedBatch, caches: Caches, logit_rows=None,
-                experts: RoutedExperts | None = None) -> ForwardOut:
+                experts: RoutedExperts | None = None,
+                inputs: StepInputs | None = None) -> ForwardOut:
         """Run every row of ``batch``; logits only for ``logit_rows`` (default: each
         segment's last row). ``experts``: the MoE layers' norm and routed experts (e.g. an
-        ExpertPlacement, gpu_worker/experts/placement.py); None: every expert here."""
-        cfg, ops, xp = self.cfg, self.ops, self.xp
-        x = ops.embed(self.embed, batch.tokens)  # [R, H]
-        positions = xp.asarray(batch.positions)
-        cos, sin = ops.rope_tables(positions, cfg.rotary_dim, cfg.rope_theta)  # [R, rot]
-        routing = self._routing(batch)
+        ExpertPlacement, gpu_worker/experts/placement.py); None: every expert here.
+        ``inputs``: the pass's host-built inputs already on the backend (gpu_worker/
+        step_inputs.py; a CUDA graph's static buffers); None: made and uploaded here."""
+        cfg, ops = self.cfg, self.ops
+        if inputs is None:
+            rows = batch.last_rows() if logit_rows is None else np.asarray(logit_rows)
+            host = host_inputs(self, caches, batch, rows)
+            inputs = step_inputs(self, caches, batch, upload(self.xp, host))
+        x = ops.up(self.embed[inputs.tokens])  # [R, H]
+        cos, sin = ops.rope_tables(inputs.positions, cfg.rotary_dim, cfg.rope_theta)  # [R, rot]
+        routing = inputs.routing
         for layer in self.layers:
             x = self._layer(layer, x, batch, cos, sin, caches.kv, caches.states, experts,
-                            routing)
+                            routing, inputs.meta)
         hidden = ops.rms_norm(x, self.final_norm, cfg.rms_norm_eps,
                               zero_centered=cfg.zero_centered_norms)  # [R, H]
-        rows = batch.last_rows() if logit_rows is None else np.asarray(logit_rows)
-        logits = ops.linear(hidden[xp.asarray(rows)], self.lm_head)  # [n, V]
+        logits = ops.linear(hidden[inputs.logit_rows], self.lm_head)  # [n, V]
         return ForwardOut(logits, hidden)
 
     def _layer(self, layer: _Layer, x: Array, batch: RaggedBatch, cos: Array, sin: Array,
                kv: KVCache, states: RecurrentStates | None,
-               experts: RoutedExperts | None, routing: RowRouting | None = None) -> Array:
+               experts: RoutedExperts | None, routing: RowRouting | None = None,
+               meta: StepMeta | None = None) -> Array:
         cfg, ops = self.cfg, self.ops
         zc, eps = cfg.zero_centered_norms, cfg.rms_norm_eps
         h = ops.rms_norm(x, layer.input_norm, eps, zero_centered=zc)
         if layer.full:
             x = x + full_attention(ops, cfg, layer.attn, h, batch, cos, sin, kv,
-                                   layer.cache_index)
+                                   layer.cache_index, meta)
         else:
             x = x + gated_deltanet(ops, cfg, layer.attn, h, batch, states, layer.cache_index)
         if layer.sparse and experts is not None:

@@ -8,6 +8,8 @@ from gpu_worker.model.ops import Array, Ops
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.routed_experts import Quantized, RoutedExperts
 
+MAX_EXPERTS = 4096  # gpu_worker/kernels/topk.py: the router's top-k kernel takes up to this
+
 if TYPE_CHECKING:
     from gpu_worker.weights.routing import RowRouting
 
@@ -31,6 +33,10 @@ def route(ops: Ops, cfg: ModelConfig, w_gate: Array, x: Array,
     probs = ops.softmax(ops.linear(x, w_gate), axis=-1)  # [R, E]
     if chosen is not None:
         ids = xp.asarray(chosen, dtype=xp.int64)
+    elif xp.__name__ == "cupy" and probs.dtype == xp.float32 and probs.shape[-1] <= MAX_EXPERTS:
+        from gpu_worker.kernels.topk import topk_rows  # noqa: PLC0415 (cupy)
+
+        ids = topk_rows(probs, cfg.num_experts_per_tok)  # argsort's ids, no host sync
     else:
         kwargs = {"kind": "stable"} if xp.__name__ == "numpy" else {}
         ids = xp.argsort(-probs, axis=-1, **kwargs)[:, : cfg.num_experts_per_tok]  # [R, k]

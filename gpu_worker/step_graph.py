@@ -1,0 +1,191 @@
+"""CUDA graphs of the decode and verify passes (CuPy): the forward and the device sampler of a
+pass replayed as one launch instead of thousands from Python.
+
+A graph is captured per *layout* (rows of each segment, logits rows, drafts per slot: what
+fixes every launch's shape) the second time the layout runs; the first run is eager and
+compiles whatever kernel the layout needs. What varies between steps of one layout (token
+ids, positions, slots, block tables, sampling parameters, drafts, a synthetic model's
+routing) lives in static device buffers that :mod:`gpu_worker.step_inputs` fills before each
+replay; the paged-attention grid covers the context limit, which does not change any row's
+bits (gpu_worker/model/attention.py). Everything a graph allocates comes from a memory pool of
+its own, shared by the graphs (they never run at the same time); a graph's buffers and
+outputs stay with it. Eager passes stay available: ``[model] cuda_graphs = false``.
+
+Not taken (eager, the reason logged once at start or counted per pass): CPU experts (their
+ring's sequence numbers are host scalars today), prompt rows, segments over the paged
+kernel's 16 rows, the kernels switched off, vocabularies the device sampler does not take,
+the MTP drafter's passes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import numpy as np
+
+from gpu_worker.kernels import sampler
+from gpu_worker.kernels.enabled import enabled
+from gpu_worker.model.attention import PAGED_MAX_ROWS
+from gpu_worker.model.batch import RaggedBatch
+from gpu_worker.model.model import Caches, ForwardOut, Model
+from gpu_worker.step_inputs import host_inputs, step_inputs, upload
+from gpu_worker.verify import picks, sampling_inputs
+from protocol.messages import SlotWork, WorkKind
+
+MAX_GRAPHS = 96  # layouts kept; the least recently used one goes first
+RESERVE_BYTES = 256 << 20  # taken into the graphs' pool before the first capture
+MODEL_INPUTS = ("tokens", "positions", "logit_rows", "attn", "gdn", "routing")
+
+
+def graphs_status(wanted: bool, model: Model, experts) -> tuple[bool, str]:
+    """Whether passes may take CUDA graphs, and why (logged once by the worker)."""
+    if not wanted:
+        return False, "model.cuda_graphs = false"
+    if model.xp is np:
+        return False, "the numpy backend has no CUDA graphs"
+    if model.ops.dtype != np.float32:
+        return False, f"compute dtype {model.ops.dtype} (graphs: float32 or bfloat16)"
+    off = [k for k in ("rowtile", "paged_attention", "gdn") if not enabled(k)]
+    if off:
+        return False, f"GPU kernels switched off: {', '.join(off)}"
+    if experts is not None:
+        return False, "CPU experts (their ring's sequence numbers are host scalars)"
+    if model.cfg.vocab_size > sampler.MAX_VOCAB:
+        return False, (f"vocabulary {model.cfg.vocab_size} > the device sampler's "
+                       f"{sampler.MAX_VOCAB}")
+    return True, "decode and verify passes"
+
+
+def takes(work: list[SlotWork], batch: RaggedBatch) -> bool:
+    """Whether one pass can replay a graph: decode (and verify) rows only, short segments."""
+    return all(w.kind == WorkKind.DECODE for w in work) and all(
+        s.num <= PAGED_MAX_ROWS for s in batch.segments)
+
+
+@dataclasses.dataclass
+class _Graph:
+    graph: object  # cupy.cuda.Graph
+    static: dict  # name -> device buffer the replay refills
+    out: object  # int32 [n + S]: sampled tokens, accepted drafts per sampled slot
+    logits: object
+    hidden: object
+    track: tuple  # the GDN per-row buffers (conv, rec) it writes, or (None, None)
+
+
+class StepGraphs:
+    """The graphs of one runner's caches; :meth:`run` executes a pass through one, or
+    returns None for the caller to run it eagerly."""
+
+    def __init__(self, model: Model, caches: Caches, *, max_slots: int, max_context: int,
+                 max_graphs: int = MAX_GRAPHS) -> None:
+        import cupy as cp  # noqa: PLC0415
+
+        self.cp, self.model, self.caches = cp, model, caches
+        self.max_position = max_context - 1
+        self.max_graphs = max_graphs
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.pool = cp.cuda.MemoryPool()
+        with cp.cuda.using_allocator(self.pool.malloc):
+            cp.empty(RESERVE_BYTES, cp.uint8)  # freed at once: the pool keeps it
+        caches.kv.device_tables(min_rows=max_slots)  # fixed rows: the address never moves
+        self.graphs: collections.OrderedDict[tuple, _Graph] = collections.OrderedDict()
+        self.seen: set[tuple] = set()
+        self.refused: dict[tuple, str] = {}
+        self.counts = {"graph_captures": 0, "graph_replays": 0, "graph_refused": 0}
+        self.capture_ms = 0.0
+        self.on_launch = None  # called right after each graph launch (benchmarks' host time)
+
+    def take_counts(self) -> dict[str, float]:
+        out = {**self.counts, "graph_capture_ms": self.capture_ms, "graphs": len(self.graphs)}
+        for k in self.counts:
+            self.counts[k] = 0
+        self.capture_ms = 0.0
+        return out
+
+    def run(self, work: list[SlotWork], batch: RaggedBatch, rows: np.ndarray,
+            first: dict[int, int]) -> tuple[ForwardOut, list[tuple[list[int], int]]] | None:
+        """The pass (forward, sampling, draft matching) through its layout's graph, captured
+        now if the layout ran before; None: run it eagerly (nothing was done)."""
+        key = (tuple(s.num for s in batch.segments), tuple(int(r) for r in rows),
+               tuple(len(w.draft_ids) for w in work), tuple(w.slot in first for w in work))
+        if key in self.refused:
+            return None
+        g = self.graphs.get(key)
+        if g is None and key not in self.seen:
+            self.seen.add(key)  # eager this once: compiles what the layout needs
+            return None
+        cp, model, caches = self.cp, self.model, self.caches
+        main = cp.cuda.get_current_stream()
+        host = host_inputs(model, caches, batch, rows, None if g is None else g.track)
+        host.update(sampling_inputs(work, len(rows), first))
+        caches.kv.device_tables()  # table rows that changed: before the graph reads them
+        if g is None:
+            g = self._capture(key, host, batch)
+            if g is None:  # refused: this pass eagerly, from the inputs made above
+                return self._eager(work, batch, rows, first, host)
+        else:
+            self.graphs.move_to_end(key)
+        ready = cp.cuda.Event(disable_timing=True)
+        ready.record(main)  # the main stream's work so far (cache commands, table rows)
+        self.stream.wait_event(ready)
+        upload(cp, host, g.static, stream=self.stream)
+        step_inputs(model, caches, batch, _model_part(g.static), self.max_position)
+        g.graph.launch(stream=self.stream)
+        if self.on_launch is not None:
+            self.on_launch()
+        out = g.out.get(stream=self.stream)  # waits for the graph
+        self.counts["graph_replays"] += 1
+        return ForwardOut(g.logits, g.hidden), picks(work, first, out, len(rows))
+
+    def _capture(self, key: tuple, host: dict[str, np.ndarray], batch: RaggedBatch
+                 ) -> _Graph | None:
+        cp, model, caches = self.cp, self.model, self.caches
+        t0 = time.perf_counter()
+        try:
+            with cp.cuda.using_allocator(self.pool.malloc):
+                static = {name: cp.empty(a.shape, a.dtype) for name, a in host.items()}
+                n, S = host["logit_rows"].size, host["row0"].size
+                out = cp.empty(n + S, cp.int32)
+                inputs = step_inputs(model, caches, batch, _model_part(static),
+                                     self.max_position)
+                relaxed = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", None)
+                with self.stream:
+                    if relaxed is None:
+                        self.stream.begin_capture()
+                    else:
+                        self.stream.begin_capture(mode=relaxed)
+                    try:
+                        fwd = model.forward(batch, caches, None, None, inputs=inputs)
+                        sampler.sample_and_match_device(fwd.logits, static["fp"],
+                                                        static["ip"], static, out)
+                    finally:
+                        graph = self.stream.end_capture()
+        except Exception as e:  # noqa: BLE001 -- any failure: this layout stays eager
+            self.refused[key] = f"{type(e).__name__}: {e}"
+            self.counts["graph_refused"] += 1
+            return None
+        states = caches.states
+        track = (None, None) if states is None else (states.track_conv, states.track_rec)
+        g = _Graph(graph, static, out, fwd.logits, fwd.hidden, track)
+        self.graphs[key] = g
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+        self.counts["graph_captures"] += 1
+        self.capture_ms += (time.perf_counter() - t0) * 1e3
+        return g
+
+    def _eager(self, work, batch, rows, first, host):
+        """A pass whose capture was refused, from the inputs already made for it."""
+        cp, model, caches = self.cp, self.model, self.caches
+        dev = upload(cp, host)
+        fwd = model.forward(batch, caches, None, None,
+                            inputs=step_inputs(model, caches, batch, _model_part(dev)))
+        out = cp.empty(len(rows) + dev["row0"].size, cp.int32)
+        sampler.sample_and_match_device(fwd.logits, dev["fp"], dev["ip"], dev, out)
+        return fwd, picks(work, first, out.get(), len(rows))
+
+
+def _model_part(arrays: dict) -> dict:
+    return {k: v for k, v in arrays.items() if k in MODEL_INPUTS}

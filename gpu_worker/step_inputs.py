@@ -1,0 +1,93 @@
+"""The inputs of one forward pass that the host builds: made before the pass runs, so that the
+pass itself never uploads anything (the condition for capturing it in a CUDA graph,
+gpu_worker/step_graph.py; docs/gpu_step.md "What stands between the step and a CUDA graph").
+
+:func:`host_inputs` computes them as NumPy arrays (and does the host work that goes with them:
+KV blocks reserved and copied on write, the GDN per-row buffers allocated); :func:`upload`
+puts them on the backend, fresh or into the static buffers of a graph; :func:`step_inputs`
+wraps the device arrays for ``Model.forward``. Eager and graph passes run the same three.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from gpu_worker.kernels.enabled import enabled
+from gpu_worker.model.attention import StepMeta, step_meta, step_meta_host
+from gpu_worker.model.batch import RaggedBatch
+from gpu_worker.model.ops import Array
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceRouting:
+    """A synthetic model's routing of one batch, computed for every MoE layer before the pass
+    (a :class:`gpu_worker.weights.routing.RowRouting` whose ids are already on the backend)."""
+
+    by_layer: dict[int, Array]  # layer index -> int64 [R, k]
+
+    def ids(self, layer: int) -> Array:
+        return self.by_layer[layer]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """What ``Model.forward`` reads instead of uploading: every array on the backend."""
+
+    tokens: Array  # int64 [R]
+    positions: Array  # int64 [R]
+    logit_rows: Array  # int64 [n]: rows whose logits the pass returns
+    meta: StepMeta | None  # the paged-attention kernels' metadata (CuPy, kernel on)
+    routing: DeviceRouting | None  # synthetic models: the experts of every row and layer
+
+
+def host_inputs(model, caches, batch: RaggedBatch, logit_rows: np.ndarray,
+                track_buffers: tuple | None = None) -> dict[str, np.ndarray]:
+    """The pass's inputs on the host, by name. Reserves the segments' KV blocks (and copies
+    shared ones) where the paged kernels run, and, in a verifying pass, allocates the GDN
+    per-row buffers (or reuses ``track_buffers``, the (conv, rec) pair a graph holds)."""
+    host = {"tokens": np.ascontiguousarray(batch.tokens, np.int64),
+            "positions": np.ascontiguousarray(batch.positions, np.int64),
+            "logit_rows": np.ascontiguousarray(logit_rows, np.int64)}
+    if model.xp is not np and enabled("paged_attention") and caches.kv.num_layers:
+        host["attn"] = step_meta_host(caches.kv, batch)
+    if caches.states is not None:
+        host["gdn"] = caches.states.table_host(batch.segments, track_buffers)
+    if model.routing is not None:
+        bound = model.routing.bind_batch(batch)
+        host["routing"] = np.stack([np.asarray(bound.ids(layer.index), np.int64)
+                                    for layer in model.layers if layer.sparse])
+    return host
+
+
+def upload(xp, host: dict[str, np.ndarray], into: dict[str, Array] | None = None,
+           stream=None) -> dict[str, Array]:
+    """``host`` on the backend: new arrays, or copied into ``into`` (same names, shapes and
+    dtypes: a graph's static buffers) on ``stream``."""
+    if into is None:
+        return {name: xp.asarray(a) for name, a in host.items()}
+    if into.keys() != host.keys():
+        raise ValueError(f"inputs {sorted(host)} do not match the buffers {sorted(into)}")
+    for name, a in host.items():
+        dst = into[name]
+        if dst.shape != a.shape or dst.dtype != a.dtype:
+            raise ValueError(f"input {name}: {a.dtype} {a.shape} into {dst.dtype} {dst.shape}")
+        dst.set(a, stream=stream)
+    return into
+
+
+def step_inputs(model, caches, batch: RaggedBatch, dev: dict[str, Array],
+                max_position: int | None = None) -> StepInputs:
+    """The :class:`StepInputs` over the device arrays of :func:`upload`; makes the GDN
+    segment table the one the pass's layers read. ``max_position``: see
+    gpu_worker/model/attention.py ``step_meta``."""
+    meta = (step_meta(caches.kv, batch, dev["attn"], max_position) if "attn" in dev
+            else None)
+    if "gdn" in dev:
+        caches.states.install_table(batch.segments, dev["gdn"])
+    routing = None
+    if "routing" in dev:
+        sparse = [layer.index for layer in model.layers if layer.sparse]
+        routing = DeviceRouting({index: dev["routing"][i] for i, index in enumerate(sparse)})
+    return StepInputs(dev["tokens"], dev["positions"], dev["logit_rows"], meta, routing)

@@ -1,0 +1,76 @@
+"""CUDA graphs of decode and verify passes (gpu_worker/step_graph.py) give eager execution's
+bits: tiny bf16 models of both architectures, three concurrent requests through the real
+scheduler and Runner (prefill, decode, narrow and wide verification, greedy and seeded
+sampling, KV blocks allocated every 4 tokens between replays), once eager and once with
+graphs. Tokens, accepted drafts, and every byte of the KV cache and GDN states at the end
+must be equal, and the graph run must have replayed graphs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from daemon.config import SpeculationSection
+from daemon.request import GenerationRequest
+from daemon.scheduler import Scheduler
+from gpu_worker.engine import Engine
+from gpu_worker.runner import Runner
+from protocol.messages import SamplingParams
+from scripts.tiny_model import make_tiny_model
+from tests.harness import InProcessWorker, drain
+from tests.unit.test_speculation import CONTEXT, PROMPTS, SLOTS
+
+cupy = pytest.importorskip("cupy")
+if not hasattr(cupy.cuda.Stream, "begin_capture"):  # the CPU emulator (scripts/cuda_emu)
+    pytest.skip("needs CUDA graphs", allow_module_level=True)
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_moe"])
+def model(request, tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp("m"), request.param, seed=4,
+                           tokenizer=False)
+    return Engine.from_dir(path, dtype="bfloat16", backend="cupy", max_slots=SLOTS,
+                           max_len=CONTEXT).model
+
+
+def _serve(model, graphs: bool, mode: str, temperature: float, n: int = 40):
+    runner = Runner(model, max_slots=SLOTS, max_context=CONTEXT, block_size=4,
+                    extra_blocks=32, cuda_graphs=graphs)
+    assert (runner.graphs is not None) == graphs, runner.graphs_reason
+    sched = Scheduler(max_slots=SLOTS, max_context=CONTEXT, max_queue=4, prefill_chunk=16,
+                      block_size=4, checkpoint_interval=8, prefix_blocks=32,
+                      speculation=SpeculationSection(mode=mode, min_match=1))
+    worker = InProcessWorker(runner)
+    sched.attach(worker)
+    handles = [sched.submit(GenerationRequest(
+        f"r{i}", p, SamplingParams(temperature=temperature, seed=11 + i), n - 3 * i))
+        for i, p in enumerate(PROMPTS)]
+    out = asyncio.run(drain(sched, handles))
+    caches = runner.caches
+    pools = [a.get() for a in (caches.kv.k, caches.kv.v)]
+    if caches.states is not None:
+        pools += [caches.states.conv.get(), caches.states.rec.get()]
+    replays = sum(res.counters.get("graph_replays", 0) for res in worker.results)
+    accepted = [r.num_accepted for res in worker.results for r in res.slots]
+    return out, accepted, pools, replays
+
+
+@pytest.mark.parametrize("mode", ["off", "narrow", "wide"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_graphs_give_the_bits_of_eager_passes(model, mode, temperature):
+    eager, acc_e, pools_e, replays_e = _serve(model, False, mode, temperature)
+    graphed, acc_g, pools_g, replays_g = _serve(model, True, mode, temperature)
+    assert replays_e == 0 and replays_g > 0
+    assert graphed == eager
+    assert acc_g == acc_e
+    for a, b in zip(pools_e, pools_g, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_the_reason_is_given_where_graphs_are_not_taken(model):
+    runner = Runner(model, max_slots=SLOTS, max_context=CONTEXT, block_size=4,
+                    cuda_graphs=False)
+    assert runner.graphs is None and "cuda_graphs = false" in runner.graphs_reason
