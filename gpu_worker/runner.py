@@ -69,8 +69,12 @@ class Runner:
         active, self.graphs_reason = graphs_status(cuda_graphs, model, experts)
         if active and self.overlap is not None:
             active, self.graphs_reason = False, "draft overlap keeps the passes eager"
+        if active and self.slot_routing:
+            active, self.graphs_reason = False, ("per-slot expert tracking (adaptive draft "
+                                                 "budget) runs on the host")
         self.graphs = (StepGraphs(model, self.caches, max_slots=max_slots,
-                                  max_context=max_context) if active else None)
+                                  max_context=max_context, experts=experts)
+                       if active else None)
 
     @property
     def caches(self) -> Caches:
@@ -188,7 +192,8 @@ class Runner:
         self.num_passes += 1
         with verifying:
             ran = None
-            if self.graphs is not None and self.experts is None and graph_takes(work, batch):
+            if (self.graphs is not None and self.experts is self.graphs.experts
+                    and graph_takes(work, batch)):
                 ran = self.graphs.run(work, batch, np.asarray(rows, dtype=np.int64), first)
             if ran is not None:
                 out, picks = ran

@@ -11,10 +11,15 @@ bits (gpu_worker/model/attention.py). Everything a graph allocates comes from a 
 its own, shared by the graphs (they never run at the same time); a graph's buffers and
 outputs stay with it. Eager passes stay available: ``[model] cuda_graphs = false``.
 
-Not taken (eager, the reason logged once at start or counted per pass): CPU experts (their
-ring's sequence numbers are host scalars today), prompt rows, segments over the paged
-kernel's 16 rows, the kernels switched off, vocabularies the device sampler does not take,
-the MTP drafter's passes.
+CPU experts on the launched path are captured too: their ring kernels are stream work, and
+their sequence numbers and distinct-expert tags become offsets from bases the replay writes
+(gpu_worker/experts/pinned_ring.py); the workers' device session opens before the replay
+and closes after it, as around an eager forward.
+
+Not taken (eager, the reason logged once at start or counted per pass): CPU experts on the
+host path or with per-slot tracking (the adaptive draft budget), draft overlap, prompt rows,
+segments over the paged kernel's 16 rows, the kernels switched off, vocabularies the device
+sampler does not take, the MTP drafter's passes.
 """
 
 from __future__ import annotations
@@ -50,8 +55,9 @@ def graphs_status(wanted: bool, model: Model, experts) -> tuple[bool, str]:
     off = [k for k in ("rowtile", "paged_attention", "gdn") if not enabled(k)]
     if off:
         return False, f"GPU kernels switched off: {', '.join(off)}"
-    if experts is not None:
-        return False, "CPU experts (their ring's sequence numbers are host scalars)"
+    reason = None if experts is None else getattr(experts, "graph_reason", lambda: "?")()
+    if reason is not None:
+        return False, reason
     if model.cfg.vocab_size > sampler.MAX_VOCAB:
         return False, (f"vocabulary {model.cfg.vocab_size} > the device sampler's "
                        f"{sampler.MAX_VOCAB}")
@@ -72,6 +78,7 @@ class _Graph:
     logits: object
     hidden: object
     track: tuple  # the GDN per-row buffers (conv, rec) it writes, or (None, None)
+    experts: tuple | None  # the placement's token (ExpertPlacement.before_replay)
 
 
 class StepGraphs:
@@ -79,10 +86,11 @@ class StepGraphs:
     returns None for the caller to run it eagerly."""
 
     def __init__(self, model: Model, caches: Caches, *, max_slots: int, max_context: int,
-                 max_graphs: int = MAX_GRAPHS) -> None:
+                 experts=None, max_graphs: int = MAX_GRAPHS) -> None:
         import cupy as cp  # noqa: PLC0415
 
         self.cp, self.model, self.caches = cp, model, caches
+        self.experts = experts  # an ExpertPlacement on the launched path, or None
         self.max_position = max_context - 1
         self.max_graphs = max_graphs
         self.stream = cp.cuda.Stream(non_blocking=True)
@@ -127,23 +135,32 @@ class StepGraphs:
                 return self._eager(work, batch, rows, first, host)
         else:
             self.graphs.move_to_end(key)
+        if self.experts is not None:  # the ring's session and this replay's bases
+            self.experts.before_replay(g.experts, self.stream)
         ready = cp.cuda.Event(disable_timing=True)
         ready.record(main)  # the main stream's work so far (cache commands, table rows)
         self.stream.wait_event(ready)
         upload(cp, host, g.static, stream=self.stream)
         step_inputs(model, caches, batch, _model_part(g.static), self.max_position)
-        g.graph.launch(stream=self.stream)
-        if self.on_launch is not None:
-            self.on_launch()
-        out = g.out.get(stream=self.stream)  # waits for the graph
+        try:
+            g.graph.launch(stream=self.stream)
+            if self.on_launch is not None:
+                self.on_launch()
+            out = g.out.get(stream=self.stream)  # waits for the graph
+        finally:
+            if self.experts is not None:  # raises what a worker reported, as run_step does
+                self.experts.end_step()
         self.counts["graph_replays"] += 1
         return ForwardOut(g.logits, g.hidden), picks(work, first, out, len(rows))
 
     def _capture(self, key: tuple, host: dict[str, np.ndarray], batch: RaggedBatch
                  ) -> _Graph | None:
-        cp, model, caches = self.cp, self.model, self.caches
+        cp, model, caches, experts = self.cp, self.model, self.caches, self.experts
         t0 = time.perf_counter()
+        token = None
         try:
+            if experts is not None:
+                experts.begin_capture()
             with cp.cuda.using_allocator(self.pool.malloc):
                 static = {name: cp.empty(a.shape, a.dtype) for name, a in host.items()}
                 n, S = host["logit_rows"].size, host["row0"].size
@@ -157,7 +174,7 @@ class StepGraphs:
                     else:
                         self.stream.begin_capture(mode=relaxed)
                     try:
-                        fwd = model.forward(batch, caches, None, None, inputs=inputs)
+                        fwd = model.forward(batch, caches, None, experts, inputs=inputs)
                         sampler.sample_and_match_device(fwd.logits, static["fp"],
                                                         static["ip"], static, out)
                     finally:
@@ -166,9 +183,12 @@ class StepGraphs:
             self.refused[key] = f"{type(e).__name__}: {e}"
             self.counts["graph_refused"] += 1
             return None
+        finally:
+            if experts is not None:  # nothing ran: close the capture's ring session
+                token = experts.end_capture()
         states = caches.states
         track = (None, None) if states is None else (states.track_conv, states.track_rec)
-        g = _Graph(graph, static, out, fwd.logits, fwd.hidden, track)
+        g = _Graph(graph, static, out, fwd.logits, fwd.hidden, track, token)
         self.graphs[key] = g
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
@@ -180,8 +200,12 @@ class StepGraphs:
         """A pass whose capture was refused, from the inputs already made for it."""
         cp, model, caches = self.cp, self.model, self.caches
         dev = upload(cp, host)
-        fwd = model.forward(batch, caches, None, None,
-                            inputs=step_inputs(model, caches, batch, _model_part(dev)))
+
+        def forward() -> ForwardOut:
+            return model.forward(batch, caches, None, self.experts,
+                                 inputs=step_inputs(model, caches, batch, _model_part(dev)))
+
+        fwd = forward() if self.experts is None else self.experts.run_step(forward)
         out = cp.empty(len(rows) + dev["row0"].size, cp.int32)
         sampler.sample_and_match_device(fwd.logits, dev["fp"], dev["ip"], dev, out)
         return fwd, picks(work, first, out.get(), len(rows))

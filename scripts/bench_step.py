@@ -44,6 +44,7 @@ from protocol.worker_config import WorkerConfig
 from scripts.bench_common import command_line, machine
 from scripts.bench_load import parse_budget
 from scripts.step_floor import (
+    ALL_LAYOUTS,
     HBM_TBS,
     StepRouting,
     default_dram_gbs,
@@ -53,11 +54,11 @@ from scripts.step_floor import (
     gpu_expert_bytes,
     kv_state_read_bytes,
     merge,
+    model_spec,
+    parse_layouts,
     table,
 )
 
-ALL_LAYOUTS = [(s, r) for s in range(1, 5) for r in range(1, 6)]
-NAMED = Path(__file__).resolve().parents[1] / "configs" / "models"
 GREEDY = SamplingParams(temperature=0.0, seed=0)
 SPIN = r"""
 extern "C" __global__ void spin(unsigned long long ns) {  // one thread busy for ns nanoseconds
@@ -66,30 +67,6 @@ extern "C" __global__ void spin(unsigned long long ns) {  // one thread busy for
     do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
 }
 """
-
-
-def model_spec(text: str) -> str:
-    """A configs/models name becomes ``synthetic:NAME`` (the synthetic real-shape source with
-    its routing model); a config.json ``synthetic:PATH``; anything else is given to the
-    worker as is (``synthetic:...?skew=..``, a checkpoint or synthetic model directory)."""
-    if (NAMED / f"{text}.json").is_file():
-        return f"synthetic:{text}"
-    if text.endswith(".json") and Path(text).is_file():
-        return f"synthetic:{Path(text).resolve()}"
-    return text
-
-
-def parse_layouts(text: str | None) -> list[tuple[int, int]]:
-    """``"1x1,4x5"`` -> [(1, 1), (4, 5)] (slots x rows per slot); None: 1-4 x 1-5."""
-    if not text:
-        return list(ALL_LAYOUTS)
-    out = []
-    for part in text.split(","):
-        s, _, r = part.strip().partition("x")
-        if not (s.isdigit() and r.isdigit() and int(s) >= 1 and int(r) >= 1):
-            raise argparse.ArgumentTypeError(f"a layout is SLOTSxROWS, e.g. 4x5, got {part!r}")
-        out.append((int(s), int(r)))
-    return out
 
 
 def worker_config(args: argparse.Namespace, spec: str) -> WorkerConfig:

@@ -18,6 +18,7 @@ and :func:`merge` are the report of scripts/bench_step.py's records.
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -184,3 +185,32 @@ def merge(old: dict[str, Any] | None, result: dict[str, Any]) -> dict[str, Any]:
     return {**result, "runs": old.get("runs", []) + result["runs"],
             "records": [r for r in old.get("records", []) if _key(r) not in new_keys]
             + [{**r, "run": r["run"] + base} for r in result["records"]]}
+
+
+# ---- the benchmark's command line (scripts/bench_step.py) ------------------------------
+ALL_LAYOUTS = [(s, r) for s in range(1, 5) for r in range(1, 6)]
+NAMED = Path(__file__).resolve().parents[1] / "configs" / "models"
+
+
+def model_spec(text: str) -> str:
+    """A configs/models name becomes ``synthetic:NAME`` (the synthetic real-shape source with
+    its routing model); a config.json ``synthetic:PATH``; anything else is given to the
+    worker as is (``synthetic:...?skew=..``, a checkpoint or synthetic model directory)."""
+    if (NAMED / f"{text}.json").is_file():
+        return f"synthetic:{text}"
+    if text.endswith(".json") and Path(text).is_file():
+        return f"synthetic:{Path(text).resolve()}"
+    return text
+
+
+def parse_layouts(text: str | None) -> list[tuple[int, int]]:
+    """``"1x1,4x5"`` -> [(1, 1), (4, 5)] (slots x rows per slot); None: 1-4 x 1-5."""
+    if not text:
+        return list(ALL_LAYOUTS)
+    out = []
+    for part in text.split(","):
+        s, _, r = part.strip().partition("x")
+        if not (s.isdigit() and r.isdigit() and int(s) >= 1 and int(r) >= 1):
+            raise argparse.ArgumentTypeError(f"a layout is SLOTSxROWS, e.g. 4x5, got {part!r}")
+        out.append((int(s), int(r)))
+    return out

@@ -100,9 +100,14 @@ class PinnedRing:
         self._errs = np.frombuffer(self._errs_mem, np.int32, 2)
         self._errs[:] = 0
         self._errs_p = self._errs.ctypes.data
+        # a CUDA graph's launches take sequence numbers and tags as offsets from these,
+        # written before each replay (begin_capture / before_replay)
+        self._seq_base = cupy.zeros(1, cupy.int64)
+        self._tag_base = cupy.zeros(1, cupy.int32)
+        self._graph: list[int] | None = None  # while capturing: [launches, tags] so far
         k = kernels()
-        self._launch = Launch(cupy, k["ring_launch"], 27)
-        self._wait = Launch(cupy, k["ring_wait"], 10)
+        self._launch = Launch(cupy, k["ring_launch"], 29)
+        self._wait = Launch(cupy, k["ring_wait"], 11)
         self._sum_parts = Launch(cupy, k["ring_gather"], 8)
 
     def close(self) -> None:
@@ -164,25 +169,40 @@ class PinnedRing:
             self._session = stream
         elif self._session.ptr != stream.ptr:
             raise RuntimeError("one stream per step: end_step() before changing streams")
-        seq = pool.next_seq()
-        stamp = n_mask = mask = 0
+        graph = self._graph
+        if graph is None:
+            seq, seq_p = pool.next_seq(), 0
+        else:  # capturing: the replay's base plus this offset
+            graph[0] += 1
+            seq, seq_p = graph[0], self._seq_base.data.ptr
+        stamp = n_mask = mask = tag_p = 0
+        tag = self._tag
         if on_cpu is not None:
             # NOTE: the size check holds for a continued layer too: the kernel indexes the
             # stamps by expert id up to on_cpu.size (a smaller array: writes out of bounds)
-            if self._stamp.size < on_cpu.size or (not same_layer and self._tag >= TAG_LIMIT):
-                self._stamp = cp.zeros(on_cpu.size, cp.int32)  # stream-ordered after users
-                self._tag = 0
-            if not same_layer or not self._tag:  # a new tag: every expert counts once more
-                self._tag += 1
+            if graph is not None:
+                if self._stamp.size < on_cpu.size:
+                    raise RuntimeError("the expert stamps must exist before a capture")
+                if not same_layer or not graph[1]:
+                    graph[1] += 1
+                tag, tag_p = graph[1], self._tag_base.data.ptr
+            else:
+                if self._stamp.size < on_cpu.size or (not same_layer
+                                                      and self._tag >= TAG_LIMIT):
+                    self._stamp = cp.zeros(on_cpu.size, cp.int32)  # stream-ordered
+                    self._tag = 0
+                if not same_layer or not self._tag:  # a new tag: every expert counts once more
+                    self._tag += 1
+                tag = self._tag
             stamp, n_mask, mask = self._stamp.data.ptr, on_cpu.size, on_cpu.data.ptr
         p = self._p
         tptr = 0 if times is None else times.data.ptr
         self._launch(grid(max(R * H // 4, R * k)), THREADS, stream, (
             q.data.ptr, R * H // 4, d16.data.ptr, R * H // 32, ids.data.ptr, R, k,
             ids.strides[0] // 8, w.data.ptr, w.strides[0] // 4, mask, n_mask, first_cpu,
-            p["xq"], p["xd"], p["ids"], p["w"], stamp, self._tag, self._distinct_p, p["ctrl"],
-            p["header"], pool.num_workers, seq, layer, self._state_p, tptr))
-        self._pending = (seq, layer, R, tptr)
+            p["xq"], p["xd"], p["ids"], p["w"], stamp, tag, self._distinct_p, p["ctrl"],
+            p["header"], pool.num_workers, seq, layer, self._state_p, tptr, seq_p, tag_p))
+        self._pending = (seq, layer, R, tptr, seq_p)
         self.last_seq = seq
 
     def gather(self, base=None):
@@ -193,14 +213,14 @@ class PinnedRing:
         stream gets there)."""
         if self._pending is None:
             raise RuntimeError("no launch() to gather")
-        seq, layer, R, tptr = self._pending
+        seq, layer, R, tptr, seq_p = self._pending
         self._pending = None
         cp, pool = self.cp, self.pool
         H, W = pool.hidden, pool.num_workers
         stream = cp.cuda.get_current_stream()
         p = self._p
         wait = (p["ctrl"], p["header"], W, seq, layer, self._state_p, self._errs_p,
-                self.timeout_ns, self.poll_ns, tptr)
+                self.timeout_ns, self.poll_ns, tptr, seq_p)
         out = cp.empty((R, H), cp.float32)
         if base is not None and (base.dtype != np.float32 or not base.flags.c_contiguous):
             base = cp.ascontiguousarray(base, dtype=cp.float32)
@@ -211,6 +231,40 @@ class PinnedRing:
         self._sum_parts(grid(R * H), THREADS, stream, (
             p["out"], stride, W, R * H, bptr, out.data.ptr, self._has_p, 1))
         return out
+
+    # -- CUDA graphs (gpu_worker/step_graph.py) --------------------------------------------
+
+    def begin_capture(self) -> None:
+        """The launches until :meth:`end_capture` are being captured in a CUDA graph: they
+        take sequence numbers and tags as offsets from bases written before each replay."""
+        self._graph = [0, 0]
+
+    def end_capture(self) -> tuple[int, int]:
+        """Stop :meth:`begin_capture`; the captured launches and tags, for
+        :meth:`before_replay`."""
+        counts, self._graph = tuple(self._graph or (0, 0)), None
+        return counts
+
+    def before_replay(self, counts: tuple[int, int], stream) -> None:
+        """Open the device session a replay's launches need (as :meth:`launch` does) and
+        write its bases on ``stream`` (the graph's, before its launch): ``counts`` fresh
+        sequence numbers from the pool and tags from this ring's count."""
+        pool = self.pool
+        launches, tags = counts
+        if self._session is None:
+            pool.device_begin()
+            self._session = stream
+        elif self._session.ptr != stream.ptr:
+            raise RuntimeError("one stream per step: end_step() before changing streams")
+        first = pool.next_seq() if launches else 0
+        for _ in range(launches - 1):
+            pool.next_seq()
+        if self._tag + tags >= TAG_LIMIT:
+            self._stamp.fill(0)  # in place: the graph holds its address
+            self._tag = 0
+        tag0, self._tag = self._tag, self._tag + tags
+        self._seq_base.set(np.array([first - 1], np.int64), stream=stream)
+        self._tag_base.set(np.array([tag0], np.int32), stream=stream)
 
     def end_step(self) -> None:
         """Synchronize the session's stream and close the device session; raise

@@ -74,7 +74,9 @@ extern "C" __global__ void ring_launch(
         long long n_mask, int first_cpu, int* ring_q, unsigned short* ring_d, int* ring_ids,
         float* ring_w, int* stamp, int tag, unsigned long long* distinct, long long* ctrl,
         long long* header, int W, long long seq, int layer, int* state,
-        unsigned long long* times) {
+        unsigned long long* times, const long long* seq_base, const int* tag_base) {
+    if (seq_base) seq += *seq_base;  // a CUDA graph: offsets from this step's bases
+    if (tag_base) tag += *tag_base;
     int mine = stage_body(q, nq4, d, nd, ids, rows, k, ids_stride, w, w_stride, on_cpu,
                           n_mask, first_cpu, ring_q, ring_d, ring_ids, ring_w, 0, stamp, tag,
                           distinct);
@@ -131,8 +133,9 @@ __device__ void wait_workers(const long long* ctrl, const long long* header, int
 extern "C" __global__ void ring_wait(const long long* ctrl, const long long* header, int W,
                                      long long seq, int layer, const int* state, int* errs,
                                      long long timeout_ns, unsigned int poll_ns,
-                                     unsigned long long* times) {
+                                     unsigned long long* times, const long long* seq_base) {
     if (!state[2]) return;
+    if (seq_base) seq += *seq_base;
     wait_workers(ctrl, header, W, seq, layer, errs, timeout_ns, poll_ns);
     __syncthreads();
     if (times && threadIdx.x == 0) times[1] = now_ns();

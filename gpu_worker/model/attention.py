@@ -125,7 +125,7 @@ def _step_meta(xp, kv: KVCache, batch: RaggedBatch) -> StepMeta:
 
 
 def _paged(ops: Ops, q: Array, k: Array, v: Array, batch: RaggedBatch, kv: KVCache,
-           layer: int, scale, meta: StepMeta | None) -> Array:
+           layer: int, scale, meta: StepMeta | None = None) -> Array:
     """The CuPy path: one K/V write launch, one paged-attention launch, then the long
     segments' matrix products -> [R, Hq, hd]. ``meta``: the step's (gpu_worker/
     step_inputs.py), else built here once per batch."""

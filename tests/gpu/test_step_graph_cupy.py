@@ -54,7 +54,8 @@ def _serve(model, graphs: bool, mode: str, temperature: float, n: int = 40):
         pools += [caches.states.conv.get(), caches.states.rec.get()]
     replays = sum(res.counters.get("graph_replays", 0) for res in worker.results)
     accepted = [r.num_accepted for res in worker.results for r in res.slots]
-    return out, accepted, pools, replays
+    refused = runner.graphs.refused if runner.graphs is not None else {}
+    return out, accepted, pools, (replays, refused)
 
 
 @pytest.mark.parametrize("mode", ["off", "narrow", "wide"])
@@ -62,7 +63,7 @@ def _serve(model, graphs: bool, mode: str, temperature: float, n: int = 40):
 def test_graphs_give_the_bits_of_eager_passes(model, mode, temperature):
     eager, acc_e, pools_e, replays_e = _serve(model, False, mode, temperature)
     graphed, acc_g, pools_g, replays_g = _serve(model, True, mode, temperature)
-    assert replays_e == 0 and replays_g > 0
+    assert replays_e[0] == 0 and replays_g[0] > 0, replays_g[1]
     assert graphed == eager
     assert acc_g == acc_e
     for a, b in zip(pools_e, pools_g, strict=True):
@@ -74,3 +75,43 @@ def test_the_reason_is_given_where_graphs_are_not_taken(model):
     runner = Runner(model, max_slots=SLOTS, max_context=CONTEXT, block_size=4,
                     cuda_graphs=False)
     assert runner.graphs is None and "cuda_graphs = false" in runner.graphs_reason
+
+
+def _serve_split(path, graphs: bool, mode: str):
+    engine = Engine.from_dir(path, dtype="bfloat16", backend="cupy", placement="split",
+                             cpu_experts_per_layer=3, cpu_workers=1, max_slots=SLOTS,
+                             max_len=CONTEXT)
+    try:
+        assert engine.placement.launched
+        runner = Runner(engine.model, max_slots=SLOTS, max_context=CONTEXT, block_size=4,
+                        extra_blocks=32, experts=engine.placement, cuda_graphs=graphs)
+        assert (runner.graphs is not None) == graphs, runner.graphs_reason
+        sched = Scheduler(max_slots=SLOTS, max_context=CONTEXT, max_queue=4, prefill_chunk=16,
+                          block_size=4, checkpoint_interval=8, prefix_blocks=32,
+                          speculation=SpeculationSection(mode=mode, min_match=1))
+        worker = InProcessWorker(runner)
+        sched.attach(worker)
+        handles = [sched.submit(GenerationRequest(
+            f"r{i}", p, SamplingParams(temperature=0.8 if i else 0.0, seed=i), 32, eos=False))
+            for i, p in enumerate(PROMPTS)]
+        out = asyncio.run(drain(sched, handles))
+        counters = [r.counters for r in worker.results]
+        refused = runner.graphs.refused if runner.graphs is not None else {}
+        return out, counters, refused
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("mode", ["off", "wide"])
+def test_graphs_with_cpu_experts_give_the_tokens_and_counts_of_eager_passes(tmp_path, mode):
+    """Split placement, the launched ring inside the graph: each replay takes fresh sequence
+    numbers and distinct-expert tags, and the workers' partials arrive as in eager passes."""
+    path = make_tiny_model(tmp_path, "qwen3_next", seed=5, tokenizer=False,
+                           moe_intermediate=64, std=0.1)
+    eager, c_eager, _ = _serve_split(path, False, mode)
+    graphed, c_graph, refused = _serve_split(path, True, mode)
+    assert sum(c.get("graph_replays", 0) for c in c_graph) > 0, refused
+    assert graphed == eager
+    keys = ("moe_layers", "cpu_experts", "gpu_experts")
+    assert [[c.get(k) for k in keys] for c in c_graph] == [[c.get(k) for k in keys]
+                                                           for c in c_eager]
