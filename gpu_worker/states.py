@@ -62,8 +62,9 @@ class RecurrentStates:
 
     def table_host(self, segments: Sequence, buffers: tuple | None = None) -> np.ndarray:
         """The host side of :meth:`segment_table`: the table as a NumPy array; in a verifying
-        forward also the per-row buffers, allocated, or ``buffers`` (track_conv, track_rec)
-        reused where they have the rows (a CUDA graph keeps the ones it was captured with)."""
+        forward also the per-row buffers, allocated, or the first rows of ``buffers``
+        (track_conv, track_rec) where they have enough (CUDA graphs share one pair, so every
+        replay finds them at the address it was captured with)."""
         rows, total = {}, 0
         for seg in segments:
             if seg.slot in self._tracked:
@@ -72,8 +73,8 @@ class RecurrentStates:
         if rows:
             xp, L = self.xp, self.num_layers
             self._rows = rows
-            if buffers is not None and buffers[0] is not None and buffers[0].shape[1] == total:
-                self.track_conv, self.track_rec = buffers
+            if buffers is not None and buffers[0] is not None and buffers[0].shape[1] >= total:
+                self.track_conv, self.track_rec = (b[:, :total] for b in buffers)
             else:
                 self.track_conv = xp.empty((L, total, self.conv_kernel - 1, self.conv_dim),
                                            self.dtype)
@@ -111,6 +112,17 @@ class RecurrentStates:
         (their rows are a decode token plus drafts)."""
         self.end_verify()
         self._tracked = frozenset(int(s) for s in slots)
+
+    def tracked_rows(self, segments: Sequence) -> int:
+        """Rows of ``segments`` whose per-row states the next forward keeps."""
+        return sum(s.num for s in segments if s.slot in self._tracked)
+
+    def track_buffers(self, rows: int) -> tuple:
+        """A new (track_conv, track_rec) pair of ``rows`` rows (:meth:`table_host` takes the
+        first rows it needs)."""
+        xp, L = self.xp, self.num_layers
+        return (xp.empty((L, rows, self.conv_kernel - 1, self.conv_dim), self.dtype),
+                xp.empty((L, rows, self.value_heads, self.key_dim, self.value_dim), self.dtype))
 
     def is_tracked(self, slot: int) -> bool:
         return slot in self._tracked

@@ -39,7 +39,7 @@ from gpu_worker.step_inputs import host_inputs, step_inputs, upload
 from gpu_worker.verify import picks, sampling_inputs
 from protocol.messages import SlotWork, WorkKind
 
-MAX_GRAPHS = 96  # layouts kept; the least recently used one goes first
+MAX_GRAPHS = 48  # layouts kept; the least recently used one goes first
 RESERVE_BYTES = 256 << 20  # taken into the graphs' pool before the first capture
 MODEL_INPUTS = ("tokens", "positions", "logit_rows", "attn", "gdn", "routing")
 
@@ -77,7 +77,6 @@ class _Graph:
     out: object  # int32 [n + S]: sampled tokens, accepted drafts per sampled slot
     logits: object
     hidden: object
-    track: tuple  # the GDN per-row buffers (conv, rec) it writes, or (None, None)
     experts: tuple | None  # the placement's token (ExpertPlacement.before_replay)
 
 
@@ -102,8 +101,17 @@ class StepGraphs:
         self.seen: set[tuple] = set()
         self.refused: dict[tuple, str] = {}
         self.counts = {"graph_captures": 0, "graph_replays": 0, "graph_refused": 0}
+        self.totals = dict.fromkeys(self.counts, 0)  # since start (benchmarks diff them)
         self.capture_ms = 0.0
+        # the GDN per-row buffers of verifying passes, one pair for every graph (a verify
+        # step's rows x 75 MiB each for the 80B: a pair per graph would not fit); when a
+        # pass needs more rows they grow and the graphs that hold the old ones are dropped
+        self.track: tuple | None = None
         self.on_launch = None  # called right after each graph launch (benchmarks' host time)
+
+    def _count(self, name: str) -> None:
+        self.counts[name] += 1
+        self.totals[name] += 1
 
     def take_counts(self) -> dict[str, float]:
         out = {**self.counts, "graph_capture_ms": self.capture_ms, "graphs": len(self.graphs)}
@@ -126,7 +134,13 @@ class StepGraphs:
             return None
         cp, model, caches = self.cp, self.model, self.caches
         main = cp.cuda.get_current_stream()
-        host = host_inputs(model, caches, batch, rows, None if g is None else g.track)
+        need = 0 if caches.states is None else caches.states.tracked_rows(batch.segments)
+        if need and (self.track is None or self.track[0].shape[1] < need):
+            self.graphs.clear()  # they hold the old buffers' addresses
+            self.track = None
+            self.track = caches.states.track_buffers(need)
+            g = None
+        host = host_inputs(model, caches, batch, rows, self.track)
         host.update(sampling_inputs(work, len(rows), first))
         caches.kv.device_tables()  # table rows that changed: before the graph reads them
         if g is None:
@@ -150,7 +164,7 @@ class StepGraphs:
         finally:
             if self.experts is not None:  # raises what a worker reported, as run_step does
                 self.experts.end_step()
-        self.counts["graph_replays"] += 1
+        self._count("graph_replays")
         return ForwardOut(g.logits, g.hidden), picks(work, first, out, len(rows))
 
     def _capture(self, key: tuple, host: dict[str, np.ndarray], batch: RaggedBatch
@@ -181,18 +195,16 @@ class StepGraphs:
                         graph = self.stream.end_capture()
         except Exception as e:  # noqa: BLE001 -- any failure: this layout stays eager
             self.refused[key] = f"{type(e).__name__}: {e}"
-            self.counts["graph_refused"] += 1
+            self._count("graph_refused")
             return None
         finally:
             if experts is not None:  # nothing ran: close the capture's ring session
                 token = experts.end_capture()
-        states = caches.states
-        track = (None, None) if states is None else (states.track_conv, states.track_rec)
-        g = _Graph(graph, static, out, fwd.logits, fwd.hidden, track, token)
+        g = _Graph(graph, static, out, fwd.logits, fwd.hidden, token)
         self.graphs[key] = g
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
-        self.counts["graph_captures"] += 1
+        self._count("graph_captures")
         self.capture_ms += (time.perf_counter() - t0) * 1e3
         return g
 

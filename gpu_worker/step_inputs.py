@@ -54,10 +54,11 @@ def host_inputs(model, caches, batch: RaggedBatch, logit_rows: np.ndarray,
         host["attn"] = step_meta_host(caches.kv, batch)
     if caches.states is not None:
         host["gdn"] = caches.states.table_host(batch.segments, track_buffers)
-    if model.routing is not None:
+    if model.routing is not None:  # every MoE layer's picks in one vectorised call
         bound = model.routing.bind_batch(batch)
-        host["routing"] = np.stack([np.asarray(bound.ids(layer.index), np.int64)
-                                    for layer in model.layers if layer.sparse])
+        host["routing"] = bound.model.choose_layers(
+            [layer.index for layer in model.layers if layer.sparse], bound.slots,
+            bound.positions)
     return host
 
 

@@ -370,14 +370,16 @@ def run(args: argparse.Namespace, cfg: WorkerConfig, dram_source: str) -> dict[s
                             "experts_cpu_per_layer": cpu_held,
                             "num_experts": bench.model.cfg.num_experts}],
                   "records": []}
+        seen: dict[str, int] = {}
         for slots, rows in args.layouts:
             rec = measure(bench, slots, rows, args)
             rec.update(run=0, cpu_format=args.cpu_format, dtype=cfg.dtype,
                        backend=args.backend, experts_cpu_per_layer=max(cpu_held, default=0))
             graphs = bench.runner.graphs
-            if graphs is not None:  # what the step's graphs did for this layout
-                rec["graph_counts"] = graphs.take_counts()
+            if graphs is not None:  # what the graphs did for this layout
+                rec["graph_counts"] = {k: v - seen.get(k, 0) for k, v in graphs.totals.items()}
                 rec["graph_refused"] = sorted(set(graphs.refused.values()))
+                seen = dict(graphs.totals)
             result["records"].append(rec)
             print(table([rec]).splitlines()[-1], rec.get("graph_counts", ""),
                   rec.get("graph_refused", ""), flush=True)

@@ -116,33 +116,45 @@ class RoutingModel:
     def choose(self, layer: int, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """int64 [R, k]: distinct experts per row, a pure function of (seed, layer, slot,
         position) of that row."""
+        return self.choose_layers([layer], slots, positions)[0]
+
+    def choose_layers(self, layers, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """int64 [L, R, k]: :meth:`choose` of every layer of ``layers`` in one vectorised
+        pass (a pass's routing before it runs: one call instead of one per MoE layer)."""
+        layers = np.asarray(layers, np.int64).reshape(-1)
         slots = np.asarray(slots, np.int64).reshape(-1)
         positions = np.asarray(positions, np.int64).reshape(-1)
         if (positions < 0).any():
             raise ValueError("positions must be >= 0")
-        k = self.top_k
-        lanes = np.broadcast_to(np.arange(k, dtype=np.int64), (slots.size, k))
-        start = self._renewals(layer, slots[:, None], positions[:, None], lanes)  # [R, k]
-        u = _uniform(_hash(self.seed, _DRAW, layer, slots[:, None], start, lanes))  # [R, k]
+        k, L, R = self.top_k, layers.size, slots.size
+        lay, sl, pos, lanes = np.broadcast_arrays(
+            layers[:, None, None], slots[None, :, None], positions[None, :, None],
+            np.arange(k, dtype=np.int64)[None, None, :])  # each [L, R, k]
+        start = self._renewals(lay, sl, pos, lanes)
+        u = _uniform(_hash(self.seed, _DRAW, lay, sl, start, lanes))
         ranks = np.empty_like(start)
         for j in range(k):  # rank j + k * i of lane j's stratum
-            ranks[:, j] = j + k * np.searchsorted(self._cdf[j], u[:, j], side="right")
-        return self.ranking(layer)[np.minimum(ranks, self.num_experts - 1)]
+            ranks[..., j] = j + k * np.searchsorted(self._cdf[j], u[..., j], side="right")
+        ranks = np.minimum(ranks, self.num_experts - 1).reshape(L, R * k)
+        perms = np.stack([self.ranking(int(layer)) for layer in layers])  # [L, E]
+        return np.take_along_axis(perms, ranks, axis=1).reshape(L, R, k)
 
     # ---- internals -------------------------------------------------------------------------
-    def _renewals(self, layer: int, slots: np.ndarray, positions: np.ndarray,
+    def _renewals(self, layers: np.ndarray, slots: np.ndarray, positions: np.ndarray,
                   lanes: np.ndarray) -> np.ndarray:
-        """[R, k]: the last position <= p at which each lane drew afresh."""
-        slots, start, lanes = np.broadcast_arrays(slots, positions, lanes)
+        """Per entry (broadcast shapes): the last position <= p at which the lane drew
+        afresh."""
+        layers, slots, start, lanes = np.broadcast_arrays(layers, slots, positions, lanes)
         shape = start.shape
-        slots, start, lanes = slots.ravel(), start.ravel().copy(), lanes.ravel()
+        layers, slots = layers.ravel(), slots.ravel()
+        start, lanes = start.ravel().copy(), lanes.ravel()
         q = self.params.locality
         todo = np.arange(start.size)
         while todo.size:
             p, lane = start[todo], lanes[todo]
             renew = (p == 0) | ((p + lane * WINDOW // self.top_k) % WINDOW == 0)
             if q > 0:
-                coin = _uniform(_hash(self.seed, _RENEW, layer, slots[todo], p, lane))
+                coin = _uniform(_hash(self.seed, _RENEW, layers[todo], slots[todo], p, lane))
                 renew |= coin >= q
             else:
                 renew[:] = True

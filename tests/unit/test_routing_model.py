@@ -113,3 +113,18 @@ def test_knobs_are_checked():
         RoutingParams(0.0, 1.0)
     with pytest.raises(ValueError, match="top_k"):
         RoutingModel(4, 5)
+
+
+def test_all_layers_at_once_equal_one_layer_at_a_time():
+    """choose_layers (a pass's routing before it runs) gives each layer's choose."""
+    rng = np.random.default_rng(8)
+    for params in (RoutingParams(skew=1.0, locality=0.5), RoutingParams()):
+        model = RoutingModel(64, 6, params, seed=2)
+        slots, positions = rng.integers(0, 4, 17), rng.integers(0, 3000, 17)
+        positions[3] = 0
+        layers = [0, 3, 7, 40]
+        got = model.choose_layers(layers, slots, positions)
+        assert got.shape == (4, 17, 6)
+        for i, layer in enumerate(layers):
+            assert np.array_equal(got[i], model.choose(layer, slots, positions))
+            assert np.array_equal(got[i, 5:9], model.choose(layer, slots[5:9], positions[5:9]))
