@@ -179,20 +179,18 @@ class StepGraphs:
                 static = {name: cp.empty(a.shape, a.dtype) for name, a in host.items()}
                 n, S = host["logit_rows"].size, host["row0"].size
                 out = cp.empty(n + S, cp.int32)
-                inputs = step_inputs(model, caches, batch, _model_part(static),
-                                     self.max_position)
-                relaxed = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", None)
-                with self.stream:
-                    if relaxed is None:
-                        self.stream.begin_capture()
-                    else:
-                        self.stream.begin_capture(mode=relaxed)
-                    try:
-                        fwd = model.forward(batch, caches, None, experts, inputs=inputs)
-                        sampler.sample_and_match_device(fwd.logits, static["fp"],
-                                                        static["ip"], static, out)
-                    finally:
-                        graph = self.stream.end_capture()
+                upload(cp, host, static, stream=self.stream)  # this step's: see _record
+
+                def body() -> tuple:
+                    # the inputs as views of the static buffers (host objects, no launch)
+                    inputs = step_inputs(model, caches, batch, _model_part(static),
+                                         self.max_position)
+                    fwd = model.forward(batch, caches, None, experts, inputs=inputs)
+                    sampler.sample_and_match_device(fwd.logits, static["fp"], static["ip"],
+                                                    static, out)
+                    return fwd.logits, fwd.hidden, out
+
+                graph, (logits, hidden, _) = self._record(body)
         except Exception as e:  # noqa: BLE001 -- any failure: this layout stays eager
             self.refused[key] = f"{type(e).__name__}: {e}"
             self._count("graph_refused")
@@ -200,13 +198,31 @@ class StepGraphs:
         finally:
             if experts is not None:  # nothing ran: close the capture's ring session
                 token = experts.end_capture()
-        g = _Graph(graph, static, out, fwd.logits, fwd.hidden, token)
+        g = _Graph(graph, static, out, logits, hidden, token)
         self.graphs[key] = g
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
         self._count("graph_captures")
         self.capture_ms += (time.perf_counter() - t0) * 1e3
         return g
+
+    def _record(self, body):
+        """``body()`` captured on the graph stream: (the graph, what body returned). Nothing
+        runs. The static inputs hold this step's values already, so a stand-in that runs
+        ``body`` instead (tests on the CPU emulator, which has no graphs) computes this step;
+        it must then undo that run, as capture leaves memory untouched."""
+        cp = self.cp
+        relaxed = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", None)
+        with self.stream:
+            if relaxed is None:
+                self.stream.begin_capture()
+            else:
+                self.stream.begin_capture(mode=relaxed)
+            try:
+                outs = body()
+            finally:
+                graph = self.stream.end_capture()
+        return graph, outs
 
     def _eager(self, work, batch, rows, first, host):
         """A pass whose capture was refused, from the inputs already made for it."""

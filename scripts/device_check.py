@@ -58,8 +58,19 @@ PLANS: dict[str, list[Check]] = {
               "--gpu-budget 32 --append --ready-timeout 240 --out $OUT/load_h200.json", 330),
     ],
     "int4": [
+        # the AVX-512 VNNI paths' bits (skipped on machines without them), then speed
+        Check("int4_bits", f"{PY} pytest -q -p no:cacheprovider -o addopts= "
+              "tests/unit/test_cpu_int4.py tests/unit/test_cpu_int4_rows.py "
+              "tests/unit/test_int4_alignment.py tests/unit/test_cpu_kernels.py", 300),
+        Check("int4_diag", f"{PY} scripts.bench_cpu_kernels_inprocess --diag "
+              "--out $OUT/int4_diag.json", 120),
         Check("int4", f"{PY} scripts.bench_cpu_experts --format int8,int4 --combos 512:512 "
               "--topks 10 --kinds random,one_expert --out $OUT/cpu_experts_int4_h200.json", 180),
+    ],
+    # CUDA graphs (gpu_worker/step_graph.py): bits equal eager, with and without CPU experts
+    "graphs": [
+        Check("graphs", f"{PY} pytest -q -p no:cacheprovider tests/gpu/test_topk_cupy.py "
+              "tests/gpu/test_step_graph_cupy.py", 200),
     ],
 }
 

@@ -3,6 +3,7 @@ emulated launch has finished when it returns), pinned memory as host buffers."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import time
 import types
@@ -117,6 +118,22 @@ runtime = types.SimpleNamespace(
 )
 
 
+class MemoryPool:
+    """A memory pool: the emulator's arrays are NumPy's, so there is nothing to allocate."""
+
+    def malloc(self, size: int):
+        raise Unsupported("the CUDA emulator allocates with NumPy, not through a pool")
+
+    def free_all_blocks(self, stream=None) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def using_allocator(allocator=None):
+    """CuPy's allocator switch: a no-op (fake arrays never call an allocator)."""
+    yield
+
+
 def _no_driver(*args, **kwargs):
     raise Unsupported("the CUDA emulator has no driver API (cuLaunchKernel)")
 
@@ -128,5 +145,7 @@ cuda = types.SimpleNamespace(
     alloc_pinned_memory=_pinned,
     driver=types.SimpleNamespace(launchKernel=_no_driver),
     is_available=lambda: True,
-    Graph=None,
+    Graph=None,  # no CUDA graphs: Stream has no begin_capture
+    MemoryPool=MemoryPool,
+    using_allocator=using_allocator,
 )

@@ -6,7 +6,9 @@ NumPy's on the unwrapped arrays, and ``RawModule`` / ``RawKernel`` / ``Elementwi
 compile their CUDA source for the CPU (scripts/cuda_emu/module.py).
 
 Not modelled: streams and events (no-ops; every launch has finished when it returns), memory
-pools (nothing to free), the driver API, CUDA graphs, cuBLAS-backed speed."""
+pools (nothing to free; ``cuda.MemoryPool`` and ``cuda.using_allocator`` exist and do
+nothing), the driver API, CUDA graphs (tests/gpu/test_step_graph_cupy.py stands in for
+capture by running the captured function again), cuBLAS-backed speed."""
 
 from __future__ import annotations
 
