@@ -63,27 +63,28 @@ def _graphs_on_the_emulator(monkeypatch):
         monkeypatch.setattr(StepGraphs, "_record", _emulated_record)
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_moe"])
-def model(request, tmp_path_factory):
-    path = make_tiny_model(tmp_path_factory.mktemp("m"), request.param, seed=4,
-                           tokenizer=False)
-    return Engine.from_dir(path, dtype="bfloat16", backend="cupy", max_slots=SLOTS,
-                           max_len=CONTEXT).model
+
+
+def _drive(runner: Runner, mode: str, requests) -> tuple[list, InProcessWorker]:
+    """The scheduler over ``runner``, speculation ``mode`` with suffix drafts, serving
+    ``requests`` ((prompt, SamplingParams, max tokens) each) to the end."""
+    sched = Scheduler(max_slots=SLOTS, max_context=CONTEXT, max_queue=4, prefill_chunk=16,
+                      block_size=4, checkpoint_interval=8, prefix_blocks=32,
+                      speculation=SpeculationSection(mode=mode, min_match=1))
+    worker = InProcessWorker(runner)
+    sched.attach(worker)
+    handles = [sched.submit(GenerationRequest(f"r{i}", p, params, n, eos=False))
+               for i, (p, params, n) in enumerate(requests)]
+    return asyncio.run(drain(sched, handles)), worker
 
 
 def _serve(model, graphs: bool, mode: str, temperature: float, n: int = 40):
     runner = Runner(model, max_slots=SLOTS, max_context=CONTEXT, block_size=4,
                     extra_blocks=32, cuda_graphs=graphs)
     assert (runner.graphs is not None) == graphs, runner.graphs_reason
-    sched = Scheduler(max_slots=SLOTS, max_context=CONTEXT, max_queue=4, prefill_chunk=16,
-                      block_size=4, checkpoint_interval=8, prefix_blocks=32,
-                      speculation=SpeculationSection(mode=mode, min_match=1))
-    worker = InProcessWorker(runner)
-    sched.attach(worker)
-    handles = [sched.submit(GenerationRequest(
-        f"r{i}", p, SamplingParams(temperature=temperature, seed=11 + i), n - 3 * i))
-        for i, p in enumerate(PROMPTS)]
-    out = asyncio.run(drain(sched, handles))
+    out, worker = _drive(runner, mode, [
+        (p, SamplingParams(temperature=temperature, seed=11 + i), n - 3 * i)
+        for i, p in enumerate(PROMPTS)])
     caches = runner.caches
     pools = [a.get() for a in (caches.kv.k, caches.kv.v)]
     if caches.states is not None:
@@ -96,7 +97,8 @@ def _serve(model, graphs: bool, mode: str, temperature: float, n: int = 40):
 
 @pytest.mark.parametrize("mode", ["off", "narrow", "wide"])
 @pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
-def test_graphs_give_the_bits_of_eager_passes(model, mode, temperature):
+def test_graphs_give_the_bits_of_eager_passes(bf16_model, mode, temperature):
+    model = bf16_model
     if EMULATED and (mode, temperature) != ("wide", 0.9):
         pytest.skip("the emulator runs one combination (slow)")
     n = 16 if EMULATED else 40
@@ -110,8 +112,8 @@ def test_graphs_give_the_bits_of_eager_passes(model, mode, temperature):
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
-def test_the_reason_is_given_where_graphs_are_not_taken(model):
-    runner = Runner(model, max_slots=SLOTS, max_context=CONTEXT, block_size=4,
+def test_the_reason_is_given_where_graphs_are_not_taken(bf16_model):
+    runner = Runner(bf16_model, max_slots=SLOTS, max_context=CONTEXT, block_size=4,
                     cuda_graphs=False)
     assert runner.graphs is None and "cuda_graphs = false" in runner.graphs_reason
 
@@ -125,15 +127,9 @@ def _serve_split(path, graphs: bool, mode: str):
         runner = Runner(engine.model, max_slots=SLOTS, max_context=CONTEXT, block_size=4,
                         extra_blocks=32, experts=engine.placement, cuda_graphs=graphs)
         assert (runner.graphs is not None) == graphs, runner.graphs_reason
-        sched = Scheduler(max_slots=SLOTS, max_context=CONTEXT, max_queue=4, prefill_chunk=16,
-                          block_size=4, checkpoint_interval=8, prefix_blocks=32,
-                          speculation=SpeculationSection(mode=mode, min_match=1))
-        worker = InProcessWorker(runner)
-        sched.attach(worker)
-        handles = [sched.submit(GenerationRequest(
-            f"r{i}", p, SamplingParams(temperature=0.8 if i else 0.0, seed=i), 32, eos=False))
-            for i, p in enumerate(PROMPTS)]
-        out = asyncio.run(drain(sched, handles))
+        out, worker = _drive(runner, mode, [
+            (p, SamplingParams(temperature=0.8 if i else 0.0, seed=i), 32)
+            for i, p in enumerate(PROMPTS)])
         counters = [r.counters for r in worker.results]
         refused = runner.graphs.refused if runner.graphs is not None else {}
         return out, counters, refused
