@@ -28,8 +28,11 @@ from gpu_worker.step_graph import StepGraphs, graphs_status
 from gpu_worker.step_graph import takes as graph_takes
 from gpu_worker.verify import sample_and_match_all
 from protocol.messages import (
+    CacheOp,
+    CacheOpKind,
     Phase,
     PromptPhase,
+    SamplingParams,
     SlotResult,
     SlotWork,
     StepPlan,
@@ -88,6 +91,44 @@ class Runner:
     def lengths(self) -> dict[int, int]:
         """Tokens in each allocated slot's cache."""
         return self.cache_ops.lengths
+
+    def warm_graphs(self) -> dict[str, float]:
+        """Before serving: capture the decode layouts, 1 to ``max_slots`` slots of one row
+        each, so that plain decoding never runs a layout's eager first pass or its capture
+        while requests wait. Every slot gets one prompt token, then each slot count runs two
+        decode passes (the first eager: it compiles what the layout needs; the second is
+        captured and replayed); the slots are freed after. Verify layouts (drafts) are
+        captured as they come. Returns the graphs captured and the seconds it took."""
+        if self.graphs is None or self.lengths:
+            return {"graphs": 0, "refused": 0, "seconds": 0.0}
+        t0, step = time.perf_counter(), 0
+        greedy = SamplingParams(temperature=0.0, seed=0)
+        before = dict(self.graphs.totals)
+
+        def run(slots: list[SlotWork], ops: list[CacheOp] | None = None) -> None:
+            nonlocal step
+            step -= 1  # negative ids: never a daemon's
+            self.execute(StepPlan(step_id=step, slots=slots, cache_ops=ops or []))
+
+        try:
+            for s in range(self.max_slots):
+                run([SlotWork(slot=s, request_id="warm-up", kind=WorkKind.PREFILL,
+                              input_ids=np.zeros(1, np.int32), start_pos=0, num_tokens=1,
+                              prompt_len=1, needs_logits=True, sampling=greedy)],
+                    [CacheOp(op=CacheOpKind.ALLOCATE, slot=s)])
+            for n in range(1, self.max_slots + 1):
+                for _ in range(2):
+                    run([SlotWork(slot=s, request_id="warm-up", kind=WorkKind.DECODE,
+                                  input_ids=np.zeros(1, np.int32), start_pos=self.lengths[s],
+                                  num_tokens=1, prompt_len=1, needs_logits=True,
+                                  sampling=greedy) for s in range(n)])
+        finally:
+            for s in list(self.lengths):
+                self.cache_ops.apply(CacheOp(op=CacheOpKind.FREE, slot=s))
+        after = self.graphs.totals
+        return {"graphs": after["graph_captures"] - before["graph_captures"],
+                "refused": after["graph_refused"] - before["graph_refused"],
+                "seconds": time.perf_counter() - t0}
 
     # ---- the step ------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:

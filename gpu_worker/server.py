@@ -98,7 +98,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[Runner, object, ModelInfo]:
     _log("draft overlap", enabled=cfg.draft_overlap, active=runner.overlap is not None,
          reason=runner.overlap_reason)
     _log("cuda graphs", enabled=cfg.cuda_graphs, active=runner.graphs is not None,
-         reason=runner.graphs_reason)
+         reason=runner.graphs_reason, **runner.warm_graphs())
     kv, states = runner.caches.kv, runner.caches.states
     layout = KvLayout(block_size=kv.block_size, block_bytes=kv.nbytes // max(kv.num_blocks, 1),
                       num_blocks=kv.num_blocks, prefix_blocks=extra_blocks,

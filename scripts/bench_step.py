@@ -286,6 +286,9 @@ def measure(bench: Bench, slots: int, rows: int, args: argparse.Namespace) -> di
         "distinct_experts_gpu": sum(g for g, _ in per_layer.values()) / n,
         "distinct_experts_cpu": sum(c for _, c in per_layer.values()) / n,
         "distinct_from_counters": from_counters,
+        # the last timed step's: the CPU workers' kernel time (the slowest worker's sum over
+        # layers) against the step, so the rest of the CPU experts' share is the round trips
+        "cpu_kernel_ms": res.timings_ms.get("cpu_experts") if res is not None else None,
         "step_ms_min": min(times), "step_ms_max": max(times), "steps": len(times),
         "context": bench.context, "gpu_bytes": gpu_bytes, "gpu_dense_bytes": dense,
         "gpu_kv_state_bytes": kv_state, "gpu_expert_bytes": experts_gpu,

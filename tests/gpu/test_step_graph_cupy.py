@@ -152,3 +152,23 @@ def test_graphs_with_cpu_experts_give_the_tokens_and_counts_of_eager_passes(tmp_
     keys = ("moe_layers", "cpu_experts", "gpu_experts")
     assert [[c.get(k) for k in keys] for c in c_graph] == [[c.get(k) for k in keys]
                                                            for c in c_eager]
+
+
+def test_decode_layouts_are_captured_before_serving(bf16_model):
+    """Runner.warm_graphs (the worker calls it before READY): one graph per slot count, the
+    slots free again, and plain decoding then replays them without capturing, giving the
+    tokens of an eager runner."""
+    runner = Runner(bf16_model, max_slots=SLOTS, max_context=CONTEXT, block_size=4,
+                    extra_blocks=32, cuda_graphs=True)
+    free = runner.kv.allocator.num_free
+    warm = runner.warm_graphs()
+    assert warm["graphs"] == SLOTS and warm["refused"] == 0 and warm["seconds"] > 0
+    assert not runner.lengths and runner.kv.allocator.num_free == free
+    requests = [(p, SamplingParams(temperature=0.7, seed=3 + i), 12) for i, p in
+                enumerate(PROMPTS)]
+    out, worker = _drive(runner, "off", requests)
+    assert runner.graphs.totals["graph_captures"] == SLOTS  # none while serving
+    assert sum(res.counters.get("graph_replays", 0) for res in worker.results) > 0
+    eager = Runner(bf16_model, max_slots=SLOTS, max_context=CONTEXT, block_size=4,
+                   extra_blocks=32)
+    assert out == _drive(eager, "off", requests)[0]
