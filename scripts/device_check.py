@@ -67,6 +67,15 @@ PLANS: dict[str, list[Check]] = {
         Check("int4", f"{PY} scripts.bench_cpu_experts --format int8,int4 --combos 512:512 "
               "--topks 10 --kinds random,one_expert --out $OUT/cpu_experts_int4_h200.json", 180),
     ],
+    # the synthetic 80B's step with CUDA graphs against its floor, both budgets (issue 14)
+    "step": [
+        Check("step_32", "mount -o remount,size=110G /dev/shm; cp docs/bench/step_graphs_h200.json "
+              "$OUT/step_graphs_h200.json; " + f"{PY} scripts.bench_step --model "
+              "qwen3-next-80b-a3b --gpu-budget 32 --graphs --steps 5 --append "
+              "--out $OUT/step_graphs_h200.json", 280),
+        Check("step_whole", f"{PY} scripts.bench_step --model qwen3-next-80b-a3b --gpu-budget "
+              "whole --graphs --steps 5 --append --out $OUT/step_graphs_h200.json", 260),
+    ],
     # CUDA graphs (gpu_worker/step_graph.py): bits equal eager, with and without CPU experts
     "graphs": [
         Check("graphs", f"{PY} pytest -q -p no:cacheprovider tests/gpu/test_topk_cupy.py "
