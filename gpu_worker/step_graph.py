@@ -41,7 +41,7 @@ from protocol.messages import SlotWork, WorkKind
 
 MAX_GRAPHS = 48  # layouts kept; the least recently used one goes first
 RESERVE_BYTES = 256 << 20  # taken into the graphs' pool before the first capture
-MODEL_INPUTS = ("tokens", "positions", "logit_rows", "attn", "gdn", "routing")
+MODEL_INPUTS = ("tokens", "positions", "logit_rows", "attn", "gdn", "routing", "row_slots")
 
 
 def graphs_status(wanted: bool, model: Model, experts) -> tuple[bool, str]:

@@ -11,6 +11,7 @@ wraps the device arrays for ``Model.forward``. Eager and graph passes run the sa
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import numpy as np
 
@@ -39,7 +40,7 @@ class StepInputs:
     positions: Array  # int64 [R]
     logit_rows: Array  # int64 [n]: rows whose logits the pass returns
     meta: StepMeta | None  # the paged-attention kernels' metadata (CuPy, kernel on)
-    routing: DeviceRouting | None  # synthetic models: the experts of every row and layer
+    routing: DeviceRouting | KernelRouting | None  # synthetic models: each row's experts
 
 
 def host_inputs(model, caches, batch: RaggedBatch, logit_rows: np.ndarray,
@@ -54,11 +55,13 @@ def host_inputs(model, caches, batch: RaggedBatch, logit_rows: np.ndarray,
         host["attn"] = step_meta_host(caches.kv, batch)
     if caches.states is not None:
         host["gdn"] = caches.states.table_host(batch.segments, track_buffers)
-    if model.routing is not None:  # every MoE layer's picks in one vectorised call
+    if model.routing is not None:
         bound = model.routing.bind_batch(batch)
-        host["routing"] = bound.model.choose_layers(
-            [layer.index for layer in model.layers if layer.sparse], bound.slots,
-            bound.positions)
+        if model.xp is np:  # every MoE layer's picks in one vectorised call
+            host["routing"] = bound.model.choose_layers(_moe_layers(model), bound.slots,
+                                                        bound.positions)
+        else:  # the rows' slots: the routing kernel picks on the device (KernelRouting)
+            host["row_slots"] = bound.slots
     return host
 
 
@@ -89,6 +92,40 @@ def step_inputs(model, caches, batch: RaggedBatch, dev: dict[str, Array],
         caches.states.install_table(batch.segments, dev["gdn"])
     routing = None
     if "routing" in dev:
-        sparse = [layer.index for layer in model.layers if layer.sparse]
-        routing = DeviceRouting({index: dev["routing"][i] for i, index in enumerate(sparse)})
+        routing = DeviceRouting({index: dev["routing"][i]
+                                 for i, index in enumerate(_moe_layers(model))})
+    elif "row_slots" in dev:
+        routing = KernelRouting(_routing_tables(model), dev["row_slots"], dev["positions"])
     return StepInputs(dev["tokens"], dev["positions"], dev["logit_rows"], meta, routing)
+
+
+def _moe_layers(model) -> list[int]:
+    return [layer.index for layer in model.layers if layer.sparse]
+
+
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _routing_tables(model):
+    """The model's routing tables on the device (made at its first pass: after the load,
+    which renumbers a split placement's experts)."""
+    tables = _TABLES.get(model)
+    if tables is None:
+        from gpu_worker.kernels.synthetic_routing import DeviceRoutingTables  # noqa: PLC0415
+
+        tables = _TABLES[model] = DeviceRoutingTables(model.routing, _moe_layers(model))
+    return tables
+
+
+class KernelRouting:
+    """A synthetic model's routing of one pass, computed on the device by one launch for
+    every MoE layer the first time a layer asks (inside the pass: a CUDA graph captures it)."""
+
+    def __init__(self, tables, slots: Array, positions: Array) -> None:
+        self.tables, self.slots, self.positions = tables, slots, positions
+        self._ids = None
+
+    def ids(self, layer: int) -> Array:
+        if self._ids is None:
+            self._ids = self.tables.choose(self.slots, self.positions)  # [L, R, k]
+        return self._ids[self.tables.layers.index(layer)]
