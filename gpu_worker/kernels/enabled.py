@@ -1,10 +1,11 @@
 """Which of the GPU step's new CuPy kernels the model takes (issue 14, in progress).
 
-A kernel is on by default once its tests have passed on a GPU: all five passed on the H200
-(tree c3d793c, ``scripts/device_check.py --plan kernels,parity``), with the batch-invariance
-test over 3,000 sampled layouts per architecture. ``TANDEM_GPU_KERNELS`` chooses another set
-(a comma list of names, ``all`` or ``none``); ``none`` is the earlier path (cuBLAS products of
-widened weights, attention and Gated DeltaNet one segment at a time), kept to compare against.
+A kernel is on by default once its tests have passed on a GPU: the first five passed on the
+H200 (tree c3d793c, ``scripts/device_check.py --plan kernels,parity``), with the
+batch-invariance test over 3,000 sampled layouts per architecture (all 18,320 at 917f870).
+``TANDEM_GPU_KERNELS`` chooses another set (a comma list of names, ``all`` or ``none``);
+``none`` is the earlier path (cuBLAS products of widened weights, attention and Gated
+DeltaNet one segment at a time), kept to compare against.
 
 * ``rowtile``: every dense product through gpu_worker/kernels/rowtile.py (model/ops.py)
 * ``paged_attention``: one launch per layer for segments of <= 16 rows (model/attention.py)
@@ -12,6 +13,10 @@ widened weights, attention and Gated DeltaNet one segment at a time), kept to co
 * ``fused_norm``: RMSNorm in one launch, gpu_worker/kernels/fused_norm.py (model/ops.py)
 * ``fused_silu``: SwiGLU's silu(gate) * up in one launch, gpu_worker/kernels/fused_silu.py
   (model/ops.py, the shared expert and dense MLP of model/moe.py)
+* ``fused_sigmoid``: sigmoid(gate) * x in one launch (fused_silu.py's ``sigmoid_mul``): the
+  output gates of attention and of the shared expert; with it Gated DeltaNet's
+  ``o * silu(z)`` takes ``silu_mul`` too (about 700 fewer launches per step of the 80B).
+  Off: not run on a GPU yet
 
 The merged expert kernels and the sampler passed on the H200 and are not switched here.
 """
@@ -21,8 +26,9 @@ from __future__ import annotations
 import functools
 import os
 
-KERNELS = ("rowtile", "paged_attention", "gdn", "fused_norm", "fused_silu")
-DEFAULT: frozenset[str] = frozenset(KERNELS)  # all passed on the H200 (tree c3d793c)
+KERNELS = ("rowtile", "paged_attention", "gdn", "fused_norm", "fused_silu", "fused_sigmoid")
+# passed on the H200 (tree c3d793c); fused_sigmoid not run on a GPU yet
+DEFAULT: frozenset[str] = frozenset(KERNELS) - {"fused_sigmoid"}
 ENV = "TANDEM_GPU_KERNELS"
 
 

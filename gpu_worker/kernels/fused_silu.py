@@ -27,6 +27,7 @@ import numpy as np
 
 from gpu_worker.kernels import raw_module
 from gpu_worker.kernels.gdn_recurrent import _HELPERS, source
+from gpu_worker.kernels.gdn_reference import sigmoid as _sigmoid_reference
 from gpu_worker.kernels.gdn_reference import silu as _silu_reference
 
 THREADS = 256  # elements (threads) per block
@@ -65,6 +66,17 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gate,
     if (i >= n) return;
     out[i] = (silu(F(gate[i])) * F(up[i])).v;
 }
+
+// grid ceil(n / THREADS), block THREADS: out = sigmoid(gate[i / per]) * x (the gates of
+// attention's output, per = 1, and of the shared expert, one per row: per = its width;
+// switch fused_sigmoid)
+extern "C" __global__ void sigmoid_mul(const float* __restrict__ gate,
+                                       const float* __restrict__ x, float* __restrict__ out,
+                                       long long n, long long per) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    out[i] = (sigmoid(F(gate[i / per])) * F(x[i])).v;
+}
 """
 
 
@@ -81,26 +93,41 @@ def kernel_source() -> str:
 
 
 @functools.cache
-def _function():
-    return raw_module(kernel_source(), "fused SiLU kernel").get_function("silu_mul")
+def _function(name: str = "silu_mul"):
+    return raw_module(kernel_source(), "fused SiLU kernels").get_function(name)
 
 
 def silu_mul(gate, up):
     """``silu(gate) * up`` of two float32 CuPy arrays of one shape -> a new float32 array of
     that shape, in the order of the module docstring. One launch (a copy first only for a
     non-contiguous input); never waits."""
+    return _launch("silu_mul", gate, up)
+
+
+def sigmoid_mul(gate, x):
+    """``sigmoid(gate) * x`` (the sigmoid of :func:`silu_mul`, then one product) of float32
+    CuPy arrays, ``gate`` of the shape of ``x`` or of one value per row (last axis 1), one
+    launch. Switch ``fused_sigmoid``."""
+    per = 1
+    if gate.shape != x.shape and gate.shape == x.shape[:-1] + (1,):
+        per = x.shape[-1]
+    return _launch("sigmoid_mul", gate, x, per)
+
+
+def _launch(name: str, gate, other, per: int | None = None):
     import cupy as cp  # noqa: PLC0415 (only on the GPU backend)
 
-    if gate.dtype != np.float32 or up.dtype != np.float32:
-        raise TypeError(f"silu_mul: float32 gate and up, not {gate.dtype}, {up.dtype}")
-    if gate.shape != up.shape:
-        raise ValueError(f"silu_mul: gate {gate.shape} and up {up.shape} differ")
-    out = cp.empty(gate.shape, np.float32)
+    if gate.dtype != np.float32 or other.dtype != np.float32:
+        raise TypeError(f"{name}: float32 operands, not {gate.dtype}, {other.dtype}")
+    if gate.shape != other.shape and per in (None, 1):
+        raise ValueError(f"{name}: shapes {gate.shape} and {other.shape} differ")
+    out = cp.empty(other.shape, np.float32)
     n = out.size
     if n == 0:
         return out
-    gate, up = cp.ascontiguousarray(gate), cp.ascontiguousarray(up)
-    _function()((-(-n // THREADS),), (THREADS,), (gate, up, out, np.int64(n)))
+    gate, other = cp.ascontiguousarray(gate), cp.ascontiguousarray(other)
+    args = (gate, other, out, np.int64(n)) + (() if per is None else (np.int64(per),))
+    _function(name)((-(-n // THREADS),), (THREADS,), args)
     return out
 
 
@@ -113,3 +140,14 @@ def silu_mul_reference(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         raise ValueError(f"silu_mul_reference: gate {gate.shape} and up {up.shape} differ")
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
         return (_silu_reference(gate) * up).astype(np.float32, copy=False)
+
+
+def sigmoid_mul_reference(gate: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """NumPy formula of :func:`sigmoid_mul`, bit for bit: gdn_reference's ``sigmoid`` times
+    ``x``, float32 throughout (IEEE)."""
+    gate = np.asarray(gate, np.float32)
+    x = np.asarray(x, np.float32)
+    if gate.shape not in (x.shape, x.shape[:-1] + (1,)):
+        raise ValueError(f"sigmoid_mul_reference: gate {gate.shape} does not fit x {x.shape}")
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        return (_sigmoid_reference(gate) * x).astype(np.float32, copy=False)

@@ -59,7 +59,7 @@ def full_attention(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
         out = _paged(ops, q, k, v, batch, kv, layer, scale, meta)
     out = out.reshape(R, Hq * hd)
     if gate is not None:
-        out = out * ops.sigmoid(gate)
+        out = ops.sigmoid_mul(gate, out)  # sigmoid(gate) * out: the product commutes
     return ops.linear(out, p["o_proj.weight"], p.get("o_proj.bias"))
 
 

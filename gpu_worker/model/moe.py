@@ -108,7 +108,7 @@ def sparse_moe(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
     if "shared_expert.gate_proj.weight" in p:
         shared = swiglu(ops, x, p["shared_expert.gate_proj.weight"],
                         p["shared_expert.up_proj.weight"], p["shared_expert.down_proj.weight"])
-        out = out + ops.sigmoid(ops.linear(x, p["shared_expert_gate.weight"])) * shared
+        out = out + ops.sigmoid_mul(ops.linear(x, p["shared_expert_gate.weight"]), shared)
     return out
 
 

@@ -9,7 +9,7 @@ import numpy as np
 from gpu_worker.kernels.bf16 import BF16, BITS, to_bf16, widen
 from gpu_worker.kernels.enabled import enabled
 from gpu_worker.kernels.fused_norm import rms_norm_rows
-from gpu_worker.kernels.fused_silu import silu_mul
+from gpu_worker.kernels.fused_silu import sigmoid_mul, silu_mul
 from gpu_worker.kernels.rowtile import linear_rows
 
 Array = Any  # numpy.ndarray or cupy.ndarray
@@ -109,6 +109,14 @@ class Ops:
                 and up.dtype == np.float32 and enabled("fused_silu")):
             return silu_mul(gate, up)
         return self.silu(gate) * up
+
+    def sigmoid_mul(self, gate: Array, x: Array) -> Array:
+        """``sigmoid(gate) * x``, same shapes (a gate). CuPy float32 with ``fused_sigmoid`` on:
+        one launch (gpu_worker/kernels/fused_silu.py, its own exp)."""
+        if (self.xp is not np and self.dtype == np.float32 and gate.dtype == np.float32
+                and x.dtype == np.float32 and enabled("fused_sigmoid")):
+            return sigmoid_mul(gate, x)
+        return self.sigmoid(gate) * x
 
     def sigmoid(self, x: Array) -> Array:
         xp = self.xp

@@ -108,3 +108,46 @@ def test_ops_silu_mul_takes_the_kernel(monkeypatch):
     monkeypatch.setenv("TANDEM_GPU_KERNELS", "none")
     _same(cupy.asnumpy(ops.silu_mul(gg, ug)), cupy.asnumpy(ops.silu(gg) * ug),
           "Ops.silu_mul, switch off")
+
+
+# ---- sigmoid(gate) * x (switch fused_sigmoid) ----------------------------------------------
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_sigmoid_mul_bits_equal_the_numpy_formula(shape):
+    from gpu_worker.kernels.fused_silu import sigmoid_mul, sigmoid_mul_reference
+
+    rng = np.random.default_rng(sum(shape) + 1)
+    g, x = _gate_up(rng, shape)
+    got = cupy.asnumpy(sigmoid_mul(cupy.asarray(g), cupy.asarray(x)))
+    _same(got, sigmoid_mul_reference(g, x), f"shape {shape}")
+    with np.errstate(over="ignore"):
+        ref = x.astype(np.float64) / (1 + np.exp(-g.astype(np.float64)))
+    ok = np.isfinite(ref) & (np.abs(ref) > 1e-30)
+    assert np.all(np.abs(got[ok] - ref[ok]) <= 4 * np.spacing(np.abs(ref[ok]).astype(np.float32)))
+
+
+def test_ops_takes_sigmoid_mul_only_when_switched_on(monkeypatch):
+    from gpu_worker.kernels.fused_silu import sigmoid_mul_reference
+
+    rng = np.random.default_rng(3)
+    g, x = (rng.standard_normal((5, 64)).astype(np.float32) for _ in range(2))
+    ops = Ops(cupy, np.float32)
+    monkeypatch.setenv("TANDEM_GPU_KERNELS", "all")
+    _same(cupy.asnumpy(ops.sigmoid_mul(cupy.asarray(g), cupy.asarray(x))),
+          sigmoid_mul_reference(g, x), "fused_sigmoid on")
+    monkeypatch.setenv("TANDEM_GPU_KERNELS", "fused_silu")
+    want = cupy.asnumpy(ops.sigmoid(cupy.asarray(g)) * cupy.asarray(x))
+    _same(cupy.asnumpy(ops.sigmoid_mul(cupy.asarray(g), cupy.asarray(x))), want, "off")
+
+
+@pytest.mark.parametrize("rows, width", [(1, 64), (14, 2048), (3, 1)])
+def test_sigmoid_mul_takes_one_gate_per_row(rows, width):
+    """The shared expert's gate: [R, 1] against [R, H]."""
+    from gpu_worker.kernels.fused_silu import sigmoid_mul, sigmoid_mul_reference
+
+    rng = np.random.default_rng(rows + width)
+    g = (rng.standard_normal((rows, 1)) * 4).astype(np.float32)
+    x = rng.standard_normal((rows, width)).astype(np.float32)
+    got = cupy.asnumpy(sigmoid_mul(cupy.asarray(g), cupy.asarray(x)))
+    _same(got, sigmoid_mul_reference(g, x), f"{rows} x {width}")
+    with pytest.raises(ValueError):
+        sigmoid_mul(cupy.zeros((rows, 2), cupy.float32), cupy.asarray(x))

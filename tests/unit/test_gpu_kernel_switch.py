@@ -19,10 +19,11 @@ def test_the_environment_chooses(monkeypatch, raw, want):
     assert {k for k in KERNELS if enabled(k)} == want
 
 
-def test_every_kernel_is_on_by_default_and_each_can_be_taken_alone(monkeypatch):
-    """All five passed on the H200; each stays switchable on its own (to compare paths)."""
+def test_the_verified_kernels_are_on_by_default_and_each_can_be_taken_alone(monkeypatch):
+    """The five that passed on the H200 are on, fused_sigmoid (not run on a GPU yet) is off;
+    each stays switchable on its own (to compare paths)."""
     monkeypatch.delenv(ENV, raising=False)
-    assert all(enabled(k) for k in KERNELS)
+    assert [k for k in KERNELS if not enabled(k)] == ["fused_sigmoid"]
     for name in KERNELS:
         monkeypatch.setenv(ENV, name)
         assert [k for k in KERNELS if enabled(k)] == [name]
