@@ -17,6 +17,9 @@ DeltaNet one segment at a time), kept to compare against.
   output gates of attention and of the shared expert; with it Gated DeltaNet's
   ``o * silu(z)`` takes ``silu_mul`` too (about 700 fewer launches per step of the 80B).
   Off: not run on a GPU yet
+* ``fused_router``: the router's softmax, top-k and weights in one launch,
+  gpu_worker/kernels/router.py (model/moe.py ``route``; about eight fewer launches per MoE
+  layer). Off: not run on a GPU yet
 
 The merged expert kernels and the sampler passed on the H200 and are not switched here.
 """
@@ -26,9 +29,10 @@ from __future__ import annotations
 import functools
 import os
 
-KERNELS = ("rowtile", "paged_attention", "gdn", "fused_norm", "fused_silu", "fused_sigmoid")
-# passed on the H200 (tree c3d793c); fused_sigmoid not run on a GPU yet
-DEFAULT: frozenset[str] = frozenset(KERNELS) - {"fused_sigmoid"}
+KERNELS = ("rowtile", "paged_attention", "gdn", "fused_norm", "fused_silu", "fused_sigmoid",
+           "fused_router")
+# passed on the H200 (tree c3d793c); fused_sigmoid and fused_router not run on a GPU yet
+DEFAULT: frozenset[str] = frozenset(KERNELS) - {"fused_sigmoid", "fused_router"}
 ENV = "TANDEM_GPU_KERNELS"
 
 

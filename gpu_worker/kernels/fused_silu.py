@@ -80,16 +80,21 @@ extern "C" __global__ void sigmoid_mul(const float* __restrict__ gate,
 """
 
 
-def kernel_source() -> str:
-    """gdn_recurrent's float32 defines and ``_HELPERS`` (``exp_neg``, ``silu``) with ``T``
-    the struct ``F`` above, then the kernel."""
+def helpers_source() -> str:
+    """gdn_recurrent's float32 defines and ``_HELPERS`` (``exp_neg``, ``sigmoid``, ``silu``)
+    with ``T`` the struct ``F`` above: IEEE float32 arithmetic whatever ``-ftz`` says (the
+    router kernel, router.py, builds on it too)."""
     full = source(np.float32, conv_kernel=2)
     head = full[: full.index(_HELPERS) + len(_HELPERS)]
     if "typedef float T;\n" not in head or "#define RINT rintf\n" not in head:
         raise RuntimeError("gdn_recurrent.source changed: fused_silu cannot reuse its exp")
-    head = head.replace("typedef float T;\n", _TYPE).replace("#define RINT rintf\n",
+    return head.replace("typedef float T;\n", _TYPE).replace("#define RINT rintf\n",
                                                              "#define RINT rint_f\n")
-    return head + _KERNEL
+
+
+def kernel_source() -> str:
+    """:func:`helpers_source`, then the kernels."""
+    return helpers_source() + _KERNEL
 
 
 @functools.cache

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from gpu_worker.kernels.enabled import enabled
 from gpu_worker.model.ops import Array, Ops
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.routed_experts import Quantized, RoutedExperts
 
 MAX_EXPERTS = 4096  # gpu_worker/kernels/topk.py: the router's top-k kernel takes up to this
+ROUTER_MAX_EXPERTS = 2048  # gpu_worker/kernels/router.py (switch fused_router)
 
 if TYPE_CHECKING:
     from gpu_worker.weights.routing import RowRouting
@@ -30,7 +32,13 @@ def route(ops: Ops, cfg: ModelConfig, w_gate: Array, x: Array,
     synthetic model's routing model) replaces the top-k; the weights are still the softmax
     gathered at those ids."""
     xp = ops.xp
-    probs = ops.softmax(ops.linear(x, w_gate), axis=-1)  # [R, E]
+    logits = ops.linear(x, w_gate)  # [R, E]
+    if (chosen is None and xp.__name__ == "cupy" and logits.dtype == xp.float32
+            and logits.shape[-1] <= ROUTER_MAX_EXPERTS and enabled("fused_router")):
+        from gpu_worker.kernels.router import router_topk  # noqa: PLC0415 (cupy)
+
+        return router_topk(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    probs = ops.softmax(logits, axis=-1)  # [R, E]
     if chosen is not None:
         ids = xp.asarray(chosen, dtype=xp.int64)
     elif xp.__name__ == "cupy" and probs.dtype == xp.float32 and probs.shape[-1] <= MAX_EXPERTS:

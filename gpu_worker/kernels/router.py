@@ -1,0 +1,131 @@
+"""The MoE router after its product in one launch (CuPy float32, switch ``fused_router``):
+softmax over the experts, top-k, the picked probabilities, their renormalisation.
+
+``moe.route`` spends about nine launches there (max, subtract, exp, sum, divide, top-k,
+gather, sum, divide); here one warp per row does all of it in a fixed order, so a row's
+result never depends on the other rows, and :func:`router_reference` is its NumPy formula
+bit for bit:
+
+* ``m = max(logits)``; ``e_i = exp_neg(l_i - m)`` (Gated DeltaNet's exp for arguments <= 0,
+  gpu_worker/kernels/gdn_recurrent.py, in IEEE float32 whatever ``-ftz`` does: the struct
+  ``F`` of fused_silu.py); ``s = e_0 + e_1 + ...`` left to right; ``p_i = e_i / s``;
+* the ``k`` largest ``p_i``, descending, ties to the lower expert id (their bits compared as
+  unsigned integers: ``p_i >= 0``);
+* weights ``p_id``; with ``norm_topk_prob`` each divided by their sum, left to right.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from gpu_worker.kernels import raw_module
+from gpu_worker.kernels.fused_silu import helpers_source
+from gpu_worker.kernels.gdn_reference import exp_neg
+
+MAX_EXPERTS = 2048  # a row's probabilities and flags live in shared memory
+
+_KERNEL = r"""
+// grid R, block 32 (one warp per row)
+extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, int k,
+                                       int renorm, long long* __restrict__ ids,
+                                       float* __restrict__ weights) {
+    __shared__ float p[2048];
+    __shared__ unsigned char taken[2048];
+    __shared__ float picked[64];
+    const int row = blockIdx.x, lane = threadIdx.x;
+    const float* l = logits + (long long)row * E;
+    // the maximum by an order-preserving integer key: exact, no flushing
+    unsigned int best = 0;
+    for (int i = lane; i < E; i += 32) {
+        unsigned int b = __float_as_uint(l[i]);
+        unsigned int key = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+        if (key > best) best = key;
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+        unsigned int o = __shfl_xor_sync(0xffffffffu, best, off);
+        if (o > best) best = o;
+    }
+    const F m = F(__uint_as_float((best & 0x80000000u) ? (best & 0x7fffffffu) : ~best));
+    for (int i = lane; i < E; i += 32) {
+        p[i] = exp_neg(F(l[i]) - m).v;
+        taken[i] = 0;
+    }
+    __syncwarp();
+    F s = F(0.0f);
+    if (lane == 0)
+        for (int i = 0; i < E; ++i) s = s + F(p[i]);  // left to right
+    s = F(__shfl_sync(0xffffffffu, s.v, 0));
+    for (int i = lane; i < E; i += 32) p[i] = (F(p[i]) / s).v;
+    __syncwarp();
+    for (int j = 0; j < k; ++j) {  // top-k by bits (p >= 0), ties to the lower id
+        unsigned int bb = 0; int at = -1;
+        for (int e = lane; e < E; e += 32) {
+            if (taken[e]) continue;
+            unsigned int b = __float_as_uint(p[e]) & 0x7fffffffu;
+            if (at < 0 || b > bb) { bb = b; at = e; }
+        }
+        for (int off = 16; off > 0; off >>= 1) {
+            unsigned int ob = __shfl_down_sync(0xffffffffu, bb, off);
+            int oa = __shfl_down_sync(0xffffffffu, at, off);
+            if (oa >= 0 && (at < 0 || ob > bb || (ob == bb && oa < at))) { bb = ob; at = oa; }
+        }
+        at = __shfl_sync(0xffffffffu, at, 0);
+        if (lane == 0) {
+            ids[(long long)row * k + j] = at;
+            picked[j] = p[at];
+        }
+        if ((at & 31) == lane) taken[at] = 1;
+        __syncwarp();
+    }
+    if (lane != 0) return;
+    F t = F(1.0f);
+    if (renorm) {
+        t = F(0.0f);
+        for (int j = 0; j < k; ++j) t = t + F(picked[j]);
+    }
+    for (int j = 0; j < k; ++j)
+        weights[(long long)row * k + j] = renorm ? (F(picked[j]) / t).v : picked[j];
+}
+"""
+
+
+@functools.cache
+def _function():
+    return raw_module(helpers_source() + _KERNEL, "router kernel").get_function("router_topk")
+
+
+def router_topk(logits, k: int, renorm: bool):
+    """(ids int64 [R, k], weights float32 [R, k]) of the router's ``logits`` [R, E] (CuPy
+    float32), as the module docstring says; one launch, never waits."""
+    import cupy as cp  # noqa: PLC0415 (only on the GPU backend)
+
+    R, E = logits.shape
+    if logits.dtype != np.float32:
+        raise TypeError(f"router logits must be float32, got {logits.dtype}")
+    if not 0 < k <= min(E, 64) or E > MAX_EXPERTS:
+        raise ValueError(f"top-{k} of {E} experts: want 0 < k <= min(E, 64), E <= "
+                         f"{MAX_EXPERTS}")
+    logits = cp.ascontiguousarray(logits)
+    ids = cp.empty((R, k), cp.int64)
+    weights = cp.empty((R, k), cp.float32)
+    if R:
+        _function()((R,), (32,), (logits, np.int32(E), np.int32(k), np.int32(bool(renorm)),
+                                  ids, weights))
+    return ids, weights
+
+
+def router_reference(logits: np.ndarray, k: int, renorm: bool
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """NumPy formula of :func:`router_topk`, bit for bit (sums left to right by cumsum)."""
+    lg = np.asarray(logits, np.float32)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        e = exp_neg((lg - lg.max(axis=1, keepdims=True)).astype(np.float32))
+        s = np.cumsum(e, axis=1, dtype=np.float32)[:, -1:]
+        p = (e / s).astype(np.float32)
+        ids = np.argsort(-p, axis=1, kind="stable")[:, :k].astype(np.int64)
+        w = np.take_along_axis(p, ids, axis=1)
+        if renorm:
+            w = (w / np.cumsum(w, axis=1, dtype=np.float32)[:, -1:]).astype(np.float32)
+    return ids, w
