@@ -44,6 +44,7 @@ PLANS: dict[str, list[Check]] = {
               f"{PY} pytest -q -p no:cacheprovider tests/gpu/test_fused_norm_cupy.py", 60),
         Check("fused_silu",
               f"{PY} pytest -q -p no:cacheprovider tests/gpu/test_fused_silu_cupy.py", 60),
+        Check("router", f"{PY} pytest -q -p no:cacheprovider tests/gpu/test_router_cupy.py", 60),
         Check("batch_invariance", f"{PY} pytest -q -s -p no:cacheprovider "
               "tests/gpu/test_batch_invariance_cupy.py", 200),
     ],

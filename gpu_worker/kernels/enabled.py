@@ -20,6 +20,8 @@ DeltaNet one segment at a time), kept to compare against.
 * ``fused_router``: the router's softmax, top-k and weights in one launch,
   gpu_worker/kernels/router.py (model/moe.py ``route``; about eight fewer launches per MoE
   layer). Off: not run on a GPU yet
+* ``fused_rope``: rotate-half RoPE of q and k in one launch each (fused_silu.py ``rope``;
+  about ten fewer launches per attention layer). Off: not run on a GPU yet
 
 The merged expert kernels and the sampler passed on the H200 and are not switched here.
 """
@@ -30,9 +32,9 @@ import functools
 import os
 
 KERNELS = ("rowtile", "paged_attention", "gdn", "fused_norm", "fused_silu", "fused_sigmoid",
-           "fused_router")
-# passed on the H200 (tree c3d793c); fused_sigmoid and fused_router not run on a GPU yet
-DEFAULT: frozenset[str] = frozenset(KERNELS) - {"fused_sigmoid", "fused_router"}
+           "fused_router", "fused_rope")
+NOT_ON_A_GPU_YET = frozenset({"fused_sigmoid", "fused_router", "fused_rope"})
+DEFAULT: frozenset[str] = frozenset(KERNELS) - NOT_ON_A_GPU_YET  # the rest passed on the H200
 ENV = "TANDEM_GPU_KERNELS"
 
 

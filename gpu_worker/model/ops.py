@@ -9,7 +9,7 @@ import numpy as np
 from gpu_worker.kernels.bf16 import BF16, BITS, to_bf16, widen
 from gpu_worker.kernels.enabled import enabled
 from gpu_worker.kernels.fused_norm import rms_norm_rows
-from gpu_worker.kernels.fused_silu import sigmoid_mul, silu_mul
+from gpu_worker.kernels.fused_silu import rope, sigmoid_mul, silu_mul
 from gpu_worker.kernels.rowtile import linear_rows
 
 Array = Any  # numpy.ndarray or cupy.ndarray
@@ -143,8 +143,12 @@ class Ops:
         return xp.cos(emb).astype(self.dtype), xp.sin(emb).astype(self.dtype)
 
     def apply_rope(self, x: Array, cos: Array, sin: Array) -> Array:
-        """x [R, heads, hd]; rotates the first cos.shape[-1] dims (pairs i, i + rot/2)."""
+        """x [R, heads, hd]; rotates the first cos.shape[-1] dims (pairs i, i + rot/2).
+        CuPy float32 with ``fused_rope`` on: one launch (gpu_worker/kernels/fused_silu.py)."""
         xp = self.xp
+        if (xp is not np and x.dtype == np.float32 and cos.dtype == np.float32
+                and enabled("fused_rope")):
+            return rope(x, cos, sin)
         rot = cos.shape[-1]
         xr, xpass = x[..., :rot], x[..., rot:]
         half = rot // 2

@@ -151,3 +151,34 @@ def test_sigmoid_mul_takes_one_gate_per_row(rows, width):
     _same(got, sigmoid_mul_reference(g, x), f"{rows} x {width}")
     with pytest.raises(ValueError):
         sigmoid_mul(cupy.zeros((rows, 2), cupy.float32), cupy.asarray(x))
+
+
+# ---- rotate-half RoPE (switch fused_rope) ----------------------------------------------------
+@pytest.mark.parametrize("R, H, D, rot", [(1, 16, 128, 128), (5, 2, 256, 64), (3, 4, 32, 32),
+                                          (20, 3, 20, 4)])
+def test_rope_bits_equal_the_numpy_formula(R, H, D, rot):
+    from gpu_worker.kernels.fused_silu import rope, rope_reference
+
+    rng = np.random.default_rng(R * H + D)
+    x = rng.standard_normal((R, H, D)).astype(np.float32)
+    x.reshape(-1)[:6] = [1e-40, -3e-39, 0.0, -0.0, 3e38, -1e-45]  # subnormals, zeros, huge
+    ang = rng.uniform(0, 100, (R, rot // 2))
+    emb = np.concatenate([ang, ang], axis=-1)
+    cos, sin = np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+    got = rope(cupy.asarray(x), cupy.asarray(cos), cupy.asarray(sin)).get()
+    _same(got, rope_reference(x, cos, sin), f"{R}x{H}x{D} rot {rot}")
+
+
+def test_ops_takes_rope_only_when_switched_on(monkeypatch):
+    from gpu_worker.kernels.fused_silu import rope_reference
+
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((4, 2, 64)).astype(np.float32)
+    emb = np.tile(rng.uniform(0, 9, (4, 8)), 2)
+    cos, sin = np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+    ops = Ops(cupy, np.float32)
+    want = rope_reference(x, cos, sin)
+    for kernels in ("all", "rowtile"):  # normal values: both paths give the IEEE bits
+        monkeypatch.setenv("TANDEM_GPU_KERNELS", kernels)
+        got = ops.apply_rope(cupy.asarray(x), cupy.asarray(cos), cupy.asarray(sin)).get()
+        _same(got, want, kernels)
