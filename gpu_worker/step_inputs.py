@@ -1,6 +1,6 @@
 """The inputs of one forward pass that the host builds: made before the pass runs, so that the
 pass itself never uploads anything (the condition for capturing it in a CUDA graph,
-gpu_worker/step_graph.py; docs/gpu_step.md "What stands between the step and a CUDA graph").
+gpu_worker/step_graph.py; docs/gpu_step.md "What stood between the step and a CUDA graph").
 
 :func:`host_inputs` computes them as NumPy arrays (and does the host work that goes with them:
 KV blocks reserved and copied on write, the GDN per-row buffers allocated); :func:`upload`

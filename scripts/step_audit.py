@@ -7,8 +7,8 @@ with the new kernels on and off.
 
 Printed per step: launches (total, per part of the step, per layer of each kind), every
 device->host transfer or sync and every host->device upload grouped by the worker line that
-caused it, and the allocations. docs/gpu_step.md ("What stands between the step and a CUDA
-graph") turns this into the work list.
+caused it, and the allocations. docs/gpu_step.md ("What stood between the step and a CUDA
+graph") turned this into the work list.
 """
 
 from __future__ import annotations
