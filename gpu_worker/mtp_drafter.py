@@ -104,7 +104,9 @@ class MtpDrafter:
                 start, nxt = w.start_pos - 1, [ids[0]] + nxt
                 known = xp.concatenate([pending[1][None], known], axis=0)
             if not tokens:  # nothing sampled: the last row's next token comes next step
-                self.pending[w.slot] = (w.start_pos + count - 1, hidden[seg.row0 + count - 1])
+                # a copy: a CUDA graph's hidden rows are rewritten by its next replay
+                self.pending[w.slot] = (w.start_pos + count - 1,
+                                        hidden[seg.row0 + count - 1].copy())
             if not nxt:
                 continue
             parts.append((w.slot, start, nxt))

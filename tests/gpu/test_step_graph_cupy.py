@@ -65,12 +65,13 @@ def _graphs_on_the_emulator(monkeypatch):
 
 
 
-def _drive(runner: Runner, mode: str, requests) -> tuple[list, InProcessWorker]:
-    """The scheduler over ``runner``, speculation ``mode`` with suffix drafts, serving
-    ``requests`` ((prompt, SamplingParams, max tokens) each) to the end."""
+def _drive(runner: Runner, mode: str, requests, **spec) -> tuple[list, InProcessWorker]:
+    """The scheduler over ``runner``, speculation ``mode`` (suffix drafts unless ``spec``
+    says otherwise), serving ``requests`` ((prompt, SamplingParams, max tokens) each) to the
+    end."""
     sched = Scheduler(max_slots=SLOTS, max_context=CONTEXT, max_queue=4, prefill_chunk=16,
                       block_size=4, checkpoint_interval=8, prefix_blocks=32,
-                      speculation=SpeculationSection(mode=mode, min_match=1))
+                      speculation=SpeculationSection(mode=mode, **{"min_match": 1, **spec}))
     worker = InProcessWorker(runner)
     sched.attach(worker)
     handles = [sched.submit(GenerationRequest(f"r{i}", p, params, n, eos=False))
@@ -172,3 +173,21 @@ def test_decode_layouts_are_captured_before_serving(bf16_model):
     eager = Runner(bf16_model, max_slots=SLOTS, max_context=CONTEXT, block_size=4,
                    extra_blocks=32)
     assert out == _drive(eager, "off", requests)[0]
+
+
+def test_mtp_drafts_with_graphs_give_the_tokens_of_eager_passes(bf16_model):
+    """The MTP head drafts from the hidden rows a replayed graph wrote (eager head passes)."""
+    if bf16_model.mtp is None:
+        pytest.skip("this tiny architecture has no MTP head")
+    requests = [(p, SamplingParams(temperature=0.8, seed=5 + i), 14 if EMULATED else 40)
+                for i, p in enumerate(PROMPTS)]
+    out = []
+    for graphs in (False, True):
+        runner = Runner(bf16_model, max_slots=SLOTS, max_context=CONTEXT, block_size=4,
+                        extra_blocks=32, cuda_graphs=graphs)
+        got, worker = _drive(runner, "wide", requests, proposer="mtp", num_drafts=3)
+        drafted = sum(len(w.draft_ids) for p in worker.plans for w in p.slots)
+        replays = sum(r.counters.get("graph_replays", 0) for r in worker.results)
+        assert drafted > 0 and (replays > 0) == graphs
+        out.append(got)
+    assert out[1] == out[0]
