@@ -55,7 +55,8 @@ def graphs_status(wanted: bool, model: Model, experts) -> tuple[bool, str]:
     off = [k for k in ("rowtile", "paged_attention", "gdn") if not enabled(k)]
     if off:
         return False, f"GPU kernels switched off: {', '.join(off)}"
-    reason = None if experts is None else getattr(experts, "graph_reason", lambda: "?")()
+    reason = None if experts is None else getattr(
+        experts, "graph_reason", lambda: f"routed experts {type(experts).__name__} (no graphs)")()
     if reason is not None:
         return False, reason
     if model.cfg.vocab_size > sampler.MAX_VOCAB:
