@@ -71,10 +71,46 @@ def takes(work: list[SlotWork], batch: RaggedBatch) -> bool:
         s.num <= PAGED_MAX_ROWS for s in batch.segments)
 
 
+class StaticInputs:
+    """A graph's input buffers as views into one device buffer, refilled from one pinned
+    staging buffer by one copy per replay (instead of one small copy per input)."""
+
+    ALIGN = 16
+
+    def __init__(self, cp, host: dict[str, np.ndarray]) -> None:
+        self.layout, size = {}, 0
+        for name, a in host.items():
+            self.layout[name] = (size, a.shape, a.dtype)
+            size += -(-a.nbytes // self.ALIGN) * self.ALIGN
+        size = max(size, self.ALIGN)
+        self.device = cp.empty(size, cp.uint8)
+        self.staging = np.frombuffer(cp.cuda.alloc_pinned_memory(size), np.uint8, size)
+        self.arrays = {name: self._view(self.device, name) for name in self.layout}
+
+    def _view(self, buf, name: str):
+        off, shape, dtype = self.layout[name]
+        n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        return buf[off:off + n].view(dtype).reshape(shape)
+
+    def fill(self, host: dict[str, np.ndarray], stream) -> None:
+        """``host`` (the names, shapes and dtypes the buffers were made for) into the
+        device buffer, one copy on ``stream``. The staging buffer is reused only after the
+        replay that read it (each replay ends with a wait for its outputs)."""
+        if host.keys() != self.layout.keys():
+            raise ValueError(f"inputs {sorted(host)} do not match {sorted(self.layout)}")
+        for name, a in host.items():
+            dst = self._view(self.staging, name)
+            if dst.shape != a.shape or dst.dtype != a.dtype:
+                raise ValueError(f"input {name}: {a.dtype} {a.shape} into {dst.dtype} "
+                                 f"{dst.shape}")
+            dst[...] = a
+        self.device.set(self.staging, stream=stream)
+
+
 @dataclasses.dataclass
 class _Graph:
     graph: object  # cupy.cuda.Graph
-    static: dict  # name -> device buffer the replay refills
+    inputs: StaticInputs  # the buffers each replay refills
     out: object  # int32 [n + S]: sampled tokens, accepted drafts per sampled slot
     logits: object
     hidden: object
@@ -155,8 +191,8 @@ class StepGraphs:
         ready = cp.cuda.Event(disable_timing=True)
         ready.record(main)  # the main stream's work so far (cache commands, table rows)
         self.stream.wait_event(ready)
-        upload(cp, host, g.static, stream=self.stream)
-        step_inputs(model, caches, batch, _model_part(g.static), self.max_position)
+        g.inputs.fill(host, self.stream)
+        step_inputs(model, caches, batch, _model_part(g.inputs.arrays), self.max_position)
         try:
             g.graph.launch(stream=self.stream)
             if self.on_launch is not None:
@@ -177,10 +213,11 @@ class StepGraphs:
             if experts is not None:
                 experts.begin_capture()
             with cp.cuda.using_allocator(self.pool.malloc):
-                static = {name: cp.empty(a.shape, a.dtype) for name, a in host.items()}
+                packed = StaticInputs(cp, host)
+                static = packed.arrays
                 n, S = host["logit_rows"].size, host["row0"].size
                 out = cp.empty(n + S, cp.int32)
-                upload(cp, host, static, stream=self.stream)  # this step's: see _record
+                packed.fill(host, self.stream)  # this step's: see _record
 
                 def body() -> tuple:
                     # the inputs as views of the static buffers (host objects, no launch)
@@ -199,7 +236,7 @@ class StepGraphs:
         finally:
             if experts is not None:  # nothing ran: close the capture's ring session
                 token = experts.end_capture()
-        g = _Graph(graph, static, out, logits, hidden, token)
+        g = _Graph(graph, packed, out, logits, hidden, token)
         self.graphs[key] = g
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)

@@ -4,8 +4,9 @@ gpu_worker/step_graph.py; docs/gpu_step.md "What stood between the step and a CU
 
 :func:`host_inputs` computes them as NumPy arrays (and does the host work that goes with them:
 KV blocks reserved and copied on write, the GDN per-row buffers allocated); :func:`upload`
-puts them on the backend, fresh or into the static buffers of a graph; :func:`step_inputs`
-wraps the device arrays for ``Model.forward``. Eager and graph passes run the same three.
+puts them on the backend (a graph copies them into its static buffers instead);
+:func:`step_inputs` wraps the device arrays for ``Model.forward``. Eager and graph passes run
+the same host and wrapping code.
 """
 
 from __future__ import annotations
@@ -65,20 +66,10 @@ def host_inputs(model, caches, batch: RaggedBatch, logit_rows: np.ndarray,
     return host
 
 
-def upload(xp, host: dict[str, np.ndarray], into: dict[str, Array] | None = None,
-           stream=None) -> dict[str, Array]:
-    """``host`` on the backend: new arrays, or copied into ``into`` (same names, shapes and
-    dtypes: a graph's static buffers) on ``stream``."""
-    if into is None:
-        return {name: xp.asarray(a) for name, a in host.items()}
-    if into.keys() != host.keys():
-        raise ValueError(f"inputs {sorted(host)} do not match the buffers {sorted(into)}")
-    for name, a in host.items():
-        dst = into[name]
-        if dst.shape != a.shape or dst.dtype != a.dtype:
-            raise ValueError(f"input {name}: {a.dtype} {a.shape} into {dst.dtype} {dst.shape}")
-        dst.set(a, stream=stream)
-    return into
+def upload(xp, host: dict[str, np.ndarray]) -> dict[str, Array]:
+    """``host`` on the backend, new arrays (a graph refills its own buffers instead:
+    gpu_worker/step_graph.py ``StaticInputs``)."""
+    return {name: xp.asarray(a) for name, a in host.items()}
 
 
 def step_inputs(model, caches, batch: RaggedBatch, dev: dict[str, Array],
