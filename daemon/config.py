@@ -166,7 +166,8 @@ def summary(config: Config) -> list[str]:
     budget = (f"{e.gpu_memory_gb:g} GiB" if e.gpu_memory_gb is not None else
               "the whole device" if m.backend != "numpy" else "no limit")
     return [
-        f"model: {m.served_name} from {m.path} ({m.dtype}, {m.backend} backend)",
+        f"model: {m.served_name} from {m.path} ({m.dtype}, {m.backend} backend"
+        + (", CUDA graphs)" if m.cuda_graphs and m.backend != "numpy" else ")"),
         f"http: http://{s.host}:{s.port} ({auth}), body <= {s.max_body_bytes} bytes",
         f"zmq: {s.zmq_endpoint}",
         f"scheduler: {sc.max_slots} slots x {sc.max_context} tokens, prefill chunk "
