@@ -32,6 +32,10 @@ CPU_ALIGN = 64
 ACTIVATION_COPIES = 8  # [rows, widest projection] tensors alive at once in one layer
 SCORE_COPIES = 3  # attention scores [heads, chunk, context]: scores, masked, probabilities
 LOGIT_COPIES = 2  # float32 logits [rows, V] and the sampler's probabilities
+# CUDA graphs (gpu_worker/step_graph.py): their memory pool's first reserve, and the rows of
+# the logits and hidden states every graph shares, per slot, at first
+GRAPH_POOL_RESERVE = 256 << 20
+GRAPH_OUTPUT_ROWS_PER_SLOT = 5
 DENSE_PARTS = ("embeddings", "lm_head", "attention", "GDN", "norms", "routers",
                "shared experts", "dense MLPs", "MTP head")
 
@@ -101,6 +105,14 @@ def work_parts(config: ModelConfig, shapes: Shapes, dtype: str, *, max_slots: in
     return (("activations", ACTIVATION_COPIES * rows * widest * act),
             ("attention scores", scores + gathered), ("logits", logits),
             ("expert scratch", experts), ("bf16 widening", widen))
+
+
+def graph_bytes(config: ModelConfig, *, max_slots: int, max_drafts: int) -> int:
+    """What CUDA graphs add on the GPU: the pool's reserve (every graph's temporaries come
+    from it) and the shared float32 logits and hidden rows of the largest decode or verify
+    pass. Each graph keeps only its inputs and sampled tokens besides (a few KiB)."""
+    rows = max_slots * max(1 + max_drafts, GRAPH_OUTPUT_ROWS_PER_SLOT)
+    return GRAPH_POOL_RESERVE + rows * (config.vocab_size + config.hidden_size) * 4
 
 
 def expert_order(moe_layers: tuple[int, ...], num_experts: int,

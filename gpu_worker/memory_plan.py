@@ -146,7 +146,8 @@ def plan_memory(config: ModelConfig, *, dtype: str = "bfloat16", backend: str = 
                 placement: str = "split", cpu_experts_per_layer: int = 0,
                 hot_counts: Mapping[int, np.ndarray] | None = None, cpu_workers: int = 1,
                 include_mtp: bool = True,
-                host_available_bytes: int | None = -1, cpu_format: str = "int8") -> MemoryPlan:
+                host_available_bytes: int | None = -1, cpu_format: str = "int8",
+                cuda_graphs: bool = False) -> MemoryPlan:
     """The plan for ``config`` served with these settings, or :class:`PlanError`.
 
     ``gpu_budget_bytes`` None: no GPU limit (pass the device's size for "the whole device").
@@ -189,7 +190,10 @@ def plan_memory(config: ModelConfig, *, dtype: str = "bfloat16", backend: str = 
         speculation_bytes=max_slots * (max_drafts + 1) * rec if max_drafts else 0,
         work_parts=mp.work_parts(config, shapes, dtype, max_slots=max_slots,
                                  max_context=max_context, prefill_chunk=prefill_chunk,
-                                 max_drafts=max_drafts),
+                                 max_drafts=max_drafts)
+        + ((("CUDA graphs", mp.graph_bytes(config, max_slots=max_slots,
+                                            max_drafts=max_drafts)),)
+           if cuda_graphs and backend == "cupy" else ()),
         moe_layers=moe_layers, num_experts=E,
         gpu_bytes_per_expert=weights * mp.WEIGHT_ITEMSIZE[dtype],
         cpu_bytes_per_expert=weights * mp.CPU_BYTES_PER_WEIGHT_BY_FORMAT[cpu_format],
@@ -241,7 +245,7 @@ def plan_for_worker(cfg: WorkerConfig, model: ModelConfig, *, backend: str,
         cpu_experts_per_layer=cfg.cpu_experts_per_layer, hot_counts=hot_counts,
         cpu_workers=cfg.cpu_workers or len(cfg.cpu_cores) or len(numa_core_groups()),
         include_mtp=include_mtp, host_available_bytes=host_available_bytes,
-        cpu_format=cfg.cpu_format)
+        cpu_format=cfg.cpu_format, cuda_graphs=cfg.cuda_graphs)
 
 
 def _experts_that_fit(plan: MemoryPlan, placement: str, cpu_per_layer: int) -> int:

@@ -32,6 +32,7 @@ import numpy as np
 
 from gpu_worker.kernels import sampler
 from gpu_worker.kernels.enabled import enabled
+from gpu_worker.memory_parts import GRAPH_OUTPUT_ROWS_PER_SLOT, GRAPH_POOL_RESERVE
 from gpu_worker.model.attention import PAGED_MAX_ROWS
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.model import Caches, ForwardOut, Model
@@ -40,7 +41,9 @@ from gpu_worker.verify import picks, sampling_inputs
 from protocol.messages import SlotWork, WorkKind
 
 MAX_GRAPHS = 48  # layouts kept; the least recently used one goes first
-RESERVE_BYTES = 256 << 20  # taken into the graphs' pool before the first capture
+# taken into the graphs' pool before the first capture; the shared outputs' first rows per
+# slot (a decode token and 4 drafts); the memory plan counts both (memory_parts.graph_bytes)
+RESERVE_BYTES, OUTPUT_ROWS_PER_SLOT = GRAPH_POOL_RESERVE, GRAPH_OUTPUT_ROWS_PER_SLOT
 MODEL_INPUTS = ("tokens", "positions", "logit_rows", "attn", "gdn", "routing", "row_slots")
 
 
@@ -128,6 +131,7 @@ class StepGraphs:
         self.cp, self.model, self.caches = cp, model, caches
         self.experts = experts  # an ExpertPlacement on the launched path, or None
         self.max_position = max_context - 1
+        self.max_slots = max_slots
         self.max_graphs = max_graphs
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.pool = cp.cuda.MemoryPool()
@@ -144,6 +148,9 @@ class StepGraphs:
         # step's rows x 75 MiB each for the 80B: a pair per graph would not fit); when a
         # pass needs more rows they grow and the graphs that hold the old ones are dropped
         self.track: tuple | None = None
+        # the passes' logits and final hidden rows, one pair for every graph too (a graph
+        # copies its outputs there; read before the next pass runs); grown like track
+        self.outputs: tuple | None = None
         self.on_launch = None  # called right after each graph launch (benchmarks' host time)
 
     def _count(self, name: str) -> None:
@@ -176,6 +183,16 @@ class StepGraphs:
             self.graphs.clear()  # they hold the old buffers' addresses
             self.track = None
             self.track = caches.states.track_buffers(need)
+            g = None
+        R, n = batch.num_rows, len(rows)
+        if self.outputs is None or self.outputs[0].shape[0] < n or self.outputs[1].shape[0] < R:
+            self.graphs.clear()
+            self.outputs = None
+            cfg = model.cfg
+            rows_cap = max(R, OUTPUT_ROWS_PER_SLOT * self.max_slots)  # R >= n
+            with cp.cuda.using_allocator(self.pool.malloc):
+                self.outputs = (cp.empty((rows_cap, cfg.vocab_size), cp.float32),
+                                cp.empty((rows_cap, cfg.hidden_size), cp.float32))
             g = None
         host = host_inputs(model, caches, batch, rows, self.track)
         host.update(sampling_inputs(work, len(rows), first))
@@ -219,6 +236,9 @@ class StepGraphs:
                 out = cp.empty(n + S, cp.int32)
                 packed.fill(host, self.stream)  # this step's: see _record
 
+                logits_out = self.outputs[0][:n]
+                hidden_out = self.outputs[1][:batch.num_rows]
+
                 def body() -> tuple:
                     # the inputs as views of the static buffers (host objects, no launch)
                     inputs = step_inputs(model, caches, batch, _model_part(static),
@@ -226,7 +246,9 @@ class StepGraphs:
                     fwd = model.forward(batch, caches, None, experts, inputs=inputs)
                     sampler.sample_and_match_device(fwd.logits, static["fp"], static["ip"],
                                                     static, out)
-                    return fwd.logits, fwd.hidden, out
+                    logits_out[...] = fwd.logits  # the shared outputs: the pass's own are
+                    hidden_out[...] = fwd.hidden  # temporaries of the graphs' pool
+                    return logits_out, hidden_out, out
 
                 graph, (logits, hidden, _) = self._record(body)
         except Exception as e:  # noqa: BLE001 -- any failure: this layout stays eager

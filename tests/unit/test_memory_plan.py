@@ -256,3 +256,20 @@ def test_qwen3_next_80b_on_a_whole_h200_keeps_most_experts():
     plan = plan_memory(config, gpu_budget_bytes=140 * GIB, **SERVE_80B)
     assert 380 <= plan.experts_gpu_per_layer <= 420, describe(plan)
     assert plan.placement == "split" and plan.gpu_total_bytes <= 140 * GIB
+
+
+def test_cuda_graphs_are_counted_on_cupy_only():
+    """The graphs' pool reserve and shared logits/hidden rows (gpu_worker/step_graph.py)
+    enter the work space, and a 32 GiB plan keeps fewer experts on the GPU for them."""
+    from gpu_worker.memory_parts import GRAPH_POOL_RESERVE
+
+    cfg = ModelConfig.from_dict(QWEN3_NEXT_80B)
+    kw = dict(gpu_budget_bytes=32 * GIB, max_drafts=4, host_available_bytes=None)
+    plain = plan_memory(cfg, **kw)
+    graphs = plan_memory(cfg, cuda_graphs=True, **kw)
+    part = dict(graphs.work_parts)["CUDA graphs"]
+    assert part == GRAPH_POOL_RESERVE + 4 * 5 * (cfg.vocab_size + cfg.hidden_size) * 4
+    assert graphs.work_bytes == plain.work_bytes + part
+    assert graphs.experts_gpu_per_layer < plain.experts_gpu_per_layer
+    on_numpy = plan_memory(cfg, backend="numpy", cuda_graphs=True, **kw)
+    assert "CUDA graphs" not in dict(on_numpy.work_parts)
