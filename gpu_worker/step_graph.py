@@ -3,13 +3,16 @@ pass replayed as one launch instead of thousands from Python.
 
 A graph is captured per *layout* (rows of each segment, logits rows, drafts per slot: what
 fixes every launch's shape) the second time the layout runs; the first run is eager and
-compiles whatever kernel the layout needs. What varies between steps of one layout (token
-ids, positions, slots, block tables, sampling parameters, drafts, a synthetic model's
-routing) lives in static device buffers that :mod:`gpu_worker.step_inputs` fills before each
-replay; the paged-attention grid covers the context limit, which does not change any row's
-bits (gpu_worker/model/attention.py). Everything a graph allocates comes from a memory pool of
-its own, shared by the graphs (they never run at the same time); a graph's buffers and
-outputs stay with it. Eager passes stay available: ``[model] cuda_graphs = false``.
+compiles whatever kernel the layout needs (the decode layouts run both before serving:
+``Runner.warm_graphs``). What varies between steps of one layout (token ids, positions,
+slots, block tables, sampling parameters, drafts, a synthetic model's rows) lives in static
+device buffers filled from :mod:`gpu_worker.step_inputs`'s host arrays before each replay;
+the paged-attention grid covers the context limit, which does not change any row's bits
+(gpu_worker/model/attention.py). Everything a graph allocates comes from a memory pool of its
+own, shared by the graphs (they never run at the same time); a graph keeps its input buffers
+and sampled tokens, and all graphs share one set of logits, hidden rows and GDN per-row
+buffers (the memory plan counts them: memory_parts.graph_bytes). Eager passes stay
+available: ``[model] cuda_graphs = false``.
 
 CPU experts on the launched path are captured too: their ring kernels are stream work, and
 their sequence numbers and distinct-expert tags become offsets from bases the replay writes
@@ -41,9 +44,6 @@ from gpu_worker.verify import picks, sampling_inputs
 from protocol.messages import SlotWork, WorkKind
 
 MAX_GRAPHS = 48  # layouts kept; the least recently used one goes first
-# taken into the graphs' pool before the first capture; the shared outputs' first rows per
-# slot (a decode token and 4 drafts); the memory plan counts both (memory_parts.graph_bytes)
-RESERVE_BYTES, OUTPUT_ROWS_PER_SLOT = GRAPH_POOL_RESERVE, GRAPH_OUTPUT_ROWS_PER_SLOT
 MODEL_INPUTS = ("tokens", "positions", "logit_rows", "attn", "gdn", "routing", "row_slots")
 
 
@@ -136,7 +136,7 @@ class StepGraphs:
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.pool = cp.cuda.MemoryPool()
         with cp.cuda.using_allocator(self.pool.malloc):
-            cp.empty(RESERVE_BYTES, cp.uint8)  # freed at once: the pool keeps it
+            cp.empty(GRAPH_POOL_RESERVE, cp.uint8)  # freed at once: the pool keeps it
         caches.kv.device_tables(min_rows=max_slots)  # fixed rows: the address never moves
         self.graphs: collections.OrderedDict[tuple, _Graph] = collections.OrderedDict()
         self.seen: set[tuple] = set()
@@ -189,7 +189,7 @@ class StepGraphs:
             self.graphs.clear()
             self.outputs = None
             cfg = model.cfg
-            rows_cap = max(R, OUTPUT_ROWS_PER_SLOT * self.max_slots)  # R >= n
+            rows_cap = max(R, GRAPH_OUTPUT_ROWS_PER_SLOT * self.max_slots)  # R >= n
             with cp.cuda.using_allocator(self.pool.malloc):
                 self.outputs = (cp.empty((rows_cap, cfg.vocab_size), cp.float32),
                                 cp.empty((rows_cap, cfg.hidden_size), cp.float32))
