@@ -80,7 +80,7 @@ class MtpDrafter:
             return {}
         k_of = {w.slot: w.mtp_drafts for w in work}
         limit = {s: min(k_of[s], self.max_context - 1 - last_pos[s]) for s in want}
-        return (yield from self._chain(want, limit, last_pos, to_numpy(out.logits),
+        return (yield from self._chain(want, limit, last_pos, out.logits,
                                        out.hidden[xp.asarray(last_rows)]))
 
     def _head_rows(self, work: list[SlotWork], batch: RaggedBatch, hidden: Array,
@@ -116,14 +116,15 @@ class MtpDrafter:
         return parts, rows_h, last_pos
 
     def _chain(self, live: list[int], limit: dict[int, int], last_pos: dict[int, int],
-               logits: np.ndarray, h: Array) -> DraftSteps:
+               logits: Array, h: Array) -> DraftSteps:
         """Argmax drafts from the head's output rows (``logits`` [n, V], ``h`` [n, H], one per
         slot of ``live``); each further draft is one more head row at the next position, on
-        the head's own output, until the slot has ``limit`` drafts (a yield after each)."""
+        the head's own output, until the slot has ``limit`` drafts (a yield after each). The
+        argmax runs on the backend: only the n ids cross to the host, not n x V logits."""
         xp = self.model.xp
         drafts: dict[int, list[int]] = {s: [] for s in live}
         while live:
-            picks = logits.argmax(axis=-1)
+            picks = to_numpy(logits.argmax(axis=-1))
             for s, d in zip(live, picks, strict=True):
                 drafts[s].append(int(d))
             keep = [i for i, s in enumerate(live) if len(drafts[s]) < limit[s]]
@@ -135,5 +136,5 @@ class MtpDrafter:
             out = self.model.mtp_forward(cbatch, h[xp.asarray(np.asarray(keep, np.int64))],
                                          self.caches)
             yield
-            logits, h = to_numpy(out.logits), out.hidden
+            logits, h = out.logits, out.hidden
         return drafts
