@@ -6,6 +6,7 @@ without .ftz kept); kernel arguments are checked as CuPy would need them."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -200,3 +201,21 @@ def test_a_misaligned_vector_load_faults(cupy):
     with pytest.raises(KernelFault, match="misaligned"):
         RawModule(code=src, options=OPTS).get_function("v")(
             (1,), (1,), (cupy.zeros(8, np.float32), cupy.zeros(1, np.float32)))
+
+
+def test_the_graph_and_router_gpu_tests_pass_on_the_emulator():
+    """CUDA graphs' host side (layouts, static inputs, shared buffers, start-up capture), the
+    router, top-k and synthetic routing kernels, run by their GPU tests on the emulator (a
+    stand-in capture there; real capture and the CPU experts' ring only on a GPU)."""
+    import subprocess  # noqa: PLC0415
+
+    files = ["tests/gpu/test_step_graph_cupy.py", "tests/gpu/test_router_cupy.py",
+             "tests/gpu/test_topk_cupy.py", "tests/gpu/test_synthetic_routing_cupy.py"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.cuda_emu.run", *files, "-q", "-p", "no:cacheprovider",
+         "-k", "not mtp and not cpu_experts"],
+        capture_output=True, text=True, timeout=900,
+        cwd=Path(__file__).resolve().parents[2])
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    assert proc.returncode == 0, tail
+    assert " passed" in tail and " failed" not in tail, tail
