@@ -343,12 +343,13 @@ class CpuExpertPool:
         if self._watchdog is None:  # one thread for the pool's life, idle between sessions
             self._watchdog = self._procs.start_watchdog(self._session, self.ring.header)
 
-    def next_seq(self) -> int:
-        """The sequence number of the next load a GPU starts (it writes it to ``SEQ_IN``)."""
+    def next_seq(self, n: int = 1) -> int:
+        """The sequence number of the next load a GPU starts (it writes it to ``SEQ_IN``);
+        ``n``: reserve that many consecutive ones (a CUDA graph's loads), the first returned."""
         if not self._device:
             raise RuntimeError("no device session: device_begin() first")
-        self._seq += 1
-        return self._seq
+        self._seq += n
+        return self._seq - n + 1
 
     def device_end(self) -> None:
         """End a device session (the caller has synchronized the GPU): the workers go back to

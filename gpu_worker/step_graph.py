@@ -141,9 +141,10 @@ class StepGraphs:
         self.graphs: collections.OrderedDict[tuple, _Graph] = collections.OrderedDict()
         self.seen: set[tuple] = set()
         self.refused: dict[tuple, str] = {}
-        self.counts = {"graph_captures": 0, "graph_replays": 0, "graph_refused": 0}
-        self.totals = dict.fromkeys(self.counts, 0)  # since start (benchmarks diff them)
-        self.capture_ms = 0.0
+        # since start (benchmarks diff them); take_counts gives the part since its last call
+        self.totals = {"graph_captures": 0, "graph_replays": 0, "graph_refused": 0,
+                       "graph_capture_ms": 0.0}
+        self._taken = dict(self.totals)
         # the GDN per-row buffers of verifying passes, one pair for every graph (a verify
         # step's rows x 75 MiB each for the 80B: a pair per graph would not fit); when a
         # pass needs more rows they grow and the graphs that hold the old ones are dropped
@@ -153,16 +154,12 @@ class StepGraphs:
         self.outputs: tuple | None = None
         self.on_launch = None  # called right after each graph launch (benchmarks' host time)
 
-    def _count(self, name: str) -> None:
-        self.counts[name] += 1
-        self.totals[name] += 1
-
     def take_counts(self) -> dict[str, float]:
-        out = {**self.counts, "graph_capture_ms": self.capture_ms, "graphs": len(self.graphs)}
-        for k in self.counts:
-            self.counts[k] = 0
-        self.capture_ms = 0.0
-        return out
+        """Captures, replays, refusals and capture milliseconds since the last call, and the
+        graphs held now."""
+        out = {k: v - self._taken[k] for k, v in self.totals.items()}
+        self._taken = dict(self.totals)
+        return {**out, "graphs": len(self.graphs)}
 
     def run(self, work: list[SlotWork], batch: RaggedBatch, rows: np.ndarray,
             first: dict[int, int]) -> tuple[ForwardOut, list[tuple[list[int], int]]] | None:
@@ -178,22 +175,8 @@ class StepGraphs:
             return None
         cp, model, caches = self.cp, self.model, self.caches
         main = cp.cuda.get_current_stream()
-        need = 0 if caches.states is None else caches.states.tracked_rows(batch.segments)
-        if need and (self.track is None or self.track[0].shape[1] < need):
-            self.graphs.clear()  # they hold the old buffers' addresses
-            self.track = None
-            self.track = caches.states.track_buffers(need)
-            g = None
-        R, n = batch.num_rows, len(rows)
-        if self.outputs is None or self.outputs[0].shape[0] < n or self.outputs[1].shape[0] < R:
-            self.graphs.clear()
-            self.outputs = None
-            cfg = model.cfg
-            rows_cap = max(R, GRAPH_OUTPUT_ROWS_PER_SLOT * self.max_slots)  # R >= n
-            with cp.cuda.using_allocator(self.pool.malloc):
-                self.outputs = (cp.empty((rows_cap, cfg.vocab_size), cp.float32),
-                                cp.empty((rows_cap, cfg.hidden_size), cp.float32))
-            g = None
+        if self._grow_shared(batch):
+            g = None  # dropped with the others: captured again below
         host = host_inputs(model, caches, batch, rows, self.track)
         host.update(sampling_inputs(work, len(rows), first))
         caches.kv.device_tables()  # table rows that changed: before the graph reads them
@@ -218,8 +201,31 @@ class StepGraphs:
         finally:
             if self.experts is not None:  # raises what a worker reported, as run_step does
                 self.experts.end_step()
-        self._count("graph_replays")
+        self.totals["graph_replays"] += 1
         return ForwardOut(g.logits, g.hidden), picks(work, first, out, len(rows))
+
+    def _grow_shared(self, batch: RaggedBatch) -> bool:
+        """Make the shared buffers big enough for ``batch`` (outputs for its rows, GDN
+        per-row buffers for its tracked rows); growing one drops every graph, which holds
+        the old addresses. Whether that happened."""
+        cp, caches = self.cp, self.caches
+        R = batch.num_rows  # >= its logits rows
+        need = 0 if caches.states is None else caches.states.tracked_rows(batch.segments)
+        grow_track = need and (self.track is None or self.track[0].shape[1] < need)
+        grow_out = self.outputs is None or self.outputs[0].shape[0] < R
+        if not (grow_track or grow_out):
+            return False
+        self.graphs.clear()
+        if grow_track:
+            self.track = None  # freed before the bigger pair is made
+            self.track = caches.states.track_buffers(need)
+        if grow_out:
+            cfg, rows = self.model.cfg, max(R, GRAPH_OUTPUT_ROWS_PER_SLOT * self.max_slots)
+            self.outputs = None
+            with cp.cuda.using_allocator(self.pool.malloc):
+                self.outputs = (cp.empty((rows, cfg.vocab_size), cp.float32),
+                                cp.empty((rows, cfg.hidden_size), cp.float32))
+        return True
 
     def _capture(self, key: tuple, host: dict[str, np.ndarray], batch: RaggedBatch
                  ) -> _Graph | None:
@@ -253,7 +259,7 @@ class StepGraphs:
                 graph, (logits, hidden, _) = self._record(body)
         except Exception as e:  # noqa: BLE001 -- any failure: this layout stays eager
             self.refused[key] = f"{type(e).__name__}: {e}"
-            self._count("graph_refused")
+            self.totals["graph_refused"] += 1
             return None
         finally:
             if experts is not None:  # nothing ran: close the capture's ring session
@@ -262,8 +268,8 @@ class StepGraphs:
         self.graphs[key] = g
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
-        self._count("graph_captures")
-        self.capture_ms += (time.perf_counter() - t0) * 1e3
+        self.totals["graph_captures"] += 1
+        self.totals["graph_capture_ms"] += (time.perf_counter() - t0) * 1e3
         return g
 
     def _record(self, body):

@@ -119,4 +119,4 @@ class KernelRouting:
     def ids(self, layer: int) -> Array:
         if self._ids is None:
             self._ids = self.tables.choose(self.slots, self.positions)  # [L, R, k]
-        return self._ids[self.tables.layers.index(layer)]
+        return self._ids[self.tables.index[layer]]

@@ -256,9 +256,7 @@ class PinnedRing:
             self._session = stream
         elif self._session.ptr != stream.ptr:
             raise RuntimeError("one stream per step: end_step() before changing streams")
-        first = pool.next_seq() if launches else 0
-        for _ in range(launches - 1):
-            pool.next_seq()
+        first = pool.next_seq(launches) if launches else 0
         if self._tag + tags >= TAG_LIMIT:
             self._stamp.fill(0)  # in place: the graph holds its address
             self._tag = 0

@@ -20,7 +20,7 @@ DeltaNet one segment at a time), kept to compare against.
 * ``fused_router``: the router's softmax, top-k and weights in one launch,
   gpu_worker/kernels/router.py (model/moe.py ``route``; about eight fewer launches per MoE
   layer). Off: not run on a GPU yet
-* ``fused_rope``: rotate-half RoPE of q and k in one launch each (fused_silu.py ``rope``;
+* ``fused_rope``: rotate-half RoPE of q and k in one launch each (fused_rope.py;
   about ten fewer launches per attention layer). Off: not run on a GPU yet
 
 The merged expert kernels and the sampler passed on the H200 and are not switched here.

@@ -23,6 +23,7 @@ import numpy as np
 from gpu_worker.kernels import raw_module
 from gpu_worker.kernels.fused_silu import helpers_source
 from gpu_worker.kernels.gdn_reference import exp_neg
+from gpu_worker.kernels.topk import PICK
 
 MAX_EXPERTS = 2048  # a row's probabilities and flags live in shared memory
 
@@ -60,24 +61,11 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
     for (int i = lane; i < E; i += 32) p[i] = (F(p[i]) / s).v;
     __syncwarp();
     for (int j = 0; j < k; ++j) {  // top-k by bits (p >= 0), ties to the lower id
-        unsigned int bb = 0; int at = -1;
-        for (int e = lane; e < E; e += 32) {
-            if (taken[e]) continue;
-            unsigned int b = __float_as_uint(p[e]) & 0x7fffffffu;
-            if (at < 0 || b > bb) { bb = b; at = e; }
-        }
-        for (int off = 16; off > 0; off >>= 1) {
-            unsigned int ob = __shfl_down_sync(0xffffffffu, bb, off);
-            int oa = __shfl_down_sync(0xffffffffu, at, off);
-            if (oa >= 0 && (at < 0 || ob > bb || (ob == bb && oa < at))) { bb = ob; at = oa; }
-        }
-        at = __shfl_sync(0xffffffffu, at, 0);
+        int at = warp_pick(p, E, taken, lane);
         if (lane == 0) {
             ids[(long long)row * k + j] = at;
             picked[j] = p[at];
         }
-        if ((at & 31) == lane) taken[at] = 1;
-        __syncwarp();
     }
     if (lane != 0) return;
     F t = F(1.0f);
@@ -93,7 +81,8 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
 
 @functools.cache
 def _function():
-    return raw_module(helpers_source() + _KERNEL, "router kernel").get_function("router_topk")
+    return raw_module(helpers_source() + PICK + _KERNEL, "router kernel").get_function(
+        "router_topk")
 
 
 def router_topk(logits, k: int, renorm: bool):

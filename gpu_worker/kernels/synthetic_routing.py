@@ -86,6 +86,7 @@ class DeviceRoutingTables:
         import cupy as cp  # noqa: PLC0415
 
         self.model, self.layers = model, [int(x) for x in layers]
+        self.index = {layer: i for i, layer in enumerate(self.layers)}  # layer -> row of ids
         self.cdf = cp.asarray(np.ascontiguousarray(model._cdf, np.float64))
         self.perms = cp.asarray(np.stack([model.ranking(x) for x in self.layers])
                                 .astype(np.int64))

@@ -20,7 +20,30 @@ from gpu_worker.kernels import raw_module
 
 MAX_EXPERTS = 4096  # the taken flags live in shared memory, one byte per expert
 
-_KERNEL = r"""
+# One warp's next pick: the largest p[e] (p >= 0, compared by bits) not yet taken, ties to
+# the lower e; every lane gets it, and it is marked taken. router.py's kernel picks with it too.
+PICK = r"""
+__device__ __forceinline__ int warp_pick(const float* p, int E, unsigned char* taken,
+                                         int lane) {
+    unsigned int best = 0; int at = -1;
+    for (int e = lane; e < E; e += 32) {
+        if (taken[e]) continue;
+        unsigned int b = __float_as_uint(p[e]) & 0x7fffffffu;  // -0.0 as 0
+        if (at < 0 || b > best) { best = b; at = e; }  // ascending e: ties keep the first
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+        unsigned int ob = __shfl_down_sync(0xffffffffu, best, off);
+        int oa = __shfl_down_sync(0xffffffffu, at, off);
+        if (oa >= 0 && (at < 0 || ob > best || (ob == best && oa < at))) { best = ob; at = oa; }
+    }
+    at = __shfl_sync(0xffffffffu, at, 0);
+    if (at >= 0 && (at & 31) == lane) taken[at] = 1;
+    __syncwarp();
+    return at;
+}
+"""
+
+_KERNEL = PICK + r"""
 extern "C" __global__ void topk_rows(const float* __restrict__ probs, int E, int k,
                                      long long* __restrict__ ids) {
     __shared__ unsigned char taken[4096];
@@ -29,23 +52,8 @@ extern "C" __global__ void topk_rows(const float* __restrict__ probs, int E, int
     for (int e = lane; e < E; e += 32) taken[e] = 0;
     __syncwarp();
     for (int j = 0; j < k; ++j) {
-        unsigned int best = 0; int at = -1;
-        for (int e = lane; e < E; e += 32) {
-            if (taken[e]) continue;
-            unsigned int b = __float_as_uint(p[e]) & 0x7fffffffu;  // -0.0 as 0
-            if (at < 0 || b > best) { best = b; at = e; }  // ascending e: ties keep the first
-        }
-        for (int off = 16; off > 0; off >>= 1) {
-            unsigned int ob = __shfl_down_sync(0xffffffffu, best, off);
-            int oa = __shfl_down_sync(0xffffffffu, at, off);
-            if (oa >= 0 && (at < 0 || ob > best || (ob == best && oa < at))) {
-                best = ob; at = oa;
-            }
-        }
-        at = __shfl_sync(0xffffffffu, at, 0);
+        int at = warp_pick(p, E, taken, lane);
         if (lane == 0) ids[(long long)row * k + j] = at;
-        if (at >= 0 && (at & 31) == lane) taken[at] = 1;
-        __syncwarp();
     }
 }
 """

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from gpu_worker.kernels import router, topk
 from gpu_worker.kernels.enabled import enabled
 from gpu_worker.model.ops import Array, Ops
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.routed_experts import Quantized, RoutedExperts
-
-MAX_EXPERTS = 4096  # gpu_worker/kernels/topk.py: the router's top-k kernel takes up to this
-ROUTER_MAX_EXPERTS = 2048  # gpu_worker/kernels/router.py (switch fused_router)
 
 if TYPE_CHECKING:
     from gpu_worker.weights.routing import RowRouting
@@ -34,17 +32,14 @@ def route(ops: Ops, cfg: ModelConfig, w_gate: Array, x: Array,
     xp = ops.xp
     logits = ops.linear(x, w_gate)  # [R, E]
     if (chosen is None and xp.__name__ == "cupy" and logits.dtype == xp.float32
-            and logits.shape[-1] <= ROUTER_MAX_EXPERTS and enabled("fused_router")):
-        from gpu_worker.kernels.router import router_topk  # noqa: PLC0415 (cupy)
-
-        return router_topk(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+            and logits.shape[-1] <= router.MAX_EXPERTS and enabled("fused_router")):
+        return router.router_topk(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     probs = ops.softmax(logits, axis=-1)  # [R, E]
     if chosen is not None:
         ids = xp.asarray(chosen, dtype=xp.int64)
-    elif xp.__name__ == "cupy" and probs.dtype == xp.float32 and probs.shape[-1] <= MAX_EXPERTS:
-        from gpu_worker.kernels.topk import topk_rows  # noqa: PLC0415 (cupy)
-
-        ids = topk_rows(probs, cfg.num_experts_per_tok)  # argsort's ids, no host sync
+    elif (xp.__name__ == "cupy" and probs.dtype == xp.float32
+          and probs.shape[-1] <= topk.MAX_EXPERTS):
+        ids = topk.topk_rows(probs, cfg.num_experts_per_tok)  # argsort's ids, no host sync
     else:
         kwargs = {"kind": "stable"} if xp.__name__ == "numpy" else {}
         ids = xp.argsort(-probs, axis=-1, **kwargs)[:, : cfg.num_experts_per_tok]  # [R, k]

@@ -9,7 +9,8 @@ import numpy as np
 from gpu_worker.kernels.bf16 import BF16, BITS, to_bf16, widen
 from gpu_worker.kernels.enabled import enabled
 from gpu_worker.kernels.fused_norm import rms_norm_rows
-from gpu_worker.kernels.fused_silu import rope, sigmoid_mul, silu_mul
+from gpu_worker.kernels.fused_rope import rope
+from gpu_worker.kernels.fused_silu import sigmoid_mul, silu_mul
 from gpu_worker.kernels.rowtile import linear_rows
 
 Array = Any  # numpy.ndarray or cupy.ndarray

@@ -157,7 +157,7 @@ def test_sigmoid_mul_takes_one_gate_per_row(rows, width):
 @pytest.mark.parametrize("R, H, D, rot", [(1, 16, 128, 128), (5, 2, 256, 64), (3, 4, 32, 32),
                                           (20, 3, 20, 4)])
 def test_rope_bits_equal_the_numpy_formula(R, H, D, rot):
-    from gpu_worker.kernels.fused_silu import rope, rope_reference
+    from gpu_worker.kernels.fused_rope import rope, rope_reference
 
     rng = np.random.default_rng(R * H + D)
     x = rng.standard_normal((R, H, D)).astype(np.float32)
@@ -170,7 +170,7 @@ def test_rope_bits_equal_the_numpy_formula(R, H, D, rot):
 
 
 def test_ops_takes_rope_only_when_switched_on(monkeypatch):
-    from gpu_worker.kernels.fused_silu import rope_reference
+    from gpu_worker.kernels.fused_rope import rope_reference
 
     rng = np.random.default_rng(9)
     x = rng.standard_normal((4, 2, 64)).astype(np.float32)

@@ -1,0 +1,71 @@
+"""Rotate-half RoPE of q or k in one launch (CuPy float32, switch ``fused_rope``).
+
+``Ops.apply_rope`` is about six launches per call (a negation, two concatenations, two
+products, a sum); :func:`rope` does the same two products and sum per element, each rounded
+once in IEEE float32 (the struct ``F`` of fused_silu.py: no fused multiply-add, subnormals
+kept), so :func:`rope_reference`, that order on NumPy, gives its bits.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from gpu_worker.kernels import raw_module
+from gpu_worker.kernels.fused_silu import THREADS, helpers_source
+
+_KERNEL = r"""
+// grid ceil(n / THREADS), block THREADS: rotate-half RoPE of x [R, H, D] over its first rot
+// dims (cos, sin [R, rot]): x_d cos_d + r_d sin_d with r_d = -x_{d+rot/2} below rot/2, else
+// x_{d-rot/2}; dims from rot on pass through (switch fused_rope; Ops.apply_rope's order)
+extern "C" __global__ void rope(const float* __restrict__ x, const float* __restrict__ cs,
+                                const float* __restrict__ sn, float* __restrict__ out,
+                                long long n, int H, int D, int rot) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const int d = (int)(i % D);
+    if (d >= rot) { out[i] = x[i]; return; }
+    const long long r = i / ((long long)H * D);
+    const int half = rot / 2;
+    const F rv = d < half ? -F(x[i + half]) : F(x[i - half]);
+    out[i] = (F(x[i]) * F(cs[r * rot + d]) + rv * F(sn[r * rot + d])).v;
+}
+"""
+
+
+@functools.cache
+def _function():
+    return raw_module(helpers_source() + _KERNEL, "RoPE kernel").get_function("rope")
+
+
+def rope(x, cos, sin):
+    """Rotate-half RoPE of ``x`` [R, H, D] over its first ``cos.shape[-1]`` dims (``cos``,
+    ``sin`` [R, rot]), all float32 CuPy, one launch: ``Ops.apply_rope``'s products and sum,
+    each rounded once (IEEE, no fused multiply-add). Switch ``fused_rope``."""
+    import cupy as cp  # noqa: PLC0415 (only on the GPU backend)
+
+    R, H, D = x.shape
+    rot = cos.shape[-1]
+    if x.dtype != np.float32 or cos.dtype != np.float32 or sin.dtype != np.float32:
+        raise TypeError("rope: float32 x, cos and sin")
+    if cos.shape != (R, rot) or sin.shape != (R, rot) or rot % 2 or rot > D:
+        raise ValueError(f"rope: x {x.shape}, cos {cos.shape}, sin {sin.shape}")
+    out = cp.empty(x.shape, np.float32)
+    n = out.size
+    if n:
+        x, cos, sin = (cp.ascontiguousarray(a) for a in (x, cos, sin))
+        _function()((-(-n // THREADS),), (THREADS,),
+                    (x, cos, sin, out, np.int64(n), np.int32(H), np.int32(D), np.int32(rot)))
+    return out
+
+
+def rope_reference(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """NumPy formula of :func:`rope` (Ops.apply_rope on NumPy float32), bit for bit."""
+    x, cos, sin = (np.asarray(a, np.float32) for a in (x, cos, sin))
+    rot, half = cos.shape[-1], cos.shape[-1] // 2
+    xr = x[..., :rot]
+    rotated = np.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        out = xr * cos[:, None, :] + rotated * sin[:, None, :]
+    return np.concatenate([out, x[..., rot:]], axis=-1).astype(np.float32, copy=False)
