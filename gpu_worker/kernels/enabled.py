@@ -2,7 +2,8 @@
 
 A kernel is on by default once its tests have passed on a GPU: the first five passed on the
 H200 (tree c3d793c, ``scripts/device_check.py --plan kernels,parity``), with the
-batch-invariance test over 3,000 sampled layouts per architecture (all 18,320 at 917f870).
+batch-invariance test over 3,000 sampled layouts per architecture (all 18,320 at 917f870);
+the last three at a016067 (``--plan graphs,kernels``, the same sample).
 ``TANDEM_GPU_KERNELS`` chooses another set (a comma list of names, ``all`` or ``none``);
 ``none`` is the earlier path (cuBLAS products of widened weights, attention and Gated
 DeltaNet one segment at a time), kept to compare against.
@@ -15,13 +16,12 @@ DeltaNet one segment at a time), kept to compare against.
   (model/ops.py, the shared expert and dense MLP of model/moe.py)
 * ``fused_sigmoid``: sigmoid(gate) * x in one launch (fused_silu.py's ``sigmoid_mul``): the
   output gates of attention and of the shared expert; with it Gated DeltaNet's
-  ``o * silu(z)`` takes ``silu_mul`` too (about 700 fewer launches per step of the 80B).
-  Off: not run on a GPU yet
+  ``o * silu(z)`` takes ``silu_mul`` too (about 700 fewer launches per step of the 80B)
 * ``fused_router``: the router's softmax, top-k and weights in one launch,
   gpu_worker/kernels/router.py (model/moe.py ``route``; about eight fewer launches per MoE
-  layer). Off: not run on a GPU yet
+  layer)
 * ``fused_rope``: rotate-half RoPE of q and k in one launch each (fused_rope.py;
-  about ten fewer launches per attention layer). Off: not run on a GPU yet
+  about ten fewer launches per attention layer)
 
 The merged expert kernels and the sampler passed on the H200 and are not switched here.
 """
@@ -33,8 +33,7 @@ import os
 
 KERNELS = ("rowtile", "paged_attention", "gdn", "fused_norm", "fused_silu", "fused_sigmoid",
            "fused_router", "fused_rope")
-NOT_ON_A_GPU_YET = frozenset({"fused_sigmoid", "fused_router", "fused_rope"})
-DEFAULT: frozenset[str] = frozenset(KERNELS) - NOT_ON_A_GPU_YET  # the rest passed on the H200
+DEFAULT: frozenset[str] = frozenset(KERNELS)  # every one passed on the H200
 ENV = "TANDEM_GPU_KERNELS"
 
 

@@ -20,11 +20,10 @@ def test_the_environment_chooses(monkeypatch, raw, want):
 
 
 def test_the_verified_kernels_are_on_by_default_and_each_can_be_taken_alone(monkeypatch):
-    """The five that passed on the H200 are on, the newer fused kernels (not run on a GPU
-    yet) are off; each stays switchable on its own (to compare paths)."""
+    """All eight passed on the H200 and are on; each stays switchable on its own (to compare
+    paths)."""
     monkeypatch.delenv(ENV, raising=False)
-    assert [k for k in KERNELS if not enabled(k)] == ["fused_sigmoid", "fused_router",
-                                                       "fused_rope"]
+    assert [k for k in KERNELS if not enabled(k)] == []
     for name in KERNELS:
         monkeypatch.setenv(ENV, name)
         assert [k for k in KERNELS if enabled(k)] == [name]
