@@ -149,6 +149,13 @@ def _gate_up_stage(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead):
         ws = np.empty(TU, np.int32)
         for j in range(lo, hi):
             of[(m * P + j) * units + t * TU:(m * P + j) * units + (t + 1) * TU] = 0.0
+        if hi - lo == 1:  # one row (most experts of a decode step): its own tight loop
+            for b in range(nb):
+                at = (base + b) * bb
+                block_prologue(isa, wf, at, ws, at + ahead)
+                rows_block(isa, 1, wf, at, xk, xs, xc, rows_of, lo, b, of,
+                           (m * P + lo) * units + t * TU, units, ws)
+            continue
         for b in range(nb):
             at = (base + b) * bb
             block_prologue(isa, wf, at, ws, at + ahead)
@@ -248,6 +255,7 @@ def _down_combine_stage(isa, w, hk, hs, hc, active, offsets, pair_of, slot_of_pa
             base = (active[a] * T + t) * nb
             for j in range(lo, hi):
                 yf[(t * P + j) * TU:(t * P + j + 1) * TU] = 0.0
+            one = hi - lo == 1  # one row: the branch below is the same at every block
             for b in range(nb):
                 at = (base + b) * bb
                 na = pa if pa < A else min(pa - A, A - 1)
@@ -256,7 +264,12 @@ def _down_combine_stage(isa, w, hk, hs, hc, active, offsets, pair_of, slot_of_pa
                 pb += 1
                 if pb == nb:
                     pa, pb = pa + 1, 0
-                _block_rows(isa, wf, at, hk, hs, hc, None, lo, hi, b, yf, t * P * TU, TU, ws)
+                if one:
+                    rows_block(isa, 1, wf, at, hk, hs, hc, None, lo, b, yf, (t * P + lo) * TU,
+                               TU, ws)
+                else:
+                    _block_rows(isa, wf, at, hk, hs, hc, None, lo, hi, b, yf, t * P * TU, TU,
+                                ws)
         for r in range(R):
             o = out[r]
             for i in range(c0, c0 + TU):

@@ -12,7 +12,8 @@ activations as signed bytes, and each row's ``xc = -8 * sum_t x[t]`` for the blo
 once per row and block by the caller) corrects the offset: ``sum n x - 8 sum x = sum v x``,
 exact in int32. Per instruction set:
 
-* ``ISA_AVX512VNNI``: ``vpdpbusd(acc, n, x)``, the accumulator starting at ``xc``.
+* ``ISA_AVX512VNNI``: ``vpdpbusd(acc, n, x)``, the accumulator starting at ``xc``; the 64-byte
+  chunks are loaded without split loads (:func:`_chunks64`, portable too).
 * ``ISA_AVX2``: ``vpmaddubsw(n, x)`` (pair sums ``|.| <= 2 * 15 * 128``) summed over the 8
   groups in int16 (``|.| <= 30720``: never wraps), one ``vpmaddwd`` by ones, plus ``xc``.
 * ``ISA_PORTABLE``: generic vector IR (zero-extend, multiply, add), plus ``xc``.
@@ -67,15 +68,55 @@ def _nibbles(builder, chunk, count: int):
 def _groups(builder, wp8, count: int, byte0: int, stride: int = 64):
     """The 8 groups' weight vectors (``<count x i8>``, unsigned nibbles), group order, read
     from chunks at ``byte0 + j * stride``."""
-    vt = ir.VectorType(I8, count)
+    chunks = (_chunks64(builder, wp8) if count == 64 and (byte0, stride) == (0, 64) else
+              [_load(builder, wp8, byte0 + j * stride, count) for j in range(CHUNKS)])
     lows, highs = [], []
-    for j in range(CHUNKS):
-        p = builder.bitcast(builder.gep(wp8, [ir.Constant(I32, byte0 + j * stride)]),
-                            vt.as_pointer())
-        lo, hi = _nibbles(builder, builder.load(p, align=1), count)
+    for chunk in chunks:
+        lo, hi = _nibbles(builder, chunk, count)
         lows.append(lo)
         highs.append(hi)
     return lows + highs
+
+
+def _load(builder, wp8, byte: int, count: int, align: int = 1):
+    vt = ir.VectorType(I8, count)
+    p = builder.bitcast(builder.gep(wp8, [ir.Constant(I32, byte)]), vt.as_pointer())
+    return builder.load(p, align=align)
+
+
+def _chunks64(builder, wp8):
+    """The 4 chunks of nibbles as ``<64 x i8>``, loaded without split loads.
+
+    NOTE: a block is 288 bytes, so every other block of a tile starts 32 bytes into a cache
+    line, and 64-byte loads of its chunks would each straddle two lines (split loads; int8
+    blocks, 576 bytes, and AVX2's 32-byte loads never split). Intel cores serve split loads
+    through a few split buffers, which limits how many misses a thread streaming from DRAM
+    keeps in flight: the suspected reason int4 read DRAM at half int8's rate on the H200
+    (issue 17; ``bench_cpu_kernels_inprocess --diag`` times tiles placed 16 bytes past a
+    line, where every chunk load splits). A block 32 bytes past a line is read as its 5
+    lines (the first begins 32 bytes before the block, in the same line: no fault), each
+    chunk the upper half of one and the lower half of the next (one ``vshufi64x2``); any
+    other start loads the chunks directly. The bytes, hence the bits, are the same."""
+    v64 = ir.VectorType(I8, 64)
+    addr = builder.ptrtoint(wp8, I64)
+    mid = builder.icmp_unsigned("==", builder.and_(addr, ir.Constant(I64, 63)),
+                                ir.Constant(I64, 32))
+    with builder.if_else(mid) as (then, otherwise):
+        with then:
+            lines = [_load(builder, wp8, 64 * j - 32, 64, align=64) for j in range(CHUNKS + 1)]
+            mask = ir.Constant(ir.VectorType(I32, 64), list(range(32, 96)))
+            split = [builder.shuffle_vector(lines[j], lines[j + 1], mask) for j in range(CHUNKS)]
+            from_split = builder.basic_block
+        with otherwise:
+            direct = [_load(builder, wp8, 64 * j, 64) for j in range(CHUNKS)]
+            from_direct = builder.basic_block
+    out = []
+    for a, b in zip(split, direct, strict=True):
+        phi = builder.phi(v64)
+        phi.add_incoming(a, from_split)
+        phi.add_incoming(b, from_direct)
+        out.append(phi)
+    return out
 
 
 def dots_vnni(builder, wp8, xps, xcs):
