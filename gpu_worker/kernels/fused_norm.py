@@ -12,7 +12,9 @@ starts from +0 and adds ``x[k] * x[k]`` (each product rounded to float32) for
 bits, those of the tree ``s[l] + s[l + o]`` of the reference). Then
 ``d = sqrt(s / H + eps)`` and ``out[k] = (x[k] / d) * w[k]`` (``* (1 + w[k])`` zero-centered,
 the sum rounded first), every operation one correctly rounded float32 step. The order depends
-on H alone: never on the number of rows, a row's position or its neighbours.
+on H alone: never on the number of rows, a row's position or its neighbours. A lane loads
+``BATCH`` of its elements (and of ``w``) into registers before using them, so one memory latency
+is waited per batch rather than per element; the arithmetic and its order stay as above.
 
 **IEEE float32, subnormals kept.** CuPy compiles with ``-ftz=true`` (docs/gpu_step.md), which
 turns ``+ * / sqrtf`` into flushing forms; so every operation is PTX ``add/mul/div/sqrt.rn.f32``
@@ -30,9 +32,11 @@ from gpu_worker.kernels import raw_module
 
 WARPS = 4  # rows (warps) per block of 128 threads
 LANES = 32
+BATCH = 16  # elements a lane loads before using them (loads in flight per lane)
 
 _SOURCE = r"""
 #define WARPS __WARPS__
+#define BATCH __BATCH__
 // IEEE float32 whatever CuPy's -ftz=true: PTX .rn without .ftz keeps subnormals
 __device__ __forceinline__ float add_rn(float a, float b) {
     float d; asm("add.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b)); return d; }
@@ -52,18 +56,38 @@ extern "C" __global__ void rms_norm_rows(
     const long long row = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;  // a whole warp: the shuffles below see all 32 lanes or none
     const float* xr = x + row * stride;
+    // NOTE: a lane reads its elements k = k0 + lane + 32 i (i < BATCH) of a batch into
+    // registers first (independent loads, one memory latency per batch, not per element),
+    // then uses them in the same ascending order as one element at a time
     float s = 0.0f;
-    for (int k = lane; k < H; k += 32) {
-        const float v = xr[k];
-        s = add_rn(s, mul_rn(v, v));
+    for (int k0 = 0; k0 < H; k0 += 32 * BATCH) {
+        float v[BATCH];
+#pragma unroll
+        for (int i = 0; i < BATCH; ++i) {
+            const int k = k0 + lane + 32 * i;
+            v[i] = k < H ? xr[k] : 0.0f;  // past H: +0, and s + 0 * 0 is s (s >= +0 or NaN)
+        }
+#pragma unroll
+        for (int i = 0; i < BATCH; ++i) s = add_rn(s, mul_rn(v[i], v[i]));
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s = add_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
     const float d = sqrt_rn(add_rn(div_rn(s, (float)H), eps));
     float* orow = out + row * (long long)H;
-    for (int k = lane; k < H; k += 32) {
-        const float wk = zero_centered ? add_rn(1.0f, w[k]) : w[k];
-        orow[k] = mul_rn(div_rn(xr[k], d), wk);
+    for (int k0 = 0; k0 < H; k0 += 32 * BATCH) {
+        float v[BATCH], wv[BATCH];
+#pragma unroll
+        for (int i = 0; i < BATCH; ++i) {
+            const int k = k0 + lane + 32 * i;
+            v[i] = k < H ? xr[k] : 0.0f;
+            wv[i] = k < H ? w[k] : 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < BATCH; ++i) {
+            const int k = k0 + lane + 32 * i;
+            const float wk = zero_centered ? add_rn(1.0f, wv[i]) : wv[i];
+            if (k < H) orow[k] = mul_rn(div_rn(v[i], d), wk);
+        }
     }
 }
 """
@@ -71,7 +95,7 @@ extern "C" __global__ void rms_norm_rows(
 
 @functools.cache
 def _function():
-    src = _SOURCE.replace("__WARPS__", str(WARPS))
+    src = _SOURCE.replace("__WARPS__", str(WARPS)).replace("__BATCH__", str(BATCH))
     return raw_module(src, "fused RMSNorm kernel").get_function("rms_norm_rows")
 
 

@@ -39,6 +39,7 @@ from gpu_worker.kernels.paged_attention_ref import attention_reference as attent
 from gpu_worker.kernels.paged_attention_ref import exp_reference as exp_reference
 
 THREADS = 256
+LOADS = 16  # K and V elements a thread loads per batch (x 256 threads: a chunk of hd 256)
 DEFAULT_SHARED = 48 * 1024  # more needs the kernel's opt-in attribute
 
 
@@ -147,22 +148,42 @@ extern "C" __global__ void paged_attn_NAME(
     long long qoff = ((long long)row * hkv * group + (long long)h * group) * hd;
     for (int e = t; e < G; e += T) { qs[e] = q[qoff + e]; acc[e] = 0; }
     for (int e = t; e < group; e += T) { ml[e] = NEG_INF; ml[group + e] = 0; }
-    __syncthreads();
+    // A chunk's K and V go through registers, LOADS per thread per batch: all loads of a
+    // batch are issued before any is stored. Where one batch holds the whole chunk
+    // (C hd <= T LOADS) the next chunk's loads are issued before this chunk's arithmetic, so
+    // its memory latency hides behind it. The stored values, hence the bits, are the same.
+    const int per = C * hd, batches = (per + T * LOADS - 1) / (T * LOADS);
+    REAL kb[LOADS], vb[LOADS];
+#define FETCH(base, e0)                                                                  \
+    _Pragma("unroll") for (int b = 0; b < LOADS; ++b) {                                \
+        int e = (e0) + b * T, j = e / hd, d = e % hd;                                    \
+        kb[b] = 0; vb[b] = 0;                                                             \
+        if (e < per && (base) + j <= last) {                                              \
+            long long vec = VEC((base) + j);                                              \
+            long long idx = vec * hd + d, sidx = vec * (hd / 32) + d / 32;                \
+            kb[b] = LOAD(kpool, kscale, idx, sidx);                                       \
+            vb[b] = LOAD(vpool, vscale, idx, sidx);                                       \
+        }                                                                                 \
+    }
+#define PLACE(e0)                                                                        \
+    _Pragma("unroll") for (int b = 0; b < LOADS; ++b) {                                \
+        int e = (e0) + b * T, j = e / hd, d = e % hd;                                    \
+        if (e < per) { ks[j * (hd + 1) + d] = kb[b]; vs[j * hd + d] = vb[b]; }            \
+    }
+    if (batches == 1) { FETCH(first, t) }
     for (int c0 = first; c0 <= last; c0 += C) {
         int valid = min(C, last + 1 - c0);
-        for (int e = t; e < C * hd; e += T) {
-            int j = e / hd, d = e % hd;
-            REAL kx = 0, vx = 0;
-            if (j < valid) {
-                long long vec = VEC(c0 + j);
-                long long idx = vec * hd + d, sidx = vec * (hd / 32) + d / 32;
-                kx = LOAD(kpool, kscale, idx, sidx);
-                vx = LOAD(vpool, vscale, idx, sidx);
+        if (batches == 1) {
+            PLACE(t)
+            __syncthreads();
+            if (c0 + C <= last) { FETCH(c0 + C, t) }  // the next chunk, in flight meanwhile
+        } else {
+            for (int e0 = t; e0 < per; e0 += T * LOADS) {
+                FETCH(c0, e0)
+                PLACE(e0)
             }
-            ks[j * (hd + 1) + d] = kx;
-            vs[j * hd + d] = vx;
+            __syncthreads();
         }
-        __syncthreads();
         for (int e = t; e < group * C; e += T) {  // scores: one thread per (head, key)
             int g = e / C, j = e % C;
             if (j >= valid) continue;
@@ -173,21 +194,18 @@ extern "C" __global__ void paged_attn_NAME(
             ps[e] = s * scale;
         }
         __syncthreads();
-        for (int g = t; g < group; g += T) {  // online softmax: one thread per head
-            REAL* pr = ps + g * C;
+        for (int g = t; g < group; g += T) {  // the chunk's max: one thread per head
+            const REAL* pr = ps + g * C;
             REAL mc = pr[0];
             for (int j = 1; j < valid; ++j) mc = max_t(mc, pr[j]);
             REAL mo = ml[g], mn = max_t(mo, mc);
-            REAL alpha = exp_neg(mo - mn);
-            REAL l = ml[group + g] * alpha;
-            for (int j = 0; j < valid; ++j) {
-                REAL p = exp_neg(pr[j] - mn);
-                pr[j] = p;
-                l = l + p;
-            }
+            ml[2 * group + g] = exp_neg(mo - mn);  // alpha
             ml[g] = mn;
-            ml[group + g] = l;
-            ml[2 * group + g] = alpha;
+        }
+        __syncthreads();
+        for (int e = t; e < group * C; e += T) {  // probabilities: one thread per (head, key)
+            int g = e / C, j = e % C;
+            if (j < valid) ps[e] = exp_neg(ps[e] - ml[g]);
         }
         __syncthreads();
         for (int e = t; e < G; e += T) {  // values: one thread per (head, dim)
@@ -196,9 +214,16 @@ extern "C" __global__ void paged_attn_NAME(
             REAL a = acc[e] * ml[2 * group + g];
             for (int j = 0; j < valid; ++j) a = a + pr[j] * vs[j * hd + d];
             acc[e] = a;
+            if (d == g) {  // the running sum, by one thread per head (group <= hd)
+                REAL l = ml[group + g] * ml[2 * group + g];
+                for (int j = 0; j < valid; ++j) l = l + pr[j];
+                ml[group + g] = l;
+            }
         }
         __syncthreads();
     }
+#undef FETCH
+#undef PLACE
     long long w = ((long long)i * hkv + h) * gridDim.z + z;
     for (int e = t; e < G; e += T) pacc[w * G + e] = acc[e];
     for (int e = t; e < group; e += T) {
@@ -259,7 +284,8 @@ def _source() -> str:
             f"#define LOAD(P, S, I, SI) ({load})\n#define NEG_INF {_literal(_neg_inf(real))}\n"
             + _KERNELS.replace("STORE", _STORE_INT8 if int8 else _STORE_FLOAT)
             .replace("NAME", name).replace("REAL", real).replace("KT", kt)
-            .replace("CHUNK", str(CHUNK)) + "#undef LOAD\n#undef NEG_INF\n")
+            .replace("CHUNK", str(CHUNK)).replace("LOADS", str(LOADS))
+            + "#undef LOAD\n#undef NEG_INF\n")
     return "".join(parts)
 
 

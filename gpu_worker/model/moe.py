@@ -28,19 +28,21 @@ def route(ops: Ops, cfg: ModelConfig, w_gate: Array, x: Array,
     """Router: softmax over all experts, top-k, optional renormalisation.
     Returns expert ids [R, k] (int64) and weights [R, k]. ``chosen`` (int64 [R, k], e.g. a
     synthetic model's routing model) replaces the top-k; the weights are still the softmax
-    gathered at those ids."""
+    gathered at those ids. CuPy float32 with ``fused_router`` on: one launch either way
+    (gpu_worker/kernels/router.py, its own softmax bits)."""
     xp = ops.xp
     logits = ops.linear(x, w_gate)  # [R, E]
-    if (chosen is None and xp.__name__ == "cupy" and logits.dtype == xp.float32
+    ids = None if chosen is None else xp.asarray(chosen, dtype=xp.int64)  # [R, k]
+    if (xp.__name__ == "cupy" and logits.dtype == xp.float32
             and logits.shape[-1] <= router.MAX_EXPERTS and enabled("fused_router")):
-        return router.router_topk(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        if ids is None:
+            return router.router_topk(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        return ids, router.router_given(logits, ids, cfg.norm_topk_prob)
     probs = ops.softmax(logits, axis=-1)  # [R, E]
-    if chosen is not None:
-        ids = xp.asarray(chosen, dtype=xp.int64)
-    elif (xp.__name__ == "cupy" and probs.dtype == xp.float32
-          and probs.shape[-1] <= topk.MAX_EXPERTS):
+    if ids is None and (xp.__name__ == "cupy" and probs.dtype == xp.float32
+                        and probs.shape[-1] <= topk.MAX_EXPERTS):
         ids = topk.topk_rows(probs, cfg.num_experts_per_tok)  # argsort's ids, no host sync
-    else:
+    elif ids is None:
         kwargs = {"kind": "stable"} if xp.__name__ == "numpy" else {}
         ids = xp.argsort(-probs, axis=-1, **kwargs)[:, : cfg.num_experts_per_tok]  # [R, k]
     weights = xp.take_along_axis(probs, ids, axis=-1)

@@ -14,7 +14,8 @@ from tests.gpu.bits import assert_same_bits as _same
 
 cupy = pytest.importorskip("cupy")
 
-HS = (1, 31, 100, 128, 256, 2048)  # odd and short rows, one lane-sweep, a head, the hidden size
+HS = (1, 31, 100, 128, 256, 1100, 2048)  # odd and short rows, one lane-sweep, a head, two
+# batches of 16 per lane and a part batch (fused_norm.BATCH), the hidden size
 EPS = 1e-6
 
 
