@@ -65,7 +65,7 @@ class ModelSection:
     aliases: tuple[str, ...] = ()  # other names accepted in requests' "model"
     dtype: str = ""  # "" -> bfloat16 on the cupy backend, else float32
     backend: str = "numpy"
-    cuda_graphs: bool = False  # cupy: decode/verify passes replayed as CUDA graphs
+    cuda_graphs: bool = True  # cupy: decode/verify passes replayed as CUDA graphs (false: eager)
 
     def __post_init__(self) -> None:
         if self.dtype == "":

@@ -73,7 +73,7 @@ class WorkerConfig:
     max_drafts: int = 0  # draft tokens per slot and step (0: speculation off)
     slot_routing: bool = False  # SlotResult.cpu_experts per decode slot (adaptive drafts)
     draft_overlap: bool = False  # a pass's MTP drafter under the next pass's CPU experts
-    cuda_graphs: bool = False  # decode/verify passes as CUDA graphs where they can be
+    cuda_graphs: bool = True  # decode/verify passes as CUDA graphs where they can be
     heartbeat_s: float = HEARTBEAT_S  # a Heartbeat this often while idle
 
     def __post_init__(self) -> None:

@@ -213,7 +213,7 @@ def test_the_worker_config_maps_onto_the_plan():
     cfg = WorkerConfig(run_dir="/r", model="/m", dtype="float32", max_slots=2, max_context=100,
                        block_size=16, prefix_cache_max_mb=1, prefill_chunk=32, max_drafts=2,
                        placement="split", gpu_memory_gb=_fitting_budget(5) / GIB,
-                       cpu_workers=2)
+                       cpu_workers=2, cuda_graphs=False)
     plan = plan_for_worker(cfg, _tiny(), backend="cupy", host_available_bytes=None)
     assert plan == plan_memory(_tiny(), backend="cupy", gpu_budget_bytes=cfg.gpu_budget_bytes,
                                max_drafts=2, cpu_workers=2, **SETTINGS)
