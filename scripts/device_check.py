@@ -33,6 +33,9 @@ class Check:
 
 
 PY = "python3 -m"
+# the 80B's config with 64 experts per layer, every one on the GPU at the whole budget
+Q64 = ("python3 -c \"import json; c = json.load(open('configs/models/qwen3-next-80b-a3b.json'));"
+       " c['num_experts'] = 64; json.dump(c, open('/tmp/q64.json', 'w'))\"")
 PLANS: dict[str, list[Check]] = {
     # the kernels that stay off until they pass here (gpu_worker/kernels/enabled.py)
     "kernels": [
@@ -75,7 +78,24 @@ PLANS: dict[str, list[Check]] = {
               "qwen3-next-80b-a3b --gpu-budget 32 --graphs --steps 5 --append "
               "--out $OUT/step_graphs_h200.json", 280),
         Check("step_whole", f"{PY} scripts.bench_step --model qwen3-next-80b-a3b --gpu-budget "
-              "whole --graphs --steps 5 --append --out $OUT/step_graphs_h200.json", 260),
+              "whole --graphs --steps 5 --append --out $OUT/step_graphs_h200.json", 300),
+    ],
+    # the GPU alone: the 80B's widths with 64 experts per layer (all on the GPU), its step
+    # with graphs, then one eager step per layout under Nsight Compute (docs/benchmarks.md)
+    "gpu_only": [
+        Check("step_q64", f"{Q64}; {PY} scripts.bench_step --model /tmp/q64.json --gpu-budget "
+              "whole --graphs --steps 5 --out $OUT/step_gpu_only_h200.json", 150),
+        Check("profile_q64", f"{Q64}; ncu --profile-from-start off --clock-control none "
+              "--metrics gpu__time_duration.sum,dram__bytes_read.sum --csv --log-file "
+              f"$OUT/ncu_q64.csv {PY} scripts.profile_step --model /tmp/q64.json --gpu-budget "
+              f"whole --layouts 1x1,4x4 && {PY} scripts.profile_step --summarize "
+              "$OUT/ncu_q64.csv --out $OUT/step_kernel_profile_h200.json && gzip -f "
+              "$OUT/ncu_q64.csv", 240),
+    ],
+    # the row-tile products as graphs (device time), 8-16 rows also as tiles of 4 and 8 rows
+    "linear": [
+        Check("linear", f"{PY} scripts.bench_linear --graph --dtypes bf16 --tiles 4,8 "
+              "--out $OUT/linear_graph_h200.json", 180),
     ],
     # CUDA graphs (gpu_worker/step_graph.py): bits equal eager, with and without CPU experts
     "graphs": [

@@ -266,11 +266,13 @@ def _function(*variant):
     return raw_module(src, "row-tile matrix kernels").get_function(name)
 
 
-def linear_rows(x, w, bias=None, *, nw: int | None = None, pf: int | None = None):
+def linear_rows(x, w, bias=None, *, nw: int | None = None, pf: int | None = None,
+                rt: int | None = None):
     """``x [R, K] @ w[N, K].T (+ bias [N])`` -> a new float32 CuPy array ``[R, N]``, in the
     order of the module docstring: ``x`` float32, ``w`` float32 or bf16 bits (uint16),
-    ``bias`` float32 or None; ``nw``, ``pf``: speed knobs (None: :func:`speed_knobs`; the bits
-    do not depend on them). One launch (none when R or N is 0); never waits."""
+    ``bias`` float32 or None; ``nw``, ``pf``, ``rt`` (rows per tile, one of :data:`TILES`):
+    speed knobs (None: :func:`speed_knobs`, :func:`tile_rows`; the bits do not depend on
+    them). One launch (none when R or N is 0); never waits."""
     import cupy as cp  # noqa: PLC0415 (only on the GPU backend)
 
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
@@ -288,7 +290,9 @@ def linear_rows(x, w, bias=None, *, nw: int | None = None, pf: int | None = None
     if K == 0:
         out[...] = 0 if bias is None else bias
         return out
-    rt = tile_rows(R)
+    if rt is not None and rt not in TILES:
+        raise ValueError(f"linear_rows: row tile {rt} is not one of {TILES}")
+    rt = rt or tile_rows(R)
     bf16 = w.dtype == BITS
     nw0, pf0 = speed_knobs(rt, bf16)
     nw, pf = nw or nw0, pf or pf0

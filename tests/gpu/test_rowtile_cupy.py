@@ -105,6 +105,10 @@ def test_bf16_bits_equal_float32_weights_and_speed_knobs_do_not_change_bits():
     for nw, pf in ((1, 2), (2, 3), (4, 4), (8, 2)):
         _same(cupy.asnumpy(linear_rows(x, cupy.asarray(bits), nw=nw, pf=pf)), want,
               f"nw {nw} pf {pf}")
+    for rt in (1, 2, 4, 8):  # 12 rows as several smaller row tiles
+        _same(cupy.asnumpy(linear_rows(x, cupy.asarray(bits), rt=rt)), want, f"row tile {rt}")
+    with pytest.raises(ValueError, match="row tile 3"):
+        linear_rows(x, cupy.asarray(bits), rt=3)
     # a weight matrix not 16-byte aligned: element loads, the same order
     flat = cupy.zeros(N * K + 1, np.uint16)
     flat[1:] = cupy.asarray(bits).ravel()
