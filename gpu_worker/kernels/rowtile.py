@@ -40,7 +40,15 @@ from gpu_worker.kernels.bf16 import BITS
 WARPS = 8  # warps per block
 TILES = (1, 2, 4, 8, 12, 16)  # row-tile sizes compiled; R > 16 uses tiles of 16
 MIN_BLOCKS = 1  # __launch_bounds__' blocks per SM (more forces spills at 8-16 rows)
-SMEM_FLOATS = 8 * 1024  # x staging per block (32 KiB): 8 * RT * SC floats
+DEFAULT_SHARED = 48 * 1024  # bytes of shared memory a launch gets without opting in
+
+
+def smem_floats(rt: int) -> int:
+    """Floats of x staged per block (``8 * RT * SC``): 32 KiB up to 4 rows, 96 KiB for 8-16
+    (a 16-row tile then stages 1,536 of K per slice instead of 512: fewer slices, each a
+    barrier and a round of loads; two blocks still fit an SM). Speed only: slices never
+    change the order of a lane's sums."""
+    return 8 * 1024 if rt <= 4 else 24 * 1024
 
 _SOURCE = r"""
 // RT rows per tile, stored in shared memory as V-float vectors (V = min(RT, 4), RQ = RT / V):
@@ -54,6 +62,7 @@ _SOURCE = r"""
 #define PF __PF__  // weight chunks per row in flight + 1
 #define WARPS __WARPS__
 #define VEC __VEC__  // 16-byte loads: K % 8 == 0 and x, w 16-byte aligned
+#define SB 2  // x items a thread loads before storing them (staging)
 typedef __VT__ VT;
 
 // IEEE float32 whatever the compile flags: CuPy appends -ftz=true to every compile (after the
@@ -129,7 +138,11 @@ __device__ __forceinline__ Chunk load_chunk(const WT* row, long long k0, long lo
 extern "C" __global__ void __launch_bounds__(WARPS * 32, __MINB__) __NAME__(
         const float* __restrict__ x, const WT* __restrict__ w, const float* __restrict__ bias,
         float* __restrict__ out, int R, int N, int K, int has_bias) {
+#ifdef __CUDACC__  // dynamic: over 48 KiB for 8-16 rows (opted in by the launch)
+    extern __shared__ __align__(16) float xs[];
+#else  // the CPU emulations: one block at a time, a static array
     __shared__ __align__(16) float xs[8 * RT * SC];
+#endif
     const int lane = threadIdx.x & 31;
     const int r0 = blockIdx.x * RT;
     const long long n0 = ((long long)blockIdx.y * WARPS + (threadIdx.x >> 5)) * NW;
@@ -159,23 +172,35 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, __MINB__) __NAME__(
             if (j % JS == 0) {  // stage chunks [32 j, 32 j + nc) of the tile's rows (0 past K, R)
                 const int cs = j * 32, nc = min(SC, JT * 32 - cs);
                 __syncthreads();
-                for (int it = threadIdx.x; it < RT * nc; it += WARPS * 32) {
-                    const int ri = it % V, c = (it / V) % nc, q = it / (V * nc);
-                    const int r = r0 + q * V + ri;
-                    const long long k0 = (long long)(cs + c) * 8;
-                    const float* xr = x + (long long)r * K + k0;
-                    float v[8];
-                    if (VEC && r < R && k0 < K) {
-                        float4 a = *reinterpret_cast<const float4*>(xr);
-                        float4 b = *reinterpret_cast<const float4*>(xr + 4);
-                        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-                        v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-                    } else {
+                // SB items per thread at a time: their loads are issued before any store
+                for (int it0 = threadIdx.x; it0 < RT * nc; it0 += WARPS * 32 * SB) {
+                    float v[SB][8];
 #pragma unroll
-                        for (int e = 0; e < 8; ++e) v[e] = r < R && k0 + e < K ? xr[e] : 0.0f;
+                    for (int b = 0; b < SB; ++b) {
+                        const int it = it0 + b * WARPS * 32;
+                        const int ri = it % V, c = (it / V) % nc, q = it / (V * nc);
+                        const int r = r0 + q * V + ri;
+                        const long long k0 = (long long)(cs + c) * 8;
+                        const float* xr = x + (long long)r * K + k0;
+                        if (VEC && it < RT * nc && r < R && k0 < K) {
+                            float4 a = *reinterpret_cast<const float4*>(xr);
+                            float4 h = *reinterpret_cast<const float4*>(xr + 4);
+                            v[b][0] = a.x; v[b][1] = a.y; v[b][2] = a.z; v[b][3] = a.w;
+                            v[b][4] = h.x; v[b][5] = h.y; v[b][6] = h.z; v[b][7] = h.w;
+                        } else {
+#pragma unroll
+                            for (int e = 0; e < 8; ++e)
+                                v[b][e] = it < RT * nc && r < R && k0 + e < K ? xr[e] : 0.0f;
+                        }
                     }
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) xs[((e * RQ + q) * SC + c) * V + ri] = v[e];
+                    for (int b = 0; b < SB; ++b) {
+                        const int it = it0 + b * WARPS * 32;
+                        if (it >= RT * nc) break;
+                        const int ri = it % V, c = (it / V) % nc, q = it / (V * nc);
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) xs[((e * RQ + q) * SC + c) * V + ri] = v[b][e];
+                    }
                 }
                 __syncthreads();
             }
@@ -248,7 +273,7 @@ def kernel_source(rt: int, bf16: bool, nw: int, pf: int, vec: bool) -> tuple[str
     if rt not in TILES or nw < 1 or pf < 2:
         raise ValueError(f"row tile {rt} (one of {TILES}), nw {nw}, pf {pf} (>= 2)")
     v = min(rt, 4)
-    sc = SMEM_FLOATS // (8 * rt) // 32 * 32  # chunks per slice, a multiple of the 32 lanes
+    sc = smem_floats(rt) // (8 * rt) // 32 * 32  # chunks per slice, a multiple of 32 lanes
     name = f"rowtile_{'bf16' if bf16 else 'f32'}_r{rt}_w{nw}_p{pf}_{'v' if vec else 's'}"
     subs = {"__RT__": rt, "__V__": v, "__SC__": sc, "__NW__": nw, "__PF__": pf,
             "__WARPS__": WARPS, "__VT__": {1: "float", 2: "float2", 4: "float4"}[v],
@@ -260,10 +285,21 @@ def kernel_source(rt: int, bf16: bool, nw: int, pf: int, vec: bool) -> tuple[str
     return src, name
 
 
+def shared_bytes(rt: int) -> int:
+    """Dynamic shared memory of a launch with row tiles of ``rt`` rows."""
+    sc = smem_floats(rt) // (8 * rt) // 32 * 32
+    return 8 * rt * sc * 4
+
+
 @functools.cache
 def _function(*variant):
+    """The kernel of ``variant`` (:func:`kernel_source`'s arguments), opted in to its shared
+    memory where that is over the default 48 KiB."""
     src, name = kernel_source(*variant)
-    return raw_module(src, "row-tile matrix kernels").get_function(name)
+    fn = raw_module(src, "row-tile matrix kernels").get_function(name)
+    if shared_bytes(variant[0]) > DEFAULT_SHARED:
+        fn.max_dynamic_shared_size_bytes = shared_bytes(variant[0])
+    return fn
 
 
 def linear_rows(x, w, bias=None, *, nw: int | None = None, pf: int | None = None,
@@ -305,5 +341,6 @@ def linear_rows(x, w, bias=None, *, nw: int | None = None, pf: int | None = None
     b = out if bias is None else cp.ascontiguousarray(bias, dtype=np.float32)
     _function(rt, bf16, nw, pf, vec)(
         (-(-R // rt), blocks_n), (WARPS * 32,),
-        (x, w, b, out, np.int32(R), np.int32(N), np.int32(K), np.int32(bias is not None)))
+        (x, w, b, out, np.int32(R), np.int32(N), np.int32(K), np.int32(bias is not None)),
+        shared_mem=shared_bytes(rt))
     return out
