@@ -137,7 +137,10 @@ __device__ __forceinline__ Chunk load_chunk(const WT* row, long long k0, long lo
 // grid (ceil(R / RT), ceil(N / (WARPS * NW))), block WARPS * 32
 extern "C" __global__ void __launch_bounds__(WARPS * 32, __MINB__) __NAME__(
         const float* __restrict__ x, const WT* __restrict__ w, const float* __restrict__ bias,
-        float* __restrict__ out, int R, int N, int K, int has_bias) {
+        float* __restrict__ out, float* __restrict__ out1, float* __restrict__ out2,
+        float* __restrict__ out3, int R, int N, int K, int has_bias, int s1, int s2, int s3) {
+    // outputs n < s1 go to out [R, s1], s1 <= n < s2 to out1 [R, s2 - s1], s2 <= n < s3 to
+    // out2 and n >= s3 to out3 (a plain product: s1 = s2 = s3 = N)
 #ifdef __CUDACC__  // dynamic: over 48 KiB for 8-16 rows (opted in by the launch)
     extern __shared__ __align__(16) float xs[];
 #else  // the CPU emulations: one block at a time, a static array
@@ -245,7 +248,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, __MINB__) __NAME__(
             if (lane == (n * RT + r) % 32 && n0 + n < N && r0 + r < R) {
                 float s = acc[n][r];
                 if (has_bias) s = add_rn(s, bias[n0 + n]);
-                out[(long long)(r0 + r) * N + n0 + n] = s;
+                const int m = (int)(n0 + n);
+                float* o = m < s1 ? out : m < s2 ? out1 : m < s3 ? out2 : out3;
+                const int start = m < s1 ? 0 : m < s2 ? s1 : m < s3 ? s2 : s3;
+                const int len = (m < s1 ? s1 : m < s2 ? s2 : m < s3 ? s3 : N) - start;
+                o[(long long)(r0 + r) * len + m - start] = s;
             }
         }
 }
@@ -309,6 +316,22 @@ def linear_rows(x, w, bias=None, *, nw: int | None = None, pf: int | None = None
     ``bias`` float32 or None; ``nw``, ``pf``, ``rt`` (rows per tile, one of :data:`TILES`):
     speed knobs (None: :func:`speed_knobs`, :func:`tile_rows`; the bits do not depend on
     them). One launch (none when R or N is 0); never waits."""
+    return _linear(x, w, bias, None, nw, pf, rt)[0]
+
+
+def linear_rows_split(x, w, sizes: tuple[int, ...], *, nw: int | None = None,
+                      pf: int | None = None, rt: int | None = None) -> tuple:
+    """:func:`linear_rows` of a stack of up to :data:`MAX_SPLITS` matrices ``w [sum(sizes),
+    K]`` (e.g. a layer's router and shared-expert projections, which read the same ``x``) in
+    one launch, each part's outputs in its own contiguous ``[R, size]`` array: the bits of
+    one :func:`linear_rows` per part (an output's order depends on K alone)."""
+    return _linear(x, w, None, tuple(sizes), nw, pf, rt)
+
+
+MAX_SPLITS = 4
+
+
+def _linear(x, w, bias, sizes, nw, pf, rt) -> tuple:
     import cupy as cp  # noqa: PLC0415 (only on the GPU backend)
 
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
@@ -320,12 +343,18 @@ def linear_rows(x, w, bias=None, *, nw: int | None = None, pf: int | None = None
     N = w.shape[0]
     if bias is not None and bias.shape != (N,):
         raise ValueError(f"linear_rows: bias {bias.shape} for {N} outputs")
-    out = cp.empty((R, N), np.float32)
+    sizes = (N,) if sizes is None else sizes
+    if not 1 <= len(sizes) <= MAX_SPLITS or sum(sizes) != N or min(sizes) < 1:
+        raise ValueError(f"linear_rows: parts {sizes} of {N} outputs (1-{MAX_SPLITS}, each >= 1)")
+    outs = tuple(cp.empty((R, n), np.float32) for n in sizes)
     if R == 0 or N == 0:
-        return out
+        return outs
     if K == 0:
-        out[...] = 0 if bias is None else bias
-        return out
+        for o in outs:
+            o[...] = 0
+        if bias is not None:
+            outs[0][...] = bias
+        return outs
     if rt is not None and rt not in TILES:
         raise ValueError(f"linear_rows: row tile {rt} is not one of {TILES}")
     rt = rt or tile_rows(R)
@@ -338,9 +367,12 @@ def linear_rows(x, w, bias=None, *, nw: int | None = None, pf: int | None = None
     x = cp.ascontiguousarray(x)
     w = cp.ascontiguousarray(w)
     vec = K % 8 == 0 and x.data.ptr % 16 == 0 and w.data.ptr % 16 == 0
-    b = out if bias is None else cp.ascontiguousarray(bias, dtype=np.float32)
+    b = outs[0] if bias is None else cp.ascontiguousarray(bias, dtype=np.float32)
+    starts = [int(v) for v in np.cumsum(sizes)[:-1]] + [N] * (MAX_SPLITS - len(sizes))
+    ptrs = outs + (outs[-1],) * (MAX_SPLITS - len(sizes))
     _function(rt, bf16, nw, pf, vec)(
         (-(-R // rt), blocks_n), (WARPS * 32,),
-        (x, w, b, out, np.int32(R), np.int32(N), np.int32(K), np.int32(bias is not None)),
+        (x, w, b, *ptrs, np.int32(R), np.int32(N), np.int32(K), np.int32(bias is not None),
+         *(np.int32(v) for v in starts)),
         shared_mem=shared_bytes(rt))
-    return out
+    return outs

@@ -11,7 +11,7 @@ from gpu_worker.kv_cache import KVCache
 from gpu_worker.model.attention import StepMeta, full_attention
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.gdn import gated_deltanet
-from gpu_worker.model.moe import dense_mlp, sparse_moe
+from gpu_worker.model.moe import IN_STACK, IN_STACK_PARTS, dense_mlp, sparse_moe
 from gpu_worker.model.ops import Array, Ops
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.routed_experts import RoutedExperts
@@ -74,6 +74,8 @@ class Model:
             tensors = ((k, v) for k, v in tensors.items()
                        if not (k == "lm_head.weight" and v is embed))
         w = {k: self.ops.weight(k, v) for k, v in tensors}
+        if xp is not np:
+            stack_moe_inputs(xp, w)
         self.embed = w["model.embed_tokens.weight"]  # [V, H]
         self.lm_head = w.get("lm_head.weight", self.embed)  # [V, H]
         self.final_norm = w["model.norm.weight"]
@@ -186,6 +188,32 @@ class Model:
 
     def _routing(self, batch: RaggedBatch) -> RowRouting | None:
         return None if self.routing is None else self.routing.bind_batch(batch)
+
+
+def stack_moe_inputs(xp, w: dict[str, Array]) -> None:
+    """Each MoE layer's router and shared-expert projections (gate, up, its sigmoid gate)
+    read the same normed rows: stack them in one matrix ``mlp.`` + :data:`moe.IN_STACK`
+    (``[E + 2 I + 1, H]``, in :data:`moe.IN_STACK_PARTS` order), and leave the four names as
+    views into it (no extra memory once the originals are freed). ``sparse_moe`` then makes
+    them in one launch (``Ops.linear_split``) with the bits of four. Layers whose parts differ
+    in dtype or width keep four matrices."""
+    for key in [k for k in w if k.endswith("mlp.shared_expert.gate_proj.weight")]:
+        prefix = key[: -len("shared_expert.gate_proj.weight")]
+        names = [prefix + part for part in IN_STACK_PARTS]
+        parts = [w.get(n) for n in names]
+        if any(a is None or a.ndim != 2 for a in parts) or len(
+                {(a.dtype, a.shape[1]) for a in parts}) != 1:
+            continue
+        stack = xp.concatenate(parts)
+        start = 0
+        for n, a in zip(names, parts, strict=True):
+            w[n] = stack[start:start + a.shape[0]]
+            start += a.shape[0]
+        w[prefix + IN_STACK] = stack
+        del parts
+    pool = getattr(xp, "get_default_memory_pool", None)
+    if pool is not None:
+        pool().free_all_blocks()  # the replaced originals back to the device
 
 
 def _sub(w: dict[str, Array], prefix: str) -> dict[str, Array]:

@@ -20,18 +20,23 @@ if TYPE_CHECKING:
 # expert) pair alone, the weights read once per pair) stay for comparison
 # (docs/gpu_experts.md, scripts/bench_experts_gpu.py).
 GROUPED_MAX_ROWS = 512
+# a layer's router and shared-expert projections stacked in one matrix (model.stack_moe_inputs)
+IN_STACK = "router_shared_stack"
+IN_STACK_PARTS = ("gate.weight", "shared_expert.gate_proj.weight",
+                  "shared_expert.up_proj.weight", "shared_expert_gate.weight")
 GPU_EXPERT_KERNELS = "merged"  # or "grouped"
 
 
 def route(ops: Ops, cfg: ModelConfig, w_gate: Array, x: Array,
-          chosen: Array | None = None) -> tuple[Array, Array]:
+          chosen: Array | None = None, logits: Array | None = None) -> tuple[Array, Array]:
     """Router: softmax over all experts, top-k, optional renormalisation.
     Returns expert ids [R, k] (int64) and weights [R, k]. ``chosen`` (int64 [R, k], e.g. a
     synthetic model's routing model) replaces the top-k; the weights are still the softmax
     gathered at those ids. CuPy float32 with ``fused_router`` on: one launch either way
     (gpu_worker/kernels/router.py, its own softmax bits)."""
     xp = ops.xp
-    logits = ops.linear(x, w_gate)  # [R, E]
+    if logits is None:  # else made already (the layer's stacked input product)
+        logits = ops.linear(x, w_gate)  # [R, E]
     ids = None if chosen is None else xp.asarray(chosen, dtype=xp.int64)  # [R, k]
     if (xp.__name__ == "cupy" and logits.dtype == xp.float32
             and logits.shape[-1] <= router.MAX_EXPERTS and enabled("fused_router")):
@@ -105,15 +110,25 @@ def sparse_moe(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
     ``moe_norm``); None runs all experts here. ``routing`` (synthetic models) picks the
     experts of every row instead of the router's top-k."""
     chosen = None if routing is None else routing.ids(layer)
-    ids, weights = route(ops, cfg, p["gate.weight"], x, chosen)  # [R, k], [R, k]
+    made = None
+    if IN_STACK in p:  # router, shared gate, shared up, shared sigmoid gate: one product
+        made = ops.linear_split(x, p[IN_STACK], tuple(p[n].shape[0] for n in IN_STACK_PARTS))
+    ids, weights = route(ops, cfg, p["gate.weight"], x, chosen,
+                         None if made is None else made[0])  # [R, k], [R, k]
     if experts is None:
         out = experts_local(ops, *expert_stacks(p), x, ids, weights)
     else:
         out = experts(layer, x, ids, weights, quant)  # [R, H]
     if "shared_expert.gate_proj.weight" in p:
-        shared = swiglu(ops, x, p["shared_expert.gate_proj.weight"],
-                        p["shared_expert.up_proj.weight"], p["shared_expert.down_proj.weight"])
-        out = out + ops.sigmoid_mul(ops.linear(x, p["shared_expert_gate.weight"]), shared)
+        down = p["shared_expert.down_proj.weight"]
+        if made is None:
+            shared = swiglu(ops, x, p["shared_expert.gate_proj.weight"],
+                            p["shared_expert.up_proj.weight"], down)
+            gate = ops.linear(x, p["shared_expert_gate.weight"])
+        else:
+            shared = ops.linear(ops.silu_mul(made[1], made[2]), down)
+            gate = made[3]
+        out = out + ops.sigmoid_mul(gate, shared)
     return out
 
 

@@ -11,7 +11,7 @@ from gpu_worker.kernels.enabled import enabled
 from gpu_worker.kernels.fused_norm import rms_norm_rows
 from gpu_worker.kernels.fused_rope import rope
 from gpu_worker.kernels.fused_silu import sigmoid_mul, silu_mul
-from gpu_worker.kernels.rowtile import linear_rows
+from gpu_worker.kernels.rowtile import linear_rows, linear_rows_split
 
 Array = Any  # numpy.ndarray or cupy.ndarray
 
@@ -69,6 +69,15 @@ class Ops:
     def embed(self, table: Array, tokens) -> Array:
         """Rows ``tokens`` [R] of the embedding ``table`` [V, H] -> [R, H] compute dtype."""
         return self.up(table[self.xp.asarray(tokens)])
+
+    def linear_split(self, x: Array, w: Array, sizes: tuple[int, ...]) -> tuple[Array, ...]:
+        """One product per part of a stack of matrices ``w [sum(sizes), in]`` that read the
+        same ``x``: a tuple of ``[R, size]``, each the bits of :meth:`linear` on its part. With
+        the row-tile kernel: one launch for all parts (rowtile.linear_rows_split)."""
+        if self.xp is not np and self.dtype == np.float32 and enabled("rowtile"):
+            return linear_rows_split(x, w, sizes)
+        bounds = np.cumsum((0, *sizes))
+        return tuple(self.linear(x, w[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True))
 
     def linear(self, x: Array, w: Array, bias: Array | None = None) -> Array:
         """x [R, in] @ w[out, in].T (+ bias [out]) -> [R, out]. CuPy float32/bf16: the

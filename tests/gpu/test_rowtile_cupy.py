@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from gpu_worker.kernels.bf16 import BF16
-from gpu_worker.kernels.rowtile import linear_rows
+from gpu_worker.kernels.rowtile import linear_rows, linear_rows_split
 from gpu_worker.kernels.rowtile_ref import error_bound, linear_rows_reference, weights_f32
 from gpu_worker.model.ops import Ops
 from tests.gpu.bits import assert_same_bits as _same
@@ -113,6 +113,30 @@ def test_bf16_bits_equal_float32_weights_and_speed_knobs_do_not_change_bits():
     flat = cupy.zeros(N * K + 1, np.uint16)
     flat[1:] = cupy.asarray(bits).ravel()
     _same(cupy.asnumpy(linear_rows(x, flat[1:].reshape(N, K))), want, "unaligned w")
+
+
+@pytest.mark.parametrize("sizes", [(64,), (40, 7, 33, 1), (1, 80), (33, 16, 31)])
+@pytest.mark.parametrize("R", [1, 5, 16, 17])
+def test_a_split_product_gives_each_part_its_own_product(sizes, R):
+    """One launch over stacked matrices (a layer's router and shared-expert projections):
+    each part's array holds the bits of that part's own product, contiguous."""
+    K = 1003 if R == 5 else 2048  # element loads too
+    rng = np.random.default_rng(R * 100 + len(sizes))
+    parts = [_weights(rng, n, K, True) for n in sizes]
+    x = cupy.asarray(_x(rng, R, K))
+    got = linear_rows_split(x, cupy.asarray(np.concatenate(parts)), sizes)
+    assert len(got) == len(sizes)
+    for i, (part, out) in enumerate(zip(parts, got, strict=True)):
+        assert out.shape == (R, part.shape[0]) and out.flags.c_contiguous
+        _same(cupy.asnumpy(out), cupy.asnumpy(linear_rows(x, cupy.asarray(part))), f"part {i}")
+
+
+def test_a_split_product_refuses_bad_parts():
+    x = cupy.zeros((2, 64), np.float32)
+    w = cupy.zeros((10, 64), np.uint16)
+    for sizes in ((5, 4), (10, 0), (2, 2, 2, 2, 2), ()):
+        with pytest.raises(ValueError, match="parts"):
+            linear_rows_split(x, w, sizes)
 
 
 @pytest.mark.parametrize("dtype", [BF16, np.float32], ids=["bf16", "f32"])

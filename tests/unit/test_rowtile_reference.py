@@ -153,7 +153,8 @@ int main(int argc, char** argv) {  // dir R N K has_bias grid_x grid_y threads w
         std::vector<std::thread> ts;
         for (int t = 0; t < T; ++t) ts.emplace_back([&, t] {
             threadIdx = U3{t, 0, 0};
-            KERNEL(x, w, b, out.data(), R, N, K, hb); });
+            float* o = out.data();
+            KERNEL(x, w, b, o, o, o, o, R, N, K, hb, N, N, N); });
         for (auto& th : ts) th.join();
         for (auto* wb : warps) delete wb;
     }
