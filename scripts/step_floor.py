@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from gpu_worker.model.moe import IN_STACK
+from gpu_worker.model.model import is_stack
 
 HBM_TBS = 4.2  # H200 HBM, TB/s (BENCHMARKS: 4.23 TB/s device-to-device copy)
 CPU_BENCH = Path(__file__).resolve().parents[1] / "docs" / "bench" / "cpu_experts_h200.json"
@@ -36,9 +36,10 @@ T = TypeVar("T")
 
 def _nbytes(arrays: dict[str, Any], experts: bool) -> int:
     """Bytes of a layer dict's arrays: the routed expert stacks (``experts.*``) or the rest
-    (the router and shared-expert stack counted through its four views, once)."""
+    (an input stack counted once, through its parts' views: model.stack_inputs)."""
     return sum(int(a.nbytes) for k, a in arrays.items()
-               if k.startswith("experts.") == experts and hasattr(a, "nbytes") and k != IN_STACK)
+               if k.startswith("experts.") == experts and hasattr(a, "nbytes")
+               and not is_stack(k))
 
 
 def dense_read_bytes(model: Any, rows: int) -> int:

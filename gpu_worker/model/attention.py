@@ -25,6 +25,8 @@ from gpu_worker.model.ops import Array, Ops
 from gpu_worker.model_config import ModelConfig
 
 PAGED_MAX_ROWS = 16  # a segment of more rows (a prefill chunk) uses matrix products
+QKV_STACK = "qkv_stack"  # q, k, v projections in one matrix (model.stack_inputs)
+QKV_PARTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
 
 
 def full_attention(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
@@ -35,14 +37,18 @@ def full_attention(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
     xp = ops.xp
     R, hd = x.shape[0], cfg.head_dim
     Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    q = ops.linear(x, p["q_proj.weight"], p.get("q_proj.bias"))
+    if QKV_STACK in p:  # one launch (no biases: model.stack_inputs)
+        q, k, v = ops.linear_split(x, p[QKV_STACK], tuple(p[n].shape[0] for n in QKV_PARTS))
+    else:
+        q = ops.linear(x, p["q_proj.weight"], p.get("q_proj.bias"))
+        k = ops.linear(x, p["k_proj.weight"], p.get("k_proj.bias"))
+        v = ops.linear(x, p["v_proj.weight"], p.get("v_proj.bias"))
     gate = None
     if cfg.gated_attention:
         q = q.reshape(R, Hq, 2 * hd)  # [R, Hq, query | gate]
         q, gate = q[..., :hd], q[..., hd:].reshape(R, Hq * hd)
     q = q.reshape(R, Hq, hd)
-    k = ops.linear(x, p["k_proj.weight"], p.get("k_proj.bias")).reshape(R, Hkv, hd)
-    v = ops.linear(x, p["v_proj.weight"], p.get("v_proj.bias")).reshape(R, Hkv, hd)
+    k, v = k.reshape(R, Hkv, hd), v.reshape(R, Hkv, hd)
     zc = cfg.zero_centered_norms
     q = ops.rms_norm(q, p["q_norm.weight"], cfg.rms_norm_eps, zero_centered=zc)
     k = ops.rms_norm(k, p["k_norm.weight"], cfg.rms_norm_eps, zero_centered=zc)

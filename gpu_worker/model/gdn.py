@@ -24,6 +24,9 @@ from gpu_worker.model.ops import Array, Ops
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.states import RecurrentStates
 
+GDN_IN_STACK = "in_stack"  # in_proj_qkvz and in_proj_ba in one matrix (model.stack_inputs)
+GDN_IN_PARTS = ("in_proj_qkvz.weight", "in_proj_ba.weight")
+
 
 def gated_deltanet(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
                    batch: RaggedBatch, states: RecurrentStates, layer: int) -> Array:
@@ -32,8 +35,12 @@ def gated_deltanet(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
     R = x.shape[0]
     Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     Dk, Dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, Hv // Hk
-    qkvz = ops.linear(x, p["in_proj_qkvz.weight"]).reshape(R, Hk, 2 * Dk + 2 * r * Dv)
-    ba = ops.linear(x, p["in_proj_ba.weight"])  # [R, Hk * 2r]: per key head r b, then r a
+    if GDN_IN_STACK in p:  # one launch (model.stack_inputs)
+        qkvz, ba = ops.linear_split(x, p[GDN_IN_STACK],
+                                    tuple(p[n].shape[0] for n in GDN_IN_PARTS))
+    else:
+        qkvz, ba = (ops.linear(x, p[n]) for n in GDN_IN_PARTS)
+    qkvz = qkvz.reshape(R, Hk, 2 * Dk + 2 * r * Dv)  # ba [R, Hk * 2r]: per key head r b, r a
     q, k = qkvz[..., :Dk], qkvz[..., Dk:2 * Dk]  # [R, Hk, Dk]
     v = qkvz[..., 2 * Dk:2 * Dk + r * Dv].reshape(R, Hv, Dv)
     z = qkvz[..., 2 * Dk + r * Dv:].reshape(R, Hv, Dv)

@@ -8,9 +8,9 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from gpu_worker.kv_cache import KVCache
-from gpu_worker.model.attention import StepMeta, full_attention
+from gpu_worker.model.attention import QKV_PARTS, QKV_STACK, StepMeta, full_attention
 from gpu_worker.model.batch import RaggedBatch
-from gpu_worker.model.gdn import gated_deltanet
+from gpu_worker.model.gdn import GDN_IN_PARTS, GDN_IN_STACK, gated_deltanet
 from gpu_worker.model.moe import IN_STACK, IN_STACK_PARTS, dense_mlp, sparse_moe
 from gpu_worker.model.ops import Array, Ops
 from gpu_worker.model_config import ModelConfig
@@ -75,7 +75,7 @@ class Model:
                        if not (k == "lm_head.weight" and v is embed))
         w = {k: self.ops.weight(k, v) for k, v in tensors}
         if xp is not np:
-            stack_moe_inputs(xp, w)
+            stack_inputs(xp, w)
         self.embed = w["model.embed_tokens.weight"]  # [V, H]
         self.lm_head = w.get("lm_head.weight", self.embed)  # [V, H]
         self.final_norm = w["model.norm.weight"]
@@ -190,27 +190,41 @@ class Model:
         return None if self.routing is None else self.routing.bind_batch(batch)
 
 
-def stack_moe_inputs(xp, w: dict[str, Array]) -> None:
-    """Each MoE layer's router and shared-expert projections (gate, up, its sigmoid gate)
-    read the same normed rows: stack them in one matrix ``mlp.`` + :data:`moe.IN_STACK`
-    (``[E + 2 I + 1, H]``, in :data:`moe.IN_STACK_PARTS` order), and leave the four names as
-    views into it (no extra memory once the originals are freed). ``sparse_moe`` then makes
-    them in one launch (``Ops.linear_split``) with the bits of four. Layers whose parts differ
-    in dtype or width keep four matrices."""
-    for key in [k for k in w if k.endswith("mlp.shared_expert.gate_proj.weight")]:
-        prefix = key[: -len("shared_expert.gate_proj.weight")]
-        names = [prefix + part for part in IN_STACK_PARTS]
-        parts = [w.get(n) for n in names]
-        if any(a is None or a.ndim != 2 for a in parts) or len(
-                {(a.dtype, a.shape[1]) for a in parts}) != 1:
-            continue
-        stack = xp.concatenate(parts)
-        start = 0
-        for n, a in zip(names, parts, strict=True):
-            w[n] = stack[start:start + a.shape[0]]
-            start += a.shape[0]
-        w[prefix + IN_STACK] = stack
-        del parts
+# Matrices that read the same rows, stacked in one (``Ops.linear_split``: one launch, the
+# bits of one product each): (block, the stack's name, its parts in order)
+INPUT_STACKS = (("mlp.", IN_STACK, IN_STACK_PARTS),
+                ("self_attn.", QKV_STACK, QKV_PARTS),
+                ("linear_attn.", GDN_IN_STACK, GDN_IN_PARTS))
+
+
+def is_stack(name: str) -> bool:
+    """Whether a weight name is an input stack (its bytes are its parts' views)."""
+    return any(name.endswith(block + stack) or name == stack for block, stack, _ in INPUT_STACKS)
+
+
+def stack_inputs(xp, w: dict[str, Array]) -> None:
+    """Stack each layer's matrices of :data:`INPUT_STACKS` (a MoE layer's router and
+    shared-expert projections, attention's q/k/v, Gated DeltaNet's two input projections)
+    in one matrix named ``<block><stack>``, and leave the parts' names as views into it: no
+    extra memory once the originals are freed. A group whose parts differ in dtype or width,
+    or that has biases, keeps its matrices apart."""
+    for block, stack_name, parts_names in INPUT_STACKS:
+        first = block + parts_names[0]
+        for key in [k for k in w if k.endswith(first)]:
+            prefix = key[: -len(parts_names[0])]
+            names = [prefix + part for part in parts_names]
+            parts = [w.get(n) for n in names]
+            if any(a is None or a.ndim != 2 for a in parts) or len(
+                    {(a.dtype, a.shape[1]) for a in parts}) != 1 or any(
+                    n.removesuffix(".weight") + ".bias" in w for n in names):
+                continue
+            stack = xp.concatenate(parts)
+            start = 0
+            for n, a in zip(names, parts, strict=True):
+                w[n] = stack[start:start + a.shape[0]]
+                start += a.shape[0]
+            w[prefix + stack_name] = stack
+            del parts
     pool = getattr(xp, "get_default_memory_pool", None)
     if pool is not None:
         pool().free_all_blocks()  # the replaced originals back to the device

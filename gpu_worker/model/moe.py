@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 # expert) pair alone, the weights read once per pair) stay for comparison
 # (docs/gpu_experts.md, scripts/bench_experts_gpu.py).
 GROUPED_MAX_ROWS = 512
-# a layer's router and shared-expert projections stacked in one matrix (model.stack_moe_inputs)
+# a layer's router and shared-expert projections stacked in one matrix (model.stack_inputs)
 IN_STACK = "router_shared_stack"
 IN_STACK_PARTS = ("gate.weight", "shared_expert.gate_proj.weight",
                   "shared_expert.up_proj.weight", "shared_expert_gate.weight")

@@ -38,8 +38,7 @@ from tqdm import tqdm
 
 from gpu_worker.experts.split import EXPERT_KEYS, ExpertSplit
 from gpu_worker.kernels.bf16 import BF16, round_into
-from gpu_worker.model.model import Model
-from gpu_worker.model.moe import IN_STACK
+from gpu_worker.model.model import Model, is_stack
 from gpu_worker.model.ops import is_matrix
 from gpu_worker.weights.source import WeightSource
 
@@ -98,12 +97,12 @@ def stream_load(source: WeightSource, split: ExpertSplit | None, *, xp: Any, dty
 def resident_bytes(model: Model) -> int:
     """Bytes of the model's weights on its backend (each array once)."""
     arrays: dict[int, Any] = {}
-    def own(d: dict[str, Any]) -> list[Any]:  # a MoE input stack is counted by its views
-        return [a for k, a in d.items() if not k.endswith(IN_STACK)]
+    def own(d: dict[str, Any]) -> list[Any]:  # an input stack is counted by its views
+        return [a for k, a in d.items() if not is_stack(k)]
 
     parts = [model.embed, model.lm_head, model.final_norm, *own(model.mtp or {})]
     for layer in [*model.layers, *([model.mtp_layer] if model.mtp_layer else [])]:
-        parts += [layer.input_norm, layer.post_norm, *layer.attn.values(), *own(layer.mlp)]
+        parts += [layer.input_norm, layer.post_norm, *own(layer.attn), *own(layer.mlp)]
     for a in parts:
         arrays[id(a)] = a
     return sum(int(a.nbytes) for a in arrays.values())
