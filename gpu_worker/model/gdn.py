@@ -24,8 +24,27 @@ from gpu_worker.model.ops import Array, Ops
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.states import RecurrentStates
 
-GDN_IN_STACK = "in_stack"  # in_proj_qkvz and in_proj_ba in one matrix (model.stack_inputs)
-GDN_IN_PARTS = ("in_proj_qkvz.weight", "in_proj_ba.weight")
+# On CuPy in_proj_qkvz's rows are regrouped at load (model.stack_inputs, :func:`qkvz_rows`)
+# into in_proj_mixed (the conv's input: every q head, every k head, every v head) and
+# in_proj_z, so that the product gives them contiguous: no slicing copies, no concatenation.
+# With in_proj_ba the three are one matrix, one launch.
+GDN_IN_STACK = "in_stack"
+GDN_IN_PARTS = ("in_proj_mixed.weight", "in_proj_z.weight", "in_proj_ba.weight")
+
+
+def qkvz_rows(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of in_proj_qkvz ``[Hk * (2 Dk + 2 r Dv), H]`` (per key head: q, k, v, z) that
+    make in_proj_mixed (all q, all k, all v: the order of ``mixed`` below) and in_proj_z."""
+    Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    Dk, Dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, Hv // Hk
+    W = 2 * Dk + 2 * r * Dv
+    heads = np.arange(Hk)[:, None] * W
+
+    def rows(lo: int, n: int) -> np.ndarray:
+        return (heads + lo + np.arange(n)[None, :]).ravel()
+
+    mixed = np.concatenate([rows(0, Dk), rows(Dk, Dk), rows(2 * Dk, r * Dv)])
+    return mixed, rows(2 * Dk + r * Dv, r * Dv)
 
 
 def gated_deltanet(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
@@ -35,16 +54,20 @@ def gated_deltanet(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
     R = x.shape[0]
     Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     Dk, Dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, Hv // Hk
-    if GDN_IN_STACK in p:  # one launch (model.stack_inputs)
-        qkvz, ba = ops.linear_split(x, p[GDN_IN_STACK],
-                                    tuple(p[n].shape[0] for n in GDN_IN_PARTS))
+    # ba [R, Hk * 2r]: per key head r b, then r a
+    if GDN_IN_PARTS[0] in p:  # regrouped rows (CuPy): mixed and z come out contiguous
+        sizes = tuple(p[n].shape[0] for n in GDN_IN_PARTS)
+        mixed, z, ba = (ops.linear_split(x, p[GDN_IN_STACK], sizes) if GDN_IN_STACK in p
+                        else tuple(ops.linear(x, p[n]) for n in GDN_IN_PARTS))
+        z = z.reshape(R, Hv, Dv)
     else:
-        qkvz, ba = (ops.linear(x, p[n]) for n in GDN_IN_PARTS)
-    qkvz = qkvz.reshape(R, Hk, 2 * Dk + 2 * r * Dv)  # ba [R, Hk * 2r]: per key head r b, r a
-    q, k = qkvz[..., :Dk], qkvz[..., Dk:2 * Dk]  # [R, Hk, Dk]
-    v = qkvz[..., 2 * Dk:2 * Dk + r * Dv].reshape(R, Hv, Dv)
-    z = qkvz[..., 2 * Dk + r * Dv:].reshape(R, Hv, Dv)
-    mixed = xp.concatenate([q.reshape(R, -1), k.reshape(R, -1), v.reshape(R, -1)], axis=1)  # [R, C]
+        qkvz = ops.linear(x, p["in_proj_qkvz.weight"]).reshape(R, Hk, 2 * Dk + 2 * r * Dv)
+        ba = ops.linear(x, p["in_proj_ba.weight"])
+        q, k = qkvz[..., :Dk], qkvz[..., Dk:2 * Dk]  # [R, Hk, Dk]
+        v = qkvz[..., 2 * Dk:2 * Dk + r * Dv].reshape(R, Hv, Dv)
+        z = qkvz[..., 2 * Dk + r * Dv:].reshape(R, Hv, Dv)
+        mixed = xp.concatenate([q.reshape(R, -1), k.reshape(R, -1), v.reshape(R, -1)],
+                               axis=1)  # [R, C]
 
     conv_w = p["conv1d.weight"][:, 0, :]  # [C, K]
     table = states.segment_table(batch.segments)  # also allocates the per-row buffers

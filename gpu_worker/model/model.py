@@ -10,7 +10,7 @@ import numpy as np
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model.attention import QKV_PARTS, QKV_STACK, StepMeta, full_attention
 from gpu_worker.model.batch import RaggedBatch
-from gpu_worker.model.gdn import GDN_IN_PARTS, GDN_IN_STACK, gated_deltanet
+from gpu_worker.model.gdn import GDN_IN_PARTS, GDN_IN_STACK, gated_deltanet, qkvz_rows
 from gpu_worker.model.moe import IN_STACK, IN_STACK_PARTS, dense_mlp, sparse_moe
 from gpu_worker.model.ops import Array, Ops
 from gpu_worker.model_config import ModelConfig
@@ -75,7 +75,7 @@ class Model:
                        if not (k == "lm_head.weight" and v is embed))
         w = {k: self.ops.weight(k, v) for k, v in tensors}
         if xp is not np:
-            stack_inputs(xp, w)
+            stack_inputs(xp, w, config)
         self.embed = w["model.embed_tokens.weight"]  # [V, H]
         self.lm_head = w.get("lm_head.weight", self.embed)  # [V, H]
         self.final_norm = w["model.norm.weight"]
@@ -202,12 +202,20 @@ def is_stack(name: str) -> bool:
     return any(name.endswith(block + stack) or name == stack for block, stack, _ in INPUT_STACKS)
 
 
-def stack_inputs(xp, w: dict[str, Array]) -> None:
+def stack_inputs(xp, w: dict[str, Array], cfg: ModelConfig) -> None:
     """Stack each layer's matrices of :data:`INPUT_STACKS` (a MoE layer's router and
-    shared-expert projections, attention's q/k/v, Gated DeltaNet's two input projections)
-    in one matrix named ``<block><stack>``, and leave the parts' names as views into it: no
-    extra memory once the originals are freed. A group whose parts differ in dtype or width,
-    or that has biases, keeps its matrices apart."""
+    shared-expert projections, attention's q/k/v, Gated DeltaNet's input projections, its
+    in_proj_qkvz regrouped first into in_proj_mixed and in_proj_z: gdn.qkvz_rows) in one
+    matrix named ``<block><stack>``, and leave the parts' names as views into it: no extra
+    memory once the originals are freed. A group whose parts differ in dtype or width, or
+    that has biases, keeps its matrices apart."""
+    if cfg.linear_num_key_heads:
+        mixed, z = (xp.asarray(i) for i in qkvz_rows(cfg))
+        for key in [k for k in w if k.endswith("linear_attn.in_proj_qkvz.weight")]:
+            qkvz = w.pop(key)
+            prefix = key[: -len("in_proj_qkvz.weight")]
+            w[prefix + GDN_IN_PARTS[0]], w[prefix + GDN_IN_PARTS[1]] = qkvz[mixed], qkvz[z]
+            del qkvz
     for block, stack_name, parts_names in INPUT_STACKS:
         first = block + parts_names[0]
         for key in [k for k in w if k.endswith(first)]:

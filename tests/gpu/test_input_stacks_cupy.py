@@ -1,7 +1,8 @@
 """Matrices that read the same rows stacked in one on CuPy (gpu_worker/model/model.py
 ``stack_inputs``): a MoE layer's router and shared-expert projections, attention's q/k/v,
-Gated DeltaNet's two input projections. One launch each, the bits of separate products, no
-extra memory, and the floor's byte counts unchanged."""
+Gated DeltaNet's input projections (in_proj_qkvz regrouped into the conv's input and z
+first). One launch each, the bits of separate products, no extra memory, and the floor's
+byte counts unchanged."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def _blocks(layer) -> dict[str, dict]:
 def test_stacks_give_the_separate_products_bits_and_hold_them_once(ckpt, monkeypatch):
     arch, ck = ckpt
     stacked = Model(ck.config, ck.tensors, xp=cupy, dtype=BF16)
-    monkeypatch.setattr(model_module, "stack_inputs", lambda xp, w: None)
+    monkeypatch.setattr(model_module, "stack_inputs", lambda xp, w, cfg: None)
     plain = Model(ck.config, ck.tensors, xp=cupy, dtype=BF16)
     seen = set()
     for layer in stacked.layers:
@@ -83,5 +84,23 @@ def test_parts_that_differ_in_dtype_or_have_a_bias_stay_apart(ckpt):
     others = [k for k in w if k.endswith(("in_proj_ba.weight", "shared_expert_gate.weight"))]
     for k in others:
         w[k] = w[k].astype(cupy.float64)
-    model_module.stack_inputs(cupy, w)
+    model_module.stack_inputs(cupy, w, ck.config)
     assert not any(model_module.is_stack(k) for k in w)
+
+
+def test_regrouped_gdn_rows_without_a_stack_give_the_same_bits(ckpt, monkeypatch):
+    """in_proj_qkvz regrouped (in_proj_mixed, in_proj_z) but left apart from in_proj_ba:
+    three products, the bits of the unregrouped path."""
+    arch, ck = ckpt
+    if arch != "qwen3_next":
+        pytest.skip("no Gated DeltaNet layers")
+    apart = tuple(g for g in INPUT_STACKS if g[0] != "linear_attn.")
+    monkeypatch.setattr(model_module, "INPUT_STACKS", apart)
+    regrouped = Model(ck.config, ck.tensors, xp=cupy, dtype=BF16)
+    gdn_layers = [la for la in regrouped.layers if not la.full]
+    assert gdn_layers and all("in_proj_mixed.weight" in la.attn and "in_proj_qkvz.weight"
+                              not in la.attn for la in gdn_layers)
+    monkeypatch.setattr(model_module, "stack_inputs", lambda xp, w, cfg: None)
+    plain = Model(ck.config, ck.tensors, xp=cupy, dtype=BF16)
+    assert _logits(regrouped) == _logits(plain)
+    assert resident_bytes(regrouped) == resident_bytes(plain)
