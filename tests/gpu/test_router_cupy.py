@@ -21,6 +21,14 @@ from tests.gpu.bits import assert_same_bits as _same
 cupy = pytest.importorskip("cupy")
 
 
+def _float64_weights(logits: np.ndarray, ids: np.ndarray, renorm: bool) -> np.ndarray:
+    """The softmax's probabilities at ``ids`` (renormalised or not) in float64."""
+    p = np.exp(logits.astype(np.float64) - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    ref = np.take_along_axis(p, ids, 1)
+    return ref / ref.sum(1, keepdims=True) if renorm else ref
+
+
 @pytest.mark.parametrize("E, k", [(16, 4), (33, 8), (128, 8), (512, 10), (64, 64)])
 @pytest.mark.parametrize("renorm", [True, False])
 def test_bits_equal_the_numpy_formula(E, k, renorm):
@@ -30,12 +38,8 @@ def test_bits_equal_the_numpy_formula(E, k, renorm):
     want_ids, want_w = router_reference(logits, k, renorm)
     assert np.array_equal(ids.get(), want_ids)
     _same(w.get(), want_w, f"E {E} k {k} renorm {renorm}")
-    p = np.exp(logits.astype(np.float64) - logits.max(1, keepdims=True))
-    p /= p.sum(1, keepdims=True)
-    ref = np.take_along_axis(p, want_ids, 1)
-    if renorm:
-        ref /= ref.sum(1, keepdims=True)
-    assert np.allclose(w.get(), ref, rtol=4e-6, atol=1e-30)
+    assert np.allclose(w.get(), _float64_weights(logits, want_ids, renorm), rtol=4e-6,
+                       atol=1e-30)
 
 
 def test_ties_and_far_below_the_maximum():
@@ -93,12 +97,7 @@ def test_given_ids_bits_equal_the_numpy_formula(R, E, k, renorm):
     w = router_given(cupy.asarray(logits), cupy.asarray(ids), renorm)
     want = router_given_reference(logits, ids, renorm)
     _same(w.get(), want, f"R {R} E {E} k {k} renorm {renorm}")
-    p = np.exp(logits.astype(np.float64) - logits.max(1, keepdims=True))
-    p /= p.sum(1, keepdims=True)
-    ref = np.take_along_axis(p, ids, 1)
-    if renorm:
-        ref /= ref.sum(1, keepdims=True)
-    assert np.allclose(w.get(), ref, rtol=4e-6, atol=1e-30)
+    assert np.allclose(w.get(), _float64_weights(logits, ids, renorm), rtol=4e-6, atol=1e-30)
     top_ids, top_w = router_topk(cupy.asarray(logits), k, renorm)
     _same(router_given(cupy.asarray(logits), top_ids, renorm).get(), top_w.get(),
           "at router_topk's ids")
