@@ -27,6 +27,16 @@ from gpu_worker.model_config import ModelConfig
 PAGED_MAX_ROWS = 16  # a segment of more rows (a prefill chunk) uses matrix products
 QKV_STACK = "qkv_stack"  # q, k, v projections in one matrix (model.stack_inputs)
 QKV_PARTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
+# gated attention on CuPy: q_proj's rows (per head: query, then gate) regrouped at load into
+# every head's query, then every head's gate (:func:`q_rows`): both come out contiguous
+QKV_GATED_PARTS = ("q_query.weight", "q_gate.weight", "k_proj.weight", "v_proj.weight")
+
+
+def q_rows(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of a gated q_proj ``[Hq * 2 hd, H]`` that make q_query and q_gate."""
+    hd = cfg.head_dim
+    heads = np.arange(cfg.num_attention_heads)[:, None] * 2 * hd
+    return ((heads + np.arange(hd)).ravel(), (heads + hd + np.arange(hd)).ravel())
 
 
 def full_attention(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
@@ -37,16 +47,22 @@ def full_attention(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
     xp = ops.xp
     R, hd = x.shape[0], cfg.head_dim
     Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    if QKV_STACK in p:  # one launch (no biases: model.stack_inputs)
-        q, k, v = ops.linear_split(x, p[QKV_STACK], tuple(p[n].shape[0] for n in QKV_PARTS))
-    else:
-        q = ops.linear(x, p["q_proj.weight"], p.get("q_proj.bias"))
-        k = ops.linear(x, p["k_proj.weight"], p.get("k_proj.bias"))
-        v = ops.linear(x, p["v_proj.weight"], p.get("v_proj.bias"))
     gate = None
-    if cfg.gated_attention:
-        q = q.reshape(R, Hq, 2 * hd)  # [R, Hq, query | gate]
-        q, gate = q[..., :hd], q[..., hd:].reshape(R, Hq * hd)
+    parts = QKV_GATED_PARTS if QKV_GATED_PARTS[0] in p else QKV_PARTS
+    if QKV_STACK in p:  # one launch (no biases: model.stack_inputs)
+        outs = ops.linear_split(x, p[QKV_STACK], tuple(p[n].shape[0] for n in parts))
+    elif parts is QKV_GATED_PARTS:
+        outs = tuple(ops.linear(x, p[n]) for n in parts)
+    else:
+        outs = tuple(ops.linear(x, p[n], p.get(n.removesuffix(".weight") + ".bias"))
+                     for n in parts)
+    if parts is QKV_GATED_PARTS:  # regrouped rows: query and gate contiguous
+        q, gate, k, v = outs
+    else:
+        q, k, v = outs
+        if cfg.gated_attention:
+            q = q.reshape(R, Hq, 2 * hd)  # [R, Hq, query | gate]
+            q, gate = q[..., :hd], q[..., hd:].reshape(R, Hq * hd)
     q = q.reshape(R, Hq, hd)
     k, v = k.reshape(R, Hkv, hd), v.reshape(R, Hkv, hd)
     zc = cfg.zero_centered_norms

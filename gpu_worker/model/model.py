@@ -8,7 +8,14 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from gpu_worker.kv_cache import KVCache
-from gpu_worker.model.attention import QKV_PARTS, QKV_STACK, StepMeta, full_attention
+from gpu_worker.model.attention import (
+    QKV_GATED_PARTS,
+    QKV_PARTS,
+    QKV_STACK,
+    StepMeta,
+    full_attention,
+    q_rows,
+)
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.gdn import GDN_IN_PARTS, GDN_IN_STACK, gated_deltanet, qkvz_rows
 from gpu_worker.model.moe import IN_STACK, IN_STACK_PARTS, dense_mlp, sparse_moe
@@ -194,6 +201,7 @@ class Model:
 # bits of one product each): (block, the stack's name, its parts in order)
 INPUT_STACKS = (("mlp.", IN_STACK, IN_STACK_PARTS),
                 ("self_attn.", QKV_STACK, QKV_PARTS),
+                ("self_attn.", QKV_STACK, QKV_GATED_PARTS),
                 ("linear_attn.", GDN_IN_STACK, GDN_IN_PARTS))
 
 
@@ -204,11 +212,20 @@ def is_stack(name: str) -> bool:
 
 def stack_inputs(xp, w: dict[str, Array], cfg: ModelConfig) -> None:
     """Stack each layer's matrices of :data:`INPUT_STACKS` (a MoE layer's router and
-    shared-expert projections, attention's q/k/v, Gated DeltaNet's input projections, its
+    shared-expert projections, attention's q/k/v (a gated q_proj regrouped first into
+    q_query and q_gate: attention.q_rows), Gated DeltaNet's input projections (its
     in_proj_qkvz regrouped first into in_proj_mixed and in_proj_z: gdn.qkvz_rows) in one
     matrix named ``<block><stack>``, and leave the parts' names as views into it: no extra
     memory once the originals are freed. A group whose parts differ in dtype or width, or
     that has biases, keeps its matrices apart."""
+    if cfg.gated_attention:
+        query, gate = (xp.asarray(i) for i in q_rows(cfg))
+        for key in [k for k in w if k.endswith("self_attn.q_proj.weight")
+                    and k.removesuffix(".weight") + ".bias" not in w]:
+            q = w.pop(key)
+            prefix = key[: -len("q_proj.weight")]
+            w[prefix + QKV_GATED_PARTS[0]], w[prefix + QKV_GATED_PARTS[1]] = q[query], q[gate]
+            del q
     if cfg.linear_num_key_heads:
         mixed, z = (xp.asarray(i) for i in qkvz_rows(cfg))
         for key in [k for k in w if k.endswith("linear_attn.in_proj_qkvz.weight")]:

@@ -1,8 +1,8 @@
 """Matrices that read the same rows stacked in one on CuPy (gpu_worker/model/model.py
 ``stack_inputs``): a MoE layer's router and shared-expert projections, attention's q/k/v,
 Gated DeltaNet's input projections (in_proj_qkvz regrouped into the conv's input and z
-first). One launch each, the bits of separate products, no extra memory, and the floor's
-byte counts unchanged."""
+first; a gated q_proj into query and gate). One launch each, the bits of separate products,
+no extra memory, and the floor's byte counts unchanged."""
 
 from __future__ import annotations
 
@@ -69,6 +69,8 @@ def test_stacks_give_the_separate_products_bits_and_hold_them_once(ckpt, monkeyp
                 start += d[name].shape[0]
             assert start == stack.shape[0]
     assert seen == STACKED[arch]
+    full = [la for la in stacked.layers if la.full]
+    assert all(("q_query.weight" in la.attn) == ck.config.gated_attention for la in full)
     assert not any(model_module.is_stack(k) for layer in plain.layers
                    for k in [*layer.attn, *layer.mlp])
     assert _logits(stacked) == _logits(plain)
