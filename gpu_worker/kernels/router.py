@@ -122,15 +122,9 @@ def router_topk(logits, k: int, renorm: bool):
     import cupy as cp  # noqa: PLC0415 (only on the GPU backend)
 
     _check(logits, k)
-    R, E = logits.shape
-    logits = cp.ascontiguousarray(logits)
+    R = logits.shape[0]
     ids = cp.empty((R, k), cp.int64)
-    weights = cp.empty((R, k), cp.float32)
-    if R:
-        _module().get_function("router_topk")(
-            (R,), (32,), (logits, np.int32(E), np.int32(k), np.int32(bool(renorm)), ids,
-                          weights))
-    return ids, weights
+    return ids, _launch("router_topk", logits, ids, renorm)
 
 
 def router_given(logits, ids, renorm: bool):
@@ -144,12 +138,20 @@ def router_given(logits, ids, renorm: bool):
     if ids.shape != (R, k) or ids.dtype != np.int64:
         raise ValueError(f"given ids must be int64 [{R}, k], got {ids.dtype} {ids.shape}")
     _check(logits, k)
-    logits, ids = cp.ascontiguousarray(logits), cp.ascontiguousarray(ids)
+    return _launch("router_given", logits, cp.ascontiguousarray(ids), renorm)
+
+
+def _launch(name: str, logits, ids, renorm: bool):
+    """Run kernel ``name`` (one warp per row) on ``logits`` [R, E] with ``ids`` [R, k]
+    (written by router_topk, read by router_given); the weights float32 [R, k]."""
+    import cupy as cp  # noqa: PLC0415 (only on the GPU backend)
+
+    (R, E), k = logits.shape, ids.shape[1]
     weights = cp.empty((R, k), cp.float32)
     if R:
-        _module().get_function("router_given")(
-            (R,), (32,), (logits, np.int32(E), np.int32(k), np.int32(bool(renorm)), ids,
-                          weights))
+        _module().get_function(name)(
+            (R,), (32,), (cp.ascontiguousarray(logits), np.int32(E), np.int32(k),
+                          np.int32(bool(renorm)), ids, weights))
     return weights
 
 

@@ -280,7 +280,7 @@ def kernel_source(rt: int, bf16: bool, nw: int, pf: int, vec: bool) -> tuple[str
     if rt not in TILES or nw < 1 or pf < 2:
         raise ValueError(f"row tile {rt} (one of {TILES}), nw {nw}, pf {pf} (>= 2)")
     v = min(rt, 4)
-    sc = smem_floats(rt) // (8 * rt) // 32 * 32  # chunks per slice, a multiple of 32 lanes
+    sc = _slice_chunks(rt)
     name = f"rowtile_{'bf16' if bf16 else 'f32'}_r{rt}_w{nw}_p{pf}_{'v' if vec else 's'}"
     subs = {"__RT__": rt, "__V__": v, "__SC__": sc, "__NW__": nw, "__PF__": pf,
             "__WARPS__": WARPS, "__VT__": {1: "float", 2: "float2", 4: "float4"}[v],
@@ -292,10 +292,14 @@ def kernel_source(rt: int, bf16: bool, nw: int, pf: int, vec: bool) -> tuple[str
     return src, name
 
 
+def _slice_chunks(rt: int) -> int:
+    """Chunks of 8 elements of K staged per slice (SC): a multiple of the 32 lanes."""
+    return smem_floats(rt) // (8 * rt) // 32 * 32
+
+
 def shared_bytes(rt: int) -> int:
     """Dynamic shared memory of a launch with row tiles of ``rt`` rows."""
-    sc = smem_floats(rt) // (8 * rt) // 32 * 32
-    return 8 * rt * sc * 4
+    return 8 * rt * _slice_chunks(rt) * 4
 
 
 @functools.cache

@@ -49,13 +49,7 @@ def full_attention(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
     Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     gate = None
     parts = QKV_GATED_PARTS if QKV_GATED_PARTS[0] in p else QKV_PARTS
-    if QKV_STACK in p:  # one launch (no biases: model.stack_inputs)
-        outs = ops.linear_split(x, p[QKV_STACK], tuple(p[n].shape[0] for n in parts))
-    elif parts is QKV_GATED_PARTS:
-        outs = tuple(ops.linear(x, p[n]) for n in parts)
-    else:
-        outs = tuple(ops.linear(x, p[n], p.get(n.removesuffix(".weight") + ".bias"))
-                     for n in parts)
+    outs = ops.linear_parts(x, p, parts, QKV_STACK)  # one launch with the stack
     if parts is QKV_GATED_PARTS:  # regrouped rows: query and gate contiguous
         q, gate, k, v = outs
     else:

@@ -56,9 +56,7 @@ def gated_deltanet(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
     Dk, Dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, Hv // Hk
     # ba [R, Hk * 2r]: per key head r b, then r a
     if GDN_IN_PARTS[0] in p:  # regrouped rows (CuPy): mixed and z come out contiguous
-        sizes = tuple(p[n].shape[0] for n in GDN_IN_PARTS)
-        mixed, z, ba = (ops.linear_split(x, p[GDN_IN_STACK], sizes) if GDN_IN_STACK in p
-                        else tuple(ops.linear(x, p[n]) for n in GDN_IN_PARTS))
+        mixed, z, ba = ops.linear_parts(x, p, GDN_IN_PARTS, GDN_IN_STACK)
         z = z.reshape(R, Hv, Dv)
     else:
         qkvz = ops.linear(x, p["in_proj_qkvz.weight"]).reshape(R, Hk, 2 * Dk + 2 * r * Dv)

@@ -219,20 +219,9 @@ def stack_inputs(xp, w: dict[str, Array], cfg: ModelConfig) -> None:
     memory once the originals are freed. A group whose parts differ in dtype or width, or
     that has biases, keeps its matrices apart."""
     if cfg.gated_attention:
-        query, gate = (xp.asarray(i) for i in q_rows(cfg))
-        for key in [k for k in w if k.endswith("self_attn.q_proj.weight")
-                    and k.removesuffix(".weight") + ".bias" not in w]:
-            q = w.pop(key)
-            prefix = key[: -len("q_proj.weight")]
-            w[prefix + QKV_GATED_PARTS[0]], w[prefix + QKV_GATED_PARTS[1]] = q[query], q[gate]
-            del q
+        _regroup(xp, w, "self_attn.q_proj.weight", QKV_GATED_PARTS[:2], q_rows(cfg))
     if cfg.linear_num_key_heads:
-        mixed, z = (xp.asarray(i) for i in qkvz_rows(cfg))
-        for key in [k for k in w if k.endswith("linear_attn.in_proj_qkvz.weight")]:
-            qkvz = w.pop(key)
-            prefix = key[: -len("in_proj_qkvz.weight")]
-            w[prefix + GDN_IN_PARTS[0]], w[prefix + GDN_IN_PARTS[1]] = qkvz[mixed], qkvz[z]
-            del qkvz
+        _regroup(xp, w, "linear_attn.in_proj_qkvz.weight", GDN_IN_PARTS[:2], qkvz_rows(cfg))
     for block, stack_name, parts_names in INPUT_STACKS:
         first = block + parts_names[0]
         for key in [k for k in w if k.endswith(first)]:
@@ -241,7 +230,7 @@ def stack_inputs(xp, w: dict[str, Array], cfg: ModelConfig) -> None:
             parts = [w.get(n) for n in names]
             if any(a is None or a.ndim != 2 for a in parts) or len(
                     {(a.dtype, a.shape[1]) for a in parts}) != 1 or any(
-                    n.removesuffix(".weight") + ".bias" in w for n in names):
+                    _bias(n) in w for n in names):
                 continue
             stack = xp.concatenate(parts)
             start = 0
@@ -253,6 +242,23 @@ def stack_inputs(xp, w: dict[str, Array], cfg: ModelConfig) -> None:
     pool = getattr(xp, "get_default_memory_pool", None)
     if pool is not None:
         pool().free_all_blocks()  # the replaced originals back to the device
+
+
+def _regroup(xp, w: dict[str, Array], suffix: str, names: tuple[str, str],
+             rows: tuple[np.ndarray, np.ndarray]) -> None:
+    """Each bias-free matrix ``*suffix`` of ``w`` replaced by two made of its ``rows``,
+    named ``*names[0]`` and ``*names[1]``."""
+    first, second = (xp.asarray(r) for r in rows)
+    for key in [k for k in w if k.endswith(suffix) and _bias(k) not in w]:
+        whole = w.pop(key)
+        prefix = key[: -len(suffix.split(".", 1)[1])]  # the block's, e.g. ...self_attn.
+        w[prefix + names[0]], w[prefix + names[1]] = whole[first], whole[second]
+        del whole
+
+
+def _bias(name: str) -> str:
+    """The bias's name of a weight matrix's."""
+    return name.removesuffix(".weight") + ".bias"
 
 
 def _sub(w: dict[str, Array], prefix: str) -> dict[str, Array]:

@@ -110,25 +110,18 @@ def sparse_moe(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
     ``moe_norm``); None runs all experts here. ``routing`` (synthetic models) picks the
     experts of every row instead of the router's top-k."""
     chosen = None if routing is None else routing.ids(layer)
-    made = None
-    if IN_STACK in p:  # router, shared gate, shared up, shared sigmoid gate: one product
-        made = ops.linear_split(x, p[IN_STACK], tuple(p[n].shape[0] for n in IN_STACK_PARTS))
-    ids, weights = route(ops, cfg, p["gate.weight"], x, chosen,
-                         None if made is None else made[0])  # [R, k], [R, k]
+    has_shared = "shared_expert.gate_proj.weight" in p
+    logits = None
+    if has_shared:  # router, shared gate, shared up, shared sigmoid gate (one launch stacked)
+        logits, s_gate, s_up, s_sigmoid = ops.linear_parts(x, p, IN_STACK_PARTS, IN_STACK)
+    ids, weights = route(ops, cfg, p["gate.weight"], x, chosen, logits)  # [R, k], [R, k]
     if experts is None:
         out = experts_local(ops, *expert_stacks(p), x, ids, weights)
     else:
         out = experts(layer, x, ids, weights, quant)  # [R, H]
-    if "shared_expert.gate_proj.weight" in p:
-        down = p["shared_expert.down_proj.weight"]
-        if made is None:
-            shared = swiglu(ops, x, p["shared_expert.gate_proj.weight"],
-                            p["shared_expert.up_proj.weight"], down)
-            gate = ops.linear(x, p["shared_expert_gate.weight"])
-        else:
-            shared = ops.linear(ops.silu_mul(made[1], made[2]), down)
-            gate = made[3]
-        out = out + ops.sigmoid_mul(gate, shared)
+    if has_shared:  # swiglu's products, made above
+        shared = ops.linear(ops.silu_mul(s_gate, s_up), p["shared_expert.down_proj.weight"])
+        out = out + ops.sigmoid_mul(s_sigmoid, shared)
     return out
 
 

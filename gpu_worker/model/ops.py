@@ -79,6 +79,16 @@ class Ops:
         bounds = np.cumsum((0, *sizes))
         return tuple(self.linear(x, w[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True))
 
+    def linear_parts(self, x: Array, p: dict[str, Array], names: tuple[str, ...],
+                     stack: str) -> tuple[Array, ...]:
+        """``x``'s product with each matrix ``p[name]`` (``p[name[:-7] + ".bias"]`` added where
+        it exists): one :meth:`linear_split` launch where ``p`` holds their stack ``p[stack]``
+        (model.stack_inputs), else one :meth:`linear` each; the same bits either way."""
+        if stack in p:
+            return self.linear_split(x, p[stack], tuple(p[n].shape[0] for n in names))
+        return tuple(self.linear(x, p[n], p.get(n.removesuffix(".weight") + ".bias"))
+                     for n in names)
+
     def linear(self, x: Array, w: Array, bias: Array | None = None) -> Array:
         """x [R, in] @ w[out, in].T (+ bias [out]) -> [R, out]. CuPy float32/bf16: the
         row-tile kernel reads ``w`` (bf16 bits widened in registers, no temporary) once per
