@@ -97,6 +97,13 @@ PLANS: dict[str, list[Check]] = {
         Check("linear", f"{PY} scripts.bench_linear --graph --dtypes bf16 --tiles 4,8 "
               "--out $OUT/linear_graph_h200.json", 180),
     ],
+    # the quick correctness checks of a tree whose default CuPy path changed: row-tile,
+    # router, input stacks (bits equal unstacked) and graphs (bits equal eager)
+    "quick": [
+        Check("quick", f"{PY} pytest -q -p no:cacheprovider tests/gpu/test_rowtile_cupy.py "
+              "tests/gpu/test_router_cupy.py tests/gpu/test_input_stacks_cupy.py "
+              "tests/gpu/test_step_graph_cupy.py", 200),
+    ],
     # CUDA graphs (gpu_worker/step_graph.py): bits equal eager, with and without CPU experts
     "graphs": [
         Check("graphs", f"{PY} pytest -q -p no:cacheprovider tests/gpu/test_topk_cupy.py "
