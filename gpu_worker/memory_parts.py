@@ -15,6 +15,7 @@ import numpy as np
 from cpu_experts.formats import bytes_per_weight
 from cpu_experts.tiles import BLOCK_BYTES, TU
 from gpu_worker.expert_stats import hot_order
+from gpu_worker.kernels.paged_attention_ref import PARTITION
 from gpu_worker.model.moe import GROUPED_MAX_ROWS
 from gpu_worker.model_config import ModelConfig
 
@@ -97,13 +98,16 @@ def work_parts(config: ModelConfig, shapes: Shapes, dtype: str, *, max_slots: in
     chunk = min(prefill_chunk, max_context)  # one segment's rows against the whole context
     scores = SCORE_COPIES * config.num_attention_heads * chunk * max_context * act
     gathered = 2 * max_context * config.num_key_value_heads * config.head_dim * act
+    # paged attention's per-partition max, sum and values of every decode or verify row
+    paged = (max_slots * (1 + max_drafts) * (max_context // PARTITION + 1)
+             * config.num_attention_heads * (config.head_dim + 2) * act)
     logits = LOGIT_COPIES * max_slots * (1 + max_drafts) * config.vocab_size * 4
     experts = (min(rows, GROUPED_MAX_ROWS) * config.num_experts_per_tok
                * (config.hidden_size + 2 * config.moe_intermediate_size) * act)
     # a bf16 matrix may be widened to float32 for one product at a time: the largest one
     widen = max(math.prod(s) * 4 for _, s in dense) if dtype == "bfloat16" else 0
     return (("activations", ACTIVATION_COPIES * rows * widest * act),
-            ("attention scores", scores + gathered), ("logits", logits),
+            ("attention scores", scores + gathered + paged), ("logits", logits),
             ("expert scratch", experts), ("bf16 widening", widen))
 
 

@@ -13,8 +13,9 @@ bits, those of the tree ``s[l] + s[l + o]`` of the reference). Then
 ``d = sqrt(s / H + eps)`` and ``out[k] = (x[k] / d) * w[k]`` (``* (1 + w[k])`` zero-centered,
 the sum rounded first), every operation one correctly rounded float32 step. The order depends
 on H alone: never on the number of rows, a row's position or its neighbours. A lane loads
-``BATCH`` of its elements (and of ``w``) into registers before using them, so one memory latency
-is waited per batch rather than per element; the arithmetic and its order stay as above.
+all of its elements (and of ``w``) into registers before using them where the row fits (H <=
+2048: one memory latency per row, and x is read once), else ``BATCH`` at a time (one latency
+per batch, x read twice); the arithmetic and its order stay as above.
 
 **IEEE float32, subnormals kept.** CuPy compiles with ``-ftz=true`` (docs/gpu_step.md), which
 turns ``+ * / sqrtf`` into flushing forms; so every operation is PTX ``add/mul/div/sqrt.rn.f32``
@@ -47,15 +48,64 @@ __device__ __forceinline__ float div_rn(float a, float b) {
 __device__ __forceinline__ float sqrt_rn(float a) {
     float d; asm("sqrt.rn.f32 %0, %1;" : "=f"(d) : "f"(a)); return d; }
 
+// A row of H <= 32 REGS held in registers: every load of x and w issued before any use (one
+// memory latency per row), the sum in the order of the batched loop below (elements past H
+// are +0), then the output from the registers.
+template <int REGS>
+__device__ __forceinline__ void norm_in_registers(
+        const float* __restrict__ xr, const float* __restrict__ rr, float* __restrict__ sr,
+        const float* __restrict__ w, float* __restrict__ orow, int H, float eps,
+        int zero_centered, int lane) {
+    float v[REGS], wv[REGS];
+#pragma unroll
+    for (int i = 0; i < REGS; ++i) {
+        const int k = lane + 32 * i;
+        v[i] = k < H ? xr[k] : 0.0f;
+        wv[i] = k < H ? w[k] : 0.0f;
+    }
+    if (rr != nullptr) {  // x + r first (IEEE float32), stored, then normalised
+#pragma unroll
+        for (int i = 0; i < REGS; ++i) {
+            const int k = lane + 32 * i;
+            if (k < H) { v[i] = add_rn(v[i], rr[k]); sr[k] = v[i]; }
+        }
+    }
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < REGS; ++i) s = add_rn(s, mul_rn(v[i], v[i]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s = add_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+    const float d = sqrt_rn(add_rn(div_rn(s, (float)H), eps));
+#pragma unroll
+    for (int i = 0; i < REGS; ++i) {
+        const int k = lane + 32 * i;
+        const float wk = zero_centered ? add_rn(1.0f, wv[i]) : wv[i];
+        if (k < H) orow[k] = mul_rn(div_rn(v[i], d), wk);
+    }
+}
+
 // grid ceil(rows / WARPS), block WARPS * 32; row i of x at x + i * stride (elements), its
-// H elements contiguous; out is [rows, H] contiguous; w [H]
+// H elements contiguous; out is [rows, H] contiguous; w [H]. With add != 0 the row is
+// x + r (r and sum [rows, H] contiguous), stored in sum, and that is normalised.
 extern "C" __global__ void rms_norm_rows(
-        const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out,
-        long long rows, int H, long long stride, float eps, int zero_centered) {
+        const float* __restrict__ x, const float* __restrict__ r, float* __restrict__ sum,
+        int add, const float* __restrict__ w, float* __restrict__ out, long long rows, int H,
+        long long stride, float eps, int zero_centered) {
     const int lane = threadIdx.x & 31;
     const long long row = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;  // a whole warp: the shuffles below see all 32 lanes or none
     const float* xr = x + row * stride;
+    const float* rr = add ? r + row * (long long)H : nullptr;
+    float* sr = add ? sum + row * (long long)H : nullptr;
+    float* orow = out + row * (long long)H;
+    if (H <= 32 * 8) {
+        norm_in_registers<8>(xr, rr, sr, w, orow, H, eps, zero_centered, lane);
+        return;
+    }
+    if (H <= 32 * 64) {
+        norm_in_registers<64>(xr, rr, sr, w, orow, H, eps, zero_centered, lane);
+        return;
+    }
     // NOTE: a lane reads its elements k = k0 + lane + 32 i (i < BATCH) of a batch into
     // registers first (independent loads, one memory latency per batch, not per element),
     // then uses them in the same ascending order as one element at a time
@@ -67,19 +117,26 @@ extern "C" __global__ void rms_norm_rows(
             const int k = k0 + lane + 32 * i;
             v[i] = k < H ? xr[k] : 0.0f;  // past H: +0, and s + 0 * 0 is s (s >= +0 or NaN)
         }
+        if (rr != nullptr) {
+#pragma unroll
+            for (int i = 0; i < BATCH; ++i) {
+                const int k = k0 + lane + 32 * i;
+                if (k < H) { v[i] = add_rn(v[i], rr[k]); sr[k] = v[i]; }
+            }
+        }
 #pragma unroll
         for (int i = 0; i < BATCH; ++i) s = add_rn(s, mul_rn(v[i], v[i]));
     }
+    const float* xs = rr == nullptr ? xr : sr;  // the lane reads back only what it stored
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s = add_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
     const float d = sqrt_rn(add_rn(div_rn(s, (float)H), eps));
-    float* orow = out + row * (long long)H;
     for (int k0 = 0; k0 < H; k0 += 32 * BATCH) {
         float v[BATCH], wv[BATCH];
 #pragma unroll
         for (int i = 0; i < BATCH; ++i) {
             const int k = k0 + lane + 32 * i;
-            v[i] = k < H ? xr[k] : 0.0f;
+            v[i] = k < H ? xs[k] : 0.0f;
             wv[i] = k < H ? w[k] : 0.0f;
         }
 #pragma unroll
@@ -119,26 +176,42 @@ def rms_norm_rows(x, w, eps: float, *, zero_centered: bool):
     """RMSNorm of ``x [..., H]`` float32 (CuPy) over its last axis with ``w [H]`` float32 ->
     a new float32 array of ``x``'s shape, in the order of the module docstring. One launch
     (a copy first only when ``x``'s rows do not sit at one stride); never waits."""
+    return _launch(x, None, w, eps, zero_centered)[1]
+
+
+def add_rms_norm_rows(x, r, w, eps: float, *, zero_centered: bool):
+    """``s = x + r`` (float32, IEEE) and the RMSNorm of ``s`` as :func:`rms_norm_rows`, in one
+    launch -> ``(s, norm(s))``, new arrays of ``x``'s shape (``r``: the same shape)."""
+    return _launch(x, r, w, eps, zero_centered)
+
+
+def _launch(x, r, w, eps: float, zero_centered: bool):
     import cupy as cp  # noqa: PLC0415 (only on the GPU backend)
 
-    if x.dtype != np.float32 or w.dtype != np.float32:
-        raise TypeError(f"rms_norm_rows: float32 x and w, not {x.dtype}, {w.dtype}")
+    if x.dtype != np.float32 or w.dtype != np.float32 or (r is not None
+                                                           and r.dtype != np.float32):
+        raise TypeError(f"rms_norm_rows: float32 x, r and w, not {x.dtype}, "
+                        f"{None if r is None else r.dtype}, {w.dtype}")
     H = x.shape[-1] if x.ndim else 0
-    if x.ndim < 1 or w.shape != (H,):
-        raise ValueError(f"rms_norm_rows: x {x.shape} and w {w.shape} do not fit")
+    if x.ndim < 1 or w.shape != (H,) or (r is not None and r.shape != x.shape):
+        raise ValueError(f"rms_norm_rows: x {x.shape}, r {None if r is None else r.shape} "
+                         f"and w {w.shape} do not fit")
     out = cp.empty(x.shape, np.float32)
+    total = None if r is None else cp.empty(x.shape, np.float32)
     rows = x.size // H if H else 0
     if rows == 0:
-        return out
+        return total, out
     stride = _row_stride(x)
     if stride is None:
         x = cp.ascontiguousarray(x)
         stride = H
     w = cp.ascontiguousarray(w)
+    add = r is not None  # else x and out stand in for the unused r and sum
+    r = cp.ascontiguousarray(r) if add else x
     _function()((-(-rows // WARPS),), (WARPS * LANES,),
-                (x, w, out, np.int64(rows), np.int32(H), np.int64(stride), np.float32(eps),
-                 np.int32(bool(zero_centered))))
-    return out
+                (x, r, total if add else out, np.int32(add), w, out, np.int64(rows),
+                 np.int32(H), np.int64(stride), np.float32(eps), np.int32(bool(zero_centered))))
+    return total, out
 
 
 def rms_norm_reference(x: np.ndarray, w: np.ndarray, eps: float, *,

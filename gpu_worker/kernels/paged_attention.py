@@ -4,15 +4,18 @@
    its position (block tables: :meth:`KVCache.device_tables`). An int8 cache quantizes each
    32 values as ``KVCache._quantize`` does (``d = fp16(amax / 127)``, ``q = rint(x / d)``),
    same bytes.
-2. ``paged_attn``: grid (rows, kv heads, partitions). A row's keys 0..pos are cut in fixed
-   partitions of ``P`` positions (:data:`PARTITION`, a constant: partition z holds keys
-   ``[z P, (z + 1) P) & [0, pos]``), so one long row keeps many SMs busy. One block computes
-   the ``group`` q heads that share a kv head over one partition (K/V read once per group),
-   in chunks of :data:`CHUNK` positions from the partition's start: per chunk the scores
-   ``s_j = (sum_d q_d k_jd) * scale`` (sequential over d), the running max ``m``, ``alpha =
-   exp(m_old - m)``, ``p_j = exp(s_j - m)``, ``l = l * alpha + p_0 + p_1 + ...`` and ``acc_d =
-   acc_d * alpha + p_0 v_0d + ...`` (ascending j); it stores ``m, l, acc`` of the partition.
-3. ``paged_merge``: grid (rows, kv heads); ``M = max_z m_z``, ``a_z = exp(m_z - M)``, ``L =
+2. ``paged_attn``: grid (rows, kv heads x head blocks, partitions), one warp per q head. A
+   row's keys 0..pos are cut in fixed partitions of ``P`` positions (:data:`PARTITION`, 64, a
+   constant: partition z holds keys ``[z P, (z + 1) P) & [0, pos]``), so one row keeps many
+   SMs busy. A warp takes its partition in chunks of :data:`CHUNK` positions from the
+   partition's start; lane L holds dims ``d = L, L + 32, ...`` of q and of its accumulator.
+   Per chunk: each score ``s_j`` is the lane partials ``sum_d q_d k_jd`` (d ascending, from
+   +0), folded by the xor butterfly (16, 8, 4, 2, 1), times ``scale``; the running max ``m``,
+   ``alpha = exp(m_old - m)``, ``p_j = exp(s_j - m)``, ``l = l * alpha + p_0 + p_1 + ...`` and
+   ``acc_d = acc_d * alpha + p_0 v_0d + ...`` (ascending j); it stores ``m, l, acc`` of the
+   partition. The warps of a block (up to :data:`MAX_WARPS` q heads of one kv head) read the
+   same keys, so the L1 serves all but the first; no shared memory, no barrier.
+3. ``paged_merge``: grid (rows, q heads); ``M = max_z m_z``, ``a_z = exp(m_z - M)``, ``L =
    l_0 a_0 + l_1 a_1 + ...`` and ``A_d = acc_0d a_0 + acc_1d a_1 + ...`` in ascending z; the
    output is ``A / L``. A row with one partition (pos < P) gets ``a_0 = exp(0) = 1`` exactly:
    the bits of the one-level online softmax.
@@ -38,9 +41,8 @@ from gpu_worker.kernels.paged_attention_ref import CHUNK, PARTITION, exp_constan
 from gpu_worker.kernels.paged_attention_ref import attention_reference as attention_reference
 from gpu_worker.kernels.paged_attention_ref import exp_reference as exp_reference
 
-THREADS = 256
-LOADS = 16  # K and V elements a thread loads per batch (x 256 threads: a chunk of hd 256)
-DEFAULT_SHARED = 48 * 1024  # more needs the kernel's opt-in attribute
+MAX_WARPS = 8  # q heads (one per warp) of a block; a larger group takes several blocks
+MAX_DIM = 256  # head dims the kernel holds in registers (8 per lane)
 
 
 def _literal(v) -> str:
@@ -122,142 +124,125 @@ extern "C" __global__ void kv_write_NAME(
     STORE
 }
 
-// grid (n, Hkv, nz), block THREADS; dynamic shared memory: see _shared_bytes.
-// Partition z of row i: keys [z part, (z + 1) part) & [0, pos] -> m, l [group], acc [group][hd]
-// at workspace index w = (i hkv + h) nz + z.
+// grid (n, Hkv hb, nz), block W warps (W = min(group, MAX_WARPS), hb = ceil(group / W)).
+// Warp w of block (i, h hb + b, z) computes q head g = b W + w of kv head h over partition
+// z: keys [z part, (z + 1) part) & [0, pos] -> m, l, acc [hd] at workspace index
+// w = (i hkv + h) nz + z, head g. Lane L holds dims d = L + 32 m (m < MAXM): q, acc.
+// The warps of a block read the same keys and values (one kv head): the L1 serves all but
+// the first. No shared memory, no barrier; every branch is uniform in a warp.
 extern "C" __global__ void paged_attn_NAME(
         const REAL* __restrict__ q, const KT* __restrict__ kpool, const KT* __restrict__ vpool,
         const unsigned short* __restrict__ kscale, const unsigned short* __restrict__ vscale,
         const int* __restrict__ tables, int width, const int* __restrict__ meta, int n,
         REAL* __restrict__ pm, REAL* __restrict__ pl, REAL* __restrict__ pacc, int layer,
         int nblocks, int bsize, int hkv, int hd, int group, int part, REAL scale) {
-    extern __shared__ double smem_[];
-    const int C = CHUNK, G = group * hd, T = blockDim.x, t = threadIdx.x;
-    int i = blockIdx.x, h = blockIdx.y, z = blockIdx.z;
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int hb = (group + warps - 1) / warps;
+    int i = blockIdx.x, h = blockIdx.y / hb, z = blockIdx.z;
+    int g = (blockIdx.y % hb) * warps + (threadIdx.x >> 5);
     int row = meta[i], pos = meta[2 * n + i];
     int first = z * part;
-    if (first > pos) return;  // past the row's last partition (whole block: no barrier yet)
+    if (first > pos || g >= group) return;  // past the row's partitions, or past the group
     int last = min(pos, first + part - 1);
-    REAL* ks = (REAL*)smem_;            // [C][hd + 1] (padded: no bank conflicts on j)
-    REAL* vs = ks + C * (hd + 1);       // [C][hd]
-    REAL* qs = vs + C * hd;             // [group][hd]
-    REAL* acc = qs + G;                 // [group][hd]
-    REAL* ps = acc + G;                 // [group][C]: scores, then probabilities
-    REAL* ml = ps + group * C;          // [3][group]: running max, running sum, alpha
     const int* table = tables + (long long)meta[n + i] * width;
-    long long qoff = ((long long)row * hkv * group + (long long)h * group) * hd;
-    for (int e = t; e < G; e += T) { qs[e] = q[qoff + e]; acc[e] = 0; }
-    for (int e = t; e < group; e += T) { ml[e] = NEG_INF; ml[group + e] = 0; }
-    // A chunk's K and V go through registers, LOADS per thread per batch: all loads of a
-    // batch are issued before any is stored. Where one batch holds the whole chunk
-    // (C hd <= T LOADS) the next chunk's loads are issued before this chunk's arithmetic, so
-    // its memory latency hides behind it. The stored values, hence the bits, are the same.
-    const int per = C * hd, batches = (per + T * LOADS - 1) / (T * LOADS);
-    REAL kb[LOADS], vb[LOADS];
-#define FETCH(base, e0)                                                                  \
-    _Pragma("unroll") for (int b = 0; b < LOADS; ++b) {                                \
-        int e = (e0) + b * T, j = e / hd, d = e % hd;                                    \
-        kb[b] = 0; vb[b] = 0;                                                             \
-        if (e < per && (base) + j <= last) {                                              \
-            long long vec = VEC((base) + j);                                              \
-            long long idx = vec * hd + d, sidx = vec * (hd / 32) + d / 32;                \
-            kb[b] = LOAD(kpool, kscale, idx, sidx);                                       \
-            vb[b] = LOAD(vpool, vscale, idx, sidx);                                       \
-        }                                                                                 \
+    long long qoff = (((long long)row * hkv + h) * group + g) * hd;
+    REAL qr[MAXM], acc[MAXM];
+#pragma unroll
+    for (int m = 0; m < MAXM; ++m) {
+        int d = lane + 32 * m;
+        qr[m] = d < hd ? q[qoff + d] : (REAL)0;
+        acc[m] = 0;
     }
-#define PLACE(e0)                                                                        \
-    _Pragma("unroll") for (int b = 0; b < LOADS; ++b) {                                \
-        int e = (e0) + b * T, j = e / hd, d = e % hd;                                    \
-        if (e < per) { ks[j * (hd + 1) + d] = kb[b]; vs[j * hd + d] = vb[b]; }            \
-    }
-    if (batches == 1) { FETCH(first, t) }
-    for (int c0 = first; c0 <= last; c0 += C) {
-        int valid = min(C, last + 1 - c0);
-        if (batches == 1) {
-            PLACE(t)
-            __syncthreads();
-            if (c0 + C <= last) { FETCH(c0 + C, t) }  // the next chunk, in flight meanwhile
-        } else {
-            for (int e0 = t; e0 < per; e0 += T * LOADS) {
-                FETCH(c0, e0)
-                PLACE(e0)
+    REAL mo = NEG_INF, l = 0;
+#define AT(P, S, j, d) LOAD(P, S, vec[j] * hd + (d), vec[j] * (hd / 32) + (d) / 32)
+    for (int c0 = first; c0 <= last; c0 += CHUNK) {
+        const int valid = min(CHUNK, last + 1 - c0);
+        long long vec[CHUNK];
+        REAL s[CHUNK];
+#pragma unroll
+        for (int j = 0; j < CHUNK; ++j) {  // the lane's partial dot of each key
+            vec[j] = VEC(c0 + min(j, valid - 1));
+            REAL p = 0;
+#pragma unroll
+            for (int m = 0; m < MAXM; ++m) {
+                int d = lane + 32 * m;
+                if (j < valid && d < hd)
+                    p = p + qr[m] * AT(kpool, kscale, j, d);
             }
-            __syncthreads();
+            s[j] = p;
         }
-        for (int e = t; e < group * C; e += T) {  // scores: one thread per (head, key)
-            int g = e / C, j = e % C;
-            if (j >= valid) continue;
-            const REAL* qq = qs + g * hd;
-            const REAL* kk = ks + j * (hd + 1);
-            REAL s = 0;
-            for (int d = 0; d < hd; ++d) s = s + qq[d] * kk[d];
-            ps[e] = s * scale;
-        }
-        __syncthreads();
-        for (int g = t; g < group; g += T) {  // the chunk's max: one thread per head
-            const REAL* pr = ps + g * C;
-            REAL mc = pr[0];
-            for (int j = 1; j < valid; ++j) mc = max_t(mc, pr[j]);
-            REAL mo = ml[g], mn = max_t(mo, mc);
-            ml[2 * group + g] = exp_neg(mo - mn);  // alpha
-            ml[g] = mn;
-        }
-        __syncthreads();
-        for (int e = t; e < group * C; e += T) {  // probabilities: one thread per (head, key)
-            int g = e / C, j = e % C;
-            if (j < valid) ps[e] = exp_neg(ps[e] - ml[g]);
-        }
-        __syncthreads();
-        for (int e = t; e < G; e += T) {  // values: one thread per (head, dim)
-            int g = e / hd, d = e % hd;
-            const REAL* pr = ps + g * C;
-            REAL a = acc[e] * ml[2 * group + g];
-            for (int j = 0; j < valid; ++j) a = a + pr[j] * vs[j * hd + d];
-            acc[e] = a;
-            if (d == g) {  // the running sum, by one thread per head (group <= hd)
-                REAL l = ml[group + g] * ml[2 * group + g];
-                for (int j = 0; j < valid; ++j) l = l + pr[j];
-                ml[group + g] = l;
+#pragma unroll
+        for (int j = 0; j < CHUNK; ++j) {  // the warp's sum (xor butterfly: every lane the same)
+            if (j < valid) {
+                REAL p = s[j];
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) p = p + __shfl_xor_sync(0xffffffffu, p, o);
+                s[j] = p * scale;
             }
         }
-        __syncthreads();
+        REAL mc = s[0];
+#pragma unroll
+        for (int j = 1; j < CHUNK; ++j) if (j < valid) mc = max_t(mc, s[j]);
+        REAL mn = max_t(mo, mc), alpha = exp_neg(mo - mn);
+        l = l * alpha;
+#pragma unroll
+        for (int j = 0; j < CHUNK; ++j) {
+            if (j < valid) {
+                s[j] = exp_neg(s[j] - mn);
+                l = l + s[j];
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < MAXM; ++m) {
+            int d = lane + 32 * m;
+            if (d < hd) {
+                REAL a = acc[m] * alpha;
+#pragma unroll
+                for (int j = 0; j < CHUNK; ++j)
+                    if (j < valid)
+                        a = a + s[j] * AT(vpool, vscale, j, d);
+                acc[m] = a;
+            }
+        }
+        mo = mn;
     }
-#undef FETCH
-#undef PLACE
+#undef AT
     long long w = ((long long)i * hkv + h) * gridDim.z + z;
-    for (int e = t; e < G; e += T) pacc[w * G + e] = acc[e];
-    for (int e = t; e < group; e += T) {
-        pm[w * group + e] = ml[e];
-        pl[w * group + e] = ml[group + e];
+#pragma unroll
+    for (int m = 0; m < MAXM; ++m) {
+        int d = lane + 32 * m;
+        if (d < hd) pacc[(w * group + g) * hd + d] = acc[m];
+    }
+    if (lane == 0) {
+        pm[w * group + g] = mo;
+        pl[w * group + g] = l;
     }
 }
 
-// grid (n, Hkv), block THREADS: the row's partitions 0..pos / part in ascending order
+// grid (n, Hq), block hd rounded up to 32: one q head's partitions 0..pos / part, ascending
 extern "C" __global__ void paged_merge_NAME(
         const REAL* __restrict__ pm, const REAL* __restrict__ pl, const REAL* __restrict__ pacc,
         const int* __restrict__ meta, int n, REAL* __restrict__ out, int hkv, int hd,
         int group, int part, int nz) {
-    const int G = group * hd;
-    int i = blockIdx.x, h = blockIdx.y;
+    const int G = group * hd, d = threadIdx.x;
+    int i = blockIdx.x, h = blockIdx.y / group, g = blockIdx.y % group;
+    if (d >= hd) return;
     int row = meta[i], parts = meta[2 * n + i] / part + 1;
     long long w0 = ((long long)i * hkv + h) * nz;
-    long long qoff = ((long long)row * hkv * group + (long long)h * group) * hd;
-    for (int e = threadIdx.x; e < G; e += blockDim.x) {  // one thread per (head, dim)
-        int g = e / hd;
-        const REAL* m = pm + w0 * group + g;  // partition z's max: m[z * group]
-        const REAL* l = pl + w0 * group + g;
-        const REAL* a = pacc + w0 * G + e;    // partition z's acc: a[z * G]
-        REAL mx = m[0];
-        for (int z = 1; z < parts; ++z) mx = max_t(mx, m[(long long)z * group]);
-        REAL r = exp_neg(m[0] - mx);  // 1 exactly for a single partition
-        REAL sl = l[0] * r, sa = a[0] * r;
-        for (int z = 1; z < parts; ++z) {
-            r = exp_neg(m[(long long)z * group] - mx);
-            sl = sl + l[(long long)z * group] * r;
-            sa = sa + a[(long long)z * G] * r;
-        }
-        out[qoff + e] = div_rn(sa, sl);
+    long long qoff = ((long long)row * hkv * group + (long long)h * group + g) * hd;
+    const REAL* m = pm + w0 * group + g;  // partition z's max: m[z * group]
+    const REAL* l = pl + w0 * group + g;
+    const REAL* a = pacc + w0 * G + g * hd + d;  // partition z's acc: a[z * G]
+    REAL mx = m[0];
+    for (int z = 1; z < parts; ++z) mx = max_t(mx, m[(long long)z * group]);
+    REAL r = exp_neg(m[0] - mx);  // 1 exactly for a single partition
+    REAL sl = l[0] * r, sa = a[0] * r;
+    for (int z = 1; z < parts; ++z) {
+        r = exp_neg(m[(long long)z * group] - mx);
+        sl = sl + l[(long long)z * group] * r;
+        sa = sa + a[(long long)z * G] * r;
     }
+    out[qoff + d] = div_rn(sa, sl);
 }
 #undef VEC
 """
@@ -284,7 +269,7 @@ def _source() -> str:
             f"#define LOAD(P, S, I, SI) ({load})\n#define NEG_INF {_literal(_neg_inf(real))}\n"
             + _KERNELS.replace("STORE", _STORE_INT8 if int8 else _STORE_FLOAT)
             .replace("NAME", name).replace("REAL", real).replace("KT", kt)
-            .replace("CHUNK", str(CHUNK)).replace("LOADS", str(LOADS))
+            .replace("CHUNK", str(CHUNK)).replace("MAXM", str(MAX_DIM // 32))
             + "#undef LOAD\n#undef NEG_INF\n")
     return "".join(parts)
 
@@ -294,23 +279,15 @@ def _module():
 
 
 @functools.cache
-def _function(name: str, shared: int = 0):
-    """A kernel of the module (looked up once), opted in to ``shared`` bytes of dynamic
-    shared memory where that is more than the default 48 KiB."""
-    fn = _module().get_function(name)
-    if shared > DEFAULT_SHARED:
-        fn.max_dynamic_shared_size_bytes = shared
-    return fn
+def _function(name: str):
+    """A kernel of the module (looked up once)."""
+    return _module().get_function(name)
 
 
 def _variant(dtype, quant: bool) -> str:
     if np.dtype(dtype) not in (np.float32, np.float64):
         raise TypeError(f"paged attention computes in float32 or float64, not {dtype}")
     return ("f32" if np.dtype(dtype) == np.float32 else "f64") + ("_i8" if quant else "")
-
-
-def _shared_bytes(hd: int, group: int, itemsize: int) -> int:
-    return (CHUNK * (2 * hd + 1) + 2 * group * hd + group * CHUNK + 3 * group) * itemsize
 
 
 def _check_dtype(kv, dtype) -> None:
@@ -361,6 +338,8 @@ def paged_attention(q, kv, layer: int, meta, tables, out, scale, *,
     R, hq, hd = q.shape
     hkv = kv.kv_heads
     group = hq // hkv
+    if hd > MAX_DIM:
+        raise ValueError(f"paged attention holds head dims of up to {MAX_DIM}, not {hd}")
     if hd != kv.head_dim or group * hkv != hq or out.shape != q.shape:
         raise ValueError(f"q {q.shape}, out {out.shape} do not fit the cache "
                          f"({hkv} kv heads of {kv.head_dim})")
@@ -371,12 +350,13 @@ def paged_attention(q, kv, layer: int, meta, tables, out, scale, *,
     pl = xp.empty_like(pm)
     pacc = xp.empty((n, hkv, nz, group, hd), q.dtype)
     variant = _variant(q.dtype, kv.quant)
-    shared = _shared_bytes(hd, group, q.dtype.itemsize)
     dims = (np.int32(hkv), np.int32(hd), np.int32(group), np.int32(partition))
-    _function(f"paged_attn_{variant}", shared)(
-        (n, hkv, nz), (THREADS,),
+    warps = min(group, MAX_WARPS)
+    _function(f"paged_attn_{variant}")(
+        (n, hkv * -(-group // warps), nz), (32 * warps,),
         (q, *_pool_args(kv), tables, np.int32(tables.shape[1]), meta, np.int32(n), pm, pl,
          pacc, np.int32(layer), np.int32(kv.num_blocks), np.int32(kv.block_size), *dims,
-         q.dtype.type(scale)), shared_mem=shared)
+         q.dtype.type(scale)))
     _function(f"paged_merge_{variant}")(
-        (n, hkv), (THREADS,), (pm, pl, pacc, meta, np.int32(n), out, *dims, np.int32(nz)))
+        (n, hq), (-(-hd // 32) * 32,), (pm, pl, pacc, meta, np.int32(n), out, *dims,
+                                         np.int32(nz)))

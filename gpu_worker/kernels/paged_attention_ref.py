@@ -1,6 +1,7 @@
 """NumPy twin of gpu_worker/kernels/paged_attention.py: the kernels' exp and their two-level
 attention order (online softmax per partition of :data:`PARTITION` keys in chunks of
-:data:`CHUNK`, then the merge of the partitions in ascending order), step for step, so that
+:data:`CHUNK`, each score a warp's sum of :data:`LANES` partials, then the merge of the
+partitions in ascending order), step for step, so that
 :func:`attention_reference` gives the kernels' bits."""
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import math
 import numpy as np
 
 CHUNK = 16  # key positions per online-softmax step (fixes the arithmetic order: never change)
-PARTITION = 512  # key positions per block (a multiple of CHUNK; part of the arithmetic order)
+PARTITION = 64  # key positions per warp (a multiple of CHUNK; part of the arithmetic order)
+LANES = 32  # a score's partial sums: lane L takes dims L, L + 32, ... (then a butterfly)
 
 
 @functools.cache
@@ -44,12 +46,29 @@ def exp_reference(x: np.ndarray) -> np.ndarray:
                         x.dtype.type(0))
 
 
+def _scores(qg, kc):
+    """``q . k`` as a warp sums it: lane L adds ``q_d k_d`` for d = L, L + 32, ... from 0 (a
+    lane past hd keeps 0), then the xor butterfly (16, 8, 4, 2, 1) -> [n, Hkv, g, c]."""
+    hd, lanes = qg.shape[-1], LANES
+    pad = -hd % lanes  # zeros add +0 to a partial, which is never -0: the same bits
+    qp = np.concatenate([qg, np.zeros((*qg.shape[:-1], pad), qg.dtype)], -1)
+    kp = np.concatenate([kc, np.zeros((*kc.shape[:-1], pad), kc.dtype)], -1)
+    qp = qp.reshape(*qg.shape[:-1], 1, -1, lanes)  # [n, Hkv, g, 1, M, lanes]
+    kp = kp.reshape(*kc.shape[:-1], -1, lanes)     # [n, Hkv, 1, c, M, lanes]
+    part = np.zeros(np.broadcast_shapes(qp.shape[:-2], kp.shape[:-2]) + (lanes,), qg.dtype)
+    for m in range(qp.shape[-2]):
+        part = part + qp[..., m, :] * kp[..., m, :]
+    lane = np.arange(lanes)
+    for o in (16, 8, 4, 2, 1):
+        part = part + part[..., lane ^ o]
+    return part[..., 0]
+
+
 def _partition_state(qg, keys, values, positions, first: int, stop: int, scale):
     """The online softmax over keys [first, stop) & [0, pos] of each row, chunk by chunk as a
     block computes it -> m, l [n, Hkv, g], acc [n, Hkv, g, hd] (rows with pos < first: -inf,
     0, 0)."""
     t = qg.dtype.type
-    hd = qg.shape[-1]
     m = np.full(qg.shape[:3], -np.inf, qg.dtype)
     l = np.zeros(qg.shape[:3], qg.dtype)
     acc = np.zeros(qg.shape, qg.dtype)
@@ -59,10 +78,7 @@ def _partition_state(qg, keys, values, positions, first: int, stop: int, scale):
         c = kc.shape[3]
         valid = (c0 + np.arange(c))[None, :] <= positions[:, None]  # [n, c]
         active = valid[:, 0][:, None, None]  # rows whose keys reach this chunk
-        s = np.zeros((*qg.shape[:3], c), qg.dtype)
-        for d in range(hd):
-            s = s + qg[..., d, None] * kc[..., d]
-        s = s * t(scale)
+        s = _scores(qg, kc) * t(scale)
         vmask = valid[:, None, None, :]
         mn = np.maximum(m, np.where(vmask, s, t(-np.inf)).max(axis=-1))
         with np.errstate(invalid="ignore"):

@@ -142,34 +142,39 @@ class Model:
         x = ops.up(self.embed[inputs.tokens])  # [R, H]
         cos, sin = ops.rope_tables(inputs.positions, cfg.rotary_dim, cfg.rope_theta)  # [R, rot]
         routing = inputs.routing
+        delta = None  # a layer's MLP output, added to x by the next norm (one launch)
         for layer in self.layers:
-            x = self._layer(layer, x, batch, cos, sin, caches.kv, caches.states, experts,
-                            routing, inputs.meta)
-        hidden = ops.rms_norm(x, self.final_norm, cfg.rms_norm_eps,
-                              zero_centered=cfg.zero_centered_norms)  # [R, H]
+            x, delta = self._layer(layer, x, delta, batch, cos, sin, caches.kv, caches.states,
+                                   experts, routing, inputs.meta)
+        _, hidden = ops.add_rms_norm(x, delta, self.final_norm, cfg.rms_norm_eps,
+                                     zero_centered=cfg.zero_centered_norms)  # [R, H]
         logits = ops.linear(hidden[inputs.logit_rows], self.lm_head)  # [n, V]
         return ForwardOut(logits, hidden)
 
-    def _layer(self, layer: _Layer, x: Array, batch: RaggedBatch, cos: Array, sin: Array,
-               kv: KVCache, states: RecurrentStates | None,
+    def _layer(self, layer: _Layer, x: Array, delta: Array | None, batch: RaggedBatch,
+               cos: Array, sin: Array, kv: KVCache, states: RecurrentStates | None,
                experts: RoutedExperts | None, routing: RowRouting | None = None,
-               meta: StepMeta | None = None) -> Array:
+               meta: StepMeta | None = None) -> tuple[Array, Array]:
+        """One decoder layer over the residual stream ``x + delta`` (``delta``: the previous
+        layer's MLP output, or None) -> ``(x', delta')``: the stream after attention and this
+        layer's MLP output, which the next norm adds (each add fused into the norm after it)."""
         cfg, ops = self.cfg, self.ops
         zc, eps = cfg.zero_centered_norms, cfg.rms_norm_eps
-        h = ops.rms_norm(x, layer.input_norm, eps, zero_centered=zc)
+        x, h = ops.add_rms_norm(x, delta, layer.input_norm, eps, zero_centered=zc)
         if layer.full:
-            x = x + full_attention(ops, cfg, layer.attn, h, batch, cos, sin, kv,
-                                   layer.cache_index, meta)
+            a = full_attention(ops, cfg, layer.attn, h, batch, cos, sin, kv, layer.cache_index,
+                               meta)
         else:
-            x = x + gated_deltanet(ops, cfg, layer.attn, h, batch, states, layer.cache_index)
+            a = gated_deltanet(ops, cfg, layer.attn, h, batch, states, layer.cache_index)
         if layer.sparse and experts is not None:
+            x = x + a
             # [R, H], and (q [R, H] int8, d16 [R, H/32]) where the norm quantizes, else None
             h, quant = experts.moe_norm(x, layer.post_norm, eps, zc)
-            return x + sparse_moe(ops, cfg, layer.mlp, h, experts, layer.index, quant, routing)
-        h = ops.rms_norm(x, layer.post_norm, eps, zero_centered=zc)
+            return x, sparse_moe(ops, cfg, layer.mlp, h, experts, layer.index, quant, routing)
+        x, h = ops.add_rms_norm(x, a, layer.post_norm, eps, zero_centered=zc)
         if layer.sparse:
-            return x + sparse_moe(ops, cfg, layer.mlp, h, None, layer.index, None, routing)
-        return x + dense_mlp(ops, layer.mlp, h)
+            return x, sparse_moe(ops, cfg, layer.mlp, h, None, layer.index, None, routing)
+        return x, dense_mlp(ops, layer.mlp, h)
 
     def mtp_forward(self, batch: RaggedBatch, hidden: Array, caches: Caches,
                     logit_rows=None) -> ForwardOut:
@@ -187,9 +192,9 @@ class Model:
         h = ops.rms_norm(hidden, m["pre_fc_norm_hidden.weight"], eps, zero_centered=zc)
         x = ops.linear(xp.concatenate([e, h], axis=-1), m["fc.weight"])  # [R, H]
         cos, sin = ops.rope_tables(xp.asarray(batch.positions), cfg.rotary_dim, cfg.rope_theta)
-        x = self._layer(self.mtp_layer, x, batch, cos, sin, caches.kv, None, None,
-                        self._routing(batch))
-        out = ops.rms_norm(x, m["norm.weight"], eps, zero_centered=zc)  # [R, H]
+        x, delta = self._layer(self.mtp_layer, x, None, batch, cos, sin, caches.kv, None, None,
+                               self._routing(batch))
+        _, out = ops.add_rms_norm(x, delta, m["norm.weight"], eps, zero_centered=zc)  # [R, H]
         rows = np.arange(batch.num_rows) if logit_rows is None else np.asarray(logit_rows)
         return ForwardOut(ops.linear(out[xp.asarray(rows)], self.lm_head), out)
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from gpu_worker.kernels.bf16 import BF16, BITS, to_bf16, widen
 from gpu_worker.kernels.enabled import enabled
-from gpu_worker.kernels.fused_norm import rms_norm_rows
+from gpu_worker.kernels.fused_norm import add_rms_norm_rows, rms_norm_rows
 from gpu_worker.kernels.fused_rope import rope
 from gpu_worker.kernels.fused_silu import sigmoid_mul, silu_mul
 from gpu_worker.kernels.rowtile import linear_rows, linear_rows_split
@@ -118,6 +118,20 @@ class Ops:
         var = xp.mean(x * x, axis=-1, keepdims=True)
         normed = x / xp.sqrt(var + self.dtype.type(eps))
         return normed * ((1 + w) if zero_centered else w)
+
+    def add_rms_norm(self, x: Array, delta: Array | None, w: Array, eps: float, *,
+                     zero_centered: bool) -> tuple[Array, Array]:
+        """``s = x + delta`` (``x`` itself where ``delta`` is None) and ``rms_norm(s)``: the
+        residual stream and the next block's input. CuPy float32 with ``fused_norm`` on: one
+        launch for both (the same bits as the add, then the norm)."""
+        if delta is None:
+            return x, self.rms_norm(x, w, eps, zero_centered=zero_centered)
+        if (self.xp is not np and self.dtype == np.float32 and x.dtype == np.float32
+                and delta.dtype == np.float32 and w.dtype == np.float32
+                and x.shape == delta.shape and enabled("fused_norm")):
+            return add_rms_norm_rows(x, delta, w, eps, zero_centered=zero_centered)
+        s = x + delta
+        return s, self.rms_norm(s, w, eps, zero_centered=zero_centered)
 
     def silu(self, x: Array) -> Array:
         return x * self.sigmoid(x)

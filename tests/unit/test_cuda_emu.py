@@ -73,13 +73,19 @@ def test_gdn_kernels_with_a_partial_tile_give_the_twin_bits(cupy):
         _bits_equal(got, want, name)
 
 
-def test_paged_attention_gives_the_reference_bits(cupy):
+@pytest.mark.parametrize(("hd", "hkv", "g", "quant", "part"), [
+    (32, 2, 2, False, 64),   # one partition per row
+    (48, 1, 10, False, 16),  # a lane with two dims, another with one; 10 heads: 2 blocks
+    (16, 2, 3, False, 16),   # lanes past hd; several partitions
+    (64, 1, 2, True, 32),    # the int8 cache
+])
+def test_paged_attention_gives_the_reference_bits(cupy, hd, hkv, g, quant, part):
     from gpu_worker.kernels import paged_attention as pa  # noqa: PLC0415
     from gpu_worker.kv_cache import KVCache  # noqa: PLC0415
 
-    hd, hkv, g, lengths = 32, 2, 2, (3, 20)
+    lengths = (3, 40)
     rng = np.random.default_rng(2)
-    kv = KVCache(cupy, 2, 8, 16, hkv, hd, np.dtype(np.float32))
+    kv = KVCache(cupy, 2, 8, 16, hkv, hd, np.dtype(np.float32), quant=quant)
     host = []
     for s, n in enumerate(lengths):
         kv.reserve(s, 0, n)
@@ -88,17 +94,33 @@ def test_paged_attention_gives_the_reference_bits(cupy):
         pa.write_kv(kv, 1, cupy.asarray(k), cupy.asarray(v), cupy.asarray(meta),
                     kv.device_tables())
         host.append((k, v))
-    rows = [(0, 0, 2), (1, 1, 19), (2, 1, 7)]
-    q = rng.standard_normal((3, hkv * g, hd)).astype(np.float32)
+    rows = [(0, 0, 2), (1, 1, 39), (2, 1, 16), (3, 1, 15)]
+    q = rng.standard_normal((len(rows), hkv * g, hd)).astype(np.float32)
     out = cupy.empty(q.shape, np.float32)
     scale = np.float32(hd ** -0.5)
     pa.paged_attention(cupy.asarray(q), kv, 1, cupy.asarray(np.array(rows, np.int32).T.copy()),
-                       kv.device_tables(), out, scale)
-    keys, values = (np.zeros((3, 20, hkv, hd), np.float32) for _ in range(2))
+                       kv.device_tables(), out, scale, partition=part)
+    keys, values = (np.zeros((len(rows), 40, hkv, hd), np.float32) for _ in range(2))
     for i, (_, s, p) in enumerate(rows):
-        keys[i, :p + 1], values[i, :p + 1] = host[s][0][:p + 1], host[s][1][:p + 1]
-    want = pa.attention_reference(q, keys, values, np.array([p for *_, p in rows]), scale)
+        if quant:
+            for a, pool, scales in ((keys, kv.k, kv.ks), (values, kv.v, kv.vs)):  # as stored
+                a[i, :p + 1] = _dequant(kv, cupy.asnumpy(pool), cupy.asnumpy(scales), s, p)
+        else:
+            keys[i, :p + 1], values[i, :p + 1] = host[s][0][:p + 1], host[s][1][:p + 1]
+    want = pa.attention_reference(q, keys, values, np.array([p for *_, p in rows]), scale,
+                                  partition=part)
     _bits_equal(out.get(), want, "paged attention")
+
+
+def _dequant(kv, pool, scales, slot: int, pos: int) -> np.ndarray:
+    """Positions 0..pos of a slot in layer 1 of an int8 pool, as the kernel widens them."""
+    out = []
+    for p in range(pos + 1):
+        blk = kv.tables[slot][p // kv.block_size]
+        q = pool[1, blk, p % kv.block_size].astype(np.float32)  # [Hkv, hd]
+        d = scales[1, blk, p % kv.block_size].view(np.float16).astype(np.float32)
+        out.append(q * np.repeat(d, 32, axis=-1))
+    return np.stack(out)
 
 
 _BARRIERS = r"""
@@ -221,3 +243,46 @@ def test_the_graph_and_router_gpu_tests_pass_on_the_emulator():
     tail = (proc.stdout + proc.stderr)[-3000:]
     assert proc.returncode == 0, tail
     assert " passed" in tail and " failed" not in tail, tail
+
+
+def test_paged_attention_refuses_a_head_dim_past_its_registers(cupy):
+    from gpu_worker.kernels import paged_attention as pa  # noqa: PLC0415
+    from gpu_worker.kv_cache import KVCache  # noqa: PLC0415
+
+    hd = pa.MAX_DIM + 32
+    kv = KVCache(cupy, 1, 4, 16, 1, hd, np.dtype(np.float32))
+    q = cupy.zeros((1, 2, hd), np.float32)
+    meta = cupy.asarray(np.zeros((3, 1), np.int32))
+    with pytest.raises(ValueError, match="head dims of up to 256"):
+        pa.paged_attention(q, kv, 0, meta, kv.device_tables(), cupy.empty_like(q),
+                           np.float32(1.0))
+
+
+@pytest.mark.parametrize("H", [16, 200, 256, 300, 2048, 2100])
+def test_fused_norm_gives_the_reference_bits_in_registers_and_in_batches(cupy, H):
+    """Rows of up to 256 and 2,048 held in registers, longer ones in batches: one order."""
+    from gpu_worker.kernels.fused_norm import rms_norm_reference, rms_norm_rows  # noqa: PLC0415
+
+    rng = np.random.default_rng(H)
+    x = (rng.standard_normal((3, H + 5)) * 3).astype(np.float32)[:, :H]  # rows at a stride
+    x[1, :7] *= np.float32(1e-20)
+    w = rng.standard_normal(H).astype(np.float32)
+    for zc in (False, True):
+        got = cupy.asnumpy(rms_norm_rows(cupy.asarray(x), cupy.asarray(w), 1e-6,
+                                         zero_centered=zc))
+        _bits_equal(got, rms_norm_reference(x, w, 1e-6, zero_centered=zc), f"norm {H} {zc}")
+
+
+@pytest.mark.parametrize("H", [200, 2048, 2100])
+def test_fused_add_norm_gives_the_sum_and_its_norm(cupy, H):
+    """x + r (float32) stored, and the norm of that sum: the bits of the two steps apart."""
+    from gpu_worker.kernels.fused_norm import add_rms_norm_rows, rms_norm_reference  # noqa: PLC0415
+
+    rng = np.random.default_rng(H + 1)
+    x, r = (rng.standard_normal((3, H)).astype(np.float32) for _ in range(2))
+    w = rng.standard_normal(H).astype(np.float32)
+    total, normed = add_rms_norm_rows(cupy.asarray(x), cupy.asarray(r), cupy.asarray(w), 1e-6,
+                                      zero_centered=True)
+    _bits_equal(cupy.asnumpy(total), x + r, f"sum {H}")
+    _bits_equal(cupy.asnumpy(normed), rms_norm_reference(x + r, w, 1e-6, zero_centered=True),
+                f"norm of the sum {H}")

@@ -68,7 +68,8 @@ def test_dense_parts_kv_states_and_work_space_match_a_hand_count():
     assert plan.speculation_bytes == 0
     assert dict(plan.work_parts) == {
         "activations": 8 * (2 * 32) * 192 * 4,  # two slots' prefill chunks
-        "attention scores": 3 * 4 * 32 * 100 * 4 + 2 * 100 * 2 * 16 * 4,
+        "attention scores": 3 * 4 * 32 * 100 * 4 + 2 * 100 * 2 * 16 * 4
+        + 2 * 1 * (100 // 64 + 1) * 4 * (16 + 2) * 4,  # paged attention's partitions
         "logits": 2 * 2 * 128 * 4, "expert scratch": 64 * 2 * (64 + 2 * 32) * 4,
         "bf16 widening": 0}
     assert (plan.allocator_slack_bytes, plan.cuda_context_bytes) == (0, 0)  # NumPy
