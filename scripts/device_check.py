@@ -104,6 +104,14 @@ PLANS: dict[str, list[Check]] = {
               "tests/gpu/test_router_cupy.py tests/gpu/test_input_stacks_cupy.py "
               "tests/gpu/test_step_graph_cupy.py", 200),
     ],
+    # paged attention and RMSNorm (+ the fused residual add) against their references, then
+    # every layout's bits (set TANDEM_INVARIANCE_LAYOUTS=sample:N to bound it)
+    "attn_norm": [
+        Check("attn_norm", f"{PY} pytest -q -p no:cacheprovider "
+              "tests/gpu/test_paged_attention_cupy.py tests/gpu/test_fused_norm_cupy.py", 150),
+        Check("batch_invariance", f"{PY} pytest -q -s -p no:cacheprovider "
+              "tests/gpu/test_batch_invariance_cupy.py", 200),
+    ],
     # CUDA graphs (gpu_worker/step_graph.py): bits equal eager, with and without CPU experts
     "graphs": [
         Check("graphs", f"{PY} pytest -q -p no:cacheprovider tests/gpu/test_topk_cupy.py "

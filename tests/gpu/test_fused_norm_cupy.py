@@ -107,3 +107,22 @@ def test_subnormal_sums_are_kept_not_flushed():
     assert np.isfinite(want).all()
     _same(cupy.asnumpy(rms_norm_rows(cupy.asarray(x), cupy.asarray(w), 0.0,
                                      zero_centered=False)), want, "subnormal sums, eps 0")
+
+
+@pytest.mark.parametrize("H", (100, 2048, 3000))  # in registers (2048) and in batches (3000)
+def test_the_fused_residual_add_gives_the_sum_and_its_norm(H):
+    """Ops.add_rms_norm: ``x + delta`` stored (IEEE float32, subnormal sums kept) and the norm
+    of that sum, the same bits as the add then the norm; None adds nothing."""
+    rng = np.random.default_rng(H)
+    x, d = _x(rng, 9, H), rng.standard_normal((9, H)).astype(np.float32)
+    d[3, :2] = [-1e-39 - 1e-39, 3e-40]  # sums near the subnormal range
+    w = _weights(rng, H)
+    ops = Ops(cupy, np.float32)
+    s, n = ops.add_rms_norm(cupy.asarray(x), cupy.asarray(d), cupy.asarray(w), EPS,
+                            zero_centered=True)
+    want = (x + d).astype(np.float32)
+    _same(cupy.asnumpy(s), want, f"sum H {H}")
+    _same(cupy.asnumpy(n), rms_norm_reference(want, w, EPS, zero_centered=True), f"norm H {H}")
+    s0, n0 = ops.add_rms_norm(cupy.asarray(x), None, cupy.asarray(w), EPS, zero_centered=True)
+    _same(cupy.asnumpy(s0), x, "no delta")
+    _same(cupy.asnumpy(n0), rms_norm_reference(x, w, EPS, zero_centered=True), "no delta norm")
