@@ -234,3 +234,12 @@ def test_the_kernel_compiles_to_ieee_float_ops_even_under_ftz(tmp_path):
                         str(tmp_path / "k.ptx"), str(cu)], check=True)
         ptx = (tmp_path / "k.ptx").read_text()
         assert ".ftz" not in ptx and "fma.rn.f32" in ptx and "add.rn.f32" in ptx, name
+
+
+def test_row_tiles_follow_the_width_of_the_matrix():
+    """Up to 4 rows one tile; above, tiles of 4 rows for narrow matrices, else of 8."""
+    assert [rowtile.tile_rows(r, 8192) for r in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    assert [rowtile.tile_rows(r, 512) for r in (5, 8, 12, 16, 40)] == [4] * 5
+    assert [rowtile.tile_rows(r, 2048) for r in (8, 12, 16)] == [4, 8, 8]
+    assert [rowtile.tile_rows(r, 151936) for r in (5, 8, 12, 16)] == [8] * 4
+    assert rowtile.tile_rows(12) == 12 and rowtile.tile_rows(40) == 16  # no width: smallest

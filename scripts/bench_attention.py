@@ -1,0 +1,109 @@
+"""Paged attention and the fused RMSNorm alone at Qwen3-Next-80B-A3B's shapes on the GPU:
+device time per launch (CUDA events over a CUDA graph of back-to-back launches, real clocks:
+Nsight Compute's serialised replays stretch short kernels), next to the bytes they must read.
+A GPU benchmark, < 30 s.
+
+    python -m scripts.bench_attention --out docs/bench/attention_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+from scripts.bench_common import command_line, machine
+from scripts.bench_linear import HBM
+
+HKV, GROUP, HD, BLOCK = 2, 8, 256, 64  # the 80B's full attention: 16 q heads, 2 kv heads
+
+
+def graph_us(cp, fn, batch: int = 20, reps: int = 9) -> float:
+    """Median device time of one call: ``batch`` calls captured as one CUDA graph, replayed."""
+    fn()
+    cp.cuda.Device().synchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            for _ in range(batch):
+                fn()
+        finally:
+            graph = stream.end_capture()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    with stream:
+        for _ in range(reps):
+            start.record(stream)
+            graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / batch)
+    return float(np.median(times))
+
+
+def bench_attention(cp, slots: int, rows: int, context: int, partition: int) -> dict:
+    from gpu_worker.kernels import paged_attention as pa
+    from gpu_worker.kv_cache import KVCache
+
+    positions = context + rows
+    blocks = slots * -(-positions // BLOCK) + 1
+    kv = KVCache(cp, 1, blocks, BLOCK, HKV, HD, np.dtype(np.float32))
+    for s in range(slots):
+        kv.reserve(s, 0, positions)
+    kv.k[...] = cp.random.standard_normal(kv.k.shape, dtype=cp.float32)
+    kv.v[...] = cp.random.standard_normal(kv.v.shape, dtype=cp.float32)
+    n = slots * rows
+    meta = np.array([[i, i // rows, context + i % rows] for i in range(n)], np.int32).T.copy()
+    meta, tables = cp.asarray(meta), kv.device_tables()
+    q = cp.random.standard_normal((n, HKV * GROUP, HD), dtype=cp.float32)
+    out = cp.empty_like(q)
+    scale = np.float32(HD ** -0.5)
+    us = graph_us(cp, lambda: pa.paged_attention(q, kv, 0, meta, tables, out, scale,
+                                                 max_position=positions, partition=partition))
+    nbytes = slots * 2 * positions * HKV * HD * 4  # each slot's K and V once
+    return {"what": "paged_attention", "slots": slots, "rows_per_slot": rows,
+            "context": context, "partition": partition, "us": round(us, 2),
+            "bytes": nbytes, "floor_us": round(nbytes / HBM * 1e6, 2)}
+
+
+def bench_norm(cp, rows: int, H: int, add: bool) -> dict:
+    from gpu_worker.kernels.fused_norm import add_rms_norm_rows, rms_norm_rows
+
+    x, r = (cp.random.standard_normal((rows, H), dtype=cp.float32) for _ in range(2))
+    w = cp.ones(H, cp.float32)
+    fn = ((lambda: add_rms_norm_rows(x, r, w, 1e-6, zero_centered=True)) if add
+          else (lambda: rms_norm_rows(x, w, 1e-6, zero_centered=True)))
+    us = graph_us(cp, fn)
+    nbytes = rows * H * 4 * (4 if add else 2)
+    return {"what": "add_rms_norm" if add else "rms_norm", "rows": rows, "H": H,
+            "us": round(us, 2), "bytes": nbytes, "floor_us": round(nbytes / HBM * 1e6, 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="write the JSON records here")
+    ap.add_argument("--partitions", default="64,512")
+    args = ap.parse_args()
+    import cupy as cp
+
+    records = []
+    for part in (int(p) for p in args.partitions.split(",")):
+        for slots, rows, context in ((1, 1, 512), (4, 4, 512), (1, 1, 4096), (4, 4, 4096),
+                                     (1, 1, 32768)):
+            records.append(bench_attention(cp, slots, rows, context, part))
+            print(records[-1], flush=True)
+    for rows in (1, 16):
+        for H, add in ((2048, False), (2048, True), (256, False), (4096, False)):
+            records.append(bench_norm(cp, rows * (16 if H == 256 else 1), H, add))
+            print(records[-1], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"machine": machine(), "command": command_line(), "records": records},
+                      f, indent=1)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
