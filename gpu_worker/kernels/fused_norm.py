@@ -48,34 +48,42 @@ __device__ __forceinline__ float div_rn(float a, float b) {
 __device__ __forceinline__ float sqrt_rn(float a) {
     float d; asm("sqrt.rn.f32 %0, %1;" : "=f"(d) : "f"(a)); return d; }
 
-// A row of H <= 32 REGS held in registers: every load of x and w issued before any use (one
-// memory latency per row), the sum in the order of the batched loop below (elements past H
-// are +0), then the output from the registers.
+// NOTE: every load is unconditional (an element past H reads element H - 1, then counts as
+// +0), so the compiler issues a batch's loads together; a load under a condition is a branch,
+// and loads behind branches were issued one at a time (the H200: 5.7 us for a row of 2048).
+
+// A row of H <= 32 REGS held in registers: every load of x (and r) issued before any use,
+// the sum in the order of the batched loop below, then w's loads and the output.
 template <int REGS>
 __device__ __forceinline__ void norm_in_registers(
         const float* __restrict__ xr, const float* __restrict__ rr, float* __restrict__ sr,
         const float* __restrict__ w, float* __restrict__ orow, int H, float eps,
         int zero_centered, int lane) {
-    float v[REGS], wv[REGS];
+    float v[REGS];
 #pragma unroll
-    for (int i = 0; i < REGS; ++i) {
-        const int k = lane + 32 * i;
-        v[i] = k < H ? xr[k] : 0.0f;
-        wv[i] = k < H ? w[k] : 0.0f;
-    }
+    for (int i = 0; i < REGS; ++i) v[i] = xr[min(lane + 32 * i, H - 1)];
     if (rr != nullptr) {  // x + r first (IEEE float32), stored, then normalised
+        float a[REGS];
 #pragma unroll
-        for (int i = 0; i < REGS; ++i) {
-            const int k = lane + 32 * i;
-            if (k < H) { v[i] = add_rn(v[i], rr[k]); sr[k] = v[i]; }
-        }
+        for (int i = 0; i < REGS; ++i) a[i] = rr[min(lane + 32 * i, H - 1)];
+#pragma unroll
+        for (int i = 0; i < REGS; ++i) v[i] = add_rn(v[i], a[i]);
+#pragma unroll
+        for (int i = 0; i < REGS; ++i)
+            if (lane + 32 * i < H) sr[lane + 32 * i] = v[i];
     }
+#pragma unroll
+    for (int i = 0; i < REGS; ++i)
+        if (lane + 32 * i >= H) v[i] = 0.0f;  // +0: s + 0 * 0 is s (s >= +0 or NaN)
     float s = 0.0f;
 #pragma unroll
     for (int i = 0; i < REGS; ++i) s = add_rn(s, mul_rn(v[i], v[i]));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s = add_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
     const float d = sqrt_rn(add_rn(div_rn(s, (float)H), eps));
+    float wv[REGS];
+#pragma unroll
+    for (int i = 0; i < REGS; ++i) wv[i] = w[min(lane + 32 * i, H - 1)];
 #pragma unroll
     for (int i = 0; i < REGS; ++i) {
         const int k = lane + 32 * i;
@@ -106,26 +114,29 @@ extern "C" __global__ void rms_norm_rows(
         norm_in_registers<64>(xr, rr, sr, w, orow, H, eps, zero_centered, lane);
         return;
     }
-    // NOTE: a lane reads its elements k = k0 + lane + 32 i (i < BATCH) of a batch into
-    // registers first (independent loads, one memory latency per batch, not per element),
-    // then uses them in the same ascending order as one element at a time
+    // a lane reads its elements k = k0 + lane + 32 i (i < BATCH) of a batch into registers
+    // first, then uses them in the same ascending order as one element at a time
     float s = 0.0f;
     for (int k0 = 0; k0 < H; k0 += 32 * BATCH) {
         float v[BATCH];
 #pragma unroll
-        for (int i = 0; i < BATCH; ++i) {
-            const int k = k0 + lane + 32 * i;
-            v[i] = k < H ? xr[k] : 0.0f;  // past H: +0, and s + 0 * 0 is s (s >= +0 or NaN)
-        }
+        for (int i = 0; i < BATCH; ++i) v[i] = xr[min(k0 + lane + 32 * i, H - 1)];
         if (rr != nullptr) {
+            float a[BATCH];
+#pragma unroll
+            for (int i = 0; i < BATCH; ++i) a[i] = rr[min(k0 + lane + 32 * i, H - 1)];
 #pragma unroll
             for (int i = 0; i < BATCH; ++i) {
                 const int k = k0 + lane + 32 * i;
-                if (k < H) { v[i] = add_rn(v[i], rr[k]); sr[k] = v[i]; }
+                v[i] = add_rn(v[i], a[i]);
+                if (k < H) sr[k] = v[i];
             }
         }
 #pragma unroll
-        for (int i = 0; i < BATCH; ++i) s = add_rn(s, mul_rn(v[i], v[i]));
+        for (int i = 0; i < BATCH; ++i) {
+            if (k0 + lane + 32 * i >= H) v[i] = 0.0f;
+            s = add_rn(s, mul_rn(v[i], v[i]));
+        }
     }
     const float* xs = rr == nullptr ? xr : sr;  // the lane reads back only what it stored
 #pragma unroll
@@ -135,9 +146,9 @@ extern "C" __global__ void rms_norm_rows(
         float v[BATCH], wv[BATCH];
 #pragma unroll
         for (int i = 0; i < BATCH; ++i) {
-            const int k = k0 + lane + 32 * i;
-            v[i] = k < H ? xs[k] : 0.0f;
-            wv[i] = k < H ? w[k] : 0.0f;
+            const int kc = min(k0 + lane + 32 * i, H - 1);
+            v[i] = xs[kc];
+            wv[i] = w[kc];
         }
 #pragma unroll
         for (int i = 0; i < BATCH; ++i) {

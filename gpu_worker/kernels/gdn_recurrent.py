@@ -188,8 +188,12 @@ extern "C" __global__ void gdn_recurrent(const T* y, const T* decay, const T* be
     int hk = hv / (Hv / Hk);
     T S[DK];
     T* st = state + ((long long)slot * Hv + hv) * DK * Dv + (on ? j : 0);
+    // NOTE: loads unconditional (st points into the state when on is false too), so the DK
+    // loads are issued together; a load under a condition is a branch, one load at a time
 #pragma unroll
-    for (int i = 0; i < DK; ++i) S[i] = on ? st[(long long)i * Dv] : (T)0;
+    for (int i = 0; i < DK; ++i) S[i] = st[(long long)i * Dv];
+#pragma unroll
+    for (int i = 0; i < DK; ++i) S[i] = on ? S[i] : (T)0;
     for (int t = 0; t < n; ++t) {
         long long row = row0 + t;
         const T* qr = y + row * C + (long long)hk * DK;
@@ -213,7 +217,8 @@ extern "C" __global__ void gdn_recurrent(const T* y, const T* decay, const T* be
         }
         __syncthreads();
         T dec = decay[row * Hv + hv], b = beta[row * Hv + hv];
-        T v = on ? y[row * C + 2LL * Hk * DK + (long long)hv * Dv + j] : (T)0;
+        T v = y[row * C + 2LL * Hk * DK + (long long)hv * Dv + (on ? j : 0)];
+        v = on ? v : (T)0;
         T a[4] = {(T)0, (T)0, (T)0, (T)0};
 #pragma unroll
         for (int i = 0; i < DK; ++i) {

@@ -117,11 +117,13 @@ __device__ __forceinline__ void tile_dots(const WT* const* wr, const T* const* x
         T wv[NW][8];
         #pragma unroll
         for (int w = 0; w < NW; ++w) load_part(wr[w] + c, m, vec, wv[w]);
+        // NOTE: x loads unconditional (rows past nr repeat a real row), so they are issued
+        // together; a load under a condition is a branch, one load at a time
         #pragma unroll
         for (int r = 0; r < RC; ++r) {
+            T xv[8];
+            load_part(xr[r] + c, m, vec, xv);
             if (r < nr) {
-                T xv[8];
-                load_part(xr[r] + c, m, vec, xv);
                 #pragma unroll
                 for (int w = 0; w < NW; ++w)
                     #pragma unroll

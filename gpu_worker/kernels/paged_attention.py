@@ -43,6 +43,8 @@ from gpu_worker.kernels.paged_attention_ref import exp_reference as exp_referenc
 
 MAX_WARPS = 8  # q heads (one per warp) of a block; a larger group takes several blocks
 MAX_DIM = 256  # head dims the kernel holds in registers (8 per lane)
+DIM_SLOTS = (1, 2, 4, 8)  # dims per lane of the compiled variants (the smallest that holds hd)
+KEY_GROUP = 4  # keys whose K (then V) loads a lane issues together
 
 
 def _literal(v) -> str:
@@ -127,10 +129,15 @@ extern "C" __global__ void kv_write_NAME(
 // grid (n, Hkv hb, nz), block W warps (W = min(group, MAX_WARPS), hb = ceil(group / W)).
 // Warp w of block (i, h hb + b, z) computes q head g = b W + w of kv head h over partition
 // z: keys [z part, (z + 1) part) & [0, pos] -> m, l, acc [hd] at workspace index
-// w = (i hkv + h) nz + z, head g. Lane L holds dims d = L + 32 m (m < MAXM): q, acc.
+// w = (i hkv + h) nz + z, head g. Lane L holds dims d = L + 32 m (m < M, M 32 >= hd): q, acc.
 // The warps of a block read the same keys and values (one kv head): the L1 serves all but
 // the first. No shared memory, no barrier; every branch is uniform in a warp.
-extern "C" __global__ void paged_attn_NAME(
+// NOTE: every load is unconditional (a key past the partition reads its last key, a dim past
+// hd reads dim hd - 1; those values are never used), so the compiler issues a group's loads
+// together; a load under a condition is a branch, and loads behind branches were issued one at
+// a time (the H200: 30 us per chunk of 16 keys).
+template <int M>
+__device__ __forceinline__ void attn_NAME(
         const REAL* __restrict__ q, const KT* __restrict__ kpool, const KT* __restrict__ vpool,
         const unsigned short* __restrict__ kscale, const unsigned short* __restrict__ vscale,
         const int* __restrict__ tables, int width, const int* __restrict__ meta, int n,
@@ -146,30 +153,40 @@ extern "C" __global__ void paged_attn_NAME(
     int last = min(pos, first + part - 1);
     const int* table = tables + (long long)meta[n + i] * width;
     long long qoff = (((long long)row * hkv + h) * group + g) * hd;
-    REAL qr[MAXM], acc[MAXM];
+    int dc[M];    // the lane's dims, clamped into the row (loads stay in bounds)
+    bool on[M];   // dims < hd
+    REAL qr[M], acc[M];
 #pragma unroll
-    for (int m = 0; m < MAXM; ++m) {
-        int d = lane + 32 * m;
-        qr[m] = d < hd ? q[qoff + d] : (REAL)0;
+    for (int m = 0; m < M; ++m) {
+        on[m] = lane + 32 * m < hd;
+        dc[m] = min(lane + 32 * m, hd - 1);
+        qr[m] = q[qoff + dc[m]];
+        if (!on[m]) qr[m] = 0;
         acc[m] = 0;
     }
     REAL mo = NEG_INF, l = 0;
-#define AT(P, S, j, d) LOAD(P, S, vec[j] * hd + (d), vec[j] * (hd / 32) + (d) / 32)
+#define AT(P, S, j, m) LOAD(P, S, vec[j] * hd + dc[m], vec[j] * (hd / 32) + dc[m] / 32)
     for (int c0 = first; c0 <= last; c0 += CHUNK) {
         const int valid = min(CHUNK, last + 1 - c0);
         long long vec[CHUNK];
         REAL s[CHUNK];
 #pragma unroll
-        for (int j = 0; j < CHUNK; ++j) {  // the lane's partial dot of each key
-            vec[j] = VEC(c0 + min(j, valid - 1));
-            REAL p = 0;
+        for (int j = 0; j < CHUNK; ++j) vec[j] = VEC(c0 + min(j, valid - 1));
 #pragma unroll
-            for (int m = 0; m < MAXM; ++m) {
-                int d = lane + 32 * m;
-                if (j < valid && d < hd)
-                    p = p + qr[m] * AT(kpool, kscale, j, d);
+        for (int j0 = 0; j0 < CHUNK; j0 += GK) {  // the lane's partial dot of each key
+            REAL kv[GK][M];
+#pragma unroll
+            for (int jj = 0; jj < GK; ++jj)
+#pragma unroll
+                for (int m = 0; m < M; ++m) kv[jj][m] = AT(kpool, kscale, j0 + jj, m);
+#pragma unroll
+            for (int jj = 0; jj < GK; ++jj) {
+                REAL p = 0;
+#pragma unroll
+                for (int m = 0; m < M; ++m)
+                    if (on[m]) p = p + qr[m] * kv[jj][m];
+                s[j0 + jj] = p;  // keys past valid: never used
             }
-            s[j] = p;
         }
 #pragma unroll
         for (int j = 0; j < CHUNK; ++j) {  // the warp's sum (xor butterfly: every lane the same)
@@ -193,31 +210,34 @@ extern "C" __global__ void paged_attn_NAME(
             }
         }
 #pragma unroll
-        for (int m = 0; m < MAXM; ++m) {
-            int d = lane + 32 * m;
-            if (d < hd) {
-                REAL a = acc[m] * alpha;
+        for (int m = 0; m < M; ++m) acc[m] = acc[m] * alpha;
 #pragma unroll
-                for (int j = 0; j < CHUNK; ++j)
-                    if (j < valid)
-                        a = a + s[j] * AT(vpool, vscale, j, d);
-                acc[m] = a;
-            }
+        for (int j0 = 0; j0 < CHUNK; j0 += GK) {  // acc_d + p_j v_jd, j ascending
+            REAL vv[GK][M];
+#pragma unroll
+            for (int jj = 0; jj < GK; ++jj)
+#pragma unroll
+                for (int m = 0; m < M; ++m) vv[jj][m] = AT(vpool, vscale, j0 + jj, m);
+#pragma unroll
+            for (int jj = 0; jj < GK; ++jj)
+                if (j0 + jj < valid)
+#pragma unroll
+                    for (int m = 0; m < M; ++m) acc[m] = acc[m] + s[j0 + jj] * vv[jj][m];
         }
         mo = mn;
     }
 #undef AT
     long long w = ((long long)i * hkv + h) * gridDim.z + z;
 #pragma unroll
-    for (int m = 0; m < MAXM; ++m) {
-        int d = lane + 32 * m;
-        if (d < hd) pacc[(w * group + g) * hd + d] = acc[m];
-    }
+    for (int m = 0; m < M; ++m)
+        if (on[m]) pacc[(w * group + g) * hd + lane + 32 * m] = acc[m];
     if (lane == 0) {
         pm[w * group + g] = mo;
         pl[w * group + g] = l;
     }
 }
+
+ATTN_ENTRIES
 
 // grid (n, Hq), block hd rounded up to 32: one q head's partitions 0..pos / part, ascending
 extern "C" __global__ void paged_merge_NAME(
@@ -257,6 +277,19 @@ _VARIANTS = (("f32", "float", "float", False), ("f64", "double", "double", False
              ("f32_i8", "float", "signed char", True), ("f64_i8", "double", "signed char", True))
 
 
+_ENTRY = """
+extern "C" __global__ void paged_attn_NAME_mM_(
+        const REAL* __restrict__ q, const KT* __restrict__ kpool, const KT* __restrict__ vpool,
+        const unsigned short* __restrict__ kscale, const unsigned short* __restrict__ vscale,
+        const int* __restrict__ tables, int width, const int* __restrict__ meta, int n,
+        REAL* __restrict__ pm, REAL* __restrict__ pl, REAL* __restrict__ pacc, int layer,
+        int nblocks, int bsize, int hkv, int hd, int group, int part, REAL scale) {
+    attn_NAME<M_>(q, kpool, vpool, kscale, vscale, tables, width, meta, n, pm, pl, pacc, layer,
+                  nblocks, bsize, hkv, hd, group, part, scale);
+}
+"""
+
+
 def _neg_inf(real: str):
     return (np.float32 if real == "float" else np.float64)(-np.inf)
 
@@ -267,9 +300,11 @@ def _source() -> str:
         load = (_LOAD_INT8 if int8 else _LOAD_FLOAT).replace("REAL", real)
         parts.append(
             f"#define LOAD(P, S, I, SI) ({load})\n#define NEG_INF {_literal(_neg_inf(real))}\n"
-            + _KERNELS.replace("STORE", _STORE_INT8 if int8 else _STORE_FLOAT)
+            + _KERNELS.replace("ATTN_ENTRIES", "".join(_ENTRY.replace("M_", str(m))
+                                                       for m in DIM_SLOTS))
+            .replace("STORE", _STORE_INT8 if int8 else _STORE_FLOAT)
             .replace("NAME", name).replace("REAL", real).replace("KT", kt)
-            .replace("CHUNK", str(CHUNK)).replace("MAXM", str(MAX_DIM // 32))
+            .replace("CHUNK", str(CHUNK)).replace("GK", str(KEY_GROUP))
             + "#undef LOAD\n#undef NEG_INF\n")
     return "".join(parts)
 
@@ -352,7 +387,8 @@ def paged_attention(q, kv, layer: int, meta, tables, out, scale, *,
     variant = _variant(q.dtype, kv.quant)
     dims = (np.int32(hkv), np.int32(hd), np.int32(group), np.int32(partition))
     warps = min(group, MAX_WARPS)
-    _function(f"paged_attn_{variant}")(
+    slots = next(m for m in DIM_SLOTS if 32 * m >= hd)
+    _function(f"paged_attn_{variant}_m{slots}")(
         (n, hkv * -(-group // warps), nz), (32 * warps,),
         (q, *_pool_args(kv), tables, np.int32(tables.shape[1]), meta, np.int32(n), pm, pl,
          pacc, np.int32(layer), np.int32(kv.num_blocks), np.int32(kv.block_size), *dims,

@@ -184,16 +184,25 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, __MINB__) __NAME__(
                         const int ri = it % V, c = (it / V) % nc, q = it / (V * nc);
                         const int r = r0 + q * V + ri;
                         const long long k0 = (long long)(cs + c) * 8;
-                        const float* xr = x + (long long)r * K + k0;
-                        if (VEC && it < RT * nc && r < R && k0 < K) {
-                            float4 a = *reinterpret_cast<const float4*>(xr);
-                            float4 h = *reinterpret_cast<const float4*>(xr + 4);
-                            v[b][0] = a.x; v[b][1] = a.y; v[b][2] = a.z; v[b][3] = a.w;
-                            v[b][4] = h.x; v[b][5] = h.y; v[b][6] = h.z; v[b][7] = h.w;
+                        const bool in = it < RT * nc && r < R;
+                        // NOTE: loads unconditional, at an index clamped into x (the value
+                        // then replaced by 0), so a batch's loads are issued together
+                        const float* xr = x + (long long)min(r, R - 1) * K;
+                        if (VEC) {  // K % 8 == 0: k0 < K means the whole chunk is in
+                            const long long kc = min(k0, (long long)K - 8);
+                            float4 a = *reinterpret_cast<const float4*>(xr + kc);
+                            float4 h = *reinterpret_cast<const float4*>(xr + kc + 4);
+                            const bool on = in && k0 < K;
+                            v[b][0] = on ? a.x : 0.0f; v[b][1] = on ? a.y : 0.0f;
+                            v[b][2] = on ? a.z : 0.0f; v[b][3] = on ? a.w : 0.0f;
+                            v[b][4] = on ? h.x : 0.0f; v[b][5] = on ? h.y : 0.0f;
+                            v[b][6] = on ? h.z : 0.0f; v[b][7] = on ? h.w : 0.0f;
                         } else {
 #pragma unroll
-                            for (int e = 0; e < 8; ++e)
-                                v[b][e] = it < RT * nc && r < R && k0 + e < K ? xr[e] : 0.0f;
+                            for (int e = 0; e < 8; ++e) {
+                                const float xe = xr[min(k0 + e, (long long)K - 1)];
+                                v[b][e] = in && k0 + e < K ? xe : 0.0f;
+                            }
                         }
                     }
 #pragma unroll
