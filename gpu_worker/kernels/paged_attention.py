@@ -136,7 +136,9 @@ extern "C" __global__ void kv_write_NAME(
 // hd reads dim hd - 1; those values are never used), so the compiler issues a group's loads
 // together; a load under a condition is a branch, and loads behind branches were issued one at
 // a time (the H200: 30 us per chunk of 16 keys).
-template <int M>
+// FULL: hd == 32 M, every lane's dims in the row (no clamping: a key's loads share one base
+// address with immediate offsets, which keeps hd 256 within the registers)
+template <int M, bool FULL>
 __device__ __forceinline__ void attn_NAME(
         const REAL* __restrict__ q, const KT* __restrict__ kpool, const KT* __restrict__ vpool,
         const unsigned short* __restrict__ kscale, const unsigned short* __restrict__ vscale,
@@ -158,20 +160,21 @@ __device__ __forceinline__ void attn_NAME(
     REAL qr[M], acc[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-        on[m] = lane + 32 * m < hd;
-        dc[m] = min(lane + 32 * m, hd - 1);
+        on[m] = FULL || lane + 32 * m < hd;
+        dc[m] = FULL ? lane + 32 * m : min(lane + 32 * m, hd - 1);
         qr[m] = q[qoff + dc[m]];
         if (!on[m]) qr[m] = 0;
         acc[m] = 0;
     }
     REAL mo = NEG_INF, l = 0;
-#define AT(P, S, j, m) LOAD(P, S, vec[j] * hd + dc[m], vec[j] * (hd / 32) + dc[m] / 32)
+#define AT(P, S, j, m) LOAD(P, S, (long long)vec[j] * hd + dc[m], \
+                           (long long)vec[j] * (hd / 32) + dc[m] / 32)
     for (int c0 = first; c0 <= last; c0 += CHUNK) {
         const int valid = min(CHUNK, last + 1 - c0);
-        long long vec[CHUNK];
+        int vec[CHUNK];  // < 2^31 vectors of hd (paged_attention checks the pool)
         REAL s[CHUNK];
 #pragma unroll
-        for (int j = 0; j < CHUNK; ++j) vec[j] = VEC(c0 + min(j, valid - 1));
+        for (int j = 0; j < CHUNK; ++j) vec[j] = (int)VEC(c0 + min(j, valid - 1));
 #pragma unroll
         for (int j0 = 0; j0 < CHUNK; j0 += GK) {  // the lane's partial dot of each key
             REAL kv[GK][M];
@@ -278,13 +281,13 @@ _VARIANTS = (("f32", "float", "float", False), ("f64", "double", "double", False
 
 
 _ENTRY = """
-extern "C" __global__ void paged_attn_NAME_mM_(
+extern "C" __global__ void paged_attn_NAME_mM_FULL_(
         const REAL* __restrict__ q, const KT* __restrict__ kpool, const KT* __restrict__ vpool,
         const unsigned short* __restrict__ kscale, const unsigned short* __restrict__ vscale,
         const int* __restrict__ tables, int width, const int* __restrict__ meta, int n,
         REAL* __restrict__ pm, REAL* __restrict__ pl, REAL* __restrict__ pacc, int layer,
         int nblocks, int bsize, int hkv, int hd, int group, int part, REAL scale) {
-    attn_NAME<M_>(q, kpool, vpool, kscale, vscale, tables, width, meta, n, pm, pl, pacc, layer,
+    attn_NAME<M_, FULL_>(q, kpool, vpool, kscale, vscale, tables, width, meta, n, pm, pl, pacc, layer,
                   nblocks, bsize, hkv, hd, group, part, scale);
 }
 """
@@ -300,8 +303,10 @@ def _source() -> str:
         load = (_LOAD_INT8 if int8 else _LOAD_FLOAT).replace("REAL", real)
         parts.append(
             f"#define LOAD(P, S, I, SI) ({load})\n#define NEG_INF {_literal(_neg_inf(real))}\n"
-            + _KERNELS.replace("ATTN_ENTRIES", "".join(_ENTRY.replace("M_", str(m))
-                                                       for m in DIM_SLOTS))
+            + _KERNELS.replace("ATTN_ENTRIES", "".join(
+                _ENTRY.replace("M_FULL_", f"{m}{'f' if full else ''}")
+                .replace("M_, FULL_", f"{m}, {'true' if full else 'false'}")
+                for m in DIM_SLOTS for full in (False, True) if not full or m >= 4))
             .replace("STORE", _STORE_INT8 if int8 else _STORE_FLOAT)
             .replace("NAME", name).replace("REAL", real).replace("KT", kt)
             .replace("CHUNK", str(CHUNK)).replace("GK", str(KEY_GROUP))
@@ -375,6 +380,9 @@ def paged_attention(q, kv, layer: int, meta, tables, out, scale, *,
     group = hq // hkv
     if hd > MAX_DIM:
         raise ValueError(f"paged attention holds head dims of up to {MAX_DIM}, not {hd}")
+    if kv.k.size // max(hd, 1) >= 2 ** 31:
+        raise ValueError(f"paged attention indexes up to 2^31 vectors of {hd}: the cache "
+                         f"holds {kv.k.size // hd}")
     if hd != kv.head_dim or group * hkv != hq or out.shape != q.shape:
         raise ValueError(f"q {q.shape}, out {out.shape} do not fit the cache "
                          f"({hkv} kv heads of {kv.head_dim})")
@@ -388,7 +396,8 @@ def paged_attention(q, kv, layer: int, meta, tables, out, scale, *,
     dims = (np.int32(hkv), np.int32(hd), np.int32(group), np.int32(partition))
     warps = min(group, MAX_WARPS)
     slots = next(m for m in DIM_SLOTS if 32 * m >= hd)
-    _function(f"paged_attn_{variant}_m{slots}")(
+    full = "f" if hd == 32 * slots and slots >= 4 else ""
+    _function(f"paged_attn_{variant}_m{slots}{full}")(
         (n, hkv * -(-group // warps), nz), (32 * warps,),
         (q, *_pool_args(kv), tables, np.int32(tables.shape[1]), meta, np.int32(n), pm, pl,
          pacc, np.int32(layer), np.int32(kv.num_blocks), np.int32(kv.block_size), *dims,

@@ -78,6 +78,8 @@ def test_gdn_kernels_with_a_partial_tile_give_the_twin_bits(cupy):
     (48, 1, 10, False, 16),  # a lane with two dims, another with one; 10 heads: 2 blocks
     (16, 2, 3, False, 16),   # lanes past hd; several partitions
     (64, 1, 2, True, 32),    # the int8 cache
+    (128, 1, 2, False, 16),  # hd = 32 x 4: the unclamped variant
+    (256, 1, 1, True, 32),   # hd = 32 x 8, int8
 ])
 def test_paged_attention_gives_the_reference_bits(cupy, hd, hkv, g, quant, part):
     from gpu_worker.kernels import paged_attention as pa  # noqa: PLC0415
