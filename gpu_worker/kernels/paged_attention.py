@@ -287,8 +287,8 @@ extern "C" __global__ void paged_attn_NAME_mM_FULL_(
         const int* __restrict__ tables, int width, const int* __restrict__ meta, int n,
         REAL* __restrict__ pm, REAL* __restrict__ pl, REAL* __restrict__ pacc, int layer,
         int nblocks, int bsize, int hkv, int hd, int group, int part, REAL scale) {
-    attn_NAME<M_, FULL_>(q, kpool, vpool, kscale, vscale, tables, width, meta, n, pm, pl, pacc, layer,
-                  nblocks, bsize, hkv, hd, group, part, scale);
+    attn_NAME<M_, FULL_>(q, kpool, vpool, kscale, vscale, tables, width, meta, n, pm, pl,
+                         pacc, layer, nblocks, bsize, hkv, hd, group, part, scale);
 }
 """
 
