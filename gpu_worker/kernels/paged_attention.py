@@ -173,8 +173,14 @@ __device__ __forceinline__ void attn_NAME(
         const int valid = min(CHUNK, last + 1 - c0);
         int vec[CHUNK];  // < 2^31 vectors of hd (paged_attention checks the pool)
         REAL s[CHUNK];
+        if (bsize % CHUNK == 0) {  // the chunk lies in one block (c0 % CHUNK == 0): one lookup
+            const int v0 = (int)VEC(c0);
 #pragma unroll
-        for (int j = 0; j < CHUNK; ++j) vec[j] = (int)VEC(c0 + min(j, valid - 1));
+            for (int j = 0; j < CHUNK; ++j) vec[j] = v0 + min(j, valid - 1) * hkv;
+        } else {
+#pragma unroll
+            for (int j = 0; j < CHUNK; ++j) vec[j] = (int)VEC(c0 + min(j, valid - 1));
+        }
 #pragma unroll
         for (int j0 = 0; j0 < CHUNK; j0 += GK) {  // the lane's partial dot of each key
             REAL kv[GK][M];

@@ -73,21 +73,21 @@ def test_gdn_kernels_with_a_partial_tile_give_the_twin_bits(cupy):
         _bits_equal(got, want, name)
 
 
-@pytest.mark.parametrize(("hd", "hkv", "g", "quant", "part"), [
-    (32, 2, 2, False, 64),   # one partition per row
-    (48, 1, 10, False, 16),  # a lane with two dims, another with one; 10 heads: 2 blocks
-    (16, 2, 3, False, 16),   # lanes past hd; several partitions
-    (64, 1, 2, True, 32),    # the int8 cache
-    (128, 1, 2, False, 16),  # hd = 32 x 4: the unclamped variant
-    (256, 1, 1, True, 32),   # hd = 32 x 8, int8
+@pytest.mark.parametrize(("hd", "hkv", "g", "quant", "part", "bs"), [
+    (32, 2, 2, False, 64, 16),   # one partition per row
+    (48, 1, 10, False, 16, 16),  # a lane with two dims, another with one; 10 heads: 2 blocks
+    (16, 2, 3, False, 16, 8),    # lanes past hd; several partitions; chunks across blocks
+    (64, 1, 2, True, 32, 16),    # the int8 cache
+    (128, 1, 2, False, 16, 4),   # hd = 32 x 4: the unclamped variant; blocks of 4
+    (256, 1, 1, True, 32, 32),   # hd = 32 x 8, int8
 ])
-def test_paged_attention_gives_the_reference_bits(cupy, hd, hkv, g, quant, part):
+def test_paged_attention_gives_the_reference_bits(cupy, hd, hkv, g, quant, part, bs):
     from gpu_worker.kernels import paged_attention as pa  # noqa: PLC0415
     from gpu_worker.kv_cache import KVCache  # noqa: PLC0415
 
     lengths = (3, 40)
     rng = np.random.default_rng(2)
-    kv = KVCache(cupy, 2, 8, 16, hkv, hd, np.dtype(np.float32), quant=quant)
+    kv = KVCache(cupy, 2, 2 * -(-40 // bs) + 1, bs, hkv, hd, np.dtype(np.float32), quant=quant)
     host = []
     for s, n in enumerate(lengths):
         kv.reserve(s, 0, n)
