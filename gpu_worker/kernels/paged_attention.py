@@ -73,6 +73,18 @@ __device__ __forceinline__ double rint_t(double x) { return rint(x); }
 __device__ __forceinline__ float max_t(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double max_t(double a, double b) { return fmax(a, b); }
 __device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+// c ? a : b as one select instruction (a chain of them is not turned into an indexed local
+// array, which the compiler otherwise does for `x = lane == j ? s[j] : x` over j)
+__device__ __forceinline__ float pick(bool c, float a, float b) {
+    float d;
+    asm volatile("slct.f32.s32 %0, %1, %2, %3;" : "=f"(d) : "f"(a), "f"(b), "r"(c ? 0 : -1));
+    return d;
+}
+__device__ __forceinline__ double pick(bool c, double a, double b) {
+    double d;
+    asm volatile("slct.f64.s32 %0, %1, %2, %3;" : "=d"(d) : "d"(a), "d"(b), "r"(c ? 0 : -1));
+    return d;
+}
 __device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
 
 // fp16 bits -> float, exactly (subnormals included)
@@ -211,10 +223,16 @@ __device__ __forceinline__ void attn_NAME(
         for (int j = 1; j < CHUNK; ++j) if (j < valid) mc = max_t(mc, s[j]);
         REAL mn = max_t(mo, mc), alpha = exp_neg(mo - mn);
         l = l * alpha;
+        // key j's exp computed once, by lanes j and j + 16, then read from lane j: the same
+        // function of the same value (every lane holds every score), 16 exps fewer per lane
+        REAL mine = s[0];
+#pragma unroll
+        for (int j = 1; j < CHUNK; ++j) mine = pick((lane & (CHUNK - 1)) == j, s[j], mine);
+        const REAL e = exp_neg(mine - mn);
 #pragma unroll
         for (int j = 0; j < CHUNK; ++j) {
             if (j < valid) {
-                s[j] = exp_neg(s[j] - mn);
+                s[j] = __shfl_sync(0xffffffffu, e, j);
                 l = l + s[j];
             }
         }

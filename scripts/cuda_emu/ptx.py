@@ -2,8 +2,9 @@
 statement with one instruction the emulator knows becomes ``d = emu_ptx_op(a, ...);``.
 
 Known: ``add sub mul div fma sqrt`` with ``.rn`` on ``.f32`` / ``.f64`` (``.ftz`` flushes
-subnormals; without it they are kept even when the launch models -ftz=true, as on the device)
-and ``mov.u64 %0, %%globaltimer``. Anything else stops the build with the statement quoted."""
+subnormals; without it they are kept even when the launch models -ftz=true, as on the device),
+``slct.f32.s32`` / ``slct.f64.s32`` (a select on the sign of an int) and
+``mov.u64 %0, %%globaltimer``. Anything else stops the build with the statement quoted."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ _ASM = re.compile(r"\basm\s*(?:volatile\s*|__volatile__\s*)?\(\s*\"((?:[^\"\\]|\
                   r"(.*?)\)\s*;", re.S)
 _OPERAND = re.compile(r"\"[=+&]*\w\"\s*\(((?:[^()]|\([^()]*\))*)\)")
 _ARITH = re.compile(r"(add|sub|mul|div|fma|sqrt)\.rn(\.ftz)?\.f(32|64)$")
+_SLCT = re.compile(r"slct\.f(32|64)\.s32$")
 _ARITY = {"add": 2, "sub": 2, "mul": 2, "div": 2, "fma": 3, "sqrt": 1}
 
 
@@ -25,6 +27,9 @@ def _call(instr: str, ops: list[str], text: str) -> str:
     op, regs = parts[0], parts[1:]
     if op == "mov.u64" and regs[1:] == ["%%globaltimer"] and len(ops) == 1:
         return f"{ops[0]} = emu_ptx_globaltimer();"
+    if _SLCT.match(op) and len(regs) == 4 and len(ops) == 4:  # d = c >= 0 ? a : b
+        d, a, b, c = (ops[int(r.lstrip("%"))] for r in regs)
+        return f"{d} = ({c}) >= 0 ? ({a}) : ({b});"
     m = _ARITH.match(op)
     if not m or len(regs) != _ARITY[m[1]] + 1 or len(ops) != len(regs):
         raise PtxError(f"the CUDA emulator does not know this inline PTX: {text.strip()}")

@@ -288,3 +288,22 @@ def test_fused_add_norm_gives_the_sum_and_its_norm(cupy, H):
     _bits_equal(cupy.asnumpy(total), x + r, f"sum {H}")
     _bits_equal(cupy.asnumpy(normed), rms_norm_reference(x + r, w, 1e-6, zero_centered=True),
                 f"norm of the sum {H}")
+
+
+_SLCT = r"""
+extern "C" __global__ void slct(const float* a, const float* b, const int* c, float* d) {
+    int i = threadIdx.x;
+    float r;
+    asm volatile("slct.f32.s32 %0, %1, %2, %3;" : "=f"(r) : "f"(a[i]), "f"(b[i]), "r"(c[i]));
+    d[i] = r;
+}
+"""
+
+
+def test_slct_selects_on_the_sign_of_its_int(cupy):
+    mod = RawModule(code=_SLCT, options=OPTS)
+    a, b = np.arange(4, dtype=np.float32), -np.arange(4, dtype=np.float32) - 10
+    c = np.array([0, -1, 5, -7], np.int32)
+    d = cupy.zeros(4, np.float32)
+    mod.get_function("slct")((1,), (4,), (cupy.asarray(a), cupy.asarray(b), cupy.asarray(c), d))
+    _bits_equal(d.get(), np.where(c >= 0, a, b), "slct")
