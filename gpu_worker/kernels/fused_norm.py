@@ -1,21 +1,23 @@
-"""Fused, batch-invariant RMSNorm on CuPy float32: one launch per call, one warp per row.
+"""Fused, batch-invariant RMSNorm on CuPy float32: one launch per call.
 
 ``Ops.rms_norm`` on CuPy float32 (switch ``fused_norm``, gpu_worker/kernels/enabled.py) was
 five elementwise launches and a reduction whose order CuPy picks; :func:`rms_norm_rows` is one
-launch. A row is the last axis of ``x`` ([R, H] or [R, heads, hd]: then every (r, head) is a
-row of ``hd``), normalised by one warp of 32 lanes:
+launch (:func:`add_rms_norm_rows` also adds the residual first). A row is the last axis of
+``x`` ([R, H] or [R, heads, hd]: then every (r, head) is a row of ``hd``).
 
-**The order** (:func:`rms_norm_reference` is its NumPy formula, bit for bit). Lane ``l`` (0..31)
-starts from +0 and adds ``x[k] * x[k]`` (each product rounded to float32) for
-``k = l, l + 32, l + 64, ...`` ascending; the 32 lane sums fold as a butterfly
+**The order** (:func:`rms_norm_reference` is its NumPy formula, bit for bit). The row is cut in
+W segments of S elements (:func:`wide_split`, from H alone: one segment up to H = 256, then up
+to 8 of at most 32 x 32 elements; one segment again past 8192), one warp each. In a segment,
+lane ``l`` (0..31) starts from +0 and adds ``x[k] * x[k]`` (each product rounded to float32)
+for ``k = start + l, start + l + 32, ...`` ascending; the 32 lane sums fold as a butterfly
 ``s[l] + s[l ^ o]`` for o = 16, 8, 4, 2, 1 (commutative adds: every lane ends with the same
-bits, those of the tree ``s[l] + s[l + o]`` of the reference). Then
-``d = sqrt(s / H + eps)`` and ``out[k] = (x[k] / d) * w[k]`` (``* (1 + w[k])`` zero-centered,
-the sum rounded first), every operation one correctly rounded float32 step. The order depends
-on H alone: never on the number of rows, a row's position or its neighbours. A lane loads
-all of its elements (and of ``w``) into registers before using them where the row fits (H <=
-2048: one memory latency per row, and x is read once), else ``BATCH`` at a time (one latency
-per batch, x read twice); the arithmetic and its order stay as above.
+bits, those of the tree ``s[l] + s[l + o]`` of the reference). The segments' sums are added in
+order, ``((p_0 + p_1) + p_2) + ...``. Then ``d = sqrt(s / H + eps)`` and ``out[k] = (x[k] / d)
+* w[k]`` (``* (1 + w[k])`` zero-centered, the sum rounded first), every operation one
+correctly rounded float32 step. The order depends on H alone: never on the number of rows, a
+row's position or its neighbours. A lane holds its elements (and w's) in registers, every load
+issued before any use; past 8192 a lane takes ``BATCH`` at a time. A row of 2048 was one warp
+(6 us on the H200, one lane summing 64 squares in a chain); it is now 8 warps of 256.
 
 **IEEE float32, subnormals kept.** CuPy compiles with ``-ftz=true`` (docs/gpu_step.md), which
 turns ``+ * / sqrtf`` into flushing forms; so every operation is PTX ``add/mul/div/sqrt.rn.f32``
@@ -110,10 +112,6 @@ extern "C" __global__ void rms_norm_rows(
         norm_in_registers<8>(xr, rr, sr, w, orow, H, eps, zero_centered, lane);
         return;
     }
-    if (H <= 32 * 64) {
-        norm_in_registers<64>(xr, rr, sr, w, orow, H, eps, zero_centered, lane);
-        return;
-    }
     // a lane reads its elements k = k0 + lane + 32 i (i < BATCH) of a batch into registers
     // first, then uses them in the same ascending order as one element at a time
     float s = 0.0f;
@@ -158,13 +156,92 @@ extern "C" __global__ void rms_norm_rows(
         }
     }
 }
+
+// A row of 256 < H <= 32 * 32 * MAX_WIDE_WARPS by one block of W warps (W, S: wide_split):
+// warp v takes the segment k in [v S, min(H, (v + 1) S)), its lanes sum their squares as one
+// warp does a row (lane l: k = v S + l + 32 i ascending, from +0; butterfly), then the W warp
+// sums are added in order, s = ((p_0 + p_1) + p_2) + ..., by every thread from shared memory.
+template <int REGS>
+__device__ __forceinline__ void norm_wide(
+        const float* __restrict__ x, const float* __restrict__ r, float* __restrict__ sum,
+        int add, const float* __restrict__ w, float* __restrict__ out, int H, long long stride,
+        float eps, int zero_centered, int W, int S) {
+    __shared__ float part[32];
+    const int lane = threadIdx.x & 31, v = threadIdx.x >> 5;
+    const long long row = blockIdx.x;
+    const float* xr = x + row * stride;
+    const int k0 = v * S, k1 = min(H, k0 + S);
+    float a[REGS], q[REGS];
+#pragma unroll
+    for (int i = 0; i < REGS; ++i) a[i] = xr[min(k0 + lane + 32 * i, H - 1)];
+    if (add) {
+        const float* rr = r + row * (long long)H;
+        float* sr = sum + row * (long long)H;
+#pragma unroll
+        for (int i = 0; i < REGS; ++i) q[i] = rr[min(k0 + lane + 32 * i, H - 1)];
+#pragma unroll
+        for (int i = 0; i < REGS; ++i) a[i] = add_rn(a[i], q[i]);
+#pragma unroll
+        for (int i = 0; i < REGS; ++i)
+            if (k0 + lane + 32 * i < k1) sr[k0 + lane + 32 * i] = a[i];
+    }
+#pragma unroll
+    for (int i = 0; i < REGS; ++i)
+        if (k0 + lane + 32 * i >= k1) a[i] = 0.0f;  // +0: s + 0 * 0 is s
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < REGS; ++i) s = add_rn(s, mul_rn(a[i], a[i]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s = add_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+    if (lane == 0) part[v] = s;
+#pragma unroll
+    for (int i = 0; i < REGS; ++i) q[i] = w[min(k0 + lane + 32 * i, H - 1)];
+    __syncthreads();
+    float t = part[0];
+    for (int u = 1; u < W; ++u) t = add_rn(t, part[u]);
+    const float d = sqrt_rn(add_rn(div_rn(t, (float)H), eps));
+    float* orow = out + row * (long long)H;
+#pragma unroll
+    for (int i = 0; i < REGS; ++i) {
+        const int k = k0 + lane + 32 * i;
+        const float wk = zero_centered ? add_rn(1.0f, q[i]) : q[i];
+        if (k < k1) orow[k] = mul_rn(div_rn(a[i], d), wk);
+    }
+}
+
+// grid rows, block W * 32: one row per block (norm_wide); REGS >= S / 32
+extern "C" __global__ void rms_norm_wide8(
+        const float* __restrict__ x, const float* __restrict__ r, float* __restrict__ sum,
+        int add, const float* __restrict__ w, float* __restrict__ out, int H, long long stride,
+        float eps, int zero_centered, int W, int S) {
+    norm_wide<8>(x, r, sum, add, w, out, H, stride, eps, zero_centered, W, S);
+}
+extern "C" __global__ void rms_norm_wide32(
+        const float* __restrict__ x, const float* __restrict__ r, float* __restrict__ sum,
+        int add, const float* __restrict__ w, float* __restrict__ out, int H, long long stride,
+        float eps, int zero_centered, int W, int S) {
+    norm_wide<32>(x, r, sum, add, w, out, H, stride, eps, zero_centered, W, S);
+}
 """
 
 
 @functools.cache
-def _function():
+def _function(name: str = "rms_norm_rows"):
     src = _SOURCE.replace("__WARPS__", str(WARPS)).replace("__BATCH__", str(BATCH))
-    return raw_module(src, "fused RMSNorm kernel").get_function("rms_norm_rows")
+    return raw_module(src, "fused RMSNorm kernel").get_function(name)
+
+
+MAX_WIDE_WARPS = 8  # warps of a wide row's block
+ONE_WARP_MAX = 256  # rows up to this long take one warp (q/k norms: a head; GDN's norm)
+
+
+def wide_split(H: int) -> tuple[int, int] | None:
+    """(W warps, S elements per warp's segment) of a row of ``H``; None where one warp takes
+    the row (H <= 256, or H > 8 x 32 x 32 = 8192: the batched loop). Part of the order."""
+    if H <= ONE_WARP_MAX or H > MAX_WIDE_WARPS * 32 * 32:
+        return None
+    W = min(MAX_WIDE_WARPS, -(-H // ONE_WARP_MAX))
+    return W, 32 * -(-H // (32 * W))
 
 
 def _row_stride(x) -> int | None:
@@ -219,9 +296,19 @@ def _launch(x, r, w, eps: float, zero_centered: bool):
     w = cp.ascontiguousarray(w)
     add = r is not None  # else x and out stand in for the unused r and sum
     r = cp.ascontiguousarray(r) if add else x
-    _function()((-(-rows // WARPS),), (WARPS * LANES,),
-                (x, r, total if add else out, np.int32(add), w, out, np.int64(rows),
-                 np.int32(H), np.int64(stride), np.float32(eps), np.int32(bool(zero_centered))))
+    split = wide_split(H)
+    if split is None:
+        _function()((-(-rows // WARPS),), (WARPS * LANES,),
+                    (x, r, total if add else out, np.int32(add), w, out, np.int64(rows),
+                     np.int32(H), np.int64(stride), np.float32(eps),
+                     np.int32(bool(zero_centered))))
+    else:
+        W, S = split
+        _function("rms_norm_wide8" if S <= 8 * 32 else "rms_norm_wide32")(
+            (rows,), (W * LANES,),
+            (x, r, total if add else out, np.int32(add), w, out, np.int32(H),
+             np.int64(stride), np.float32(eps), np.int32(bool(zero_centered)), np.int32(W),
+             np.int32(S)))
     return total, out
 
 
@@ -235,18 +322,30 @@ def rms_norm_reference(x: np.ndarray, w: np.ndarray, eps: float, *,
     w = np.asarray(w, np.float32)
     H = x.shape[-1]
     rows = x.reshape(-1, H)
-    n = rows.shape[0]
-    hp = -(-H // LANES) * LANES
-    sq = np.zeros((n, hp), np.float32)
+    split = wide_split(H) or (1, H)
+    W, S = split
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-        sq[:, :H] = rows * rows
-        lanes = sq.reshape(n, hp // LANES, LANES)  # [row, j, lane]: k = 32 j + lane
-        acc = np.zeros((n, LANES), np.float32)
-        for j in range(hp // LANES):
-            acc = acc + lanes[:, j]
-        for o in (16, 8, 4, 2, 1):
-            acc[:, :o] = acc[:, :o] + acc[:, o:2 * o]
-        d = np.sqrt(acc[:, 0] / np.float32(H) + np.float32(eps))  # [n] float32
+        total = None
+        for v in range(W):  # each warp's segment, then the warp sums in order
+            part = _warp_sum_of_squares(rows[:, v * S:min(H, (v + 1) * S)])
+            total = part if total is None else total + part
+        d = np.sqrt(total / np.float32(H) + np.float32(eps))  # [n] float32
         wk = np.float32(1.0) + w if zero_centered else w
         out = (rows / d[:, None]) * wk
     return out.astype(np.float32, copy=False).reshape(x.shape)
+
+
+def _warp_sum_of_squares(seg: np.ndarray) -> np.ndarray:
+    """One warp's sum of ``seg [n, L]``'s squares: lane sums over k = l (mod 32) ascending
+    (padded with zeros: adding +0 to a sum of squares changes no bit), then the tree fold."""
+    n, L = seg.shape
+    hp = -(-L // LANES) * LANES
+    sq = np.zeros((n, hp), np.float32)
+    sq[:, :L] = seg * seg
+    lanes = sq.reshape(n, hp // LANES, LANES)  # [row, j, lane]: k = 32 j + lane
+    acc = np.zeros((n, LANES), np.float32)
+    for j in range(hp // LANES):
+        acc = acc + lanes[:, j]
+    for o in (16, 8, 4, 2, 1):
+        acc[:, :o] = acc[:, :o] + acc[:, o:2 * o]
+    return acc[:, 0]
