@@ -77,6 +77,17 @@ extern "C" __global__ void sigmoid_mul(const float* __restrict__ gate,
     if (i >= n) return;
     out[i] = (sigmoid(F(gate[i / per])) * F(x[i])).v;
 }
+
+// as sigmoid_mul, plus base: out = base + sigmoid(gate[i / per]) * x (the MoE output: the
+// routed experts' sum plus the gated shared expert, one launch for the product and the add)
+extern "C" __global__ void sigmoid_mul_add(const float* __restrict__ gate,
+                                           const float* __restrict__ x,
+                                           float* __restrict__ out, long long n, long long per,
+                                           const float* __restrict__ base) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    out[i] = (F(base[i]) + sigmoid(F(gate[i / per])) * F(x[i])).v;
+}
 """
 
 
@@ -119,7 +130,18 @@ def sigmoid_mul(gate, x):
     return _launch("sigmoid_mul", gate, x, per)
 
 
-def _launch(name: str, gate, other, per: int | None = None):
+def sigmoid_mul_add(gate, x, base):
+    """``base + sigmoid(gate) * x`` in one launch: :func:`sigmoid_mul`, then an IEEE float32
+    add (``base`` of ``x``'s shape). Switch ``fused_sigmoid``."""
+    import cupy as cp  # noqa: PLC0415 (only on the GPU backend)
+
+    if base.dtype != np.float32 or base.shape != x.shape:
+        raise ValueError(f"sigmoid_mul_add: base {base.dtype} {base.shape} for x {x.shape}")
+    per = x.shape[-1] if gate.shape != x.shape and gate.shape == x.shape[:-1] + (1,) else 1
+    return _launch("sigmoid_mul_add", gate, x, per, cp.ascontiguousarray(base))
+
+
+def _launch(name: str, gate, other, per: int | None = None, base=None):
     import cupy as cp  # noqa: PLC0415 (only on the GPU backend)
 
     if gate.dtype != np.float32 or other.dtype != np.float32:
@@ -131,7 +153,8 @@ def _launch(name: str, gate, other, per: int | None = None):
     if n == 0:
         return out
     gate, other = cp.ascontiguousarray(gate), cp.ascontiguousarray(other)
-    args = (gate, other, out, np.int64(n)) + (() if per is None else (np.int64(per),))
+    args = ((gate, other, out, np.int64(n)) + (() if per is None else (np.int64(per),))
+            + (() if base is None else (base,)))
     _function(name)((-(-n // THREADS),), (THREADS,), args)
     return out
 

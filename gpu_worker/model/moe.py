@@ -121,7 +121,7 @@ def sparse_moe(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
         out = experts(layer, x, ids, weights, quant)  # [R, H]
     if has_shared:  # swiglu's products, made above
         shared = ops.linear(ops.silu_mul(s_gate, s_up), p["shared_expert.down_proj.weight"])
-        out = out + ops.sigmoid_mul(s_sigmoid, shared)
+        out = ops.sigmoid_mul_add(s_sigmoid, shared, out)  # out + sigmoid(g) * shared
     return out
 
 

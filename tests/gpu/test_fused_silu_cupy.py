@@ -153,6 +153,30 @@ def test_sigmoid_mul_takes_one_gate_per_row(rows, width):
         sigmoid_mul(cupy.zeros((rows, 2), cupy.float32), cupy.asarray(x))
 
 
+@pytest.mark.parametrize("rows, width, per_row", [(1, 64, True), (14, 2048, True),
+                                                   (5, 300, False)])
+def test_sigmoid_mul_add_is_the_product_then_the_add(rows, width, per_row):
+    """The MoE output: ``base + sigmoid(gate) * x`` in one launch, the bits of the product
+    (its NumPy formula) then a float32 add, subnormal sums kept; Ops takes it when switched
+    on and gives the same bits off."""
+    from gpu_worker.kernels.fused_silu import sigmoid_mul_add, sigmoid_mul_reference
+
+    rng = np.random.default_rng(rows * width)
+    g = (rng.standard_normal((rows, 1 if per_row else width)) * 4).astype(np.float32)
+    x = rng.standard_normal((rows, width)).astype(np.float32)
+    base = rng.standard_normal((rows, width)).astype(np.float32)
+    base[0, :2] = [1e-39, -2e-39]
+    x[0, :2] = 0.0  # sums of a subnormal and +0
+    want = (base + sigmoid_mul_reference(g, x)).astype(np.float32)
+    got = cupy.asnumpy(sigmoid_mul_add(cupy.asarray(g), cupy.asarray(x), cupy.asarray(base)))
+    _same(got, want, f"{rows} x {width}")
+    ops = Ops(cupy, np.float32)
+    via_ops = ops.sigmoid_mul_add(cupy.asarray(g), cupy.asarray(x), cupy.asarray(base))
+    _same(cupy.asnumpy(via_ops), want, "Ops.sigmoid_mul_add")
+    with pytest.raises(ValueError):
+        sigmoid_mul_add(cupy.asarray(g), cupy.asarray(x), cupy.zeros((rows, 1), cupy.float32))
+
+
 # ---- rotate-half RoPE (switch fused_rope) ----------------------------------------------------
 @pytest.mark.parametrize("R, H, D, rot", [(1, 16, 128, 128), (5, 2, 256, 64), (3, 4, 32, 32),
                                           (20, 3, 20, 4)])
