@@ -156,28 +156,32 @@ __device__ __forceinline__ void attn_NAME(
         const unsigned short* __restrict__ kscale, const unsigned short* __restrict__ vscale,
         const int* __restrict__ tables, int width, const int* __restrict__ meta, int n,
         REAL* __restrict__ pm, REAL* __restrict__ pl, REAL* __restrict__ pacc, int layer,
-        int nblocks, int bsize, int hkv, int hd, int group, int part, REAL scale) {
+        int nblocks, int bsize, int hkv, int hd, int group, int part, int nz, REAL scale) {
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int hb = (group + warps - 1) / warps;
-    int i = blockIdx.x, h = blockIdx.y / hb, z = blockIdx.z;
+    int i = blockIdx.x, h = blockIdx.y / hb;
     int g = (blockIdx.y % hb) * warps + (threadIdx.x >> 5);
     int row = meta[i], pos = meta[2 * n + i];
-    int first = z * part;
-    if (first > pos || g >= group) return;  // past the row's partitions, or past the group
-    int last = min(pos, first + part - 1);
+    if (blockIdx.z * part > pos || g >= group) return;  // past the row's keys, or the group
     const int* table = tables + (long long)meta[n + i] * width;
     long long qoff = (((long long)row * hkv + h) * group + g) * hd;
     int dc[M];    // the lane's dims, clamped into the row (loads stay in bounds)
     bool on[M];   // dims < hd
-    REAL qr[M], acc[M];
+    REAL qr[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) {
         on[m] = FULL || lane + 32 * m < hd;
         dc[m] = FULL ? lane + 32 * m : min(lane + 32 * m, hd - 1);
         qr[m] = q[qoff + dc[m]];
         if (!on[m]) qr[m] = 0;
-        acc[m] = 0;
     }
+    // partitions z = blockIdx.z, + gridDim.z, ...: the grid's z stays small whatever the
+    // context limit a graph sizes nz for; each partition is computed and stored on its own
+    for (int z = blockIdx.z; z < nz && z * part <= pos; z += gridDim.z) {
+    const int first = z * part, last = min(pos, first + part - 1);
+    REAL acc[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] = 0;
     REAL mo = NEG_INF, l = 0;
 #define AT(P, S, j, m) LOAD(P, S, (long long)vec[j] * hd + dc[m], \
                            (long long)vec[j] * (hd / 32) + dc[m] / 32)
@@ -254,7 +258,7 @@ __device__ __forceinline__ void attn_NAME(
         mo = mn;
     }
 #undef AT
-    long long w = ((long long)i * hkv + h) * gridDim.z + z;
+    long long w = ((long long)i * hkv + h) * nz + z;
 #pragma unroll
     for (int m = 0; m < M; ++m)
         if (on[m]) pacc[(w * group + g) * hd + lane + 32 * m] = acc[m];
@@ -262,6 +266,7 @@ __device__ __forceinline__ void attn_NAME(
         pm[w * group + g] = mo;
         pl[w * group + g] = l;
     }
+    }  // partitions
 }
 
 ATTN_ENTRIES
@@ -310,9 +315,9 @@ extern "C" __global__ void paged_attn_NAME_mM_FULL_(
         const unsigned short* __restrict__ kscale, const unsigned short* __restrict__ vscale,
         const int* __restrict__ tables, int width, const int* __restrict__ meta, int n,
         REAL* __restrict__ pm, REAL* __restrict__ pl, REAL* __restrict__ pacc, int layer,
-        int nblocks, int bsize, int hkv, int hd, int group, int part, REAL scale) {
+        int nblocks, int bsize, int hkv, int hd, int group, int part, int nz, REAL scale) {
     attn_NAME<M_, FULL_>(q, kpool, vpool, kscale, vscale, tables, width, meta, n, pm, pl,
-                         pacc, layer, nblocks, bsize, hkv, hd, group, part, scale);
+                         pacc, layer, nblocks, bsize, hkv, hd, group, part, nz, scale);
 }
 """
 
@@ -388,14 +393,28 @@ def _partitions(partition: int, kv, tables, max_position: int | None) -> int:
     return max(1, top // partition + 1)
 
 
+GRID_WARPS = 8192  # warps the attention grid aims at (a few waves of the H200's 132 SMs)
+
+
+def grid_partitions(nz: int, rows: int, q_heads: int, target: int = GRID_WARPS) -> int:
+    """The grid's z size for ``nz`` partitions of ``rows`` rows of ``q_heads`` heads: every
+    partition gets a warp while that stays under ``target`` warps, else the warps loop over
+    partitions (z, z + grid z, ...). A graph sizes nz for the context limit: at 128k tokens
+    that is 2,049 partitions, most past every row's position. Speed only: each partition is
+    computed alone and the bits never depend on the grid."""
+    return max(1, min(nz, -(-target // max(1, rows * q_heads))))
+
+
 def paged_attention(q, kv, layer: int, meta, tables, out, scale, *,
-                    max_position: int | None = None, partition: int = PARTITION) -> None:
+                    max_position: int | None = None, partition: int = PARTITION,
+                    grid_warps: int = GRID_WARPS) -> None:
     """``out[row] = softmax(q[row] K^T * scale) V`` over keys 0..position of the row's slot,
     for the rows of ``meta`` (int32 [3, n] on the device); ``q``, ``out`` [R, Hq, hd]
     C-contiguous, the compute dtype; ``scale`` of that dtype. Other rows of ``out`` are left
     as they are. ``max_position`` (>= every row's position, host int) only sizes the grid
     and the workspace (the bits never depend on it); None bounds it by the tables' width.
-    ``partition``: keys per block (a multiple of :data:`CHUNK`; tests set it low)."""
+    ``partition``: keys per warp (a multiple of :data:`CHUNK`; tests set it low);
+    ``grid_warps``: :func:`grid_partitions`' target (tests set it low)."""
     n = meta.shape[1]
     if n == 0:
         return
@@ -422,10 +441,10 @@ def paged_attention(q, kv, layer: int, meta, tables, out, scale, *,
     slots = next(m for m in DIM_SLOTS if 32 * m >= hd)
     full = "f" if hd == 32 * slots and slots >= 4 else ""
     _function(f"paged_attn_{variant}_m{slots}{full}")(
-        (n, hkv * -(-group // warps), nz), (32 * warps,),
+        (n, hkv * -(-group // warps), grid_partitions(nz, n, hq, grid_warps)), (32 * warps,),
         (q, *_pool_args(kv), tables, np.int32(tables.shape[1]), meta, np.int32(n), pm, pl,
          pacc, np.int32(layer), np.int32(kv.num_blocks), np.int32(kv.block_size), *dims,
-         q.dtype.type(scale)))
+         np.int32(nz), q.dtype.type(scale)))
     _function(f"paged_merge_{variant}")(
         (n, hq), (-(-hd // 32) * 32,), (pm, pl, pacc, meta, np.int32(n), out, *dims,
                                          np.int32(nz)))

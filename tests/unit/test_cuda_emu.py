@@ -100,8 +100,9 @@ def test_paged_attention_gives_the_reference_bits(cupy, hd, hkv, g, quant, part,
     q = rng.standard_normal((len(rows), hkv * g, hd)).astype(np.float32)
     out = cupy.empty(q.shape, np.float32)
     scale = np.float32(hd ** -0.5)
-    pa.paged_attention(cupy.asarray(q), kv, 1, cupy.asarray(np.array(rows, np.int32).T.copy()),
-                       kv.device_tables(), out, scale, partition=part)
+    meta = cupy.asarray(np.array(rows, np.int32).T.copy())
+    pa.paged_attention(cupy.asarray(q), kv, 1, meta, kv.device_tables(), out, scale,
+                       partition=part)
     keys, values = (np.zeros((len(rows), 40, hkv, hd), np.float32) for _ in range(2))
     for i, (_, s, p) in enumerate(rows):
         if quant:
@@ -112,6 +113,10 @@ def test_paged_attention_gives_the_reference_bits(cupy, hd, hkv, g, quant, part,
     want = pa.attention_reference(q, keys, values, np.array([p for *_, p in rows]), scale,
                                   partition=part)
     _bits_equal(out.get(), want, "paged attention")
+    looped = cupy.empty(q.shape, np.float32)  # a grid of one partition: warps loop over all
+    pa.paged_attention(cupy.asarray(q), kv, 1, meta, kv.device_tables(), looped, scale,
+                       partition=part, grid_warps=1)
+    _bits_equal(looped.get(), want, "paged attention, partitions looped")
 
 
 def _dequant(kv, pool, scales, slot: int, pos: int) -> np.ndarray:
@@ -307,3 +312,12 @@ def test_slct_selects_on_the_sign_of_its_int(cupy):
     d = cupy.zeros(4, np.float32)
     mod.get_function("slct")((1,), (4,), (cupy.asarray(a), cupy.asarray(b), cupy.asarray(c), d))
     _bits_equal(d.get(), np.where(c >= 0, a, b), "slct")
+
+
+def test_the_attention_grid_stays_small_for_long_context_limits():
+    from gpu_worker.kernels.paged_attention import grid_partitions  # noqa: PLC0415
+
+    assert grid_partitions(9, 1, 16) == 9  # every partition its warp
+    assert grid_partitions(2049, 1, 16) == 512  # 128k tokens, one row: 8,192 warps
+    assert grid_partitions(2049, 16, 16) == 32  # 16 rows
+    assert grid_partitions(65, 16, 16) == 32 and grid_partitions(3, 16, 16) == 3
