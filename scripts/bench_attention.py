@@ -14,33 +14,14 @@ import json
 import numpy as np
 
 from scripts.bench_common import command_line, machine
-from scripts.bench_linear import HBM
+from scripts.bench_linear import HBM, gpu_us
 
 HKV, GROUP, HD, BLOCK = 2, 8, 256, 64  # the 80B's full attention: 16 q heads, 2 kv heads
 
 
-def graph_us(cp, fn, batch: int = 20, reps: int = 9) -> float:
-    """Median device time of one call: ``batch`` calls captured as one CUDA graph, replayed."""
-    fn()
-    cp.cuda.Device().synchronize()
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        try:
-            for _ in range(batch):
-                fn()
-        finally:
-            graph = stream.end_capture()
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    with stream:
-        for _ in range(reps):
-            start.record(stream)
-            graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / batch)
-    return float(np.median(times))
+def graph_us(cp, fn) -> float:
+    """Median device time of one call: 20 calls captured as one CUDA graph, replayed 9 times."""
+    return gpu_us(cp, fn, reps=9, batch=20, graph=True)
 
 
 def bench_attention(cp, slots: int, rows: int, context: int, partition: int) -> dict:

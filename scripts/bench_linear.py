@@ -45,16 +45,18 @@ SHAPES = (
 GRAPH = False  # --graph: time CUDA-graph replays of each batch
 
 
-def gpu_us(cp, fn, reps: int, batch: int, capture: bool = True) -> float:
+def gpu_us(cp, fn, reps: int, batch: int, capture: bool = True,
+           graph: bool | None = None) -> float:
     """Median over ``reps`` of the CUDA-event time of ``batch`` back-to-back calls, per
-    call, in microseconds (after 3 warm-up calls); with :data:`GRAPH` (and ``capture``: CuPy
-    refuses cuBLAS calls under capture) the batch is captured once as a CUDA graph and each
-    rep replays it."""
+    call, in microseconds (after 3 warm-up calls); with ``graph`` (None: :data:`GRAPH`) and
+    ``capture`` (CuPy refuses cuBLAS calls under capture) the batch is captured once as a
+    CUDA graph and each rep replays it."""
     for _ in range(3):
         fn()
     stream = cp.cuda.Stream(non_blocking=True)
+    captured = (GRAPH if graph is None else graph) and capture
     graph, keep = None, []
-    if GRAPH and capture:  # the pool holds a block per output first: no cudaMalloc while capturing
+    if captured:  # the pool holds a block per output first: no cudaMalloc while capturing
         warm = [fn() for _ in range(batch)]
         del warm
         cp.cuda.Device().synchronize()
