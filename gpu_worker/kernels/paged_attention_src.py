@@ -1,0 +1,309 @@
+"""The CUDA source of gpu_worker/kernels/paged_attention.py: its three kernels (KV write,
+partitioned attention, merge) in four variants (float32 / float64 math, a cache of the model
+dtype or int8), the attention kernel also per dims per lane. The order of the arithmetic is
+described there and in paged_attention_ref.py (its NumPy twin)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpu_worker.kernels.paged_attention_ref import CHUNK, exp_constants
+
+DIM_SLOTS = (1, 2, 4, 8)  # dims per lane of the compiled variants (the smallest that holds hd)
+KEY_GROUP = 4  # keys whose K (then V) loads a lane issues together
+
+
+def _literal(v) -> str:
+    if v.dtype == np.float32:
+        return f"__int_as_float({int(np.asarray(v).view(np.int32))})"
+    return f"__longlong_as_double({int(np.asarray(v).view(np.int64))}LL)"
+
+
+def _exp_source(real: str, dtype) -> str:
+    c = {k: (_literal(v) if k != "coef" else [_literal(x) for x in v])
+         for k, v in exp_constants(np.dtype(dtype)).items()}
+    two_n = ("__int_as_float(((int)n + 127) << 23)" if real == "float"
+             else "__longlong_as_double((long long)((int)n + 1023) << 52)")
+    horner = "".join(f"    p = p * r + {k};\n" for k in reversed(c["coef"][:-1]))
+    return (f"__device__ __forceinline__ {real} exp_neg({real} x) {{\n"
+            f"    if (!(x >= {c['cut']})) return 0;\n"
+            f"    {real} n = rint_t(x * {c['log2e']});\n"
+            f"    {real} r = (x - n * {c['ln2_hi']}) - n * {c['ln2_lo']};\n"
+            f"    {real} p = {c['coef'][-1]};\n{horner}"
+            f"    return p * {two_n};\n}}\n")
+
+
+_HEADER = r"""
+__device__ __forceinline__ float rint_t(float x) { return rintf(x); }
+__device__ __forceinline__ double rint_t(double x) { return rint(x); }
+__device__ __forceinline__ float max_t(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double max_t(double a, double b) { return fmax(a, b); }
+__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+// c ? a : b as one select instruction (a chain of them is not turned into an indexed local
+// array, which the compiler otherwise does for `x = lane == j ? s[j] : x` over j)
+__device__ __forceinline__ float pick(bool c, float a, float b) {
+    float d;
+    asm volatile("slct.f32.s32 %0, %1, %2, %3;" : "=f"(d) : "f"(a), "f"(b), "r"(c ? 0 : -1));
+    return d;
+}
+__device__ __forceinline__ double pick(bool c, double a, double b) {
+    double d;
+    asm volatile("slct.f64.s32 %0, %1, %2, %3;" : "=d"(d) : "d"(a), "d"(b), "r"(c ? 0 : -1));
+    return d;
+}
+__device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
+
+// fp16 bits -> float, exactly (subnormals included)
+__device__ __forceinline__ float half_to_float(unsigned short h) {
+    unsigned int s = ((unsigned int)h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0) { float v = (float)m * 5.9604644775390625e-08f; return s ? -v : v; }
+    if (e == 31) return __uint_as_float(s | 0x7f800000u | (m << 13));
+    return __uint_as_float(s | ((e + 112u) << 23) | (m << 13));
+}
+
+// float d >= 0 -> fp16 bits, round to nearest even as NumPy's astype(float16) (inf above)
+__device__ __forceinline__ unsigned short float_to_half(float d) {
+    if (d >= 65520.0f) return 0x7c00;
+    if (d < 6.103515625e-05f) return (unsigned short)rintf(d * 16777216.0f);
+    int e;
+    frexpf(d, &e);  // d = m 2^e, m in [0.5, 1): 11 significant bits kept
+    int r = (int)rintf(ldexpf(d, 11 - e));
+    return (unsigned short)(((e + 14) << 10) + (r - 1024));  // r == 2048 carries into e
+}
+
+// one warp quantizes 32 values (lane = value) as KVCache._quantize
+__device__ __forceinline__ void quant32(float x, signed char* q, unsigned short* sc, int d) {
+    unsigned int m = __float_as_uint(x) & 0x7fffffffu;
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    unsigned short bits = float_to_half(__fdiv_rn(__uint_as_float(m), 127.0f));
+    float dd = half_to_float(bits);
+    float r = rintf(__fdiv_rn(x, dd > 0.0f ? dd : 1.0f));
+    q[d] = (signed char)fminf(fmaxf(r, -127.0f), 127.0f);
+    if ((d & 31) == 0) sc[d >> 5] = bits;
+}
+"""
+
+# NAME: variant; REAL: math type; KT: cache element; LOAD(i, si): cache element i as REAL
+# (si: its fp16 scale's index); STORE: one value into the cache.
+# Pools [layers, blocks, block_size, Hkv, hd]; a (layer, block, offset, head) vector is `vec`.
+_KERNELS = r"""
+#define VEC(pos) ((((long long)layer * nblocks + table[(pos) / bsize]) * bsize \
+                   + (pos) % bsize) * hkv + h)
+
+// grid (R, Hkv), block hd rounded up to 32; meta [3, n]: batch row, slot, position
+extern "C" __global__ void kv_write_NAME(
+        const REAL* __restrict__ k, const REAL* __restrict__ v, KT* kpool, KT* vpool,
+        unsigned short* kscale, unsigned short* vscale, const int* __restrict__ tables,
+        int width, const int* __restrict__ meta, int n, int layer, int nblocks, int bsize,
+        int hkv, int hd) {
+    int i = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+    int row = meta[i], pos = meta[2 * n + i];
+    const int* table = tables + (long long)meta[n + i] * width;
+    long long vec = VEC(pos), src = ((long long)row * hkv + h) * hd;
+    if (d >= hd) return;
+    STORE
+}
+
+// grid (n, Hkv hb, nz), block W warps (W = min(group, MAX_WARPS), hb = ceil(group / W)).
+// Warp w of block (i, h hb + b, z) computes q head g = b W + w of kv head h over partition
+// z: keys [z part, (z + 1) part) & [0, pos] -> m, l, acc [hd] at workspace index
+// w = (i hkv + h) nz + z, head g. Lane L holds dims d = L + 32 m (m < M, M 32 >= hd): q, acc.
+// The warps of a block read the same keys and values (one kv head): the L1 serves all but
+// the first. No shared memory, no barrier; every branch is uniform in a warp.
+// NOTE: every load is unconditional (a key past the partition reads its last key, a dim past
+// hd reads dim hd - 1; those values are never used), so the compiler issues a group's loads
+// together; a load under a condition is a branch, and loads behind branches were issued one at
+// a time (the H200: 30 us per chunk of 16 keys).
+// FULL: hd == 32 M, every lane's dims in the row (no clamping: a key's loads share one base
+// address with immediate offsets, which keeps hd 256 within the registers)
+template <int M, bool FULL>
+__device__ __forceinline__ void attn_NAME(
+        const REAL* __restrict__ q, const KT* __restrict__ kpool, const KT* __restrict__ vpool,
+        const unsigned short* __restrict__ kscale, const unsigned short* __restrict__ vscale,
+        const int* __restrict__ tables, int width, const int* __restrict__ meta, int n,
+        REAL* __restrict__ pm, REAL* __restrict__ pl, REAL* __restrict__ pacc, int layer,
+        int nblocks, int bsize, int hkv, int hd, int group, int part, int nz, REAL scale) {
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int hb = (group + warps - 1) / warps;
+    int i = blockIdx.x, h = blockIdx.y / hb;
+    int g = (blockIdx.y % hb) * warps + (threadIdx.x >> 5);
+    int row = meta[i], pos = meta[2 * n + i];
+    if (blockIdx.z * part > pos || g >= group) return;  // past the row's keys, or the group
+    const int* table = tables + (long long)meta[n + i] * width;
+    long long qoff = (((long long)row * hkv + h) * group + g) * hd;
+    int dc[M];    // the lane's dims, clamped into the row (loads stay in bounds)
+    bool on[M];   // dims < hd
+    REAL qr[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        on[m] = FULL || lane + 32 * m < hd;
+        dc[m] = FULL ? lane + 32 * m : min(lane + 32 * m, hd - 1);
+        qr[m] = q[qoff + dc[m]];
+        if (!on[m]) qr[m] = 0;
+    }
+    // partitions z = blockIdx.z, + gridDim.z, ...: the grid's z stays small whatever the
+    // context limit a graph sizes nz for; each partition is computed and stored on its own
+    for (int z = blockIdx.z; z < nz && z * part <= pos; z += gridDim.z) {
+    const int first = z * part, last = min(pos, first + part - 1);
+    REAL acc[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] = 0;
+    REAL mo = NEG_INF, l = 0;
+#define AT(P, S, j, m) LOAD(P, S, (long long)vec[j] * hd + dc[m], \
+                           (long long)vec[j] * (hd / 32) + dc[m] / 32)
+    for (int c0 = first; c0 <= last; c0 += CHUNK) {
+        const int valid = min(CHUNK, last + 1 - c0);
+        int vec[CHUNK];  // < 2^31 vectors of hd (paged_attention checks the pool)
+        REAL s[CHUNK];
+        if (bsize % CHUNK == 0) {  // the chunk lies in one block (c0 % CHUNK == 0): one lookup
+            const int v0 = (int)VEC(c0);
+#pragma unroll
+            for (int j = 0; j < CHUNK; ++j) vec[j] = v0 + min(j, valid - 1) * hkv;
+        } else {
+#pragma unroll
+            for (int j = 0; j < CHUNK; ++j) vec[j] = (int)VEC(c0 + min(j, valid - 1));
+        }
+#pragma unroll
+        for (int j0 = 0; j0 < CHUNK; j0 += GK) {  // the lane's partial dot of each key
+            REAL kv[GK][M];
+#pragma unroll
+            for (int jj = 0; jj < GK; ++jj)
+#pragma unroll
+                for (int m = 0; m < M; ++m) kv[jj][m] = AT(kpool, kscale, j0 + jj, m);
+#pragma unroll
+            for (int jj = 0; jj < GK; ++jj) {
+                REAL p = 0;
+#pragma unroll
+                for (int m = 0; m < M; ++m)
+                    if (on[m]) p = p + qr[m] * kv[jj][m];
+                s[j0 + jj] = p;  // keys past valid: never used
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < CHUNK; ++j) {  // the warp's sum (xor butterfly: every lane the same)
+            if (j < valid) {
+                REAL p = s[j];
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) p = p + __shfl_xor_sync(0xffffffffu, p, o);
+                s[j] = p * scale;
+            }
+        }
+        REAL mc = s[0];
+#pragma unroll
+        for (int j = 1; j < CHUNK; ++j) if (j < valid) mc = max_t(mc, s[j]);
+        REAL mn = max_t(mo, mc), alpha = exp_neg(mo - mn);
+        l = l * alpha;
+        // key j's exp computed once, by lanes j and j + 16, then read from lane j: the same
+        // function of the same value (every lane holds every score), 16 exps fewer per lane
+        REAL mine = s[0];
+#pragma unroll
+        for (int j = 1; j < CHUNK; ++j) mine = pick((lane & (CHUNK - 1)) == j, s[j], mine);
+        const REAL e = exp_neg(mine - mn);
+#pragma unroll
+        for (int j = 0; j < CHUNK; ++j) {
+            if (j < valid) {
+                s[j] = __shfl_sync(0xffffffffu, e, j);
+                l = l + s[j];
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < M; ++m) acc[m] = acc[m] * alpha;
+#pragma unroll
+        for (int j0 = 0; j0 < CHUNK; j0 += GK) {  // acc_d + p_j v_jd, j ascending
+            REAL vv[GK][M];
+#pragma unroll
+            for (int jj = 0; jj < GK; ++jj)
+#pragma unroll
+                for (int m = 0; m < M; ++m) vv[jj][m] = AT(vpool, vscale, j0 + jj, m);
+#pragma unroll
+            for (int jj = 0; jj < GK; ++jj)
+                if (j0 + jj < valid)
+#pragma unroll
+                    for (int m = 0; m < M; ++m) acc[m] = acc[m] + s[j0 + jj] * vv[jj][m];
+        }
+        mo = mn;
+    }
+#undef AT
+    long long w = ((long long)i * hkv + h) * nz + z;
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+        if (on[m]) pacc[(w * group + g) * hd + lane + 32 * m] = acc[m];
+    if (lane == 0) {
+        pm[w * group + g] = mo;
+        pl[w * group + g] = l;
+    }
+    }  // partitions
+}
+
+ATTN_ENTRIES
+
+// grid (n, Hq), block hd rounded up to 32: one q head's partitions 0..pos / part, ascending
+extern "C" __global__ void paged_merge_NAME(
+        const REAL* __restrict__ pm, const REAL* __restrict__ pl, const REAL* __restrict__ pacc,
+        const int* __restrict__ meta, int n, REAL* __restrict__ out, int hkv, int hd,
+        int group, int part, int nz) {
+    const int G = group * hd, d = threadIdx.x;
+    int i = blockIdx.x, h = blockIdx.y / group, g = blockIdx.y % group;
+    if (d >= hd) return;
+    int row = meta[i], parts = meta[2 * n + i] / part + 1;
+    long long w0 = ((long long)i * hkv + h) * nz;
+    long long qoff = ((long long)row * hkv * group + (long long)h * group + g) * hd;
+    const REAL* m = pm + w0 * group + g;  // partition z's max: m[z * group]
+    const REAL* l = pl + w0 * group + g;
+    const REAL* a = pacc + w0 * G + g * hd + d;  // partition z's acc: a[z * G]
+    REAL mx = m[0];
+    for (int z = 1; z < parts; ++z) mx = max_t(mx, m[(long long)z * group]);
+    REAL r = exp_neg(m[0] - mx);  // 1 exactly for a single partition
+    REAL sl = l[0] * r, sa = a[0] * r;
+    for (int z = 1; z < parts; ++z) {
+        r = exp_neg(m[(long long)z * group] - mx);
+        sl = sl + l[(long long)z * group] * r;
+        sa = sa + a[(long long)z * G] * r;
+    }
+    out[qoff + d] = div_rn(sa, sl);
+}
+#undef VEC
+"""
+
+_STORE_FLOAT = "kpool[vec * hd + d] = k[src + d]; vpool[vec * hd + d] = v[src + d];"
+_STORE_INT8 = ("quant32((float)k[src + d], kpool + vec * hd, kscale + vec * (hd / 32), d);\n"
+               "    quant32((float)v[src + d], vpool + vec * hd, vscale + vec * (hd / 32), d);")
+_LOAD_FLOAT = "(REAL)P[I]"
+_LOAD_INT8 = "(REAL)P[I] * (REAL)half_to_float(S[SI])"
+# name, REAL, KT, int8
+_VARIANTS = (("f32", "float", "float", False), ("f64", "double", "double", False),
+             ("f32_i8", "float", "signed char", True), ("f64_i8", "double", "signed char", True))
+
+
+_ENTRY = """
+extern "C" __global__ void paged_attn_NAME_mM_FULL_(
+        const REAL* __restrict__ q, const KT* __restrict__ kpool, const KT* __restrict__ vpool,
+        const unsigned short* __restrict__ kscale, const unsigned short* __restrict__ vscale,
+        const int* __restrict__ tables, int width, const int* __restrict__ meta, int n,
+        REAL* __restrict__ pm, REAL* __restrict__ pl, REAL* __restrict__ pacc, int layer,
+        int nblocks, int bsize, int hkv, int hd, int group, int part, int nz, REAL scale) {
+    attn_NAME<M_, FULL_>(q, kpool, vpool, kscale, vscale, tables, width, meta, n, pm, pl,
+                         pacc, layer, nblocks, bsize, hkv, hd, group, part, nz, scale);
+}
+"""
+
+
+def _neg_inf(real: str):
+    return (np.float32 if real == "float" else np.float64)(-np.inf)
+
+
+def source() -> str:
+    parts = [_HEADER, _exp_source("float", np.float32), _exp_source("double", np.float64)]
+    for name, real, kt, int8 in _VARIANTS:
+        load = (_LOAD_INT8 if int8 else _LOAD_FLOAT).replace("REAL", real)
+        parts.append(
+            f"#define LOAD(P, S, I, SI) ({load})\n#define NEG_INF {_literal(_neg_inf(real))}\n"
+            + _KERNELS.replace("ATTN_ENTRIES", "".join(
+                _ENTRY.replace("M_FULL_", f"{m}{'f' if full else ''}")
+                .replace("M_, FULL_", f"{m}, {'true' if full else 'false'}")
+                for m in DIM_SLOTS for full in (False, True) if not full or m >= 4))
+            .replace("STORE", _STORE_INT8 if int8 else _STORE_FLOAT)
+            .replace("NAME", name).replace("REAL", real).replace("KT", kt)
+            .replace("CHUNK", str(CHUNK)).replace("GK", str(KEY_GROUP))
+            + "#undef LOAD\n#undef NEG_INF\n")
+    return "".join(parts)
