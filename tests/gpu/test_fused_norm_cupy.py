@@ -14,8 +14,9 @@ from tests.gpu.bits import assert_same_bits as _same
 
 cupy = pytest.importorskip("cupy")
 
-HS = (1, 31, 100, 128, 256, 1100, 2048)  # odd and short rows, one lane-sweep, a head, two
-# batches of 16 per lane and a part batch (fused_norm.BATCH), the hidden size
+HS = (1, 31, 100, 128, 256, 1100, 2048, 4096, 5000, 8193)  # odd and short rows, one
+# lane-sweep, a head (one warp); 1100, 2048 (8 warps of 8 per lane), 4096, 5000 (8 warps of
+# up to 32 per lane), 8193 (one warp in batches of fused_norm.BATCH)
 EPS = 1e-6
 
 

@@ -164,6 +164,10 @@ def test_long_rows_merge_their_partitions_as_the_reference(name):
         _assert_attention(name, got, q, keys, values, rows)
     tight = _run(kv, cupy.asarray(q), rows, partition=64, max_position=1299)
     assert tight.tobytes() == runs[64].tobytes(), (name, _first_diff(tight, runs[64]))
+    for warps in (1, 300):  # a grid of one or a few partitions: warps loop over the rest
+        looped = _run(kv, cupy.asarray(q), rows, partition=64, grid_warps=warps)
+        assert looped.tobytes() == runs[64].tobytes(), (name, warps,
+                                                        _first_diff(looped, runs[64]))
     one = positions < 64  # one partition either way: the merge leaves its bits alone
     assert runs[64][one].tobytes() == runs[512][one].tobytes(), (
         name, _first_diff(runs[64][one], runs[512][one]))
