@@ -112,6 +112,24 @@ PLANS: dict[str, list[Check]] = {
         Check("batch_invariance", f"{PY} pytest -q -s -p no:cacheprovider "
               "tests/gpu/test_batch_invariance_cupy.py", 200),
     ],
+    # one call after kernel changes (about 400 s warm): the changed kernels' tests, the
+    # model's paths (input stacks, graphs), every layout's bits (set
+    # TANDEM_INVARIANCE_LAYOUTS=sample:3000), bf16 speculation, attention's speed, the GPU step
+    "validate": [
+        Check("kernels_changed", f"{PY} pytest -q -p no:cacheprovider "
+              "tests/gpu/test_paged_attention_cupy.py tests/gpu/test_fused_norm_cupy.py "
+              "tests/gpu/test_fused_silu_cupy.py tests/gpu/test_moe_merged_cupy.py", 150),
+        Check("model_paths", f"{PY} pytest -q -p no:cacheprovider "
+              "tests/gpu/test_input_stacks_cupy.py tests/gpu/test_step_graph_cupy.py", 150),
+        Check("batch_invariance", f"{PY} pytest -q -s -p no:cacheprovider "
+              "tests/gpu/test_batch_invariance_cupy.py", 120),
+        Check("speculation_bf16", f"{PY} pytest -q -p no:cacheprovider "
+              "tests/gpu/test_speculation_bf16_cupy.py", 90),
+        Check("attention", f"{PY} scripts.bench_attention --partitions 64 "
+              "--out $OUT/attention_h200.json", 60),
+        Check("step_q64", f"{Q64}; {PY} scripts.bench_step --model /tmp/q64.json --gpu-budget "
+              "whole --graphs --steps 5 --out $OUT/step_gpu_only_h200.json", 120),
+    ],
     # CUDA graphs (gpu_worker/step_graph.py): bits equal eager, with and without CPU experts
     "graphs": [
         Check("graphs", f"{PY} pytest -q -p no:cacheprovider tests/gpu/test_topk_cupy.py "
