@@ -4,14 +4,16 @@
    its position (block tables: :meth:`KVCache.device_tables`). An int8 cache quantizes each
    32 values as ``KVCache._quantize`` does (``d = fp16(amax / 127)``, ``q = rint(x / d)``),
    same bytes.
-2. ``paged_attn``: grid (rows, kv heads x head blocks, partitions), one warp per q head. A
+2. ``paged_attn``: grid (rows, kv heads x head blocks, partitions: :func:`grid_partitions`,
+   the warps looping over the rest), one warp per q head and partition. A
    row's keys 0..pos are cut in fixed partitions of ``P`` positions (:data:`PARTITION`, 64, a
    constant: partition z holds keys ``[z P, (z + 1) P) & [0, pos]``), so one row keeps many
    SMs busy. A warp takes its partition in chunks of :data:`CHUNK` positions from the
    partition's start; lane L holds dims ``d = L, L + 32, ...`` of q and of its accumulator.
    Per chunk: each score ``s_j`` is the lane partials ``sum_d q_d k_jd`` (d ascending, from
    +0), folded by the xor butterfly (16, 8, 4, 2, 1), times ``scale``; the running max ``m``,
-   ``alpha = exp(m_old - m)``, ``p_j = exp(s_j - m)``, ``l = l * alpha + p_0 + p_1 + ...`` and
+   ``alpha = exp(m_old - m)``, ``p_j = exp(s_j - m)`` (computed by lane j, shuffled to all),
+   ``l = l * alpha + p_0 + p_1 + ...`` and
    ``acc_d = acc_d * alpha + p_0 v_0d + ...`` (ascending j); it stores ``m, l, acc`` of the
    partition. The warps of a block (up to :data:`MAX_WARPS` q heads of one kv head) read the
    same keys, so the L1 serves all but the first; no shared memory, no barrier.
