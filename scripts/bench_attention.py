@@ -24,7 +24,8 @@ def graph_us(cp, fn) -> float:
     return gpu_us(cp, fn, reps=9, batch=20, graph=True)
 
 
-def bench_attention(cp, slots: int, rows: int, context: int, partition: int) -> dict:
+def bench_attention(cp, slots: int, rows: int, context: int, partition: int,
+                    min_blocks: int = 1) -> dict:
     from gpu_worker.kernels import paged_attention as pa
     from gpu_worker.kv_cache import KVCache
 
@@ -42,10 +43,12 @@ def bench_attention(cp, slots: int, rows: int, context: int, partition: int) -> 
     out = cp.empty_like(q)
     scale = np.float32(HD ** -0.5)
     us = graph_us(cp, lambda: pa.paged_attention(q, kv, 0, meta, tables, out, scale,
-                                                 max_position=positions, partition=partition))
+                                                 max_position=positions, partition=partition,
+                                                 min_blocks=min_blocks))
     nbytes = slots * 2 * positions * HKV * HD * 4  # each slot's K and V once
     return {"what": "paged_attention", "slots": slots, "rows_per_slot": rows,
-            "context": context, "partition": partition, "us": round(us, 2),
+            "context": context, "partition": partition, "min_blocks": min_blocks,
+            "us": round(us, 2),
             "bytes": nbytes, "floor_us": round(nbytes / HBM * 1e6, 2)}
 
 
@@ -65,16 +68,19 @@ def bench_norm(cp, rows: int, H: int, add: bool) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the JSON records here")
-    ap.add_argument("--partitions", default="64,512")
+    ap.add_argument("--partitions", default="64")
+    ap.add_argument("--min-blocks", default="1,2", help="the attention kernel's compile bound "
+                    "(blocks per SM ptxas must fit), each timed")
     args = ap.parse_args()
     import cupy as cp
 
     records = []
     for part in (int(p) for p in args.partitions.split(",")):
-        for slots, rows, context in ((1, 1, 512), (4, 4, 512), (1, 1, 4096), (4, 4, 4096),
-                                     (1, 1, 32768)):
-            records.append(bench_attention(cp, slots, rows, context, part))
-            print(records[-1], flush=True)
+        for minb in (int(b) for b in args.min_blocks.split(",")):
+            for slots, rows, context in ((1, 1, 512), (4, 4, 512), (1, 1, 4096),
+                                         (4, 4, 4096), (1, 1, 32768)):
+                records.append(bench_attention(cp, slots, rows, context, part, minb))
+                print(records[-1], flush=True)
     for rows in (1, 16):
         for H, add in ((2048, False), (2048, True), (256, False), (4096, False)):
             records.append(bench_norm(cp, rows * (16 if H == 256 else 1), H, add))

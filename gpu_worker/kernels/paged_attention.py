@@ -42,21 +42,20 @@ from gpu_worker.kernels import raw_module
 from gpu_worker.kernels.paged_attention_ref import CHUNK, PARTITION
 from gpu_worker.kernels.paged_attention_ref import attention_reference as attention_reference
 from gpu_worker.kernels.paged_attention_ref import exp_reference as exp_reference
-from gpu_worker.kernels.paged_attention_src import DIM_SLOTS
+from gpu_worker.kernels.paged_attention_src import DIM_SLOTS, MAX_WARPS
 from gpu_worker.kernels.paged_attention_src import source as _source
 
-MAX_WARPS = 8  # q heads (one per warp) of a block; a larger group takes several blocks
 MAX_DIM = 256  # head dims the kernel holds in registers (8 per lane)
-
-
-def _module():
-    return raw_module(_source(), "paged attention kernels")
+# attention blocks per SM that ptxas must fit: 1 (up to 255 registers a thread; 142 at head
+# dim 256) or 2 (128: twice the warps per SM to hide latency, 8 bytes of spills at head dim
+# 256). Not yet timed on the H200: `python -m scripts.bench_attention --min-blocks 1,2`.
+MIN_BLOCKS = 1
 
 
 @functools.cache
-def _function(name: str):
-    """A kernel of the module (looked up once)."""
-    return _module().get_function(name)
+def _function(name: str, min_blocks: int = MIN_BLOCKS):
+    """A kernel of the module compiled for ``min_blocks`` (looked up once)."""
+    return raw_module(_source(min_blocks), "paged attention kernels").get_function(name)
 
 
 def _variant(dtype, quant: bool) -> str:
@@ -113,14 +112,15 @@ def grid_partitions(nz: int, rows: int, q_heads: int, target: int = GRID_WARPS) 
 
 def paged_attention(q, kv, layer: int, meta, tables, out, scale, *,
                     max_position: int | None = None, partition: int = PARTITION,
-                    grid_warps: int = GRID_WARPS) -> None:
+                    grid_warps: int = GRID_WARPS, min_blocks: int | None = None) -> None:
     """``out[row] = softmax(q[row] K^T * scale) V`` over keys 0..position of the row's slot,
     for the rows of ``meta`` (int32 [3, n] on the device); ``q``, ``out`` [R, Hq, hd]
     C-contiguous, the compute dtype; ``scale`` of that dtype. Other rows of ``out`` are left
     as they are. ``max_position`` (>= every row's position, host int) only sizes the grid
     and the workspace (the bits never depend on it); None bounds it by the tables' width.
     ``partition``: keys per warp (a multiple of :data:`CHUNK`; tests set it low);
-    ``grid_warps``: :func:`grid_partitions`' target (tests set it low)."""
+    ``grid_warps``: :func:`grid_partitions`' target (tests set it low); ``min_blocks``: the
+    attention kernel's compile bound (None: :data:`MIN_BLOCKS`). Neither changes a bit."""
     n = meta.shape[1]
     if n == 0:
         return
@@ -146,7 +146,7 @@ def paged_attention(q, kv, layer: int, meta, tables, out, scale, *,
     warps = min(group, MAX_WARPS)
     slots = next(m for m in DIM_SLOTS if 32 * m >= hd)
     full = "f" if hd == 32 * slots and slots >= 4 else ""
-    _function(f"paged_attn_{variant}_m{slots}{full}")(
+    _function(f"paged_attn_{variant}_m{slots}{full}", min_blocks or MIN_BLOCKS)(
         (n, hkv * -(-group // warps), grid_partitions(nz, n, hq, grid_warps)), (32 * warps,),
         (q, *_pool_args(kv), tables, np.int32(tables.shape[1]), meta, np.int32(n), pm, pl,
          pacc, np.int32(layer), np.int32(kv.num_blocks), np.int32(kv.block_size), *dims,

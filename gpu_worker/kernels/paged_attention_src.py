@@ -11,6 +11,7 @@ from gpu_worker.kernels.paged_attention_ref import CHUNK, exp_constants
 
 DIM_SLOTS = (1, 2, 4, 8)  # dims per lane of the compiled variants (the smallest that holds hd)
 KEY_GROUP = 4  # keys whose K (then V) loads a lane issues together
+MAX_WARPS = 8  # q heads (one per warp) of a block; a larger group takes several blocks
 
 
 def _literal(v) -> str:
@@ -276,7 +277,7 @@ _VARIANTS = (("f32", "float", "float", False), ("f64", "double", "double", False
 
 
 _ENTRY = """
-extern "C" __global__ void paged_attn_NAME_mM_FULL_(
+extern "C" __global__ void BOUNDSpaged_attn_NAME_mM_FULL_(
         const REAL* __restrict__ q, const KT* __restrict__ kpool, const KT* __restrict__ vpool,
         const unsigned short* __restrict__ kscale, const unsigned short* __restrict__ vscale,
         const int* __restrict__ tables, int width, const int* __restrict__ meta, int n,
@@ -292,14 +293,21 @@ def _neg_inf(real: str):
     return (np.float32 if real == "float" else np.float64)(-np.inf)
 
 
-def source() -> str:
-    parts = [_HEADER, _exp_source("float", np.float32), _exp_source("double", np.float64)]
+def source(min_blocks: int = 1) -> str:
+    """The module's CUDA source; ``min_blocks``: the attention kernels' blocks per SM that
+    ptxas must fit (above 1, ``__launch_bounds__``: 2 caps a thread at 128 registers; 1 gives
+    none, which ptxas compiles to 142 registers at head dim 256 against 215 with bounds of
+    (256, 1)). Speed only."""
+    bounds = (f"__launch_bounds__({32 * MAX_WARPS}, {int(min_blocks)}) " if min_blocks > 1
+              else "")
+    parts = [_HEADER, _exp_source("float", np.float32),
+             _exp_source("double", np.float64)]
     for name, real, kt, int8 in _VARIANTS:
         load = (_LOAD_INT8 if int8 else _LOAD_FLOAT).replace("REAL", real)
         parts.append(
             f"#define LOAD(P, S, I, SI) ({load})\n#define NEG_INF {_literal(_neg_inf(real))}\n"
             + _KERNELS.replace("ATTN_ENTRIES", "".join(
-                _ENTRY.replace("M_FULL_", f"{m}{'f' if full else ''}")
+                _ENTRY.replace("BOUNDS", bounds).replace("M_FULL_", f"{m}{'f' if full else ''}")
                 .replace("M_, FULL_", f"{m}, {'true' if full else 'false'}")
                 for m in DIM_SLOTS for full in (False, True) if not full or m >= 4))
             .replace("STORE", _STORE_INT8 if int8 else _STORE_FLOAT)
