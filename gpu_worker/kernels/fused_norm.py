@@ -54,43 +54,50 @@ __device__ __forceinline__ float sqrt_rn(float a) {
 // +0), so the compiler issues a batch's loads together; a load under a condition is a branch,
 // and loads behind branches were issued one at a time (the H200: 5.7 us for a row of 2048).
 
-// A row of H <= 32 REGS held in registers: every load of x (and r) issued before any use,
-// the sum in the order of the batched loop below, then w's loads and the output.
+// A warp's segment [k0, k1) of a row of H in registers, REGS per lane (lane l holds
+// k = k0 + l + 32 i): x loaded (plus r where rr is given: the sum stored in sr), every load
+// issued before any use; values past k1 become +0 (s + 0 * 0 is s, s >= +0 or NaN). Returns
+// the warp's sum of squares: the lane sums ascending from +0, then the butterfly.
 template <int REGS>
-__device__ __forceinline__ void norm_in_registers(
+__device__ __forceinline__ float load_segment(
         const float* __restrict__ xr, const float* __restrict__ rr, float* __restrict__ sr,
-        const float* __restrict__ w, float* __restrict__ orow, int H, float eps,
-        int zero_centered, int lane) {
-    float v[REGS];
+        int H, int k0, int k1, int lane, float (&a)[REGS]) {
 #pragma unroll
-    for (int i = 0; i < REGS; ++i) v[i] = xr[min(lane + 32 * i, H - 1)];
+    for (int i = 0; i < REGS; ++i) a[i] = xr[min(k0 + lane + 32 * i, H - 1)];
     if (rr != nullptr) {  // x + r first (IEEE float32), stored, then normalised
-        float a[REGS];
+        float q[REGS];
 #pragma unroll
-        for (int i = 0; i < REGS; ++i) a[i] = rr[min(lane + 32 * i, H - 1)];
+        for (int i = 0; i < REGS; ++i) q[i] = rr[min(k0 + lane + 32 * i, H - 1)];
 #pragma unroll
-        for (int i = 0; i < REGS; ++i) v[i] = add_rn(v[i], a[i]);
+        for (int i = 0; i < REGS; ++i) a[i] = add_rn(a[i], q[i]);
 #pragma unroll
         for (int i = 0; i < REGS; ++i)
-            if (lane + 32 * i < H) sr[lane + 32 * i] = v[i];
+            if (k0 + lane + 32 * i < k1) sr[k0 + lane + 32 * i] = a[i];
     }
 #pragma unroll
     for (int i = 0; i < REGS; ++i)
-        if (lane + 32 * i >= H) v[i] = 0.0f;  // +0: s + 0 * 0 is s (s >= +0 or NaN)
+        if (k0 + lane + 32 * i >= k1) a[i] = 0.0f;
     float s = 0.0f;
 #pragma unroll
-    for (int i = 0; i < REGS; ++i) s = add_rn(s, mul_rn(v[i], v[i]));
+    for (int i = 0; i < REGS; ++i) s = add_rn(s, mul_rn(a[i], a[i]));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s = add_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
-    const float d = sqrt_rn(add_rn(div_rn(s, (float)H), eps));
-    float wv[REGS];
+    return s;
+}
+
+// The segment's outputs (x / d) * w (w + 1 zero-centered), w's loads issued together
+template <int REGS>
+__device__ __forceinline__ void write_segment(
+        const float (&a)[REGS], const float* __restrict__ w, float* __restrict__ orow, int H,
+        int k0, int k1, int lane, float d, int zero_centered) {
+    float q[REGS];
 #pragma unroll
-    for (int i = 0; i < REGS; ++i) wv[i] = w[min(lane + 32 * i, H - 1)];
+    for (int i = 0; i < REGS; ++i) q[i] = w[min(k0 + lane + 32 * i, H - 1)];
 #pragma unroll
     for (int i = 0; i < REGS; ++i) {
-        const int k = lane + 32 * i;
-        const float wk = zero_centered ? add_rn(1.0f, wv[i]) : wv[i];
-        if (k < H) orow[k] = mul_rn(div_rn(v[i], d), wk);
+        const int k = k0 + lane + 32 * i;
+        const float wk = zero_centered ? add_rn(1.0f, q[i]) : q[i];
+        if (k < k1) orow[k] = mul_rn(div_rn(a[i], d), wk);
     }
 }
 
@@ -108,8 +115,11 @@ extern "C" __global__ void rms_norm_rows(
     const float* rr = add ? r + row * (long long)H : nullptr;
     float* sr = add ? sum + row * (long long)H : nullptr;
     float* orow = out + row * (long long)H;
-    if (H <= 32 * 8) {
-        norm_in_registers<8>(xr, rr, sr, w, orow, H, eps, zero_centered, lane);
+    if (H <= 32 * 8) {  // the row in registers
+        float a[8];
+        const float s = load_segment<8>(xr, rr, sr, H, 0, H, lane, a);
+        const float d = sqrt_rn(add_rn(div_rn(s, (float)H), eps));
+        write_segment<8>(a, w, orow, H, 0, H, lane, d, zero_centered);
         return;
     }
     // a lane reads its elements k = k0 + lane + 32 i (i < BATCH) of a batch into registers
@@ -169,44 +179,17 @@ __device__ __forceinline__ void norm_wide(
     __shared__ float part[32];
     const int lane = threadIdx.x & 31, v = threadIdx.x >> 5;
     const long long row = blockIdx.x;
-    const float* xr = x + row * stride;
     const int k0 = v * S, k1 = min(H, k0 + S);
-    float a[REGS], q[REGS];
-#pragma unroll
-    for (int i = 0; i < REGS; ++i) a[i] = xr[min(k0 + lane + 32 * i, H - 1)];
-    if (add) {
-        const float* rr = r + row * (long long)H;
-        float* sr = sum + row * (long long)H;
-#pragma unroll
-        for (int i = 0; i < REGS; ++i) q[i] = rr[min(k0 + lane + 32 * i, H - 1)];
-#pragma unroll
-        for (int i = 0; i < REGS; ++i) a[i] = add_rn(a[i], q[i]);
-#pragma unroll
-        for (int i = 0; i < REGS; ++i)
-            if (k0 + lane + 32 * i < k1) sr[k0 + lane + 32 * i] = a[i];
-    }
-#pragma unroll
-    for (int i = 0; i < REGS; ++i)
-        if (k0 + lane + 32 * i >= k1) a[i] = 0.0f;  // +0: s + 0 * 0 is s
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < REGS; ++i) s = add_rn(s, mul_rn(a[i], a[i]));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s = add_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+    float a[REGS];
+    const float s = load_segment<REGS>(x + row * stride, add ? r + row * (long long)H : nullptr,
+                                       add ? sum + row * (long long)H : nullptr, H, k0, k1,
+                                       lane, a);
     if (lane == 0) part[v] = s;
-#pragma unroll
-    for (int i = 0; i < REGS; ++i) q[i] = w[min(k0 + lane + 32 * i, H - 1)];
     __syncthreads();
     float t = part[0];
     for (int u = 1; u < W; ++u) t = add_rn(t, part[u]);
     const float d = sqrt_rn(add_rn(div_rn(t, (float)H), eps));
-    float* orow = out + row * (long long)H;
-#pragma unroll
-    for (int i = 0; i < REGS; ++i) {
-        const int k = k0 + lane + 32 * i;
-        const float wk = zero_centered ? add_rn(1.0f, q[i]) : q[i];
-        if (k < k1) orow[k] = mul_rn(div_rn(a[i], d), wk);
-    }
+    write_segment<REGS>(a, w, out + row * (long long)H, H, k0, k1, lane, d, zero_centered);
 }
 
 // grid rows, block W * 32: one row per block (norm_wide); REGS >= S / 32

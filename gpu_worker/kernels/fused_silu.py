@@ -124,10 +124,12 @@ def sigmoid_mul(gate, x):
     """``sigmoid(gate) * x`` (the sigmoid of :func:`silu_mul`, then one product) of float32
     CuPy arrays, ``gate`` of the shape of ``x`` or of one value per row (last axis 1), one
     launch. Switch ``fused_sigmoid``."""
-    per = 1
-    if gate.shape != x.shape and gate.shape == x.shape[:-1] + (1,):
-        per = x.shape[-1]
-    return _launch("sigmoid_mul", gate, x, per)
+    return _launch("sigmoid_mul", gate, x, _per(gate, x))
+
+
+def _per(gate, x) -> int:
+    """Elements of ``x`` per gate value: its width for one gate per row, else 1."""
+    return x.shape[-1] if gate.shape != x.shape and gate.shape == x.shape[:-1] + (1,) else 1
 
 
 def sigmoid_mul_add(gate, x, base):
@@ -137,8 +139,7 @@ def sigmoid_mul_add(gate, x, base):
 
     if base.dtype != np.float32 or base.shape != x.shape:
         raise ValueError(f"sigmoid_mul_add: base {base.dtype} {base.shape} for x {x.shape}")
-    per = x.shape[-1] if gate.shape != x.shape and gate.shape == x.shape[:-1] + (1,) else 1
-    return _launch("sigmoid_mul_add", gate, x, per, cp.ascontiguousarray(base))
+    return _launch("sigmoid_mul_add", gate, x, _per(gate, x), cp.ascontiguousarray(base))
 
 
 def _launch(name: str, gate, other, per: int | None = None, base=None):

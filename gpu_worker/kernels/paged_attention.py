@@ -42,10 +42,10 @@ from gpu_worker.kernels import raw_module
 from gpu_worker.kernels.paged_attention_ref import CHUNK, PARTITION
 from gpu_worker.kernels.paged_attention_ref import attention_reference as attention_reference
 from gpu_worker.kernels.paged_attention_ref import exp_reference as exp_reference
-from gpu_worker.kernels.paged_attention_src import DIM_SLOTS, MAX_WARPS
+from gpu_worker.kernels.paged_attention_src import DIM_SLOTS, MAX_WARPS, attn_kernel
 from gpu_worker.kernels.paged_attention_src import source as _source
 
-MAX_DIM = 256  # head dims the kernel holds in registers (8 per lane)
+MAX_DIM = 32 * DIM_SLOTS[-1]  # head dims the kernel holds in registers (8 per lane: 256)
 # attention blocks per SM that ptxas must fit: 1 (up to 255 registers a thread; 142 at head
 # dim 256) or 2 (128: twice the warps per SM to hide latency, 8 bytes of spills at head dim
 # 256). Not yet timed on the H200: `python -m scripts.bench_attention --min-blocks 1,2`.
@@ -144,9 +144,7 @@ def paged_attention(q, kv, layer: int, meta, tables, out, scale, *,
     variant = _variant(q.dtype, kv.quant)
     dims = (np.int32(hkv), np.int32(hd), np.int32(group), np.int32(partition))
     warps = min(group, MAX_WARPS)
-    slots = next(m for m in DIM_SLOTS if 32 * m >= hd)
-    full = "f" if hd == 32 * slots and slots >= 4 else ""
-    _function(f"paged_attn_{variant}_m{slots}{full}", min_blocks or MIN_BLOCKS)(
+    _function(attn_kernel(variant, hd), min_blocks or MIN_BLOCKS)(
         (n, hkv * -(-group // warps), grid_partitions(nz, n, hq, grid_warps)), (32 * warps,),
         (q, *_pool_args(kv), tables, np.int32(tables.shape[1]), meta, np.int32(n), pm, pl,
          pacc, np.int32(layer), np.int32(kv.num_blocks), np.int32(kv.block_size), *dims,

@@ -12,6 +12,18 @@ from gpu_worker.kernels.paged_attention_ref import CHUNK, exp_constants
 DIM_SLOTS = (1, 2, 4, 8)  # dims per lane of the compiled variants (the smallest that holds hd)
 KEY_GROUP = 4  # keys whose K (then V) loads a lane issues together
 MAX_WARPS = 8  # q heads (one per warp) of a block; a larger group takes several blocks
+FULL_MIN_SLOTS = 4  # dims per lane from which an unclamped (hd = 32 x slots) variant exists
+# (dims per lane, unclamped) of the compiled attention kernels
+_ATTN_SHAPES = tuple((m, full) for m in DIM_SLOTS for full in (False, True)
+                     if not full or m >= FULL_MIN_SLOTS)
+
+
+def attn_kernel(variant: str, hd: int) -> str:
+    """The attention kernel for head dim ``hd`` (<= 32 x the largest of :data:`DIM_SLOTS`):
+    the fewest dims per lane that hold it, unclamped where hd fills them exactly."""
+    slots = next(m for m in DIM_SLOTS if 32 * m >= hd)
+    full = "f" if hd == 32 * slots and slots >= FULL_MIN_SLOTS else ""
+    return f"paged_attn_{variant}_m{slots}{full}"
 
 
 def _literal(v) -> str:
@@ -309,7 +321,7 @@ def source(min_blocks: int = 1) -> str:
             + _KERNELS.replace("ATTN_ENTRIES", "".join(
                 _ENTRY.replace("BOUNDS", bounds).replace("M_FULL_", f"{m}{'f' if full else ''}")
                 .replace("M_, FULL_", f"{m}, {'true' if full else 'false'}")
-                for m in DIM_SLOTS for full in (False, True) if not full or m >= 4))
+                for m, full in _ATTN_SHAPES))
             .replace("STORE", _STORE_INT8 if int8 else _STORE_FLOAT)
             .replace("NAME", name).replace("REAL", real).replace("KT", kt)
             .replace("CHUNK", str(CHUNK)).replace("GK", str(KEY_GROUP))

@@ -70,11 +70,17 @@ class Ops:
         """Rows ``tokens`` [R] of the embedding ``table`` [V, H] -> [R, H] compute dtype."""
         return self.up(table[self.xp.asarray(tokens)])
 
+    def _kernel(self, switch: str, *operands: Array) -> bool:
+        """Whether a CuPy kernel takes the op: the CuPy backend computing in float32, every
+        operand float32, and ``switch`` on (gpu_worker/kernels/enabled.py)."""
+        return (self.xp is not np and self.dtype == np.float32
+                and all(a.dtype == np.float32 for a in operands) and enabled(switch))
+
     def linear_split(self, x: Array, w: Array, sizes: tuple[int, ...]) -> tuple[Array, ...]:
         """One product per part of a stack of matrices ``w [sum(sizes), in]`` that read the
         same ``x``: a tuple of ``[R, size]``, each the bits of :meth:`linear` on its part. With
         the row-tile kernel: one launch for all parts (rowtile.linear_rows_split)."""
-        if self.xp is not np and self.dtype == np.float32 and enabled("rowtile"):
+        if self._kernel("rowtile"):
             return linear_rows_split(x, w, sizes)
         bounds = np.cumsum((0, *sizes))
         return tuple(self.linear(x, w[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True))
@@ -94,7 +100,7 @@ class Ops:
         row-tile kernel reads ``w`` (bf16 bits widened in registers, no temporary) once per
         16 rows, a row's bits the same in any batch. Otherwise a bf16 ``w`` is widened to
         float32 first and BLAS does the product (row by row with ``exact``)."""
-        if self.xp is not np and self.dtype == np.float32 and enabled("rowtile"):
+        if self._kernel("rowtile"):
             return linear_rows(x, w, bias)
         w = self.up(w)
         if self.exact and x.shape[0] > 0:
@@ -112,8 +118,7 @@ class Ops:
         CuPy float32 with ``fused_norm`` on: one launch, a fixed per-row order
         (gpu_worker/kernels/fused_norm.py)."""
         xp = self.xp
-        if (xp is not np and self.dtype == np.float32 and x.dtype == np.float32
-                and w.dtype == np.float32 and enabled("fused_norm")):
+        if self._kernel("fused_norm", x, w):
             return rms_norm_rows(x, w, eps, zero_centered=zero_centered)
         var = xp.mean(x * x, axis=-1, keepdims=True)
         normed = x / xp.sqrt(var + self.dtype.type(eps))
@@ -126,9 +131,7 @@ class Ops:
         launch for both (the same bits as the add, then the norm)."""
         if delta is None:
             return x, self.rms_norm(x, w, eps, zero_centered=zero_centered)
-        if (self.xp is not np and self.dtype == np.float32 and x.dtype == np.float32
-                and delta.dtype == np.float32 and w.dtype == np.float32
-                and x.shape == delta.shape and enabled("fused_norm")):
+        if x.shape == delta.shape and self._kernel("fused_norm", x, delta, w):
             return add_rms_norm_rows(x, delta, w, eps, zero_centered=zero_centered)
         s = x + delta
         return s, self.rms_norm(s, w, eps, zero_centered=zero_centered)
@@ -139,25 +142,21 @@ class Ops:
     def silu_mul(self, gate: Array, up: Array) -> Array:
         """``silu(gate) * up`` (SwiGLU's activation), same shapes. CuPy float32 with
         ``fused_silu`` on: one launch (gpu_worker/kernels/fused_silu.py, its own exp)."""
-        if (self.xp is not np and self.dtype == np.float32 and gate.dtype == np.float32
-                and up.dtype == np.float32 and enabled("fused_silu")):
+        if self._kernel("fused_silu", gate, up):
             return silu_mul(gate, up)
         return self.silu(gate) * up
 
     def sigmoid_mul(self, gate: Array, x: Array) -> Array:
         """``sigmoid(gate) * x``, same shapes (a gate). CuPy float32 with ``fused_sigmoid`` on:
         one launch (gpu_worker/kernels/fused_silu.py, its own exp)."""
-        if (self.xp is not np and self.dtype == np.float32 and gate.dtype == np.float32
-                and x.dtype == np.float32 and enabled("fused_sigmoid")):
+        if self._kernel("fused_sigmoid", gate, x):
             return sigmoid_mul(gate, x)
         return self.sigmoid(gate) * x
 
     def sigmoid_mul_add(self, gate: Array, x: Array, base: Array) -> Array:
         """``base + sigmoid(gate) * x``: with ``fused_sigmoid`` on CuPy float32 one launch (the
         bits of :meth:`sigmoid_mul` then the add, subnormal sums kept)."""
-        if (self.xp is not np and self.dtype == np.float32 and gate.dtype == np.float32
-                and x.dtype == np.float32 and base.dtype == np.float32
-                and base.shape == x.shape and enabled("fused_sigmoid")):
+        if base.shape == x.shape and self._kernel("fused_sigmoid", gate, x, base):
             return sigmoid_mul_add(gate, x, base)
         return base + self.sigmoid_mul(gate, x)
 
