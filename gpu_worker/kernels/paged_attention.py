@@ -48,8 +48,9 @@ from gpu_worker.kernels.paged_attention_src import source as _source
 MAX_DIM = 32 * DIM_SLOTS[-1]  # head dims the kernel holds in registers (8 per lane: 256)
 # attention blocks per SM that ptxas must fit: 1 (up to 255 registers a thread; 142 at head
 # dim 256) or 2 (128: twice the warps per SM to hide latency, 8 bytes of spills at head dim
-# 256). Not yet timed on the H200: `python -m scripts.bench_attention --min-blocks 1,2`.
-MIN_BLOCKS = 1
+# 256). 2 won on the H200 at tree 93288b1 (`python -m scripts.bench_attention --min-blocks
+# 1,2`, docs/bench/attention_h200.json): 4 x 4 rows at 4096 tokens 309 us against 600.
+MIN_BLOCKS = 2
 
 
 @functools.cache
