@@ -28,6 +28,7 @@ import numpy as np
 
 from gpu_worker.kernels import raw_module
 from gpu_worker.kernels.bf16 import BITS
+from gpu_worker.kernels.int8_stack import Int8Stack
 
 try:
     import cupy as cp
@@ -151,8 +152,9 @@ def _kernels():
 
 def check_expert_args(x, ids, weights, gate, up, down, name: str) -> bool:
     """The expert kernels' contract (``experts_grouped``, ``experts_merged``): shapes fit,
-    float32/float64 throughout or float32 with bf16 bits; returns whether the weights are
-    bf16 bits. Raises ValueError (shapes) or TypeError (dtypes)."""
+    float32/float64 throughout, float32 with bf16 bits, or float32 with three int8 stacks
+    (gpu_worker/kernels/int8_stack.py); returns whether the weights are bf16 bits. Raises
+    ValueError (shapes) or TypeError (dtypes)."""
     dtype = x.dtype
     if dtype not in (np.float32, np.float64):
         raise TypeError(f"{name} computes in float32 or float64, not {dtype}")
@@ -164,6 +166,12 @@ def check_expert_args(x, ids, weights, gate, up, down, name: str) -> bool:
         raise ValueError(f"x {x.shape}, ids {ids.shape}, weights {weights.shape}, gate "
                          f"{gate.shape}, up {up.shape}, down {down.shape} do not fit "
                          f"(k <= {MAX_K})")
+    int8 = [isinstance(a, Int8Stack) for a in (gate, up, down)]
+    if any(int8):
+        if not all(int8) or dtype != np.float32:
+            raise TypeError(f"{name}: int8 experts come as three int8 stacks with float32 "
+                            "activations")
+        return False
     bf16 = dtype == np.float32 and gate.dtype == BITS
     if any(a.dtype != (BITS if bf16 else dtype) for a in (gate, up, down)):
         raise TypeError("the experts' weights must have the activations' dtype (or be bf16 "
@@ -177,6 +185,9 @@ def experts_grouped(x, ids, weights, gate, up, down):
     ``down [E, H, I]``; float32 or float64 throughout, or float32 activations with bf16
     weights (uint16 bits, gpu_worker/kernels/bf16.py). Enqueues three kernels; never waits."""
     bf16 = check_expert_args(x, ids, weights, gate, up, down, "experts_grouped")
+    if isinstance(gate, Int8Stack):
+        raise TypeError("experts_grouped has no int8 kernels: int8 experts take the merged "
+                        "ones (gpu_worker/model/moe.py GPU_EXPERT_KERNELS)")
     dtype = x.dtype
     R, H = x.shape
     E, I, _ = gate.shape

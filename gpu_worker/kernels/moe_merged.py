@@ -32,6 +32,7 @@ import functools
 import numpy as np
 
 from gpu_worker.kernels import raw_module
+from gpu_worker.kernels.int8_stack import Int8Stack
 from gpu_worker.kernels.moe_experts import check_expert_args
 from gpu_worker.kernels.moe_merged_ref import EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, LOG2E, f32_bits
 
@@ -82,6 +83,31 @@ __device__ __forceinline__ void load_part(const S* p, int m, int vec, T* o) {
     if (vec) { load8(p, o); return; }
     for (int v = 0; v < 8; ++v) o[v] = v < m ? to_real(p[v]) : (T)0;
 }
+// a float16's value from its bits (finite: the int8 experts' scales), exactly
+__device__ __forceinline__ float f16_value(unsigned short h) {
+    unsigned int em = h & 0x7fffu;
+    float v = em < 0x400u ? (float)em * 5.9604644775390625e-08f  // subnormal: em * 2^-24
+                          : __uint_as_float((em << 13) + (112u << 23));
+    return (h & 0x8000u) ? -v : v;
+}
+// a lane's 8 weights from row pointer p (+ the row's scales s, int8 only)
+template <typename S, typename T>
+__device__ __forceinline__ void load_w(const S* p, const unsigned short* s, int m, int vec,
+                                       T* o) {
+    load_part(p, m, vec, o);
+}
+// int8 blocks of 32: q * d, exact in float (8 consecutive weights share one block's scale)
+__device__ __forceinline__ void load_w(const signed char* p, const unsigned short* s, int m,
+                                       int vec, float* o) {
+    float d = f16_value(__ldg(s));
+    if (vec) {
+        uint2 u = __ldg((const uint2*)p);
+        unsigned int w[2] = {u.x, u.y};
+        for (int v = 0; v < 8; ++v) o[v] = (float)(signed char)(w[v / 4] >> (8 * (v %% 4))) * d;
+        return;
+    }
+    for (int v = 0; v < 8; ++v) o[v] = v < m ? (float)p[v] * d : 0.0f;
+}
 template <typename T> __device__ __forceinline__ T warp_sum(T v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
     return v;  // lane 0 holds the sum
@@ -105,8 +131,9 @@ template <typename T> __device__ __forceinline__ T silu_mul(T g, T u) {
 }
 // acc[w][r] = lane's partial of wr[w] . xr[r] over n elements, in the reference's order
 template <int RC, typename WT, typename T>
-__device__ __forceinline__ void tile_dots(const WT* const* wr, const T* const* xr, int nr,
-                                          long long n, int vec, int lane, T acc[NW][RC]) {
+__device__ __forceinline__ void tile_dots(const WT* const* wr, const unsigned short* const* sr,
+                                          const T* const* xr, int nr, long long n, int vec,
+                                          int lane, T acc[NW][RC]) {
     #pragma unroll
     for (int w = 0; w < NW; ++w)
         #pragma unroll
@@ -116,7 +143,7 @@ __device__ __forceinline__ void tile_dots(const WT* const* wr, const T* const* x
         int m = n - c < 8 ? (int)(n - c) : 8;
         T wv[NW][8];
         #pragma unroll
-        for (int w = 0; w < NW; ++w) load_part(wr[w] + c, m, vec, wv[w]);
+        for (int w = 0; w < NW; ++w) load_w(wr[w] + c, sr[w] + (c >> 5), m, vec, wv[w]);
         // NOTE: x loads unconditional (rows past nr repeat a real row), so they are issued
         // together; a load under a condition is a branch, one load at a time
         #pragma unroll
@@ -142,8 +169,9 @@ extern "C" __global__ void merged_gate_up(
         const REAL* __restrict__ x, const int* __restrict__ n_active,
         const int* __restrict__ act_expert, const int* __restrict__ act_start,
         const int* __restrict__ act_count, const int* __restrict__ list_row,
-        const WT* __restrict__ gate, const WT* __restrict__ up, REAL* __restrict__ act,
-        long long H, long long I, int vec) {
+        const WT* __restrict__ gate, const WT* __restrict__ up,
+        const unsigned short* __restrict__ gs, const unsigned short* __restrict__ us,
+        REAL* __restrict__ act, long long H, long long I, int vec) {
     int s = blockIdx.x, lane = threadIdx.x & 31;
     if (s >= n_active[0]) return;  // an expert slot this step does not use
     long long i0 = ((long long)blockIdx.y * WARPS + threadIdx.x / 32) * (NW / 2);
@@ -151,10 +179,13 @@ extern "C" __global__ void merged_gate_up(
     long long e = act_expert[s];
     int start = act_start[s], cnt = act_count[s];
     const WT* wr[NW];
+    const unsigned short* sr[NW];  // int8: each row's scales (else never read)
     for (int o = 0; o < NW / 2; ++o) {  // rows past I repeat i0 (computed, never stored)
         long long i = i0 + o < I ? i0 + o : i0;
         wr[2 * o] = gate + (e * I + i) * H;
         wr[2 * o + 1] = up + (e * I + i) * H;
+        sr[2 * o] = gs + (e * I + i) * (H >> 5);
+        sr[2 * o + 1] = us + (e * I + i) * (H >> 5);
     }
     for (int c0 = 0; c0 < cnt; c0 += RC) {
         int nr = min(RC, cnt - c0);
@@ -163,7 +194,7 @@ extern "C" __global__ void merged_gate_up(
         for (int r = 0; r < RC; ++r)  // rows past nr repeat the last (never used)
             xr[r] = x + (long long)list_row[start + c0 + min(r, nr - 1)] * H;
         REAL acc[NW][RC];
-        tile_dots<RC>(wr, xr, nr, H, vec, lane, acc);
+        tile_dots<RC>(wr, sr, xr, nr, H, vec, lane, acc);
         #pragma unroll
         for (int o = 0; o < NW / 2; ++o)
             #pragma unroll
@@ -179,8 +210,9 @@ extern "C" __global__ void merged_gate_up(
 extern "C" __global__ void merged_down(
         const REAL* __restrict__ act, const int* __restrict__ n_active,
         const int* __restrict__ act_expert, const int* __restrict__ act_start,
-        const int* __restrict__ act_count, const WT* __restrict__ down, REAL* __restrict__ y,
-        long long H, long long I, int vec) {
+        const int* __restrict__ act_count, const WT* __restrict__ down,
+        const unsigned short* __restrict__ ds, REAL* __restrict__ y, long long H, long long I,
+        int vec) {
     int s = blockIdx.x, lane = threadIdx.x & 31;
     if (s >= n_active[0]) return;
     long long o0 = ((long long)blockIdx.y * WARPS + threadIdx.x / 32) * NW;
@@ -188,14 +220,19 @@ extern "C" __global__ void merged_down(
     long long e = act_expert[s];
     int start = act_start[s], cnt = act_count[s];
     const WT* wr[NW];
-    for (int w = 0; w < NW; ++w) wr[w] = down + (e * H + (o0 + w < H ? o0 + w : o0)) * I;
+    const unsigned short* sr[NW];
+    for (int w = 0; w < NW; ++w) {
+        long long o = o0 + w < H ? o0 + w : o0;
+        wr[w] = down + (e * H + o) * I;
+        sr[w] = ds + (e * H + o) * (I >> 5);
+    }
     for (int c0 = 0; c0 < cnt; c0 += RC) {
         int nr = min(RC, cnt - c0);
         const REAL* xr[RC];
         #pragma unroll
         for (int r = 0; r < RC; ++r) xr[r] = act + (long long)(start + c0 + min(r, nr - 1)) * I;
         REAL acc[NW][RC];
-        tile_dots<RC>(wr, xr, nr, I, vec, lane, acc);
+        tile_dots<RC>(wr, sr, xr, nr, I, vec, lane, acc);
         #pragma unroll
         for (int w = 0; w < NW; ++w)
             #pragma unroll
@@ -284,7 +321,7 @@ extern "C" __global__ void merged_combine_REAL(
 
 # name -> (compute type, weight storage type)
 _VARIANTS = {"float": ("float", "float"), "double": ("double", "double"),
-             "bf16": ("float", "unsigned short")}
+             "bf16": ("float", "unsigned short"), "int8": ("float", "signed char")}
 
 
 def _header() -> str:
@@ -356,6 +393,10 @@ def experts_merged(x, ids, weights, gate, up, down, rc: int | None = None):
     ``rc``: rows per pass (1, 2, 4, 8, 16) instead of :func:`rows_per_pass`'s (benchmarks;
     the bits do not change). Enqueues four kernels; never waits."""
     bf16 = check_expert_args(x, ids, weights, gate, up, down, "experts_merged")
+    int8 = isinstance(gate, Int8Stack)
+    if int8:  # weights q with the scales as extra arguments
+        scales = tuple(cp.ascontiguousarray(a.d) for a in (gate, up, down))
+        gate, up, down = gate.q, up.q, down.q
     dtype = x.dtype
     R, H = x.shape
     E, I, _ = gate.shape
@@ -370,19 +411,25 @@ def experts_merged(x, ids, weights, gate, up, down, rc: int | None = None):
     lists = build_lists(ids, E)
     S = lists["act_expert"].size
     real = "float" if dtype == np.float32 else "double"
-    mod = _dots_module("bf16" if bf16 else real, rc or rows_per_pass(R, k, E))
+    variant = "int8" if int8 else "bf16" if bf16 else real
+    mod = _dots_module(variant, rc or rows_per_pass(R, k, E))
+    if not int8:
+        scales = (cp.zeros(1, cp.uint16),) * 3  # never read
     act = cp.empty((R * k, I), dtype)  # [list entries <= R k, I]
     y = cp.empty((R * k, H), dtype)  # [list entries, H]
+    if int8 and not all(a.data.ptr % 8 == 0 for a in (x, gate, up, down, act, y)):
+        raise ValueError("int8 experts: weights and activations must be 8-byte aligned")
     vec = np.int32(H % 8 == 0 and I % 8 == 0 and all(
         a.data.ptr % 16 == 0 for a in (x, gate, up, down, act, y)))
     meta = (lists["n_active"], lists["act_expert"], lists["act_start"], lists["act_count"])
     threads = WARPS * 32
     mod.get_function("merged_gate_up")(
         (S, -(-I // (WARPS * NW // 2))), (threads,),
-        (x, *meta, lists["list_row"], gate, up, act, np.int64(H), np.int64(I), vec))
+        (x, *meta, lists["list_row"], gate, up, scales[0], scales[1], act, np.int64(H),
+         np.int64(I), vec))
     mod.get_function("merged_down")(
         (S, -(-H // (WARPS * NW))), (threads,),
-        (act, *meta, down, y, np.int64(H), np.int64(I), vec))
+        (act, *meta, down, scales[2], y, np.int64(H), np.int64(I), vec))
     _common_module().get_function(f"merged_combine_{real}")(
         (-(-(R * H) // 256),), (256,),
         (y, lists["pair_q"], w, np.int32(k), out, np.int64(R), np.int64(H)))

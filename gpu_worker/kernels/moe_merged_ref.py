@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from gpu_worker.kernels.int8_stack import Int8Stack
+
 LANES, VEC = 32, 8  # a warp's lanes; consecutive elements per lane per step (one 16-byte load)
 EXP_MIN = -87.0  # below: exp_neg gives 0 (exp(-87) = 1.6e-38, the float32 normals end at 1.2e-38)
 # float32 constants of exp_neg, exact values shared with the kernel source (as bit patterns)
@@ -111,7 +113,10 @@ def experts_merged_reference(x: np.ndarray, ids: np.ndarray, weights: np.ndarray
                              gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
     """``experts_merged`` in NumPy: ``x [R, H]`` float32 or float64, ``ids [R, k]``,
     ``weights [R, k]``, ``gate/up [E, I, H]`` and ``down [E, H, I]`` of x's dtype or bf16
-    (uint16 bits or ml_dtypes, with float32 x). Returns ``[R, H]`` of x's dtype."""
+    (uint16 bits or ml_dtypes, with float32 x), or three int8 stacks (their exact float32
+    values: gpu_worker/kernels/int8_stack.py). Returns ``[R, H]`` of x's dtype."""
+    if isinstance(gate, Int8Stack):
+        gate, up, down = (a.values() for a in (gate, up, down))
     dtype = x.dtype
     R, H = x.shape
     E, k = gate.shape[0], ids.shape[1]

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from gpu_worker.kernels import router, topk
 from gpu_worker.kernels.enabled import enabled
+from gpu_worker.kernels.int8_stack import Int8Stack
 from gpu_worker.model.ops import Array, Ops
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.routed_experts import Quantized, RoutedExperts
@@ -97,9 +98,15 @@ def experts_loop(ops: Ops, gate: Array, up: Array, down: Array, x: Array,
     flat_ids = ids.reshape(-1)
     for e in [int(e) for e in xp.unique(flat_ids) if e >= 0]:
         rows, slots = xp.nonzero(ids == e)  # one (row, k) pair per routed row
-        y = swiglu(ops, x[rows], gate[e], up[e], down[e])  # [n, H]
+        y = swiglu(ops, x[rows], *(_expert(ops, a, e) for a in (gate, up, down)))  # [n, H]
         out[rows] += weights[rows, slots][:, None] * y
     return out
+
+
+def _expert(ops: Ops, stack: Array, e: int) -> Array:
+    """Expert ``e``'s matrix of a stack; an int8 stack's as its exact values in the compute
+    dtype (gpu_worker/kernels/int8_stack.py)."""
+    return stack.expert(e, ops.dtype) if isinstance(stack, Int8Stack) else stack[e]
 
 
 def sparse_moe(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,

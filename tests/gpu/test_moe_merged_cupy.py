@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from gpu_worker.kernels.int8_stack import Int8Stack, quantize_stack
 from gpu_worker.kernels.moe_merged_ref import build_lists_reference, experts_merged_reference
 from gpu_worker.model.moe import experts_local
 from gpu_worker.model.ops import Ops
@@ -27,11 +28,21 @@ def _ids(rng, rows: int, k: int, E: int, pool: int | None = None) -> np.ndarray:
     return ids
 
 
-def _stacks(rng, E: int, I: int, H: int, kind: str) -> list[np.ndarray]:
-    """gate, up [E, I, H], down [E, H, I] as host arrays of the kind's storage."""
+def _stacks(rng, E: int, I: int, H: int, kind: str) -> list:
+    """gate, up [E, I, H], down [E, H, I] as host arrays of the kind's storage (int8: stacks
+    of int8 blocks by the CPU experts' rule)."""
     out = [rng.standard_normal(s, np.float32) * np.float32(0.1)
            for s in ((E, I, H), (E, I, H), (E, H, I))]
+    if kind == "int8":
+        return [quantize_stack(a) for a in out]
     return [a.astype(BF16).view(np.uint16) for a in out] if kind == "bf16" else out
+
+
+def _dev(a):
+    """A host stack on the device (an int8 stack's two arrays)."""
+    if isinstance(a, Int8Stack):
+        return Int8Stack(cupy.asarray(a.q), cupy.asarray(a.d))
+    return cupy.asarray(a)
 
 
 def _diff(got: np.ndarray, want: np.ndarray) -> str:
@@ -51,7 +62,7 @@ def _run(x, ids, w, stacks):
     from gpu_worker.kernels.moe_merged import experts_merged
 
     return cupy.asnumpy(experts_merged(cupy.asarray(x), cupy.asarray(ids), cupy.asarray(w),
-                                       *(cupy.asarray(a) for a in stacks)))
+                                       *(_dev(a) for a in stacks)))
 
 
 def test_build_lists_match_the_reference():
@@ -74,10 +85,12 @@ def test_build_lists_match_the_reference():
         assert got["pair_q"].tolist() == want["pair_q"].tolist(), where
 
 
-@pytest.mark.parametrize("kind", ["float32", "bf16"])
+@pytest.mark.parametrize("kind", ["float32", "bf16", "int8"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_bits_equal_the_numpy_reference(kind, shape):
     E, I, H = shape
+    if kind == "int8" and (I % 32 or H % 32):
+        I, H = -(-I // 32) * 32, -(-H // 32) * 32  # int8 blocks of 32 along every row
     rng = np.random.default_rng(E)
     stacks = _stacks(rng, E, I, H, kind)
     for R, k in [(1, 10), (6, 10)] if E == 24 else [(1, 4), (7, 8), (20, 6)]:  # NumPy's time
@@ -112,11 +125,11 @@ def test_against_float64(kind, tol):
     np.testing.assert_allclose(got, want, rtol=0, atol=tol * np.abs(want).max())
 
 
-@pytest.mark.parametrize("kind", ["float32", "bf16"])
+@pytest.mark.parametrize("kind", ["float32", "bf16", "int8"])
 def test_a_rows_bits_do_not_depend_on_its_batch(kind):
     """64 candidate rows: 40 of them share expert 3, experts 20..23 have no row, a quarter of
     the pairs are -1, row 63 has none; every row alone, then batches of 2..64 rows."""
-    E, I, H, k = 24, 72, 136, 5
+    E, I, H, k = (24, 64, 160, 5) if kind == "int8" else (24, 72, 136, 5)
     rng = np.random.default_rng(7)
     stacks = _stacks(rng, E, I, H, kind)
     x = rng.standard_normal((64, H)).astype(np.float32)
@@ -138,7 +151,7 @@ def test_a_rows_bits_do_not_depend_on_its_batch(kind):
                 f"{kind} batch of {n} (rows {pick.tolist()[:8]}...): " + _diff(got, alone[pick]))
 
 
-@pytest.mark.parametrize("kind", ["float32", "bf16"])
+@pytest.mark.parametrize("kind", ["float32", "bf16", "int8"])
 def test_rows_per_pass_does_not_change_the_bits(kind):
     """RC (rows a block applies each weight load to) only changes the passes: 20 rows of
     top-6 of 8 experts (up to 20 rows an expert) give the same bits at RC 1..16."""
@@ -146,7 +159,7 @@ def test_rows_per_pass_does_not_change_the_bits(kind):
 
     E, I, H = 8, 64, 256
     rng = np.random.default_rng(11)
-    stacks = [cupy.asarray(a) for a in _stacks(rng, E, I, H, kind)]
+    stacks = [_dev(a) for a in _stacks(rng, E, I, H, kind)]
     x = cupy.asarray(rng.standard_normal((20, H)).astype(np.float32))
     ids = cupy.asarray(_ids(rng, 20, 6, E))
     w = cupy.asarray(rng.random((20, 6)).astype(np.float32))
@@ -187,3 +200,35 @@ def test_bad_shapes_are_refused():
         experts_merged(x[:, :-1], ids, w, gate, up, down)
     with pytest.raises(TypeError, match="dtype"):
         experts_merged(x, ids, w, gate.astype(cupy.float64), up, down)
+
+
+def test_int8_experts_in_experts_local():
+    """int8 stacks: decode batches take the merged kernels (the reference's bits), a prefill
+    chunk past GROUPED_MAX_ROWS the loop over the experts' exact values (float32 products),
+    both close to float64 of those values; a mix of int8 and float stacks is refused, and
+    the grouped kernels refuse int8."""
+    from gpu_worker.kernels.moe_experts import experts_grouped
+    from gpu_worker.model import moe
+
+    E, I, H, k = 10, 64, 96, 4
+    rng = np.random.default_rng(21)
+    host = _stacks(rng, E, I, H, "int8")
+    stacks = [_dev(a) for a in host]
+    ops = Ops(cupy, np.float32)
+    for R in (3, moe.GROUPED_MAX_ROWS + 5):
+        x = rng.standard_normal((R, H)).astype(np.float32)
+        ids, w = _ids(rng, R, k, E), rng.random((R, k)).astype(np.float32)
+        got = cupy.asnumpy(experts_local(ops, *stacks, cupy.asarray(x), cupy.asarray(ids),
+                                         cupy.asarray(w)))
+        if R <= moe.GROUPED_MAX_ROWS:
+            want = experts_merged_reference(x, ids, w, *host)
+            assert got.tobytes() == want.tobytes(), _diff(got, want)
+        wide = [a.values().astype(np.float64) for a in host]
+        ref = experts_local(Ops(np, np.float64), *wide, x.astype(np.float64), ids, w)
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+    x, ids = cupy.asarray(x[:2]), cupy.asarray(ids[:2])
+    w = cupy.asarray(w[:2])
+    with pytest.raises(TypeError, match="int8"):
+        experts_local(ops, stacks[0], cupy.asarray(host[1].values()), stacks[2], x, ids, w)
+    with pytest.raises(TypeError, match="int8"):
+        experts_grouped(x, ids, w, *stacks)
