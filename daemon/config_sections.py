@@ -25,6 +25,7 @@ from protocol.worker_config import (
     CPU_FORMATS,
     CPU_ISAS,
     DTYPES,
+    GPU_FORMATS,
     KV_CACHE_DTYPES,
     PLACEMENTS,
 )
@@ -210,6 +211,9 @@ class ExpertsSection:
     cpu_cores: tuple[tuple[int, ...], ...] = ()  # per worker; () -> derived from NUMA nodes
     cpu_isa: str = "auto"  # CPU expert kernels: auto (the best the CPU has) or one by name
     cpu_format: str = "int8"  # CPU expert weights: int8, or int4 (half the bytes per token)
+    # GPU routed experts: "model" (the model dtype, e.g. bf16) or "int8" (the CPU experts'
+    # int8 blocks of 32: 1.0625 bytes a weight, so a budget holds ~1.9x the experts)
+    gpu_format: str = "model"
     # split: per-layer router counts (`tandem expert-stats`); the GPU keeps the most-picked
     # experts, the CPU gets the rest. None: the last expert ids go to the CPU
     hot_experts: Path | None = None
@@ -228,6 +232,7 @@ class ExpertsSection:
             object.__setattr__(self, "gpu_memory_gb", float(self.gpu_memory_gb))
         check_str("experts.cpu_isa", self.cpu_isa, CPU_ISAS)
         check_str("experts.cpu_format", self.cpu_format, CPU_FORMATS)
+        check_str("experts.gpu_format", self.gpu_format, GPU_FORMATS)
         if self.hot_experts is not None:
             check_path("experts.hot_experts", self.hot_experts)
             if self.placement != "split":

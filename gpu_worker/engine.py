@@ -22,6 +22,7 @@ from gpu_worker.weights.resolve import open_source
 from gpu_worker.weights.source import WeightSource
 from gpu_worker.weights.stream import CHUNK_BYTES, Log, stream_load
 from protocol.messages import SamplingParams
+from protocol.worker_config import GPU_FORMATS
 
 if TYPE_CHECKING:  # numba, imported only where some experts run on CPU workers
     from gpu_worker.experts.placement import ExpertPlacement
@@ -36,7 +37,7 @@ def load_model(source: WeightSource | str | Path, *, dtype: str = "float32",
                backend: str = "numpy", exact: bool | None = None, placement: str = "gpu",
                cpu_experts_per_layer: int | Mapping[int, int] = 0, cpu_workers: int = 0,
                cpu_cores: list[list[int]] | None = None, cpu_isa: str = "auto",
-               cpu_format: str = "int8",
+               cpu_format: str = "int8", gpu_format: str = "model",
                hot_experts: str | Path | None = None, expert_split: ExpertSplit | None = None,
                progress: bool | None = None, log: Log | None = None,
                chunk_bytes: int = CHUNK_BYTES) -> tuple[Model, ExpertPlacement | None]:
@@ -46,7 +47,9 @@ def load_model(source: WeightSource | str | Path, *, dtype: str = "float32",
     checkpoint directory) one tensor or chunk of experts at a time
     (gpu_worker/weights/stream.py). ``exact`` defaults to float64;
     ``cpu_isa`` picks the CPU expert kernels ("auto": ``$TANDEM_CPU_ISA`` or the best),
-    ``cpu_format`` their weights ("int8" or "int4", cpu_experts/formats.py);
+    ``cpu_format`` their weights ("int8" or "int4", cpu_experts/formats.py); ``gpu_format``
+    the backend's routed experts ("model": the model dtype; "int8": int8 blocks of 32,
+    gpu_worker/kernels/int8_stack.py);
     ``hot_experts`` (split): a router counts file whose most-picked experts stay on the GPU
     (gpu_worker/expert_stats.py). ``expert_split``: which experts go where, decided by the
     caller (a memory plan's experts per layer and order); None: from ``placement``,
@@ -55,6 +58,9 @@ def load_model(source: WeightSource | str | Path, *, dtype: str = "float32",
     line per load phase (None: the ``tandem.load`` logger)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if gpu_format not in GPU_FORMATS:
+        raise ValueError(f"gpu_format must be one of {', '.join(GPU_FORMATS)}, got "
+                         f"{gpu_format!r}")
     if not hasattr(source, "read"):  # a checkpoint directory or a synthetic: spec
         source = open_source(source)  # validated here, before any data is read
     if expert_split is None:
@@ -71,7 +77,8 @@ def load_model(source: WeightSource | str | Path, *, dtype: str = "float32",
                     "isa": None if cpu_isa == "auto" else cpu_isa, "weight_format": cpu_format}
     return stream_load(source, expert_split, xp=get_xp(backend), dtype=DTYPES[dtype],
                        host_dtype=HOST_DTYPES[dtype], exact=exact, pool_options=pool_options,
-                       progress=progress, log=log, chunk_bytes=chunk_bytes)
+                       progress=progress, log=log, chunk_bytes=chunk_bytes,
+                       gpu_int8=gpu_format == "int8")
 
 
 class Engine:

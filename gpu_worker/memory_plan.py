@@ -60,7 +60,7 @@ class MemoryPlan:
     work_parts: tuple[tuple[str, int], ...]  # activations, attention scores, logits, ...
     moe_layers: tuple[int, ...]
     num_experts: int  # routed experts per MoE layer
-    gpu_bytes_per_expert: int  # gate + up + down in the GPU dtype
+    gpu_bytes_per_expert: int  # gate + up + down in the GPU format (dtype, or int8 blocks)
     cpu_bytes_per_expert: float  # the same in the CPU format (int8, f32 scale per 32)
     experts_gpu_per_layer: int
     expert_order: tuple[tuple[int, tuple[int, ...]], ...]  # (layer, ids hottest first)
@@ -70,6 +70,7 @@ class MemoryPlan:
     host_fixed_bytes: int  # processes and the load's working set
     host_available_bytes: int | None  # None: unknown, not checked
     cpu_format: str = "int8"  # the CPU experts' weights: int8 or int4 (cpu_experts/formats.py)
+    gpu_format: str = "model"  # the GPU's routed experts: the model dtype or int8 blocks
 
     @property
     def experts_cpu_per_layer(self) -> int:
@@ -147,13 +148,14 @@ def plan_memory(config: ModelConfig, *, dtype: str = "bfloat16", backend: str = 
                 hot_counts: Mapping[int, np.ndarray] | None = None, cpu_workers: int = 1,
                 include_mtp: bool = True,
                 host_available_bytes: int | None = -1, cpu_format: str = "int8",
-                cuda_graphs: bool = False) -> MemoryPlan:
+                cuda_graphs: bool = False, gpu_format: str = "model") -> MemoryPlan:
     """The plan for ``config`` served with these settings, or :class:`PlanError`.
 
     ``gpu_budget_bytes`` None: no GPU limit (pass the device's size for "the whole device").
     ``placement`` "split" with ``cpu_experts_per_layer`` 0 puts as many experts on the GPU as
     fit; a count > 0 is kept and only checked. ``host_available_bytes`` -1: MemAvailable of
-    /proc/meminfo; None: no host check. Pure apart from that one read.
+    /proc/meminfo; None: no host check. ``gpu_format`` "int8": the backend's routed experts as
+    int8 blocks of 32 (1.0625 bytes a weight). Pure apart from that one read.
     """
     if dtype not in mp.WEIGHT_ITEMSIZE:
         raise ValueError(f"dtype must be one of {', '.join(mp.WEIGHT_ITEMSIZE)}, got {dtype!r}")
@@ -166,6 +168,10 @@ def plan_memory(config: ModelConfig, *, dtype: str = "bfloat16", backend: str = 
     E = config.num_experts if moe_layers else 0
     weights = 3 * config.moe_intermediate_size * config.hidden_size  # per expert
     H, I = config.hidden_size, config.moe_intermediate_size
+    if gpu_format == "int8" and E and (H % 32 or I % 32):
+        raise PlanError(f"gpu_format 'int8' stores the experts in blocks of 32, which need "
+                        f"hidden_size and moe_intermediate_size to be multiples of 32; this "
+                        f"model has {H} and {I}: use gpu_format 'model'")
     if placement != "gpu" and E and (H % 32 or I % 32):  # the CPU experts' blocks of 32
         raise PlanError(f"placement {placement!r} puts experts on the CPU, whose int8/int4 "
                         f"blocks of 32 need hidden_size and moe_intermediate_size to be "
@@ -195,7 +201,9 @@ def plan_memory(config: ModelConfig, *, dtype: str = "bfloat16", backend: str = 
                                             max_drafts=max_drafts)),)
            if cuda_graphs and backend == "cupy" else ()),
         moe_layers=moe_layers, num_experts=E,
-        gpu_bytes_per_expert=weights * mp.WEIGHT_ITEMSIZE[dtype],
+        gpu_bytes_per_expert=(weights * 17 // 16 if gpu_format == "int8"  # + fp16 per 32
+                              else weights * mp.WEIGHT_ITEMSIZE[dtype]),
+        gpu_format=gpu_format,
         cpu_bytes_per_expert=weights * mp.CPU_BYTES_PER_WEIGHT_BY_FORMAT[cpu_format],
         cpu_format=cpu_format, experts_gpu_per_layer=E,
         expert_order=mp.expert_order(moe_layers, E, hot_counts), cpu_expert_bytes=0,
@@ -245,7 +253,7 @@ def plan_for_worker(cfg: WorkerConfig, model: ModelConfig, *, backend: str,
         cpu_experts_per_layer=cfg.cpu_experts_per_layer, hot_counts=hot_counts,
         cpu_workers=cfg.cpu_workers or len(cfg.cpu_cores) or len(numa_core_groups()),
         include_mtp=include_mtp, host_available_bytes=host_available_bytes,
-        cpu_format=cfg.cpu_format, cuda_graphs=cfg.cuda_graphs)
+        cpu_format=cfg.cpu_format, cuda_graphs=cfg.cuda_graphs, gpu_format=cfg.gpu_format)
 
 
 def _experts_that_fit(plan: MemoryPlan, placement: str, cpu_per_layer: int) -> int:
@@ -326,7 +334,8 @@ def describe(plan: MemoryPlan) -> list[str]:
         + (f"; allocator slack {gib(plan.allocator_slack_bytes)}, CUDA context "
            f"{gib(plan.cuda_context_bytes)}" if plan.backend == "cupy" else ""),
         f"routed experts per layer: {plan.experts_gpu_per_layer} of {plan.num_experts} on the "
-        f"GPU ({gib(plan.gpu_expert_bytes)} over {len(plan.moe_layers)} layers), "
+        f"GPU ({gib(plan.gpu_expert_bytes)} over {len(plan.moe_layers)} layers"
+        f"{', int8' if plan.gpu_format == 'int8' else ''}), "
         f"{plan.experts_cpu_per_layer} on the CPU ({gib(plan.cpu_expert_bytes)} "
         f"{plan.cpu_format}); "
         f"placement {plan.placement}",

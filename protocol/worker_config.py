@@ -19,6 +19,8 @@ KV_CACHE_DTYPES = ("model", "int8")  # model: the compute dtype; int8: + an fp16
 PLACEMENTS = ("gpu", "cpu", "split")  # where the routed experts run
 CPU_ISAS = ("auto", "portable", "avx2", "avx512vnni")  # CPU expert kernels (cpu_experts/isa.py)
 CPU_FORMATS = ("int8", "int4")  # CPU expert weights (cpu_experts/formats.py)
+# GPU routed experts: the model dtype, or int8 blocks of 32 (gpu_worker/kernels/int8_stack.py)
+GPU_FORMATS = ("model", "int8")
 HEARTBEAT_S = 1.0
 GIB = 2**30  # gpu_memory_gb counts GiB, the unit CUDA and nvidia-smi report devices in
 # NOTE: the daemon's PrefixCache holds at most this many checkpoints; each keeps a copy of
@@ -67,6 +69,7 @@ class WorkerConfig:
     cpu_cores: tuple[tuple[int, ...], ...] = ()  # one core list per CPU expert worker
     cpu_isa: str = "auto"  # auto: the best this CPU has
     cpu_format: str = "int8"  # CPU expert weights: int8 (1.125 B/weight) or int4 (0.5625)
+    gpu_format: str = "model"  # GPU routed experts: the model dtype, or int8 (1.0625 B)
     hot_experts: str = ""  # split: router counts file; the GPU keeps the hottest experts
     gpu_memory_gb: float | None = None  # GPU budget in GiB; None: the whole device (CuPy)
     prefill_chunk: int = 512  # the daemon's longest prefill segment (sizes the work space)
@@ -88,6 +91,7 @@ class WorkerConfig:
         _choice("placement", self.placement, PLACEMENTS)
         _choice("cpu_isa", self.cpu_isa, CPU_ISAS)
         _choice("cpu_format", self.cpu_format, CPU_FORMATS)
+        _choice("gpu_format", self.gpu_format, GPU_FORMATS)
         for name, lo in (("max_slots", 1), ("max_context", 1), ("block_size", 1),
                          ("prefix_cache_max_mb", 0), ("cpu_experts_per_layer", 0),
                          ("cpu_workers", 0), ("prefill_chunk", 1), ("max_drafts", 0)):

@@ -78,7 +78,7 @@ def worker_config(args: argparse.Namespace, spec: str) -> WorkerConfig:
         max_slots=max(4, max(s for s, _ in args.layouts)), max_context=args.max_context,
         kv_cache_dtype=args.kv_cache_dtype, prefix_cache=True, prefix_cache_max_mb=256,
         placement="split", cpu_experts_per_layer=args.cpu_experts_per_layer,
-        cpu_workers=args.cpu_workers, cpu_format=args.cpu_format,
+        cpu_workers=args.cpu_workers, cpu_format=args.cpu_format, gpu_format=args.gpu_format,
         gpu_memory_gb=args.gpu_budget, prefill_chunk=512,
         max_drafts=max(4, max(r for _, r in args.layouts) - 1), cuda_graphs=args.graphs)
 
@@ -309,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cupy, else float32")
     p.add_argument("--kv-cache-dtype", choices=("model", "int8"), default="model")
     p.add_argument("--cpu-format", choices=("int8", "int4"), default="int8")
+    p.add_argument("--gpu-format", choices=("model", "int8"), default="model",
+                   help="the GPU's routed experts: the model dtype or int8 blocks of 32")
     p.add_argument("--graphs", action="store_true",
                    help="decode/verify passes as CUDA graphs where the runner can (cupy)")
     p.add_argument("--cpu-experts-per-layer", type=int, default=0,
@@ -376,8 +378,9 @@ def run(args: argparse.Namespace, cfg: WorkerConfig, dram_source: str) -> dict[s
         seen: dict[str, int] = {}
         for slots, rows in args.layouts:
             rec = measure(bench, slots, rows, args)
-            rec.update(run=0, cpu_format=args.cpu_format, dtype=cfg.dtype,
-                       backend=args.backend, experts_cpu_per_layer=max(cpu_held, default=0))
+            rec.update(run=0, cpu_format=args.cpu_format, gpu_format=args.gpu_format,
+                       dtype=cfg.dtype, backend=args.backend,
+                       experts_cpu_per_layer=max(cpu_held, default=0))
             graphs = bench.runner.graphs
             if graphs is not None:  # what the graphs did for this layout
                 rec["graph_counts"] = {k: v - seen.get(k, 0) for k, v in graphs.totals.items()}

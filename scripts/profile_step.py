@@ -41,6 +41,7 @@ def profile(args: argparse.Namespace) -> None:
 
     args.backend, args.dtype, args.kv_cache_dtype, args.graphs = "cupy", None, "model", False
     args.cpu_experts_per_layer, args.cpu_workers, args.cpu_format = 0, 0, "int8"
+    args.gpu_format = "model"
     args.max_context = 4096
     bench = Bench(worker_config(args, model_spec(args.model)), args.context)
     try:

@@ -11,6 +11,7 @@ from gpu_worker.kernels.enabled import enabled
 from gpu_worker.kernels.fused_norm import add_rms_norm_rows, rms_norm_rows
 from gpu_worker.kernels.fused_rope import rope
 from gpu_worker.kernels.fused_silu import sigmoid_mul, sigmoid_mul_add, silu_mul
+from gpu_worker.kernels.int8_stack import Int8Stack
 from gpu_worker.kernels.rowtile import linear_rows, linear_rows_split
 
 Array = Any  # numpy.ndarray or cupy.ndarray
@@ -47,7 +48,10 @@ class Ops:
         storage dtype: a bf16 model's matrices (:func:`is_matrix`) in bf16 (NumPy:
         ``ml_dtypes.bfloat16``; CuPy: its raw uint16 bits, gpu_worker/kernels/bf16.py),
         rounded to nearest even once here; everything else in the compute dtype. Raw bf16
-        bits (uint16) must come as ``bits.view(ml_dtypes.bfloat16)``."""
+        bits (uint16) must come as ``bits.view(ml_dtypes.bfloat16)``. An int8 expert stack
+        (gpu_worker/kernels/int8_stack.py) stays int8: its two arrays on the backend."""
+        if isinstance(host, Int8Stack):
+            return Int8Stack(self.xp.asarray(host.q), self.xp.asarray(host.d))
         if host.dtype.kind != "f" and host.dtype != BF16:
             raise TypeError(f"{name}: weights come as floats or ml_dtypes.bfloat16, not "
                             f"{host.dtype}")

@@ -38,6 +38,8 @@ from tqdm import tqdm
 
 from gpu_worker.experts.split import EXPERT_KEYS, ExpertSplit
 from gpu_worker.kernels.bf16 import BF16, round_into
+from gpu_worker.kernels.int8_stack import BLOCK as INT8_BLOCK
+from gpu_worker.kernels.int8_stack import Int8Stack, quantize_stack
 from gpu_worker.model.model import Model, is_stack
 from gpu_worker.model.ops import is_matrix
 from gpu_worker.weights.source import WeightSource
@@ -58,13 +60,15 @@ def default_log(event: str, **fields: Any) -> None:
 def stream_load(source: WeightSource, split: ExpertSplit | None, *, xp: Any, dtype: Any,
                 host_dtype: Any, exact: bool, pool_options: dict | None = None,
                 progress: bool | None = None, log: Log | None = None,
-                chunk_bytes: int = CHUNK_BYTES) -> tuple[Model, Any]:
+                chunk_bytes: int = CHUNK_BYTES, gpu_int8: bool = False) -> tuple[Model, Any]:
     """The model on its backend and, with a ``split``, its started CPU experts (an
     :class:`ExpertPlacement` whose pool is made with ``pool_options``: num_workers, cores,
-    isa). ``host_dtype``: the float dtype tensors are read in before ``ops.weight``."""
+    isa). ``host_dtype``: the float dtype tensors are read in before ``ops.weight``;
+    ``gpu_int8``: the backend's routed experts as int8 blocks of 32 (Int8Stack), quantized
+    a run at a time as they are read."""
     log = log or default_log
     loader = _Loader(source, split, np.dtype(host_dtype), chunk_bytes, log,
-                     bf16=np.dtype(dtype) == BF16)
+                     bf16=np.dtype(dtype) == BF16, gpu_int8=gpu_int8)
     t0 = time.perf_counter()
     pool = loader.make_pool(pool_options or {})
     try:
@@ -113,10 +117,11 @@ class _Loader:
 
     def __init__(self, source: WeightSource, split: ExpertSplit | None, host_dtype: np.dtype,
                  chunk_bytes: int, log: Log, *, bf16: bool = False,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, gpu_int8: bool = False) -> None:
         self.source, self.split, self.host_dtype = source, split, host_dtype
         self.chunk_bytes, self.log = chunk_bytes, log
         self.bf16, self.threads = bf16, max(1, threads or THREADS)  # bf16: matrices in bf16
+        self.gpu_int8 = gpu_int8  # the backend's routed experts as int8 blocks
         self.cfg = source.config
         self.shapes = source.shapes()  # validated by the source before any data is read
         tied = self.cfg.tie_word_embeddings
@@ -199,7 +204,8 @@ class _Loader:
         with self.phase("experts GPU", done):
             for name in self.experts:
                 ids = self._gpu_ids(name)
-                yield name, self._read_stack(name, ids)
+                read = self._read_int8 if self.gpu_int8 else self._read_stack
+                yield name, read(name, ids)
 
     def _runs(self, n: int, per_expert: int) -> list[tuple[int, int]]:
         """``n`` experts of ``per_expert`` float bytes each as runs ``(a, b)`` for the
@@ -243,6 +249,22 @@ class _Loader:
 
         self._on_threads(job, self._runs(len(ids), per) or [(0, 0)])  # none: an empty read
         return out
+
+    def _read_int8(self, name: str, ids: np.ndarray) -> Int8Stack:
+        """Experts ``ids`` of stacked tensor ``name`` as int8 blocks of 32, read as float32
+        and quantized by the CPU experts' int8 rule a run at a time on threads."""
+        shape = self.shapes[name]
+        q = np.empty((len(ids), *shape[1:]), np.int8)
+        d = np.empty((len(ids), shape[1], shape[2] // INT8_BLOCK), np.uint16)
+
+        def job(a: int, b: int) -> None:
+            part = quantize_stack(self.source.read(name, np.float32, experts=ids[a:b]))
+            q[a:b], d[a:b] = part.q, part.d
+            self.advance(self._part_bytes(name, b - a))
+
+        per = int(np.prod(shape[1:])) * 4
+        self._on_threads(job, self._runs(len(ids), per) or [(0, 0)])
+        return Int8Stack(q, d)
 
     def fill_cpu(self, pool: Any) -> None:
         """Each layer's CPU experts, a run at a time on threads (one set of threads for
