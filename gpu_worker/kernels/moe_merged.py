@@ -68,6 +68,13 @@ def _common_module():
     return raw_module(code, "merged expert kernels")
 
 
+@functools.cache
+def _no_scales(device: int):
+    """The scale argument of the variants without scales (never read): one array per
+    device, not an allocation per call."""
+    return cp.zeros(1, cp.uint16)
+
+
 def rows_per_pass(rows: int, k: int, num_experts: int) -> int:
     """RC, the rows a block applies each weight load to (1, 2 or 4: :data:`MAX_RC`): the power
     of two covering twice the mean rows per expert (``rows * k / E``), at most ``rows``. Registers
@@ -134,7 +141,7 @@ def experts_merged(x, ids, weights, gate, up, down, rc: int | None = None):
     variant = "int8" if int8 else "bf16" if bf16 else real
     mod = _dots_module(variant, rc or rows_per_pass(R, k, E))
     if not int8:
-        scales = (cp.zeros(1, cp.uint16),) * 3  # never read
+        scales = (_no_scales(cp.cuda.Device().id),) * 3  # never read
     act = cp.empty((R * k, I), dtype)  # [list entries <= R k, I]
     y = cp.empty((R * k, H), dtype)  # [list entries, H]
     if int8 and not all(a.data.ptr % 8 == 0 for a in (x, gate, up, down, act, y)):
