@@ -1,13 +1,13 @@
 """Numba kernels of one MoE layer on one worker's shard (the math of reference.py, bit for bit).
 
-``moe_layer`` groups the (row, expert) pairs by expert, then runs three parallel loops:
+``moe_layer`` groups the (row, expert) pairs by expert, then runs two parallel loops:
 
 1. gate/up: items = (expert, matrix, 16-unit micro-tile); each item streams its weights once,
    block by block, and applies every block to all of the expert's rows (tiles.py), so 16 rows
    cost little more DRAM traffic than one, and threads stay busy whether one expert has 16
-   rows or 16 experts have one row each;
-2. SiLU * up and the re-quantization of h, items = (pair, block of 32);
-3. down and the per-row weighted sum: items = 16-unit micro-tiles of H; each item runs down
+   rows or 16 experts have one row each. SiLU * up and the re-quantization of h (act.py) are
+   done in the same loop, a block of 32 units as soon as its four tiles are written;
+2. down and the per-row weighted sum: items = 16-unit micro-tiles of H; each item runs down
    for every expert, then sums the row's experts in slot order for its 16 outputs.
 
 The instruction set (isa.py) is a compile-time literal: ``moe_layer`` is compiled once per
@@ -22,11 +22,12 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from cpu_experts.act import act_block, scratch
+from cpu_experts.atomics import fetch_add, num_threads
 from cpu_experts.errors import ERR_EXPERT_ID, ERR_NON_FINITE, ERR_OK
 from cpu_experts.isa import ISA_AVX2, ISA_AVX512VNNI, ISA_PORTABLE
 from cpu_experts.pairs import group_pairs
-from cpu_experts.quant import BLOCK, quantize_block_bits
-from cpu_experts.reference import EXP_COEF, EXP_MAX, EXP_MIN, INV_LN2, LN2_HI, LN2_LO
+from cpu_experts.quant import BLOCK
 from cpu_experts.tiles import TU, block_prologue, rows_block
 from cpu_experts.tiles4 import BLOCK_BYTES4, WIDE_ROWS, block_sum, rows_per_call
 
@@ -43,51 +44,6 @@ def f16_value(bits) -> np.float32:
     if e == 0:
         return np.float32(sign * (m * 2.0**-24))
     return np.float32(sign * math.ldexp(1024.0 + m, int(e) - 25))
-
-
-_C = EXP_COEF  # exp64's Taylor coefficients, a compile-time constant tuple
-
-
-@njit(cache=True, nogil=True)
-def silu_mul_block(g, u, o: int, h, p, two_k, so: int) -> None:
-    """``h[so:so+32] = float32(silu64(g[o:o+32])) * u[o:o+32]``: exp64's operations in the
-    same order, written as straight loops LLVM vectorises. ``p`` and ``two_k`` (float64) are
-    scratch (``so:so+32`` is used), given by the caller: an allocation or a view per block
-    costs more than the block when many threads do it at once. exp64 ends with
-    ``ldexp(p, k)``; over the clamped range k lies in [-1021, 1023], where ``2**k`` is a normal
-    double and ``p * 2**k`` is exact, so ``2**k`` is built from its exponent bits, written
-    through an int64 view of ``two_k`` (made here; the SiLU stage makes it once and calls
-    ``_silu_mul_block`` directly)."""
-    return _silu_mul_block(g, u, o, h, p, two_k, two_k.view(np.int64), so)
-
-
-TWO_K_BIAS = 2.0**52 + 1023.0  # k + this is exact, with k + 1023 in its low mantissa bits
-
-
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _silu_mul_block(g, u, o: int, h, p, two_k, kbits, so: int) -> None:
-    # NOTE: unsigned indices (no wraparound checks) and the numpy error model (no zero-division
-    # branch; 1 + e >= 1 anyway) let LLVM vectorise all three loops; the exponent bits of 2**k
-    # come from the float k + 2**52 + 1023 shifted left 52 (no float -> int conversion, which
-    # AVX2 has no vector form of): bits(2**52 + j) = bits(2**52) + j for 0 <= j < 2**52.
-    for i in range(BLOCK):
-        x = -np.float64(g[np.uintp(o + i)])
-        xc = min(max(x, EXP_MIN), EXP_MAX)
-        k = np.rint(xc * INV_LN2)
-        r = (xc - k * LN2_HI) - k * LN2_LO
-        q = _C[13]
-        for c in range(12, -1, -1):
-            q = q * r + _C[c]
-        p[np.uintp(so + i)] = q
-        two_k[np.uintp(so + i)] = k + TWO_K_BIAS
-    for i in range(BLOCK):
-        kbits[np.uintp(so + i)] <<= 52
-    for i in range(BLOCK):
-        gv = np.float64(g[np.uintp(o + i)])
-        e = p[np.uintp(so + i)] * two_k[np.uintp(so + i)]
-        e = np.inf if -gv > EXP_MAX else e
-        e = 0.0 if -gv < EXP_MIN else e
-        h[np.uintp(so + i)] = np.float32(gv / (1.0 + e)) * u[np.uintp(o + i)]
 
 
 @njit(cache=True, nogil=True)
@@ -126,20 +82,31 @@ def _block_rows(isa, wf, at, x, xs, xc, rows, lo, hi, b, of, obase, ostride, ws)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _gate_up_stage(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead):
-    """out[m, slot, :] = matrix m of each slot's expert applied to its activation row.
+def _gate_up_stage(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead, flip, hk, hs, hc,
+                   done, fine, sc) -> None:
+    """out[m, slot, :] = matrix m of each slot's expert applied to its activation row, and h
+    (act.py) of each slot as soon as its four tiles of a block of 32 units are written.
 
-    w [E, M, T, nb, 576] int8 or [E, M, T, nb, 288] uint8 (int4) tiles (shard.py); xk [R, n]
+    w [E, 2, T, nb, 576] int8 or [E, 2, T, nb, 288] uint8 (int4) tiles (shard.py); xk [R, n]
     int8 (tiles.py form), xs [R, nb] f32, xc [R, nb] int32 (int4: -8 * block sums);
     slots ``offsets[a]:offsets[a+1]`` belong to expert ``active[a]`` and read activation row
-    ``rows_of[slot]``; out [M, P, T * 16] f32. Consecutive items are contiguous in memory (per
+    ``rows_of[slot]``; out [2, P, T * 16] f32. Consecutive items are contiguous in memory (per
     expert), so the prefetch ``ahead`` bytes on runs into the thread's next item.
+
+    The hand-off: ``done [A * T/2]`` int32 zeros counts the tiles written of each (expert,
+    block of 32 units); the item whose ``fetch_add`` returns 3 wrote the last of the four
+    (gate and up, tiles 2c and 2c+1), sees the other three's stores (the atomic orders them)
+    and computes the block's h for every slot of the expert into hk/hs/hc (act.act_block),
+    with its thread's part of ``sc`` (act.scratch); ``fine[A * T/2]`` records whether that h
+    was finite.
     """
     numba.literally(isa)
     M, T, nb, bb = w.shape[1], w.shape[2], w.shape[3], w.shape[4]
     P = out.shape[1]
     units = T * TU
+    half = T // 2  # blocks of 32 units
     wf, of = w.reshape(w.size), out.reshape(out.size)
+    gf, uf = of[:P * units], of[P * units:]
     for it in prange(active.shape[0] * M * T):
         a = it // (M * T)
         m = (it // T) % M
@@ -155,73 +122,19 @@ def _gate_up_stage(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead):
                 block_prologue(isa, wf, at, ws, at + ahead)
                 rows_block(isa, 1, wf, at, xk, xs, xc, rows_of, lo, b, of,
                            (m * P + lo) * units + t * TU, units, ws)
-            continue
-        for b in range(nb):
-            at = (base + b) * bb
-            block_prologue(isa, wf, at, ws, at + ahead)
-            _block_rows(isa, wf, at, xk, xs, xc, rows_of, lo, hi, b, of,
-                        m * P * units + t * TU, units, ws)
-
-
-ACT_CHUNKS = 120  # items of the SiLU stage are dealt in this many chunks (or fewer)
-# Up to this many items (blocks of 32), the calling thread does them all: on the GPU machine a
-# parallel region costs ~7 us, more than 16 blocks on one thread.
-ACT_SERIAL_BLOCKS = 16
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _act_chunk(gf, uf, flip, hk, hs, hc, nb, hbuf, hbits, qbuf, pbuf, two_k, kbits, so, lo,
-               hi):
-    """Items ``lo:hi`` of the SiLU stage, with the scratch at ``so:so+32``; False if any h
-    was not finite."""
-    Is = nb * BLOCK
-    ok = True
-    for it in range(lo, hi):
-        p = it // nb
-        o = (it % nb) * BLOCK
-        _silu_mul_block(gf, uf, p * Is + o, hbuf, pbuf, two_k, kbits, so)
-        sc, fine = quantize_block_bits(hbuf, hbits, qbuf, so)
-        ok = ok and fine
-        hs[p, it % nb] = np.float32(sc)
-        for i in range(BLOCK):
-            hk[p, o + i] = qbuf[so + i] ^ np.int8(-128) if flip else qbuf[so + i]
-        hc[p, it % nb] = np.int32(-8) * block_sum(qbuf, so)
-    return ok
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _act_stage(g, u, flip, hk, hs, hc) -> bool:
-    """h = float32(silu64(g)) * u, re-quantized per block of 32 into hk (int8, tiles.py form:
-    ``^ 0x80`` when ``flip``) and hs [P, Is/32] (scale values as float32), with hc [P, Is/32]
-    int32 = -8 * each block's sum of q (the int4 kernels' offset correction). Items are
-    (pair, block), dealt in contiguous chunks: even one pair spreads over every thread (when
-    there are more than :data:`ACT_SERIAL_BLOCKS`). Each chunk has its own part of scratch
-    arrays made here; no item allocates or takes a view (either costs an atomic or a malloc
-    that threads contend for)."""
-    P, Is = g.shape
-    nb = Is // BLOCK
-    n = P * nb
-    chunks = 1 if n <= ACT_SERIAL_BLOCKS else min(n, ACT_CHUNKS)
-    gf, uf = g.reshape(g.size), u.reshape(u.size)
-    hbuf = np.empty(chunks * BLOCK, np.float32)
-    hbits = hbuf.view(np.int32)
-    qbuf = np.empty(chunks * BLOCK, np.int8)
-    pbuf = np.empty(chunks * BLOCK, np.float64)
-    two_k = np.empty(chunks * BLOCK, np.float64)
-    kbits = two_k.view(np.int64)
-    # NOTE: np.ones here would be a parallel region of its own (Numba parallelises it): ~7 us
-    ok = np.empty(chunks, np.bool_)
-    if chunks == 1:
-        ok[0] = _act_chunk(gf, uf, flip, hk, hs, hc, nb, hbuf, hbits, qbuf, pbuf, two_k,
-                           kbits, 0, 0, n)
-    else:
-        for c in prange(chunks):
-            ok[c] = _act_chunk(gf, uf, flip, hk, hs, hc, nb, hbuf, hbits, qbuf, pbuf, two_k,
-                               kbits, c * BLOCK, c * n // chunks, (c + 1) * n // chunks)
-    for c in range(chunks):
-        if not ok[c]:
-            return False
-    return True
+        else:
+            for b in range(nb):
+                at = (base + b) * bb
+                block_prologue(isa, wf, at, ws, at + ahead)
+                _block_rows(isa, wf, at, xk, xs, xc, rows_of, lo, hi, b, of,
+                            m * P * units + t * TU, units, ws)
+        c = a * half + t // 2
+        if fetch_add(done, c, 1) == 3:
+            so = numba.get_thread_id() * BLOCK
+            ok = True
+            for j in range(lo, hi):
+                ok = act_block(gf, uf, units, j, t // 2, flip, hk, hs, hc, sc, so) and ok
+            fine[c] = ok
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -285,35 +198,38 @@ def _down_combine_stage(isa, w, hk, hs, hc, active, offsets, pair_of, slot_of_pa
 
 @njit(cache=True, nogil=True)
 def _decode_activations(xq, xd_bits, rows, flip, sums):
-    """The first ``rows`` rows: int8 activations in tiles.py form, fp16-bit scales -> float32
+    """The first ``rows`` rows: int8 activations in tiles.py form (``xq[:rows]`` itself
+    unless ``flip``), fp16-bit scales -> float32
     and, when ``sums``, ``-8 *`` each block's sum (int32 [rows, H/32]; else [0, H/32]).
     Serial (before the first parallel stage), so written as loops LLVM vectorises: unsigned
     indices, no branch per byte, the scales widened by integer operations (f16_value's
     values, exactly: a normal half's bits shifted and rebiased, a subnormal's ``m * 2**-24``)."""
     H = xq.shape[1]
     nb = H // BLOCK
-    xk = np.empty((rows, H), np.int8)
+    xk = np.empty((rows, H), np.int8) if flip else xq[:rows]  # int4, AVX2: x as it is
     xs = np.empty((rows, nb), np.float32)
     xc = np.empty((rows if sums else 0, nb), np.int32)
     xs_bits = xs.view(np.int32)
-    mask = np.int8(-128) if flip else np.int8(0)
     for r in range(rows):
-        src, dst = xq[r], xk[r]
-        for i in range(H):
-            dst[np.uintp(i)] = src[np.uintp(i)] ^ mask
+        src, hb, sb = xq[r], xd_bits[r], xs_bits[r]
+        if flip:
+            dst = xk[r]
+            for i in range(H):
+                dst[np.uintp(i)] = src[np.uintp(i)] ^ np.int8(-128)
         for b in range(nb):
-            h = np.int32(xd_bits[r, b])
+            h = np.int32(hb[np.uintp(b)])
             em = h & np.int32(0x7FFF)
             sign = (h & np.int32(0x8000)) << np.int32(16)
-            xs_bits[r, b] = ((em << np.int32(13)) + np.int32(112 << 23)) | sign
+            sb[np.uintp(b)] = ((em << np.int32(13)) + np.int32(112 << 23)) | sign
         for b in range(nb):
-            em = np.int32(xd_bits[r, b]) & np.int32(0x7FFF)
+            em = np.int32(hb[np.uintp(b)]) & np.int32(0x7FFF)
             if em < np.int32(0x400):  # zero or subnormal: exact in float32
                 v = np.float32(em) * np.float32(2.0**-24)
-                xs[r, b] = -v if xd_bits[r, b] & 0x8000 else v
+                xs[r, b] = -v if hb[np.uintp(b)] & 0x8000 else v
         if sums:
+            cr = xc[r]
             for b in range(nb):
-                xc[r, b] = np.int32(-8) * block_sum(src, b * BLOCK)
+                cr[np.uintp(b)] = np.int32(-8) * block_sum(src, b * BLOCK)
     return xk, xs, xc
 
 
@@ -347,12 +263,17 @@ def moe_layer(isa, gu, down, xq, xd_bits, expert_ids, weights, out, ahead) -> in
     for s in range(P):
         slot_of_pair[members[s]] = s
     g_u = empty_f32_aligned(2 * P * Is).reshape((2, P, Is))
-    _gate_up_stage(isa, gu, xk, xs, xc, active, offsets, rows_of, g_u, ahead)
     hk = np.empty((P, Is), np.int8)
     hs = np.empty((P, Is // BLOCK), np.float32)
     hc = np.empty((P, Is // BLOCK), np.int32)
-    if not _act_stage(g_u[0], g_u[1], flip, hk, hs, hc):
-        return ERR_NON_FINITE
+    blocks = active.shape[0] * (Is // BLOCK)
+    done = np.zeros(blocks, np.int32)
+    fine = np.zeros(blocks, np.bool_)
+    _gate_up_stage(isa, gu, xk, xs, xc, active, offsets, rows_of, g_u, ahead, flip, hk, hs, hc,
+                   done, fine, scratch(num_threads()))
+    for c in range(blocks):
+        if not fine[c]:
+            return ERR_NON_FINITE
     y = empty_f32_aligned(P * H)  # [T, P, 16]
     _down_combine_stage(isa, down, hk, hs, hc, active, offsets, pair_of, slot_of_pair, weights,
                         y, out[:R], ahead)

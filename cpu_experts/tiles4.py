@@ -221,17 +221,18 @@ def rows_per_call(typingctx, isa, w):
 @intrinsic
 def block_sum(typingctx, x, off):
     """``sum(x[off:off+32])`` of a C-contiguous int8 array as an int32, exactly (the int4
-    kernels' ``xc = -8 * sum``): one vector load and an add reduction in int16 (|sum| <=
-    32 * 128 fits), several times faster than the scalar loop LLVM makes of it."""
+    kernels' ``xc = -8 * sum``): one vector load, the bytes made unsigned (``x ^ 0x80 = x +
+    128``) and widened, an add reduction (x86 makes it ``psadbw``), minus ``32 * 128``."""
     check_array(x, types.int8, "x")
     sig = types.int32(x, types.int64)
 
     def codegen(context, builder, signature, args):
-        v32b, v32h = ir.VectorType(I8, 32), ir.VectorType(I16, 32)
+        v32b, v32i = ir.VectorType(I8, 32), ir.VectorType(I32, 32)
         p = at(context, builder, signature.args[0], args[0], args[1], v32b)
-        wide = builder.sext(builder.load(p, align=1), v32h)
-        red = fn(builder, "llvm.vector.reduce.add.v32i16", I16, [v32h])
-        return builder.sext(builder.call(red, [wide]), I32)
+        u = builder.xor(builder.load(p, align=1), ir.Constant(v32b, [-128] * 32))
+        red = fn(builder, "llvm.vector.reduce.add.v32i32", I32, [v32i])
+        total = builder.call(red, [builder.zext(u, v32i)])
+        return builder.sub(total, ir.Constant(I32, 32 * 128))
 
     return sig, codegen
 

@@ -31,8 +31,9 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from cpu_experts import act, kernels, shard
 from cpu_experts import isa as cpu_isa
-from cpu_experts import kernels, shard
+from cpu_experts.atomics import num_threads
 from cpu_experts.quant import quantize
 from scripts.bench_common import best_us, cpu_model
 
@@ -47,8 +48,11 @@ def stage_entries(isa: int):
     plain int would type the call again each time), once per process."""
 
     @numba.njit
-    def gate_up(gu, xk, xs, xc, active, offsets, rows_of, g_u, ahead):
-        kernels._gate_up_stage(isa, gu, xk, xs, xc, active, offsets, rows_of, g_u, ahead)
+    def gate_up(gu, xk, xs, xc, active, offsets, rows_of, g_u, ahead, flip, hk, hs, hc):
+        blocks = active.shape[0] * hk.shape[1] // 32
+        done, fine = np.zeros(blocks, np.int32), np.zeros(blocks, np.bool_)
+        kernels._gate_up_stage(isa, gu, xk, xs, xc, active, offsets, rows_of, g_u, ahead,
+                               flip, hk, hs, hc, done, fine, act.scratch(num_threads()))
 
     @numba.njit
     def down(w, hk, hs, hc, active, offsets, pair_of, slot_of_pair, weights, y, out, ahead):
@@ -92,8 +96,9 @@ def stage_times(which: int, weights, I: int, rng, rows_list=(1, 4, 16)) -> list[
         rec = {"what": "stages_one_expert", "isa": cpu_isa.NAMES[which], "I": I, "rows": rows,
                "format": "int4" if int4 else "int8", "threads": numba.get_num_threads()}
         rec["gate_up_us"] = best_us(partial(gate_up, gu, xk, xs, xc, active, offsets,
-                                            pair_row[members], g_u, kernels.PREFETCH_AHEAD))
-        rec["act_us"] = best_us(partial(kernels._act_stage, g_u[0], g_u[1], flip, hk, hs, hc))
+                                            pair_row[members], g_u, kernels.PREFETCH_AHEAD,
+                                            flip, hk, hs, hc))
+        rec["act_1thread_us"] = best_us(partial(act.act_rows, g_u[0], g_u[1], flip, hk, hs, hc))
         rec["down_us"] = best_us(partial(down, dn, hk, hs, hc, active, offsets, pair_of, slots,
                                          w, y, out, kernels.PREFETCH_AHEAD))
         rec["layer_us"] = best_us(partial(kernels.layer_kernel(which), gu, dn, q,
@@ -164,7 +169,7 @@ def diag_stages(which: int, layers: list, ids_list: list[np.ndarray], rng) -> di
     """Median us of each stage of ``moe_layer`` run one by one (cold weights: layer i of
     the cycle, routing i), as moe_layer runs them."""
     gate_up, down = stage_entries(which)
-    times: dict[str, list[float]] = {k: [] for k in ("decode", "gate_up", "act", "down")}
+    times: dict[str, list[float]] = {k: [] for k in ("decode", "gate_up", "down")}
     distinct = []
     for i, ids in enumerate(ids_list):
         gu, dn = layers[i % len(layers)]
@@ -185,15 +190,14 @@ def diag_stages(which: int, layers: list, ids_list: list[np.ndarray], rng) -> di
         t0 = time.perf_counter_ns()
         xk, xs, xc = kernels._decode_activations(q, d.view(np.uint16), rows, flip, int4)
         t1 = time.perf_counter_ns()
-        gate_up(gu, xk, xs, xc, active, offsets, pair_row[members], g_u, kernels.PREFETCH_AHEAD)
-        t2 = time.perf_counter_ns()
-        kernels._act_stage(g_u[0], g_u[1], flip, hk, hs, hc)
+        gate_up(gu, xk, xs, xc, active, offsets, pair_row[members], g_u, kernels.PREFETCH_AHEAD,
+                flip, hk, hs, hc)  # SiLU and h's quantization included (act.py)
         t3 = time.perf_counter_ns()
         down(dn, hk, hs, hc, active, offsets, pair_of, slot_of_pair, w, y, out,
              kernels.PREFETCH_AHEAD)
         t4 = time.perf_counter_ns()
         if i >= 3:  # the first calls compile and warm up
-            for k, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            for k, dt in zip(times, (t1 - t0, t3 - t1, t4 - t3), strict=True):
                 times[k].append(dt / 1e3)
             distinct.append(len(active))
     med = {f"{k}_us": float(np.median(v)) for k, v in times.items()}
@@ -365,7 +369,7 @@ def main() -> None:
     hk, hs = np.empty((16, 768), np.int8), np.empty((16, 24), np.float32)
     hc = np.empty((16, 24), np.int32)
     records.append({"what": "silu_requant_16x768", "threads": 1,
-                    "us": best_us(partial(kernels._act_stage, g, u, True, hk, hs, hc), 50)})
+                    "us": best_us(partial(act.act_rows, g, u, True, hk, hs, hc), 50)})
     for r in records:
         print(json.dumps(r))
     if args.out:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cpu_experts import isa as cpu_isa
-from cpu_experts import kernels, reference, shard
+from cpu_experts import act, kernels, reference, shard
 from cpu_experts.quant import quantize, quantize_ref
 
 E, I, H = 6, 128, 256
@@ -71,7 +71,7 @@ def test_silu_mul_block_matches_numpy_bitwise() -> None:
     got = np.empty_like(g)
     h, p, two_k = np.empty(64, np.float32), np.empty(64), np.empty(64)
     for o in range(0, g.size, 32):
-        kernels.silu_mul_block(g, u, o, h, p, two_k, 32)  # scratch at an offset
+        act.silu_mul_block(g, u, o, h, p, two_k, 32)  # scratch at an offset
         got[o:o + 32] = h[32:]
     assert got.tobytes() == want.tobytes()
     inside = np.abs(g) < 700
@@ -80,25 +80,24 @@ def test_silu_mul_block_matches_numpy_bitwise() -> None:
 
 
 @pytest.mark.parametrize("pairs", [1, 3])
-def test_act_stage_equals_reference(pairs: int) -> None:
-    """The SiLU stage (on the calling thread for 1 pair, in the parallel loop for 3) gives
-    reference.py's re-quantized h, flipped for VNNI, and reports a non-finite h."""
-    assert 16 <= kernels.ACT_SERIAL_BLOCKS < 3 * 16  # 16 blocks per pair: both paths run
+def test_act_blocks_equal_reference(pairs: int) -> None:
+    """act.act_block over every block gives reference.py's re-quantized h, flipped for VNNI,
+    and reports a non-finite h."""
     rng = np.random.default_rng(7)
     g = (rng.standard_normal((pairs, 512)) * 4).astype(np.float32)
     u = rng.standard_normal((pairs, 512)).astype(np.float32)
     hk, hs = np.empty((pairs, 512), np.int8), np.empty((pairs, 16), np.float32)
     hc = np.empty((pairs, 16), np.int32)
     want_q, want_d = quantize_ref(reference.silu_mul(g, u))
-    assert kernels._act_stage(g, u, False, hk, hs, hc)
+    assert act.act_rows(g, u, False, hk, hs, hc)
     assert hk.tobytes() == want_q.tobytes()
     assert hs.tobytes() == want_d.astype(np.float32).tobytes()
     # the int4 kernels' offset correction: -8 * each block's sum of q
     assert (hc == -8 * want_q.astype(np.int32).reshape(pairs, 16, 32).sum(-1)).all()
-    assert kernels._act_stage(g, u, True, hk, hs, hc)
+    assert act.act_rows(g, u, True, hk, hs, hc)
     assert hk.tobytes() == (want_q ^ np.int8(-128)).tobytes()
     g[-1, 100] = np.inf  # silu(inf) * u = +-inf
-    assert not kernels._act_stage(g, u, True, hk, hs, hc)
+    assert not act.act_rows(g, u, True, hk, hs, hc)
 
 
 def test_f16_value_all_finite_halves() -> None:

@@ -1,0 +1,106 @@
+"""SiLU * up and the re-quantization of h, one block of 32 units of one pair at a time (the math
+of reference.py, bit for bit).
+
+The kernels (kernels.py) run no stage of their own for it: in the gate/up stage the item that
+writes the last of the four 16-unit tiles a block of 32 needs (gate and up, two tiles each)
+computes that block for every row of its expert (:func:`act_block`), while the other threads
+go on with their tiles. So there is no parallel region between gate/up and down (one costs
+~7 us on the GPU machine) and the SiLU work spreads over the threads as their tiles finish.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from cpu_experts.quant import BLOCK, quantize_block_bits
+from cpu_experts.reference import EXP_COEF, EXP_MAX, EXP_MIN, INV_LN2, LN2_HI, LN2_LO
+from cpu_experts.tiles4 import block_sum
+
+_C = EXP_COEF  # exp64's Taylor coefficients, a compile-time constant tuple
+TWO_K_BIAS = 2.0**52 + 1023.0  # k + this is exact, with k + 1023 in its low mantissa bits
+
+
+@njit(cache=True, nogil=True)
+def silu_mul_block(g, u, o: int, h, p, two_k, so: int) -> None:
+    """``h[so:so+32] = float32(silu64(g[o:o+32])) * u[o:o+32]``: exp64's operations in the
+    same order, written as straight loops LLVM vectorises. ``p`` and ``two_k`` (float64) are
+    scratch (``so:so+32`` is used), given by the caller: an allocation or a view per block
+    costs more than the block when many threads do it at once. exp64 ends with
+    ``ldexp(p, k)``; over the clamped range k lies in [-1021, 1023], where ``2**k`` is a normal
+    double and ``p * 2**k`` is exact, so ``2**k`` is built from its exponent bits, written
+    through an int64 view of ``two_k`` (made here; :class:`Scratch` makes it once)."""
+    return _silu_mul_block(g, u, o, h, p, two_k, two_k.view(np.int64), so)
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _silu_mul_block(g, u, o: int, h, p, two_k, kbits, so: int) -> None:
+    # NOTE: unsigned indices (no wraparound checks) and the numpy error model (no zero-division
+    # branch; 1 + e >= 1 anyway) let LLVM vectorise all three loops; the exponent bits of 2**k
+    # come from the float k + 2**52 + 1023 shifted left 52 (no float -> int conversion, which
+    # AVX2 has no vector form of): bits(2**52 + j) = bits(2**52) + j for 0 <= j < 2**52.
+    for i in range(BLOCK):
+        x = -np.float64(g[np.uintp(o + i)])
+        xc = min(max(x, EXP_MIN), EXP_MAX)
+        k = np.rint(xc * INV_LN2)
+        r = (xc - k * LN2_HI) - k * LN2_LO
+        q = _C[13]
+        for c in range(12, -1, -1):
+            q = q * r + _C[c]
+        p[np.uintp(so + i)] = q
+        two_k[np.uintp(so + i)] = k + TWO_K_BIAS
+    for i in range(BLOCK):
+        kbits[np.uintp(so + i)] <<= 52
+    for i in range(BLOCK):
+        gv = np.float64(g[np.uintp(o + i)])
+        e = p[np.uintp(so + i)] * two_k[np.uintp(so + i)]
+        e = np.inf if -gv > EXP_MAX else e
+        e = 0.0 if -gv < EXP_MIN else e
+        h[np.uintp(so + i)] = np.float32(gv / (1.0 + e)) * u[np.uintp(o + i)]
+
+
+@njit(cache=True, nogil=True)
+def scratch(threads: int):
+    """Per-thread scratch of :func:`act_block` for ``threads`` threads: thread ``t`` uses
+    ``32 t : 32 t + 32`` of each array: ``(h f32, h's int32 view, q int8, p f64, two_k f64,
+    two_k's int64 view)``. Made once per layer, outside the parallel loop (a view or an
+    allocation per block costs an atomic or a contended malloc)."""
+    n = threads * BLOCK
+    h = np.empty(n, np.float32)
+    two_k = np.empty(n, np.float64)
+    return h, h.view(np.int32), np.empty(n, np.int8), np.empty(n, np.float64), two_k, \
+        two_k.view(np.int64)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def act_block(gf, uf, Is: int, p: int, b: int, flip, hk, hs, hc, sc, so: int) -> bool:
+    """Block ``b`` (32 units) of pair row ``p``: ``h = float32(silu64(g)) * u`` from the flat
+    ``gf``/``uf`` (``[P, Is]`` each), re-quantized into ``hk[p, 32b:]`` (int8, tiles.py form:
+    ``^ 0x80`` when ``flip``), ``hs[p, b]`` (the scale's float32 value) and ``hc[p, b]``
+    (``-8 *`` the block's sum of q: the int4 kernels' offset correction). ``sc``:
+    :func:`scratch`, at ``so``. False if h is not finite."""
+    hbuf, hbits, qbuf, pbuf, two_k, kbits = sc
+    o = b * BLOCK
+    _silu_mul_block(gf, uf, p * Is + o, hbuf, pbuf, two_k, kbits, so)
+    s, fine = quantize_block_bits(hbuf, hbits, qbuf, so)
+    hs[p, b] = np.float32(s)
+    for i in range(BLOCK):
+        hk[p, o + i] = qbuf[so + i] ^ np.int8(-128) if flip else qbuf[so + i]
+    hc[p, b] = np.int32(-8) * block_sum(qbuf, so)
+    return fine
+
+
+@njit(cache=True, nogil=True)
+def act_rows(g, u, flip, hk, hs, hc) -> bool:
+    """Every block of every row of ``g``/``u`` ``[P, Is]`` on the calling thread (tests and
+    benchmarks; the kernels call :func:`act_block` from the gate/up stage). False if any h is
+    not finite."""
+    P, Is = g.shape
+    sc = scratch(1)
+    ok = True
+    gf, uf = g.reshape(g.size), u.reshape(u.size)
+    for p in range(P):
+        for b in range(Is // BLOCK):
+            ok = act_block(gf, uf, Is, p, b, flip, hk, hs, hc, sc, 0) and ok
+    return ok
+
