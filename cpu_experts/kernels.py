@@ -29,7 +29,7 @@ from cpu_experts.isa import ISA_AVX2, ISA_AVX512VNNI, ISA_PORTABLE
 from cpu_experts.pairs import group_pairs
 from cpu_experts.quant import BLOCK
 from cpu_experts.tiles import TU, block_prologue, rows_block
-from cpu_experts.tiles4 import BLOCK_BYTES4, WIDE_ROWS, block_sum, rows_per_call
+from cpu_experts.tiles4 import BLOCK_BYTES4, GROUP_ROWS, WIDE_ROWS, block_sum, rows_per_call
 
 PREFETCH_AHEAD = 16384  # bytes ahead of the block being read (default; 0 = the block itself)
 ROWS = 4  # rows per micro-kernel call (tiles.rows_block); a remainder goes 2, then 1
@@ -62,15 +62,19 @@ def _block_rows(isa, wf, at, x, xs, xc, rows, lo, hi, b, of, obase, ostride, ws)
     """One block (at byte ``at`` of wf) applied to slots ``lo:hi``: slot j reads activation row
     ``rows[j]`` (j when rows is None) of x/xs/xc and adds into ``of[obase + j * ostride:][:16]``.
     :data:`ROWS` slots per micro-kernel call while that many are left, then 2, then 1 (the
-    bits are the same); int4 tiles on VNNI first take tiles4.WIDE_ROWS at a time. Inlined
-    into the stage (whose ``isa`` is a literal): a call here would cost more than one block
-    at 1 row."""
+    bits are the same); int4 tiles on VNNI first take tiles4.WIDE_ROWS at a time, then
+    GROUP_ROWS. Inlined into the stage (whose ``isa`` is a literal): a call here would cost
+    more than one block at 1 row."""
     j = lo
     if rows_per_call(isa, wf) == WIDE_ROWS:
         while hi - j >= WIDE_ROWS:
             rows_block(isa, WIDE_ROWS, wf, at, x, xs, xc, rows, j, b, of, obase + j * ostride,
                        ostride, ws)
             j += WIDE_ROWS
+        if hi - j >= GROUP_ROWS:
+            rows_block(isa, GROUP_ROWS, wf, at, x, xs, xc, rows, j, b, of,
+                       obase + j * ostride, ostride, ws)
+            j += GROUP_ROWS
     while hi - j >= ROWS:
         rows_block(isa, ROWS, wf, at, x, xs, xc, rows, j, b, of, obase + j * ostride, ostride, ws)
         j += ROWS

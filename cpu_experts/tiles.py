@@ -116,10 +116,10 @@ def _dot_portable(builder, wp, xp):
     return [acc]
 
 
-MAX_ROWS = 8  # rows per rows_block call (a compile-time literal, 1..MAX_ROWS)
+MAX_ROWS = 16  # rows per rows_block call (a compile-time literal, 1..MAX_ROWS)
 # Rows whose dots are taken together (sharing weight registers) before their outputs are
 # stored: AVX2's dot already needs a sign per row and weight, and 16 ymm registers hold no more.
-_GROUP = {ISA_AVX512VNNI: MAX_ROWS, ISA_AVX2: 1, ISA_PORTABLE: 1}
+_GROUP = {ISA_AVX512VNNI: 8, ISA_AVX2: 1, ISA_PORTABLE: 1}
 
 
 def _rows_of(nrows) -> int:
@@ -197,11 +197,15 @@ def rows_block(typingctx, isa, nrows, w, woff, x, xs, xc, rows, j, b, o, ooff, o
         if which == ISA_AVX512VNNI and not int4:
             start = builder.load(ptr(context, builder, aty[13], wsv, None,
                                       ir.VectorType(I32, 16)), align=4)
-        group = count if int4 else _GROUP[which]
+        if int4:
+            wts = tiles4.weights(builder, which, wp8)
+            group = tiles4.GROUP_ROWS if which == ISA_AVX512VNNI else count
+        else:
+            group = _GROUP[which]
         for k0 in range(0, count, group):
             ks = range(k0, min(k0 + group, count))
             if int4:
-                dots = tiles4.dots(builder, which, wp8, [xps[k] for k in ks],
+                dots = tiles4.dots(builder, which, wts, [xps[k] for k in ks],
                                    [xcs[k] for k in ks])
             elif which == ISA_AVX512VNNI:
                 dots = _dots_vnni(builder, wp, [xps[k] for k in ks], start)

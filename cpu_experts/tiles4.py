@@ -52,9 +52,11 @@ BLOCK_BYTES4 = NIBBLE_BYTES + TU * 2  # ... followed by its 16 fp16 scales
 CHUNKS = 4  # 64-byte chunks of nibbles, two groups each
 # Rows per micro-kernel call of int4 tiles on VNNI (kernels._block_rows; int8 tiles and the
 # other instruction sets take 4): the nibbles are unpacked and the scales widened once per
-# call, so 8 rows pay for them half as often as 4; 8 row accumulators + 8 weight vectors fit
-# the 32 zmm registers (16 rows per call spilled and ran slower).
-WIDE_ROWS = 8
+# call, so 16 rows pay for them a quarter as often as 4. The rows go in groups of GROUP_ROWS,
+# each group's dots taken and its outputs stored before the next group's: 8 row accumulators
+# + 8 weight vectors fit the 32 zmm registers (all 16 rows' dots at once spilled).
+WIDE_ROWS = 16
+GROUP_ROWS = 8
 
 
 def _nibbles(builder, chunk, count: int):
@@ -119,15 +121,21 @@ def _chunks64(builder, wp8):
     return out
 
 
-def dots_vnni(builder, wp8, xps, xcs):
-    """Per row: one <16 x i32> ``xc + sum_g vpdpbusd(n_g, x_g)``; weights unpacked once.
-    Below :data:`WIDE_ROWS` rows each row runs two dependent chains (half the latency); at
-    WIDE_ROWS the rows' chains are independent enough, and one chain saves the add that
+def weights_vnni(builder, wp8):
+    """The block's 8 groups of unsigned nibbles as ``<16 x i32>`` (the dot instructions'
+    operand), unpacked once for every row of a call."""
+    v16 = ir.VectorType(I32, 16)
+    return [builder.bitcast(v, v16) for v in _groups(builder, wp8, 64, 0)]
+
+
+def dots_vnni(builder, wvs, xps, xcs):
+    """Per row: one <16 x i32> ``xc + sum_g vpdpbusd(n_g, x_g)`` from :func:`weights_vnni`.
+    Below :data:`GROUP_ROWS` rows each row runs two dependent chains (half the latency); from
+    GROUP_ROWS on the rows' chains are independent enough, and one chain saves the add that
     joins two (an integer sum: the same dot either way)."""
     v16 = ir.VectorType(I32, 16)
     dp = fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16, v16, v16])
-    wvs = [builder.bitcast(v, v16) for v in _groups(builder, wp8, 64, 0)]
-    chains = 1 if len(xps) >= WIDE_ROWS else 2
+    chains = 1 if len(xps) >= GROUP_ROWS else 2
     out = []
     for xp, xc in zip(xps, xcs, strict=True):
         acc = [splat(builder, xc, v16), ir.Constant(v16, [0] * 16)][:chains]
@@ -170,11 +178,19 @@ def dots_portable(builder, wp8, xps, xcs):
     return out
 
 
-DOTS = {ISA_AVX512VNNI: dots_vnni, ISA_AVX2: dots_avx2}
+def weights(builder, which: int, wp8):
+    """What :func:`dots` takes as the block's weights: the unpacked nibbles on VNNI (shared by
+    every group of rows of a call), else the block's address (AVX2 and portable unpack per
+    call, their registers being fewer)."""
+    return weights_vnni(builder, wp8) if which == ISA_AVX512VNNI else wp8
 
 
-def dots(builder, which: int, wp8, xps, xcs):
-    return DOTS.get(which, dots_portable)(builder, wp8, xps, xcs)
+def dots(builder, which: int, wts, xps, xcs):
+    """Per row, the block's int32 dots (a list of vectors: one <16 x i32>, or AVX2's two
+    <8 x i32>); ``wts`` from :func:`weights`."""
+    if which == ISA_AVX512VNNI:
+        return dots_vnni(builder, wts, xps, xcs)
+    return (dots_avx2 if which == ISA_AVX2 else dots_portable)(builder, wts, xps, xcs)
 
 
 def half_to_float(builder, bits16):

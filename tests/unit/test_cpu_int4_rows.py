@@ -1,7 +1,7 @@
 """The int4 kernels' row handling and activation decoding: every split of an expert's rows into
-micro-kernel calls (8 per call for int4 tiles on VNNI, then 4, 2, 1) bit for bit against the
-emulation, the serial decode of the activations (fp16 scales, block sums) exactly, and the
-helpers of tiles4.py those use."""
+micro-kernel calls (16 per call for int4 tiles on VNNI, then 8, then 4, 2, 1) bit for bit
+against the emulation, the serial decode of the activations (fp16 scales, block sums)
+exactly, and the helpers of tiles4.py those use."""
 
 import numpy as np
 import pytest
