@@ -11,11 +11,13 @@ go on with their tiles. So there is no parallel region between gate/up and down 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
-from cpu_experts.quant import BLOCK, quantize_block_bits
+from cpu_experts.irhelp import F32, I8, I32, at, check_array, fn, splat
+from cpu_experts.quant import BLOCK, QMAX, f16_round
 from cpu_experts.reference import EXP_COEF, EXP_MAX, EXP_MIN, INV_LN2, LN2_HI, LN2_LO
-from cpu_experts.tiles4 import block_sum
 
 _C = EXP_COEF  # exp64's Taylor coefficients, a compile-time constant tuple
 TWO_K_BIAS = 2.0**52 + 1023.0  # k + this is exact, with k + 1023 in its low mantissa bits
@@ -62,31 +64,90 @@ def _silu_mul_block(g, u, o: int, h, p, two_k, kbits, so: int) -> None:
 @njit(cache=True, nogil=True)
 def scratch(threads: int):
     """Per-thread scratch of :func:`act_block` for ``threads`` threads: thread ``t`` uses
-    ``32 t : 32 t + 32`` of each array: ``(h f32, h's int32 view, q int8, p f64, two_k f64,
-    two_k's int64 view)``. Made once per layer, outside the parallel loop (a view or an
-    allocation per block costs an atomic or a contended malloc)."""
+    ``32 t : 32 t + 32`` of each array: ``(h f32, h's int32 view, p f64, two_k f64, two_k's
+    int64 view)``. Made once per layer, outside the parallel loop (a view or an allocation
+    per block costs an atomic or a contended malloc)."""
     n = threads * BLOCK
     h = np.empty(n, np.float32)
     two_k = np.empty(n, np.float64)
-    return h, h.view(np.int32), np.empty(n, np.int8), np.empty(n, np.float64), two_k, \
-        two_k.view(np.int64)
+    return h, h.view(np.int32), np.empty(n, np.float64), two_k, two_k.view(np.int64)
+
+
+@intrinsic
+def _amax(typingctx, xbits, o):
+    """``max |x|`` of the 32 float32 values whose int32 bit patterns are ``xbits[o:o+32]``,
+    as one vector max of the patterns with the sign cleared (for non-negative floats the
+    integer order is the float order, so the max is exact); inf or nan when any x is not
+    finite (their patterns are the largest)."""
+    check_array(xbits, types.int32, "xbits")
+    sig = types.float32(xbits, types.int64)
+
+    def codegen(context, builder, signature, args):
+        v32 = ir.VectorType(I32, BLOCK)
+        p = at(context, builder, signature.args[0], args[0], args[1], v32)
+        mag = builder.and_(builder.load(p, align=4), ir.Constant(v32, [0x7FFFFFFF] * BLOCK))
+        red = fn(builder, "llvm.vector.reduce.smax.v32i32", I32, [v32])
+        return builder.bitcast(builder.call(red, [mag]), F32)
+
+    return sig, codegen
+
+
+@intrinsic
+def _quantize32(typingctx, x, o, s, q, qo, mask):
+    """``q[qo:qo+32] = int8(clamp(rint(x[o:o+32] / s), -127, 127)) ^ mask`` as vector
+    operations (IEEE division and round-half-even: the scalar rule's bits), returning the sum
+    of the int8 values before the mask (int32)."""
+    check_array(x, types.float32, "x")
+    check_array(q, types.int8, "q")
+    sig = types.int32(x, types.int64, types.float32, q, types.int64, types.int8)
+
+    def codegen(context, builder, signature, args):
+        xv, ov, sv, qv, qov, maskv = args
+        vf, vi, vb = (ir.VectorType(t, BLOCK) for t in (F32, I32, I8))
+        v = builder.load(at(context, builder, signature.args[0], xv, ov, vf), align=4)
+        r = builder.call(fn(builder, "llvm.rint.v32f32", vf, [vf]),
+                         [builder.fdiv(v, splat(builder, sv, vf))])
+        lo, hi = ir.Constant(vf, [-float(QMAX)] * BLOCK), ir.Constant(vf, [float(QMAX)] * BLOCK)
+        r = builder.select(builder.fcmp_ordered("<", r, lo), lo, r)
+        r = builder.select(builder.fcmp_ordered(">", r, hi), hi, r)
+        qi = builder.fptosi(r, vi)
+        q8 = builder.xor(builder.trunc(qi, vb), splat(builder, maskv, vb))
+        builder.store(q8, at(context, builder, signature.args[3], qv, qov, vb), align=1)
+        return builder.call(fn(builder, "llvm.vector.reduce.add.v32i32", I32, [vi]), [qi])
+
+    return sig, codegen
 
 
 @njit(cache=True, nogil=True, inline="always")
-def act_block(gf, uf, Is: int, p: int, b: int, flip, hk, hs, hc, sc, so: int) -> bool:
+def quantize_h(h, hbits, so: int, q, qo: int, mask) -> tuple[float, int, bool]:
+    """quant.py's rule for the 32 values ``h[so:so+32]`` (``hbits``: their int32 view):
+    ``q[qo:qo+32]`` (int8, ``^ mask``), and returns (the scale's value, the sum of the q
+    before the mask, finite). Vector code for the max and the quotients; the scale's rounding
+    to a half is quant.f16_round's. Nothing is written when a value is not finite."""
+    amax = _amax(hbits, so)
+    if not amax < np.float32(np.inf):  # inf or nan
+        return 0.0, 0, False
+    s = f16_round(np.float64(amax / np.float32(QMAX)))
+    if s == 0.0:
+        for i in range(BLOCK):
+            q[np.uintp(qo + i)] = mask
+        return 0.0, 0, True
+    return s, _quantize32(h, so, np.float32(s), q, qo, mask), True
+
+
+@njit(cache=True, nogil=True, inline="always")
+def act_block(gf, uf, Is: int, p: int, b: int, flip, hkf, hs, hc, sc, so: int) -> bool:
     """Block ``b`` (32 units) of pair row ``p``: ``h = float32(silu64(g)) * u`` from the flat
-    ``gf``/``uf`` (``[P, Is]`` each), re-quantized into ``hk[p, 32b:]`` (int8, tiles.py form:
-    ``^ 0x80`` when ``flip``), ``hs[p, b]`` (the scale's float32 value) and ``hc[p, b]``
-    (``-8 *`` the block's sum of q: the int4 kernels' offset correction). ``sc``:
-    :func:`scratch`, at ``so``. False if h is not finite."""
-    hbuf, hbits, qbuf, pbuf, two_k, kbits = sc
-    o = b * BLOCK
-    _silu_mul_block(gf, uf, p * Is + o, hbuf, pbuf, two_k, kbits, so)
-    s, fine = quantize_block_bits(hbuf, hbits, qbuf, so)
+    ``gf``/``uf`` (``[P, Is]`` each), re-quantized into the flat ``hkf`` at ``p * Is + 32b``
+    (int8, tiles.py form: ``^ 0x80`` when ``flip``), ``hs[p, b]`` (the scale's float32
+    value) and ``hc[p, b]`` (``-8 *`` the block's sum of q: the int4 kernels' offset
+    correction). ``sc``: :func:`scratch`, at ``so``. False if h is not finite."""
+    hbuf, hbits, pbuf, two_k, kbits = sc
+    o = p * Is + b * BLOCK
+    _silu_mul_block(gf, uf, o, hbuf, pbuf, two_k, kbits, so)
+    s, total, fine = quantize_h(hbuf, hbits, so, hkf, o, np.int8(-128) if flip else np.int8(0))
     hs[p, b] = np.float32(s)
-    for i in range(BLOCK):
-        hk[p, o + i] = qbuf[so + i] ^ np.int8(-128) if flip else qbuf[so + i]
-    hc[p, b] = np.int32(-8) * block_sum(qbuf, so)
+    hc[p, b] = np.int32(-8) * np.int32(total)
     return fine
 
 
@@ -98,9 +159,9 @@ def act_rows(g, u, flip, hk, hs, hc) -> bool:
     P, Is = g.shape
     sc = scratch(1)
     ok = True
-    gf, uf = g.reshape(g.size), u.reshape(u.size)
+    gf, uf, hkf = g.reshape(g.size), u.reshape(u.size), hk.reshape(hk.size)
     for p in range(P):
         for b in range(Is // BLOCK):
-            ok = act_block(gf, uf, Is, p, b, flip, hk, hs, hc, sc, 0) and ok
+            ok = act_block(gf, uf, Is, p, b, flip, hkf, hs, hc, sc, 0) and ok
     return ok
 

@@ -110,7 +110,7 @@ def _gate_up_stage(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead, fli
     units = T * TU
     half = T // 2  # blocks of 32 units
     wf, of = w.reshape(w.size), out.reshape(out.size)
-    gf, uf = of[:P * units], of[P * units:]
+    gf, uf, hkf = of[:P * units], of[P * units:], hk.reshape(hk.size)
     for it in prange(active.shape[0] * M * T):
         a = it // (M * T)
         m = (it // T) % M
@@ -137,7 +137,7 @@ def _gate_up_stage(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead, fli
             so = numba.get_thread_id() * BLOCK
             ok = True
             for j in range(lo, hi):
-                ok = act_block(gf, uf, units, j, t // 2, flip, hk, hs, hc, sc, so) and ok
+                ok = act_block(gf, uf, units, j, t // 2, flip, hkf, hs, hc, sc, so) and ok
             fine[c] = ok
 
 

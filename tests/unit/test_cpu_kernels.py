@@ -4,9 +4,10 @@ are skipped here (the AVX-512 VNNI one runs on the GPU machine, see docs/cpu_exp
 
 import numpy as np
 import pytest
+from numba import njit
 
-from cpu_experts import isa as cpu_isa
 from cpu_experts import act, kernels, reference, shard
+from cpu_experts import isa as cpu_isa
 from cpu_experts.quant import quantize, quantize_ref
 
 E, I, H = 6, 128, 256
@@ -77,6 +78,42 @@ def test_silu_mul_block_matches_numpy_bitwise() -> None:
     inside = np.abs(g) < 700
     g64 = g[inside].astype(np.float64)
     assert np.allclose(want[inside], g64 / (1 + np.exp(-g64)) * u[inside], rtol=1e-6, atol=1e-30)
+
+
+@njit
+def _quantize_h_all(h, mask):
+    n = h.size // 32
+    q = np.empty(h.size, np.int8)
+    scales, sums, fine = np.empty(n), np.empty(n, np.int64), np.empty(n, np.bool_)
+    hbits = h.view(np.int32)
+    for b in range(n):
+        scales[b], sums[b], fine[b] = act.quantize_h(h, hbits, 32 * b, q, 32 * b, mask)
+    return q, scales, sums, fine
+
+
+def test_quantize_h_equals_rule() -> None:
+    """The vector quantizer of h gives quant.py's rule byte for byte: ties of x / scale at
+    .5 (to even), the clamp at +-127, scales that round to 0 (every q 0), subnormal and huge
+    values, signed zeros; and it reports inf and nan."""
+    rng = np.random.default_rng(11)
+    blocks = [rng.standard_normal(32) * 10 ** rng.uniform(-30, 30) for _ in range(400)]
+    ties = np.arange(-16, 16) + 0.5
+    blocks += [ties * 2.0 ** -4, ties, np.r_[127.0, -127.0, 126.5, -126.5, 0.5, -0.5, np.zeros(26)],
+               np.full(32, 1e-39), np.full(32, -3e-45), np.zeros(32), np.r_[-0.0, np.zeros(31)],
+               np.full(32, 3e38), np.r_[65504.0 * 127, -1e38, np.ones(30)],
+               rng.standard_normal(32) * 2.0 ** -26]
+    h = np.concatenate(blocks).astype(np.float32)
+    want_q, want_d = quantize_ref(h)
+    for mask in (0, -128):
+        q, scales, sums, fine = _quantize_h_all(h, np.int8(mask))
+        assert fine.all()
+        assert q.tobytes() == (want_q ^ np.int8(mask)).tobytes()
+        assert scales.astype(np.float32).tobytes() == want_d.astype(np.float32).tobytes()
+        assert (sums == want_q.astype(np.int64).reshape(-1, 32).sum(1)).all()
+    for bad in (np.inf, -np.inf, np.nan):
+        x = np.ones(32, np.float32)
+        x[17] = bad
+        assert not _quantize_h_all(x, np.int8(0))[3][0]
 
 
 @pytest.mark.parametrize("pairs", [1, 3])
