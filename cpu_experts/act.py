@@ -23,54 +23,63 @@ _C = EXP_COEF  # exp64's Taylor coefficients, a compile-time constant tuple
 TWO_K_BIAS = 2.0**52 + 1023.0  # k + this is exact, with k + 1023 in its low mantissa bits
 
 
+@intrinsic
+def _silu32(typingctx, g, o, u, h, ho):
+    """``h[ho:ho+32] = float32(silu64(g[o:o+32])) * u[o:o+32]``: reference.exp64's operations
+    on vectors of 32 doubles, in the same order and with no fused multiply-add, so each lane
+    rounds as the scalar code does. exp64 ends with ``ldexp(p, k)``; over the clamped range k
+    lies in [-1021, 1023], where ``2**k`` is a normal double and ``p * 2**k`` is exact, so
+    ``2**k`` is built from its exponent bits: ``bits(k + 2**52 + 1023) << 52`` (k + 2**52 +
+    1023 is exact, with k + 1023 in its low mantissa bits)."""
+    for name, arr in (("g", g), ("u", u), ("h", h)):
+        check_array(arr, types.float32, name)
+    sig = types.void(g, types.int64, u, h, types.int64)
+
+    def codegen(context, builder, signature, args):
+        gv, ov, uv, hv, hov = args
+        aty = signature.args
+        vf, vd, vi = (ir.VectorType(t, BLOCK) for t in (F32, ir.DoubleType(), ir.IntType(64)))
+
+        def c(value: float):
+            return ir.Constant(vd, [value] * BLOCK)
+
+        g64 = builder.fpext(builder.load(at(context, builder, aty[0], gv, ov, vf), align=4), vd)
+        x = builder.fneg(g64)
+        xc = builder.select(builder.fcmp_ordered("<", x, c(EXP_MIN)), c(EXP_MIN), x)
+        xc = builder.select(builder.fcmp_ordered(">", xc, c(EXP_MAX)), c(EXP_MAX), xc)
+        k = builder.call(fn(builder, "llvm.rint.v32f64", vd, [vd]),
+                         [builder.fmul(xc, c(INV_LN2))])
+        r = builder.fsub(builder.fsub(xc, builder.fmul(k, c(LN2_HI))), builder.fmul(k, c(LN2_LO)))
+        q = c(_C[13])
+        for i in range(12, -1, -1):
+            q = builder.fadd(builder.fmul(q, r), c(_C[i]))
+        bits = builder.shl(builder.bitcast(builder.fadd(k, c(TWO_K_BIAS)), vi),
+                           ir.Constant(vi, [52] * BLOCK))
+        e = builder.fmul(q, builder.bitcast(bits, vd))
+        e = builder.select(builder.fcmp_ordered(">", x, c(EXP_MAX)), c(float("inf")), e)
+        e = builder.select(builder.fcmp_ordered("<", x, c(EXP_MIN)), c(0.0), e)
+        s32 = builder.fptrunc(builder.fdiv(g64, builder.fadd(c(1.0), e)), vf)
+        uvec = builder.load(at(context, builder, aty[2], uv, ov, vf), align=4)
+        builder.store(builder.fmul(s32, uvec), at(context, builder, aty[3], hv, hov, vf),
+                      align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @njit(cache=True, nogil=True)
-def silu_mul_block(g, u, o: int, h, p, two_k, so: int) -> None:
-    """``h[so:so+32] = float32(silu64(g[o:o+32])) * u[o:o+32]``: exp64's operations in the
-    same order, written as straight loops LLVM vectorises. ``p`` and ``two_k`` (float64) are
-    scratch (``so:so+32`` is used), given by the caller: an allocation or a view per block
-    costs more than the block when many threads do it at once. exp64 ends with
-    ``ldexp(p, k)``; over the clamped range k lies in [-1021, 1023], where ``2**k`` is a normal
-    double and ``p * 2**k`` is exact, so ``2**k`` is built from its exponent bits, written
-    through an int64 view of ``two_k`` (made here; :class:`Scratch` makes it once)."""
-    return _silu_mul_block(g, u, o, h, p, two_k, two_k.view(np.int64), so)
-
-
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _silu_mul_block(g, u, o: int, h, p, two_k, kbits, so: int) -> None:
-    # NOTE: unsigned indices (no wraparound checks) and the numpy error model (no zero-division
-    # branch; 1 + e >= 1 anyway) let LLVM vectorise all three loops; the exponent bits of 2**k
-    # come from the float k + 2**52 + 1023 shifted left 52 (no float -> int conversion, which
-    # AVX2 has no vector form of): bits(2**52 + j) = bits(2**52) + j for 0 <= j < 2**52.
-    for i in range(BLOCK):
-        x = -np.float64(g[np.uintp(o + i)])
-        xc = min(max(x, EXP_MIN), EXP_MAX)
-        k = np.rint(xc * INV_LN2)
-        r = (xc - k * LN2_HI) - k * LN2_LO
-        q = _C[13]
-        for c in range(12, -1, -1):
-            q = q * r + _C[c]
-        p[np.uintp(so + i)] = q
-        two_k[np.uintp(so + i)] = k + TWO_K_BIAS
-    for i in range(BLOCK):
-        kbits[np.uintp(so + i)] <<= 52
-    for i in range(BLOCK):
-        gv = np.float64(g[np.uintp(o + i)])
-        e = p[np.uintp(so + i)] * two_k[np.uintp(so + i)]
-        e = np.inf if -gv > EXP_MAX else e
-        e = 0.0 if -gv < EXP_MIN else e
-        h[np.uintp(so + i)] = np.float32(gv / (1.0 + e)) * u[np.uintp(o + i)]
+def silu_mul_block(g, u, o: int, h, ho: int) -> None:
+    """``h[ho:ho+32] = float32(silu64(g[o:o+32])) * u[o:o+32]`` (reference.silu_mul's bits)."""
+    _silu32(g, o, u, h, ho)
 
 
 @njit(cache=True, nogil=True)
 def scratch(threads: int):
     """Per-thread scratch of :func:`act_block` for ``threads`` threads: thread ``t`` uses
-    ``32 t : 32 t + 32`` of each array: ``(h f32, h's int32 view, p f64, two_k f64, two_k's
-    int64 view)``. Made once per layer, outside the parallel loop (a view or an allocation
-    per block costs an atomic or a contended malloc)."""
-    n = threads * BLOCK
-    h = np.empty(n, np.float32)
-    two_k = np.empty(n, np.float64)
-    return h, h.view(np.int32), np.empty(n, np.float64), two_k, two_k.view(np.int64)
+    ``32 t : 32 t + 32`` of ``(h f32, h's int32 view)``. Made once per layer, outside the
+    parallel loop (a view or an allocation per block costs an atomic or a contended malloc)."""
+    h = np.empty(threads * BLOCK, np.float32)
+    return h, h.view(np.int32)
 
 
 @intrinsic
@@ -142,9 +151,9 @@ def act_block(gf, uf, Is: int, p: int, b: int, flip, hkf, hs, hc, sc, so: int) -
     (int8, tiles.py form: ``^ 0x80`` when ``flip``), ``hs[p, b]`` (the scale's float32
     value) and ``hc[p, b]`` (``-8 *`` the block's sum of q: the int4 kernels' offset
     correction). ``sc``: :func:`scratch`, at ``so``. False if h is not finite."""
-    hbuf, hbits, pbuf, two_k, kbits = sc
+    hbuf, hbits = sc
     o = p * Is + b * BLOCK
-    _silu_mul_block(gf, uf, o, hbuf, pbuf, two_k, kbits, so)
+    _silu32(gf, o, uf, hbuf, so)
     s, total, fine = quantize_h(hbuf, hbits, so, hkf, o, np.int8(-128) if flip else np.int8(0))
     hs[p, b] = np.float32(s)
     hc[p, b] = np.int32(-8) * np.int32(total)
