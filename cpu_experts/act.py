@@ -15,8 +15,9 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from cpu_experts.irhelp import F32, I8, I32, at, check_array, fn, splat
+from cpu_experts.irhelp import F32, at, check_array, fn
 from cpu_experts.quant import BLOCK, QMAX, f16_round
+from cpu_experts.quant_vec import amax32, quantize32
 from cpu_experts.reference import EXP_COEF, EXP_MAX, EXP_MIN, INV_LN2, LN2_HI, LN2_LO
 
 _C = EXP_COEF  # exp64's Taylor coefficients, a compile-time constant tuple
@@ -82,58 +83,13 @@ def scratch(threads: int):
     return h, h.view(np.int32)
 
 
-@intrinsic
-def _amax(typingctx, xbits, o):
-    """``max |x|`` of the 32 float32 values whose int32 bit patterns are ``xbits[o:o+32]``,
-    as one vector max of the patterns with the sign cleared (for non-negative floats the
-    integer order is the float order, so the max is exact); inf or nan when any x is not
-    finite (their patterns are the largest)."""
-    check_array(xbits, types.int32, "xbits")
-    sig = types.float32(xbits, types.int64)
-
-    def codegen(context, builder, signature, args):
-        v32 = ir.VectorType(I32, BLOCK)
-        p = at(context, builder, signature.args[0], args[0], args[1], v32)
-        mag = builder.and_(builder.load(p, align=4), ir.Constant(v32, [0x7FFFFFFF] * BLOCK))
-        red = fn(builder, "llvm.vector.reduce.smax.v32i32", I32, [v32])
-        return builder.bitcast(builder.call(red, [mag]), F32)
-
-    return sig, codegen
-
-
-@intrinsic
-def _quantize32(typingctx, x, o, s, q, qo, mask):
-    """``q[qo:qo+32] = int8(clamp(rint(x[o:o+32] / s), -127, 127)) ^ mask`` as vector
-    operations (IEEE division and round-half-even: the scalar rule's bits), returning the sum
-    of the int8 values before the mask (int32)."""
-    check_array(x, types.float32, "x")
-    check_array(q, types.int8, "q")
-    sig = types.int32(x, types.int64, types.float32, q, types.int64, types.int8)
-
-    def codegen(context, builder, signature, args):
-        xv, ov, sv, qv, qov, maskv = args
-        vf, vi, vb = (ir.VectorType(t, BLOCK) for t in (F32, I32, I8))
-        v = builder.load(at(context, builder, signature.args[0], xv, ov, vf), align=4)
-        r = builder.call(fn(builder, "llvm.rint.v32f32", vf, [vf]),
-                         [builder.fdiv(v, splat(builder, sv, vf))])
-        lo, hi = ir.Constant(vf, [-float(QMAX)] * BLOCK), ir.Constant(vf, [float(QMAX)] * BLOCK)
-        r = builder.select(builder.fcmp_ordered("<", r, lo), lo, r)
-        r = builder.select(builder.fcmp_ordered(">", r, hi), hi, r)
-        qi = builder.fptosi(r, vi)
-        q8 = builder.xor(builder.trunc(qi, vb), splat(builder, maskv, vb))
-        builder.store(q8, at(context, builder, signature.args[3], qv, qov, vb), align=1)
-        return builder.call(fn(builder, "llvm.vector.reduce.add.v32i32", I32, [vi]), [qi])
-
-    return sig, codegen
-
-
 @njit(cache=True, nogil=True, inline="always")
 def quantize_h(h, hbits, so: int, q, qo: int, mask) -> tuple[float, int, bool]:
     """quant.py's rule for the 32 values ``h[so:so+32]`` (``hbits``: their int32 view):
     ``q[qo:qo+32]`` (int8, ``^ mask``), and returns (the scale's value, the sum of the q
     before the mask, finite). Vector code for the max and the quotients; the scale's rounding
     to a half is quant.f16_round's. Nothing is written when a value is not finite."""
-    amax = _amax(hbits, so)
+    amax = amax32(hbits, so)
     if not amax < np.float32(np.inf):  # inf or nan
         return 0.0, 0, False
     s = f16_round(np.float64(amax / np.float32(QMAX)))
@@ -141,7 +97,7 @@ def quantize_h(h, hbits, so: int, q, qo: int, mask) -> tuple[float, int, bool]:
         for i in range(BLOCK):
             q[np.uintp(qo + i)] = mask
         return 0.0, 0, True
-    return s, _quantize32(h, so, np.float32(s), q, qo, mask), True
+    return s, quantize32(h, so, np.float32(s), q, qo, mask, QMAX), True
 
 
 @njit(cache=True, nogil=True, inline="always")

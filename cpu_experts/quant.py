@@ -36,6 +36,7 @@ import numpy as np
 from numba import njit
 
 from cpu_experts.errors import NonFiniteActivation
+from cpu_experts.quant_vec import amax32, quantize32
 
 BLOCK = 32
 QMAX = 127
@@ -91,30 +92,11 @@ def f16_bits(v: float) -> np.uint16:
 
 
 @njit(cache=True, nogil=True)
-def _max_abs_bits(xbits, o: int) -> np.int32:
-    """max over the block of the bit patterns of |x| (int32 order = float order for |x|)."""
-    m = np.int32(0)
-    for t in range(BLOCK):
-        v = xbits[np.uintp(o + t)] & np.int32(0x7FFFFFFF)
-        m = v if v > m else m
-    return m
-
-
-@njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz"})
-def _max_abs_finite(x, o: int) -> np.float32:
-    """max |x| of a block known to be finite (exact: max is order-independent)."""
-    m = np.float32(0.0)
-    for t in range(BLOCK):
-        m = max(m, abs(x[np.uintp(o + t)]))
-    return m
-
-
-@njit(cache=True, nogil=True)
 def quantize_block(x, q, o: int) -> tuple[float, bool]:
     """Quantize ``x[o:o+32]`` (float32) into ``q[o:o+32]`` (int8); returns (scale value, ok).
 
-    Indices are unsigned so Numba emits no wraparound checks and LLVM vectorizes the loops;
-    inf/nan are the |x| bit patterns >= 0x7f800000, so an integer max finds them.
+    The max and the quotients are vector code (quant_vec.py); inf/nan are the |x| bit
+    patterns >= 0x7f800000, so an integer max finds them.
     """
     return _quantize_block(x, x.view(np.int32), q, o, QMAX)
 
@@ -128,20 +110,16 @@ def quantize_block_bits(x, xbits, q, o: int) -> tuple[float, bool]:
 
 @njit(cache=True, nogil=True, inline="always")
 def _quantize_block(x, xbits, q, o: int, qmax: int) -> tuple[float, bool]:
-    if _max_abs_bits(xbits, o) >= np.int32(0x7F800000):
+    amax = amax32(xbits, o)  # inf or nan when the block is not finite
+    if not amax < np.float32(np.inf):
         return 0.0, False
-    amax = _max_abs_finite(x, o)
     d = amax / np.float32(qmax)
     s = f16_round(np.float64(d))
     if s == 0.0:
         for t in range(BLOCK):
             q[np.uintp(o + t)] = 0
         return 0.0, True
-    s32 = np.float32(s)
-    for t in range(BLOCK):
-        r = np.rint(x[np.uintp(o + t)] / s32)
-        r = min(max(r, np.float32(-qmax)), np.float32(qmax))
-        q[np.uintp(o + t)] = np.int8(r)
+    quantize32(x, o, np.float32(s), q, o, np.int8(0), qmax)
     return s, True
 
 
