@@ -7,7 +7,7 @@ from numba import types
 from numba.core import cgutils
 from numba.core.errors import TypingError
 
-from cpu_experts.isa import ISA_AVX2, ISA_AVX512VNNI, ISA_PORTABLE
+from cpu_experts.isa import ISA_AMX, ISA_AVX2, ISA_AVX512VNNI, ISA_PORTABLE
 
 GROUPS = 8  # groups of 4 positions in a block of 32
 
@@ -20,12 +20,19 @@ F32 = ir.FloatType()
 
 
 def isa_of(isa) -> int:
+    """The instruction set of a literal: AMX is AVX-512 VNNI to every micro-kernel but the
+    int4 16-row one (:func:`is_amx`)."""
     if not isinstance(isa, types.IntegerLiteral):
         raise TypingError(f"the instruction set must be a literal int, got {isa}")
     value = isa.literal_value
-    if value not in (ISA_PORTABLE, ISA_AVX2, ISA_AVX512VNNI):
+    if value not in (ISA_PORTABLE, ISA_AVX2, ISA_AVX512VNNI, ISA_AMX):
         raise TypingError(f"unknown instruction set {value}")
-    return value
+    return ISA_AVX512VNNI if value == ISA_AMX else value
+
+
+def is_amx(isa) -> bool:
+    isa_of(isa)
+    return isa.literal_value == ISA_AMX
 
 
 def check_array(ty, dtype, name: str) -> None:

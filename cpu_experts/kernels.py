@@ -23,9 +23,10 @@ import numpy as np
 from numba import njit, prange
 
 from cpu_experts.act import act_block, scratch
+from cpu_experts.amx import tile_begin, tile_end
 from cpu_experts.atomics import fetch_add, num_threads
 from cpu_experts.errors import ERR_EXPERT_ID, ERR_NON_FINITE, ERR_OK
-from cpu_experts.isa import ISA_AVX2, ISA_AVX512VNNI, ISA_PORTABLE
+from cpu_experts.isa import ISA_AMX, ISA_AVX2, ISA_AVX512VNNI, ISA_PORTABLE
 from cpu_experts.pairs import group_pairs
 from cpu_experts.quant import BLOCK
 from cpu_experts.tiles import TU, block_prologue, rows_block
@@ -118,6 +119,9 @@ def _gate_up_stage(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead, fli
         lo, hi = offsets[a], offsets[a + 1]
         base = ((active[a] * M + m) * T + t) * nb
         ws = np.empty(TU, np.int32)
+        tiles = hi - lo >= WIDE_ROWS  # AMX (amx.py) takes the calls of WIDE_ROWS rows
+        if tiles:
+            tile_begin(isa)
         for j in range(lo, hi):
             of[(m * P + j) * units + t * TU:(m * P + j) * units + (t + 1) * TU] = 0.0
         if hi - lo == 1:  # one row (most experts of a decode step): its own tight loop
@@ -139,6 +143,8 @@ def _gate_up_stage(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead, fli
             for j in range(lo, hi):
                 ok = act_block(gf, uf, units, j, t // 2, flip, hkf, hs, hc, sc, so) and ok
             fine[c] = ok
+        if tiles:
+            tile_end(isa)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -161,8 +167,13 @@ def _down_combine_stage(isa, w, hk, hs, hc, active, offsets, pair_of, slot_of_pa
     A = active.shape[0]
     step = ahead // bb
     wf, yf = w.reshape(w.size), y.reshape(y.size)
+    tiles = False  # any expert with WIDE_ROWS rows: its calls go through AMX (amx.py)
+    for a in range(A):
+        tiles = tiles or offsets[a + 1] - offsets[a] >= WIDE_ROWS
     for t in prange(T):
         ws = np.empty(TU, np.int32)
+        if tiles:
+            tile_begin(isa)
         c0 = t * TU
         # the prefetch cursor: block pb of run pa, ``step`` blocks ahead in this item's
         # sequence (runs a = 0..A-1 of nb blocks, then the next item's runs, from a = 0)
@@ -198,6 +209,8 @@ def _down_combine_stage(isa, w, hk, hs, hc, active, offsets, pair_of, slot_of_pa
                     ys = (t * P + slot_of_pair[p]) * TU
                     for i in range(TU):
                         o[c0 + i] += wk * yf[ys + i]
+        if tiles:
+            tile_end(isa)
 
 
 @njit(cache=True, nogil=True)
@@ -253,7 +266,7 @@ def moe_layer(isa, gu, down, xq, xd_bits, expert_ids, weights, out, ahead) -> in
     Is = gu.shape[2] * TU
     H = xq.shape[1]
     int4 = gu.shape[4] == BLOCK_BYTES4
-    flip = isa == ISA_AVX512VNNI and not int4  # int8 tiles on VNNI take x ^ 0x80 (tiles.py)
+    flip = (isa == ISA_AVX512VNNI or isa == ISA_AMX) and not int4  # int8 on VNNI: x ^ 0x80
     pair_of, pair_row, active, offsets, members = group_pairs(expert_ids, E)
     if R > 0 and pair_of[0, 0] == -2:
         return ERR_EXPERT_ID
@@ -299,8 +312,13 @@ def _moe_layer_avx512vnni(gu, down, xq, xd_bits, expert_ids, weights, out, ahead
     return moe_layer(ISA_AVX512VNNI, gu, down, xq, xd_bits, expert_ids, weights, out, ahead)
 
 
+@njit(cache=True, nogil=True)
+def _moe_layer_amx(gu, down, xq, xd_bits, expert_ids, weights, out, ahead) -> int:
+    return moe_layer(ISA_AMX, gu, down, xq, xd_bits, expert_ids, weights, out, ahead)
+
+
 _ENTRIES = {ISA_PORTABLE: _moe_layer_portable, ISA_AVX2: _moe_layer_avx2,
-            ISA_AVX512VNNI: _moe_layer_avx512vnni}
+            ISA_AVX512VNNI: _moe_layer_avx512vnni, ISA_AMX: _moe_layer_amx}
 
 
 def layer_kernel(isa: int):
