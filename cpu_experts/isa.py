@@ -4,7 +4,9 @@
 this CPU cannot run it); unset, the best one the host has is used. Every choice computes the
 same bits. ``amx`` is ``avx512vnni`` whose 16-row int4 blocks go through AMX tiles (amx.py);
 it needs the CPU's ``amx-tile`` and ``amx-int8`` and Linux's permission to use the tile state,
-which :func:`available` requests for the process (``arch_prctl(ARCH_REQ_XCOMP_PERM)``).
+which :func:`available` requests for the process (``arch_prctl(ARCH_REQ_XCOMP_PERM)``). It is
+used only when named: on the H200 machine it is exact but slower than ``avx512vnni`` (one
+expert, 16 rows: 149 us against 113; docs/cpu_experts.md).
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ def select(name: str | None = None) -> int:
     """The instruction set to use: ``name`` (or ``$TANDEM_CPU_ISA``) if given, else the best."""
     name = name if name is not None else os.environ.get(ENV) or None
     can = available()
-    if name is None:
-        return can[-1]
+    if name is None:  # NOTE: amx only when asked for: slower than avx512vnni so far (amx.py)
+        return max(isa for isa in can if isa != ISA_AMX)
     by_name = {v: k for k, v in NAMES.items()}
     if name not in by_name:
         raise ValueError(f"{ENV}={name!r}: expected one of {', '.join(by_name)}")

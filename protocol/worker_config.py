@@ -17,7 +17,7 @@ DTYPES = ("float32", "float64", "bfloat16")  # bfloat16: bf16 weights, float32 c
 BACKENDS = ("numpy", "cupy", "auto")
 KV_CACHE_DTYPES = ("model", "int8")  # model: the compute dtype; int8: + an fp16 scale per 32
 PLACEMENTS = ("gpu", "cpu", "split")  # where the routed experts run
-CPU_ISAS = ("auto", "portable", "avx2", "avx512vnni")  # CPU expert kernels (cpu_experts/isa.py)
+CPU_ISAS = ("auto", "portable", "avx2", "avx512vnni", "amx")  # CPU expert kernels (isa.py)
 CPU_FORMATS = ("int8", "int4")  # CPU expert weights (cpu_experts/formats.py)
 # GPU routed experts: the model dtype, or int8 blocks of 32 (gpu_worker/kernels/int8_stack.py)
 GPU_FORMATS = ("model", "int8")
