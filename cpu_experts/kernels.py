@@ -166,7 +166,8 @@ def _down_combine_stage(isa, w, hk, hs, hc, active, offsets, pair_of, slot_of_pa
     R, K = pair_of.shape
     A = active.shape[0]
     step = ahead // bb
-    wf, yf = w.reshape(w.size), y.reshape(y.size)
+    wf, yf, outf = w.reshape(w.size), y.reshape(y.size), out.reshape(out.size)
+    H = out.shape[1]
     tiles = False  # any expert with WIDE_ROWS rows: its calls go through AMX (amx.py)
     for a in range(A):
         tiles = tiles or offsets[a + 1] - offsets[a] >= WIDE_ROWS
@@ -198,17 +199,17 @@ def _down_combine_stage(isa, w, hk, hs, hc, active, offsets, pair_of, slot_of_pa
                 else:
                     _block_rows(isa, wf, at, hk, hs, hc, None, lo, hi, b, yf, t * P * TU, TU,
                                 ws)
-        for r in range(R):
-            o = out[r]
-            for i in range(c0, c0 + TU):
-                o[i] = 0.0
+        for r in range(R):  # NOTE: out's flat view, not out[r]: a view per row is an atomic
+            o = r * H + c0
+            for i in range(TU):
+                outf[o + i] = 0.0
             for k in range(K):
                 p = pair_of[r, k]
                 if p >= 0:
                     wk = np.float32(weights[r, k])
                     ys = (t * P + slot_of_pair[p]) * TU
                     for i in range(TU):
-                        o[c0 + i] += wk * yf[ys + i]
+                        outf[o + i] += wk * yf[ys + i]
         if tiles:
             tile_end(isa)
 
