@@ -21,18 +21,12 @@ from collections.abc import Callable
 import numpy as np
 
 from cpu_experts import isa as cpu_isa
+from cpu_experts import pool_checks as pc
 from cpu_experts import rings, shard
 from cpu_experts.cores import default_core_groups
 from cpu_experts.dispatch_timer import DispatchTimer
 from cpu_experts.errors import ERR_OK, status_error
 from cpu_experts.formats import Blocks, check_format
-from cpu_experts.pool_checks import (
-    check_pairs,
-    fill_load,
-    fill_pairs,
-    ids_out_of_range,
-    out_array,
-)
 from cpu_experts.processes import ShardFiles, WorkerProcesses
 from cpu_experts.quant import BLOCK, quantize_rows_into, raise_non_finite
 from cpu_experts.shard import LayerShape, QuantizedLayer
@@ -199,18 +193,18 @@ class CpuExpertPool:
         x = np.asarray(x)
         if x.ndim != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"x must be [rows, {self.hidden}], got {x.shape}")
-        ids, w, E = check_pairs(self.layers, self.max_k, layer, x.shape[0], expert_ids, weights)
-        self._check_all_ids(layer, ids, E)
+        ids, w, E = pc.check_pairs(self.layers, self.max_k, layer, x.shape[0], expert_ids, weights)
+        pc.check_all_ids(layer, ids, E, self.max_rows)
         x32 = np.ascontiguousarray(x, dtype=np.float32)   # [R, H]
-        out = out_array(out, x.shape[0], self.hidden)      # [R, H]
+        out = pc.out_array(out, x.shape[0], self.hidden)      # [R, H]
         ring = self.ring
         for r0 in range(0, x.shape[0], self.max_rows):
             r1 = min(x.shape[0], r0 + self.max_rows)
             bad = quantize_rows_into(x32[r0:r1], ring.xq, ring.xd, r1 - r0)
             if bad >= 0:
                 raise_non_finite(x32[r0:r1], bad)
-            if fill_pairs(ids[r0:r1], w[r0:r1], ring.ids, ring.w, E) >= 0:
-                raise ids_out_of_range(layer, E)
+            if pc.fill_pairs(ids[r0:r1], w[r0:r1], ring.ids, ring.w, E) >= 0:
+                raise pc.ids_out_of_range(layer, E)
             self._run(layer, r1 - r0, ids.shape[1], out[r0:r1])
         return out
 
@@ -229,31 +223,18 @@ class CpuExpertPool:
         if scales.shape != (R, self.hidden // BLOCK) or scales.dtype.itemsize != 2:
             raise ValueError(f"scales must be float16 [rows, {self.hidden // BLOCK}], got "
                              f"{scales.dtype} {scales.shape}")
-        ids, w, E = check_pairs(self.layers, self.max_k, layer, R, expert_ids, weights)
-        self._check_all_ids(layer, ids, E)
+        ids, w, E = pc.check_pairs(self.layers, self.max_k, layer, R, expert_ids, weights)
+        pc.check_all_ids(layer, ids, E, self.max_rows)
         bits = scales.view(np.uint16)
-        out = out_array(out, R, self.hidden)
+        out = pc.out_array(out, R, self.hidden)
         ring = self.ring
-        for rs in self._loads(R):  # NOTE: one load (the usual case) slices nothing: ~1 us
+        for rs in pc.load_slices(R, self.max_rows):  # one load (the usual case) slices nothing
             parts = (q, bits, ids, w, out) if rs is None else (q[rs], bits[rs], ids[rs], w[rs],
                                                               out[rs])
-            if fill_load(*parts[:4], ring.xq, ring.xd, ring.ids, ring.w, E) >= 0:
-                raise ids_out_of_range(layer, E)
+            if pc.fill_load(*parts[:4], ring.xq, ring.xd, ring.ids, ring.w, E) >= 0:
+                raise pc.ids_out_of_range(layer, E)
             self._run(layer, parts[2].shape[0], ids.shape[1], parts[4])
         return out
-
-    def _loads(self, rows: int) -> list[slice | None]:
-        """The row ranges of a dispatch's loads; ``[None]`` when one load holds every row."""
-        if rows <= self.max_rows:
-            return [None]
-        return [slice(r0, min(rows, r0 + self.max_rows)) for r0 in range(0, rows, self.max_rows)]
-
-    def _check_all_ids(self, layer: int, ids: np.ndarray, num_experts: int) -> None:
-        """A dispatch of more rows than one load holds checks every id before the first load
-        (one load's are checked as they are copied into the ring): a bad id changes nothing."""
-        if ids.shape[0] > self.max_rows and ids.size and (
-                ids.min() < -1 or ids.max() >= num_experts):
-            raise ids_out_of_range(layer, num_experts)
 
     def _ring_all(self) -> None:
         self._seq += 1
