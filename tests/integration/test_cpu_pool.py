@@ -95,6 +95,18 @@ def test_bad_inputs_raise_and_pool_keeps_serving(pool) -> None:
         pool.dispatch(2, bad, ids, w)
     with pytest.raises(ValueError, match="rows"):
         pool.dispatch(2, x[:, :64], ids, w)
+    with pytest.raises(ValueError, match="integers"):
+        pool.dispatch(2, x, ids.astype(np.float32), w)
+    # more rows than one load: a bad id in the last load is refused before the first load
+    # runs, so ``out`` is not touched
+    xl, idsl, wl = routing(11, pool.max_rows + 4)
+    idsl[-1, 0] = -2
+    out = np.full(xl.shape, 7.0, np.float32)
+    for call in (lambda: pool.dispatch(2, xl, idsl, wl, out=out),
+                 lambda: pool.dispatch_quantized(2, *quantize(xl), idsl, wl, out=out)):
+        with pytest.raises(ValueError, match="expert ids"):
+            call()
+        assert (out == 7.0).all()
     assert pool.dispatch(2, x, ids, w).tobytes() == expected(pool, 2, x, ids, w).tobytes()
 
 
