@@ -68,6 +68,9 @@ PLANS: dict[str, list[Check]] = {
               "tests/unit/test_int4_alignment.py tests/unit/test_cpu_kernels.py", 300),
         Check("int4_diag", f"{PY} scripts.bench_cpu_kernels_inprocess --diag "
               "--out $OUT/int4_diag.json", 120),
+        # one expert's stages in-process, VNNI against AMX tiles (the H200 machine has AMX)
+        Check("int4_stages", f"{PY} scripts.bench_cpu_kernels_inprocess --stages --format int4 "
+              "--isa avx512vnni --isa amx --out $OUT/int4_stages.json", 120),
         Check("int4", f"{PY} scripts.bench_cpu_experts --format int8,int4 --combos 512:512 "
               "--topks 10 --kinds random,one_expert --out $OUT/cpu_experts_int4_h200.json", 180),
     ],
