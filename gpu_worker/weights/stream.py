@@ -230,24 +230,34 @@ class _Loader:
                     f.cancel()
                 raise
 
+    def _each_run(self, name: str, ids: np.ndarray, itemsize: int,
+                  put: Callable[[int, int], None]) -> None:
+        """``put(a, b)`` (read experts ``ids[a:b]`` of ``name`` and store them) for each run
+        of experts, on threads, counting each run's bytes as it finishes."""
+        per = int(np.prod(self.shapes[name][1:])) * itemsize
+
+        def job(a: int, b: int) -> None:
+            put(a, b)
+            self.advance(self._part_bytes(name, b - a))
+
+        self._on_threads(job, self._runs(len(ids), per) or [(0, 0)])  # none: an empty read
+
     def _read_stack(self, name: str, ids: np.ndarray) -> np.ndarray:
         """Experts ``ids`` of stacked tensor ``name`` (in that order), read a run at a time
         on threads; for a bf16 model rounded into a ``ml_dtypes.bfloat16`` stack as they
         arrive (what ``ops.weight`` stores), else in ``host_dtype``."""
         shape = self.shapes[name]
-        per = int(np.prod(shape[1:])) * self.host_dtype.itemsize
         rounded = self.bf16 and is_matrix(name, shape) and self.host_dtype == np.float32
         out = np.empty((len(ids), *shape[1:]), BF16 if rounded else self.host_dtype)
 
-        def job(a: int, b: int) -> None:
+        def put(a: int, b: int) -> None:
             part = self.source.read(name, self.host_dtype, experts=ids[a:b])
             if rounded:
                 round_into(part, out[a:b], threads=1)
             else:
                 out[a:b] = part
-            self.advance(self._part_bytes(name, b - a))
 
-        self._on_threads(job, self._runs(len(ids), per) or [(0, 0)])  # none: an empty read
+        self._each_run(name, ids, self.host_dtype.itemsize, put)
         return out
 
     def _read_int8(self, name: str, ids: np.ndarray) -> Int8Stack:
@@ -257,13 +267,11 @@ class _Loader:
         q = np.empty((len(ids), *shape[1:]), np.int8)
         d = np.empty((len(ids), shape[1], shape[2] // INT8_BLOCK), np.uint16)
 
-        def job(a: int, b: int) -> None:
+        def put(a: int, b: int) -> None:
             part = quantize_stack(self.source.read(name, np.float32, experts=ids[a:b]))
             q[a:b], d[a:b] = part.q, part.d
-            self.advance(self._part_bytes(name, b - a))
 
-        per = int(np.prod(shape[1:])) * 4
-        self._on_threads(job, self._runs(len(ids), per) or [(0, 0)])
+        self._each_run(name, ids, 4, put)
         return Int8Stack(q, d)
 
     def fill_cpu(self, pool: Any) -> None:
