@@ -35,7 +35,6 @@ def fetch_add(typingctx, a, i, v):
     return sig, codegen
 
 
-
 @intrinsic
 def num_threads(typingctx):
     """``numba.get_num_threads()`` in compiled code, as a call of the threading layer's own

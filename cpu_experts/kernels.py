@@ -147,6 +147,23 @@ def _gate_up_stage(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead, fli
             tile_end(isa)
 
 
+@njit(cache=True, nogil=True)
+def gate_up_act(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead, flip, hk, hs,
+                hc) -> bool:
+    """:func:`_gate_up_stage` with its hand-off state made here (the tile counts, the finite
+    flags, each thread's scratch); False if any h was not finite."""
+    numba.literally(isa)
+    blocks = active.shape[0] * hk.shape[1] // BLOCK
+    done = np.zeros(blocks, np.int32)
+    fine = np.zeros(blocks, np.bool_)
+    _gate_up_stage(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead, flip, hk, hs, hc,
+                   done, fine, scratch(num_threads()))
+    for c in range(blocks):
+        if not fine[c]:
+            return False
+    return True
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _down_combine_stage(isa, w, hk, hs, hc, active, offsets, pair_of, slot_of_pair, weights,
                         y, out, ahead):
@@ -284,14 +301,9 @@ def moe_layer(isa, gu, down, xq, xd_bits, expert_ids, weights, out, ahead) -> in
     hk = np.empty((P, Is), np.int8)
     hs = np.empty((P, Is // BLOCK), np.float32)
     hc = np.empty((P, Is // BLOCK), np.int32)
-    blocks = active.shape[0] * (Is // BLOCK)
-    done = np.zeros(blocks, np.int32)
-    fine = np.zeros(blocks, np.bool_)
-    _gate_up_stage(isa, gu, xk, xs, xc, active, offsets, rows_of, g_u, ahead, flip, hk, hs, hc,
-                   done, fine, scratch(num_threads()))
-    for c in range(blocks):
-        if not fine[c]:
-            return ERR_NON_FINITE
+    if not gate_up_act(isa, gu, xk, xs, xc, active, offsets, rows_of, g_u, ahead, flip, hk, hs,
+                       hc):
+        return ERR_NON_FINITE
     y = empty_f32_aligned(P * H)  # [T, P, 16]
     _down_combine_stage(isa, down, hk, hs, hc, active, offsets, pair_of, slot_of_pair, weights,
                         y, out[:R], ahead)

@@ -195,17 +195,17 @@ class CpuExpertPool:
             raise ValueError(f"x must be [rows, {self.hidden}], got {x.shape}")
         ids, w, E = pc.check_pairs(self.layers, self.max_k, layer, x.shape[0], expert_ids, weights)
         pc.check_all_ids(layer, ids, E, self.max_rows)
-        x32 = np.ascontiguousarray(x, dtype=np.float32)   # [R, H]
-        out = pc.out_array(out, x.shape[0], self.hidden)      # [R, H]
+        x32 = np.ascontiguousarray(x, dtype=np.float32)  # [R, H]
+        out = pc.out_array(out, x.shape[0], self.hidden)  # [R, H]
         ring = self.ring
-        for r0 in range(0, x.shape[0], self.max_rows):
-            r1 = min(x.shape[0], r0 + self.max_rows)
-            bad = quantize_rows_into(x32[r0:r1], ring.xq, ring.xd, r1 - r0)
+        for rs in pc.load_slices(x.shape[0], self.max_rows):
+            xl, il, wl, ol = pc.rows(rs, x32, ids, w, out)
+            bad = quantize_rows_into(xl, ring.xq, ring.xd, xl.shape[0])
             if bad >= 0:
-                raise_non_finite(x32[r0:r1], bad)
-            if pc.fill_pairs(ids[r0:r1], w[r0:r1], ring.ids, ring.w, E) >= 0:
+                raise_non_finite(xl, bad)
+            if pc.fill_pairs(il, wl, ring.ids, ring.w, E) >= 0:
                 raise pc.ids_out_of_range(layer, E)
-            self._run(layer, r1 - r0, ids.shape[1], out[r0:r1])
+            self._run(layer, xl.shape[0], ids.shape[1], ol)
         return out
 
     def dispatch_quantized(self, layer: int, q: np.ndarray, scales: np.ndarray,
@@ -228,12 +228,11 @@ class CpuExpertPool:
         bits = scales.view(np.uint16)
         out = pc.out_array(out, R, self.hidden)
         ring = self.ring
-        for rs in pc.load_slices(R, self.max_rows):  # one load (the usual case) slices nothing
-            parts = (q, bits, ids, w, out) if rs is None else (q[rs], bits[rs], ids[rs], w[rs],
-                                                              out[rs])
-            if pc.fill_load(*parts[:4], ring.xq, ring.xd, ring.ids, ring.w, E) >= 0:
+        for rs in pc.load_slices(R, self.max_rows):
+            ql, bl, il, wl, ol = pc.rows(rs, q, bits, ids, w, out)
+            if pc.fill_load(ql, bl, il, wl, ring.xq, ring.xd, ring.ids, ring.w, E) >= 0:
                 raise pc.ids_out_of_range(layer, E)
-            self._run(layer, parts[2].shape[0], ids.shape[1], parts[4])
+            self._run(layer, ql.shape[0], ids.shape[1], ol)
         return out
 
     def _ring_all(self) -> None:

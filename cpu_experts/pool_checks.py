@@ -58,6 +58,12 @@ def load_slices(rows: int, max_rows: int) -> list[slice | None]:
     return [slice(r0, min(rows, r0 + max_rows)) for r0 in range(0, rows, max_rows)]
 
 
+def rows(rs: slice | None, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``arrays`` cut to one load's rows ``rs`` (a :func:`load_slices` item), as they are for
+    ``None``."""
+    return arrays if rs is None else tuple(a[rs] for a in arrays)
+
+
 @njit(cache=True, nogil=True)
 def fill_pairs(ids, w, ids_v, w_v, num_experts: int) -> int:
     """Every id of ``ids [R, K]`` checked to lie in [-1, num_experts), then ids and ``w`` copied

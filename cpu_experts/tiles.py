@@ -125,7 +125,7 @@ PREFETCH_LOCALITY = 2
 MAX_ROWS = 16  # rows per rows_block call (a compile-time literal, 1..MAX_ROWS)
 # Rows whose dots are taken together (sharing weight registers) before their outputs are
 # stored: AVX2's dot already needs a sign per row and weight, and 16 ymm registers hold no more.
-_GROUP = {ISA_AVX512VNNI: 8, ISA_AVX2: 1, ISA_PORTABLE: 1}
+_GROUP = {ISA_AVX512VNNI: tiles4.GROUP_ROWS, ISA_AVX2: 1, ISA_PORTABLE: 1}
 
 
 def _rows_of(nrows) -> int:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from daemon import commands
+from protocol.worker_config import CPU_ISAS
 
 DESCRIPTION = "Serve Mixture-of-Experts models on one GPU plus the host CPU."
 
@@ -25,7 +26,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="where routed experts run: the backend, CPU workers, or split")
     p.add_argument("--cpu-experts-per-layer", type=int, default=0)
     p.add_argument("--cpu-workers", type=int, default=0, help="0: one per NUMA node")
-    p.add_argument("--cpu-isa", choices=("auto", "portable", "avx2", "avx512vnni", "amx"),
+    p.add_argument("--cpu-isa", choices=CPU_ISAS,
                    default="auto", help="CPU expert kernels (same bits; auto: the best)")
     p.add_argument("--hot-experts", type=Path, default=None,
                    help="split: router counts (tandem expert-stats); the GPU keeps the hottest")

@@ -33,7 +33,6 @@ from numba import njit, prange
 
 from cpu_experts import act, kernels, shard
 from cpu_experts import isa as cpu_isa
-from cpu_experts.atomics import num_threads
 from cpu_experts.quant import quantize
 from scripts.bench_common import best_us, cpu_model
 
@@ -49,10 +48,8 @@ def stage_entries(isa: int):
 
     @numba.njit
     def gate_up(gu, xk, xs, xc, active, offsets, rows_of, g_u, ahead, flip, hk, hs, hc):
-        blocks = active.shape[0] * hk.shape[1] // 32
-        done, fine = np.zeros(blocks, np.int32), np.zeros(blocks, np.bool_)
-        kernels._gate_up_stage(isa, gu, xk, xs, xc, active, offsets, rows_of, g_u, ahead,
-                               flip, hk, hs, hc, done, fine, act.scratch(num_threads()))
+        kernels.gate_up_act(isa, gu, xk, xs, xc, active, offsets, rows_of, g_u, ahead, flip,
+                            hk, hs, hc)
 
     @numba.njit
     def down(w, hk, hs, hc, active, offsets, pair_of, slot_of_pair, weights, y, out, ahead):

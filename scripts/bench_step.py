@@ -40,7 +40,7 @@ from protocol.messages import (
     StepPlan,
     WorkKind,
 )
-from protocol.worker_config import WorkerConfig
+from protocol.worker_config import CPU_FORMATS, GPU_FORMATS, KV_CACHE_DTYPES, WorkerConfig
 from scripts.bench_common import command_line, machine
 from scripts.bench_load import parse_budget
 from scripts.step_floor import (
@@ -307,9 +307,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="GiB, or 'whole' (the default): the device (CuPy), no limit (NumPy)")
     p.add_argument("--backend", choices=("cupy", "numpy"), default="cupy")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cupy, else float32")
-    p.add_argument("--kv-cache-dtype", choices=("model", "int8"), default="model")
-    p.add_argument("--cpu-format", choices=("int8", "int4"), default="int8")
-    p.add_argument("--gpu-format", choices=("model", "int8"), default="model",
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="model")
+    p.add_argument("--cpu-format", choices=CPU_FORMATS, default="int8")
+    p.add_argument("--gpu-format", choices=GPU_FORMATS, default="model",
                    help="the GPU's routed experts: the model dtype or int8 blocks of 32")
     p.add_argument("--graphs", action="store_true",
                    help="decode/verify passes as CUDA graphs where the runner can (cupy)")
