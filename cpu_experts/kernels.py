@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 from cpu_experts.act import act_block, scratch
-from cpu_experts.amx import tile_begin, tile_end
+from cpu_experts.amx import CHUNK, TILES, rows16_blocks, tile_begin, tile_end, wide_tiles
 from cpu_experts.atomics import fetch_add, num_threads
 from cpu_experts.errors import ERR_EXPERT_ID, ERR_NON_FINITE, ERR_OK
 from cpu_experts.isa import ISA_AMX, ISA_AVX2, ISA_AVX512VNNI, ISA_PORTABLE
@@ -86,6 +86,39 @@ def _block_rows(isa, wf, at, x, xs, xc, rows, lo, hi, b, of, obase, ostride, ws)
         rows_block(isa, 1, wf, at, x, xs, xc, rows, j, b, of, obase + j * ostride, ostride, ws)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _wide_blocks(isa, n, wf, at, bb, x, xs, xc, rows, lo, hi, b, of, obase, ostride, ws) -> None:
+    """Blocks ``b .. b+n-1`` (``n`` = amx.CHUNK or 1; the first at byte ``at``, ``bb`` bytes
+    each) applied to slots ``lo:hi`` on AMX: each group of 16 slots through amx.rows16_blocks,
+    the rest block by block (:func:`_block_rows`). Same bits as :func:`_block_rows` per block."""
+    j = lo
+    while hi - j >= WIDE_ROWS:
+        if n == CHUNK:
+            rows16_blocks(isa, TILES, CHUNK, wf, at, x, xs, xc, rows, j, b, of,
+                          obase + j * ostride, ostride)
+        else:
+            rows16_blocks(isa, TILES, 1, wf, at, x, xs, xc, rows, j, b, of,
+                          obase + j * ostride, ostride)
+        j += WIDE_ROWS
+    for i in range(n):
+        _block_rows(isa, wf, at + i * bb, x, xs, xc, rows, j, hi, b + i, of, obase, ostride, ws)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _prefetch_next(isa, wf, at, ws, active, T, t, nb, bb, pa, pb):
+    """block_prologue of the block at byte ``at`` of the down stage, prefetching block ``pb``
+    of run ``pa`` of the item's sequence (runs a = 0..A-1 of nb blocks, then the next item's
+    runs from a = 0); returns the cursor moved on by one block."""
+    A = active.shape[0]
+    na = pa if pa < A else min(pa - A, A - 1)
+    pf = ((active[na] * T + t + (pa >= A)) * nb + pb) * bb
+    block_prologue(isa, wf, at, ws, pf)
+    pb += 1
+    if pb == nb:
+        pa, pb = pa + 1, 0
+    return pa, pb
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _gate_up_stage(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead, flip, hk, hs, hc,
                    done, fine, sc) -> None:
@@ -130,6 +163,16 @@ def _gate_up_stage(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead, fli
                 block_prologue(isa, wf, at, ws, at + ahead)
                 rows_block(isa, 1, wf, at, xk, xs, xc, rows_of, lo, b, of,
                            (m * P + lo) * units + t * TU, units, ws)
+        elif wide_tiles(isa, wf):  # AMX and int4: CHUNK blocks per call, prefetched first
+            b = 0
+            while b < nb:
+                n = CHUNK if nb - b >= CHUNK else 1
+                for i in range(n):
+                    at = (base + b + i) * bb
+                    block_prologue(isa, wf, at, ws, at + ahead)
+                _wide_blocks(isa, n, wf, (base + b) * bb, bb, xk, xs, xc, rows_of, lo, hi, b,
+                             of, m * P * units + t * TU, units, ws)
+                b += n
         else:
             for b in range(nb):
                 at = (base + b) * bb
@@ -202,14 +245,20 @@ def _down_combine_stage(isa, w, hk, hs, hc, active, offsets, pair_of, slot_of_pa
             for j in range(lo, hi):
                 yf[(t * P + j) * TU:(t * P + j + 1) * TU] = 0.0
             one = hi - lo == 1  # one row: the branch below is the same at every block
+            if not one and wide_tiles(isa, wf):  # AMX and int4: as in _gate_up_stage
+                b = 0
+                while b < nb:
+                    n = CHUNK if nb - b >= CHUNK else 1
+                    for i in range(n):
+                        pa, pb = _prefetch_next(isa, wf, (base + b + i) * bb, ws, active, T, t,
+                                                nb, bb, pa, pb)
+                    _wide_blocks(isa, n, wf, (base + b) * bb, bb, hk, hs, hc, None, lo, hi, b,
+                                 yf, t * P * TU, TU, ws)
+                    b += n
+                continue
             for b in range(nb):
                 at = (base + b) * bb
-                na = pa if pa < A else min(pa - A, A - 1)
-                pf = ((active[na] * T + t + (pa >= A)) * nb + pb) * bb
-                block_prologue(isa, wf, at, ws, pf)
-                pb += 1
-                if pb == nb:
-                    pa, pb = pa + 1, 0
+                pa, pb = _prefetch_next(isa, wf, at, ws, active, T, t, nb, bb, pa, pb)
                 if one:
                     rows_block(isa, 1, wf, at, hk, hs, hc, None, lo, b, yf, (t * P + lo) * TU,
                                TU, ws)

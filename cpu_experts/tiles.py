@@ -42,7 +42,7 @@ from numba import types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
-from cpu_experts import amx, tiles4
+from cpu_experts import tiles4
 from cpu_experts.irhelp import (
     F32,
     GROUPS,
@@ -54,7 +54,6 @@ from cpu_experts.irhelp import (
     at,
     check_array,
     fn,
-    is_amx,
     isa_of,
     lanes4,
     ptr,
@@ -163,7 +162,6 @@ def rows_block(typingctx, isa, nrows, w, woff, x, xs, xc, rows, j, b, o, ooff, o
     which = isa_of(isa)
     count = _rows_of(nrows)
     int4 = _weights_of(w)
-    tiled = is_amx(isa) and int4 and count == amx.ROWS  # 16 int4 rows through AMX tiles
     check_array(x, types.int8, "x")
     check_array(xs, types.float32, "xs")
     check_array(xc, types.int32, "xc")
@@ -206,14 +204,12 @@ def rows_block(typingctx, isa, nrows, w, woff, x, xs, xc, rows, j, b, o, ooff, o
                                       ir.VectorType(I32, 16)), align=4)
         if int4:
             wts = tiles4.weights(builder, which, wp8)
-            group = tiles4.GROUP_ROWS if which == ISA_AVX512VNNI and not tiled else count
+            group = tiles4.GROUP_ROWS if which == ISA_AVX512VNNI else count
         else:
             group = _GROUP[which]
         for k0 in range(0, count, group):
             ks = range(k0, min(k0 + group, count))
-            if tiled:
-                dots = amx.dots_amx(builder, wts, xps, xcs)
-            elif int4:
+            if int4:
                 dots = tiles4.dots(builder, which, wts, [xps[k] for k in ks],
                                    [xcs[k] for k in ks])
             elif which == ISA_AVX512VNNI:
