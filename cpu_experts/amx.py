@@ -2,19 +2,21 @@
 
 One ``tdpbsud`` (signed bytes times unsigned bytes, summed into int32) computes what 128
 ``vpdpbusd`` do in tiles4.dots_vnni: the int32 dots of 16 rows x 16 units x the 32 positions
-of one block. :func:`rows16_blocks` applies ``n`` consecutive blocks of one micro-tile to 16
-rows in four phases, so that no tile instruction waits on the stores just before it and no
-vector load on the tile store just before it (AMX loads and stores are not forwarded to and
-from the core's ordinary stores and loads: each such pair costs a round trip through L1):
+of one block. :func:`run16` applies all blocks of one micro-tile to 16 rows whose activations
+are consecutive rows of ``x`` (the stages gather them once per expert) as a software pipeline
+over chunks of ``n`` blocks, because AMX loads and stores are not forwarded to and from the
+core's ordinary stores and loads (a tile load right after the vector stores of its data, or a
+vector load right after the tile store of its data, waits for the stores to reach L1). At
+chunk ``c`` (scratch buffers double-buffered by chunk parity):
 
-1. A: the 16 rows' ``32 n`` activation bytes gathered into a scratch (row stride ``32 n``),
-   since the rows of a call are not evenly spaced;
-2. B: each block's nibbles unpacked (tiles4.weights_vnni: 8 rows of 64 bytes ``[16 units]
-   [4 positions]``, tiles4.py's order is already AMX's) into a scratch;
-3. per block, in two alternating sets of tile registers (C, A, B = tmm0-2, tmm3-5, so two
-   blocks are in flight): ``tilezero C; tileloadd A; tileloadd B; tdpbsud; tilestored C``;
-4. per row, its output vector loaded once, the n blocks' dots (``C + xc``) taken through the
-   format's float epilogue in block order, stored once.
+1. :func:`unpack_b`: chunk c's nibbles unpacked (tiles4.weights_vnni: per block 8 rows of 64
+   bytes ``[16 units][4 positions]``; tiles4.py's order is already AMX's) into B scratch;
+2. :func:`tile_dots`: chunk c-1's C = A . B per block (A loaded straight from x, B from the
+   scratch chunk c-1 wrote), in two alternating sets of tile registers (C, A, B = tmm0-2,
+   tmm3-5) so two blocks are in flight: ``tilezero; tileloadd; tileloadd; tdpbsud;
+   tilestored`` into C scratch;
+3. :func:`epilogue16`: chunk c-2's dots (``C + xc``) through the format's float epilogue, each
+   row's output loaded and stored once per chunk, blocks in order.
 
 C[m][u] = sum_t x[m, t] * n[u, t] with ``n = v + 8`` (unsigned nibbles), the same integer as
 VNNI's; each row adds its ``xc = -8 * sum x`` and takes tiles.rows_block's float operations in
@@ -23,15 +25,17 @@ the same order, so the bits are every other instruction set's. The tile configur
 are no-ops for other instruction sets. The process must have Linux's permission for the tile
 data (isa.amx_permitted), or the first tile instruction faults.
 
-``mode = EMULATED`` computes phase 3 with generic vector IR from the same scratch buffers
-(any CPU): the tests check the phases' addressing and order on machines without AMX.
+``mode = EMULATED`` computes step 2 with generic vector IR from the same buffers (any CPU):
+the tests check the pipeline's addressing and order on machines without AMX.
 """
 
 from __future__ import annotations
 
 import llvmlite.binding as llvm
+import numba
+import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
@@ -45,6 +49,7 @@ from cpu_experts.irhelp import (
     I64,
     at,
     check_array,
+    fn,
     is_amx,
     lanes4,
     row_at,
@@ -55,12 +60,13 @@ from cpu_experts.irhelp import (
 # Numba sets up LLVM's code generator but not its assembler parser, which inline asm needs.
 llvm.initialize_native_asmparser()
 
-ROWS = 16  # rows of A and C: one call of rows16_blocks
-CHUNK = 8  # blocks per call while that many are left (then 1)
+ROWS = 16  # rows of A and C
+CHUNK = 8  # blocks per pipeline step (fewer when a run's block count is not a multiple)
 A_BYTES = 32  # a row of A: one block's 32 activation bytes
 B_ROWS, B_BYTES = GROUPS, 64  # groups of 4 positions, 16 units x 4 bytes
 C_BYTES = 64  # a row of C: 16 int32
-TILES, EMULATED = 1, 0  # rows16_blocks' mode
+B_CHUNK, C_CHUNK = CHUNK * B_ROWS * B_BYTES, CHUNK * ROWS * C_BYTES  # bytes per buffer half
+TILES, EMULATED = 1, 0  # run16's mode
 _SETS = ((0, 1, 2), (3, 4, 5))  # (C, A, B) tile registers of even and odd blocks
 
 
@@ -138,25 +144,26 @@ def wide_tiles(typingctx, isa, w):
     return types.boolean(isa, w), codegen
 
 
-def _tile_dot(builder, a, a_stride: int, b, c, regs) -> None:
-    """C (16 x 16 int32 at ``c``) = A (16 x 32 bytes, row stride ``a_stride``) . B (8 x 64)."""
+def _tile_dot(builder, a, a_stride, b, c, regs) -> None:
+    """C (16 x 16 int32 at ``c``) = A (16 x 32 bytes, row stride ``a_stride``, an i64 value)
+    . B (8 x 64)."""
     tc, ta, tb = regs
     _asm(builder, f"tilezero %tmm{tc}\n\t"
                   f"tileloadd ($0,$1,1), %tmm{ta}\n\t"
                   f"tileloadd ($2,$3,1), %tmm{tb}\n\t"
                   f"tdpbsud %tmm{tb}, %tmm{ta}, %tmm{tc}\n\t"
                   f"tilestored %tmm{tc}, ($4,$3,1)",
-         [a, ir.Constant(I64, a_stride), b, ir.Constant(I64, B_BYTES), c], "r,r,r,r,r")
+         [a, a_stride, b, ir.Constant(I64, B_BYTES), c], "r,r,r,r,r")
 
 
-def _emulated_dot(builder, a, a_stride: int, b, c) -> None:
+def _emulated_dot(builder, a, a_stride, b, c) -> None:
     """What :func:`_tile_dot` computes, in generic vector IR (loops: little code to compile)."""
     v16, v64b, v64 = ir.VectorType(I32, 16), ir.VectorType(I8, 64), ir.VectorType(I32, 64)
     with cgutils.for_range(builder, ir.Constant(I64, ROWS)) as rows:
         crow = _vec(builder, builder.gep(c, [builder.mul(rows.index, ir.Constant(I64, C_BYTES))]),
                     v16)
         builder.store(ir.Constant(v16, [0] * 16), crow, align=64)
-        arow = builder.gep(a, [builder.mul(rows.index, ir.Constant(I64, a_stride))])
+        arow = builder.gep(a, [builder.mul(rows.index, a_stride)])
         with cgutils.for_range(builder, ir.Constant(I64, B_ROWS)) as groups:
             g = groups.index
             wg = builder.load(_vec(builder, builder.gep(b, [builder.mul(
@@ -167,87 +174,131 @@ def _emulated_dot(builder, a, a_stride: int, b, c) -> None:
             builder.store(sum4(builder, prod, builder.load(crow, align=64)), crow, align=64)
 
 
-@intrinsic
-def rows16_blocks(typingctx, isa, mode, nblocks, w, woff, x, xs, xc, rows, j, b, o, ooff,
-                  ostride):
-    """Blocks ``b .. b + nblocks - 1`` (a literal, 1..CHUNK) of one int4 micro-tile, the first
-    at byte ``woff`` of w, applied to 16 rows: for ``k < 16``, ``r = rows[j + k]`` (``j + k``
-    when rows is None), block ``c`` by block::
-
-    o[ooff + k*ostride : +16] += float32(dot(w block c, x[r, 32c:32c+32])) * (scales * xs[r, c])
-
-    (tiles.rows_block's arguments and float operations). ``mode``: :data:`TILES` (nothing
-    unless ``isa`` is AMX) or :data:`EMULATED`."""
-    for name, lit in (("mode", mode), ("nblocks", nblocks)):
-        if not isinstance(lit, types.IntegerLiteral):
-            raise TypingError(f"{name} must be a literal int, got {lit}")
-    n = nblocks.literal_value
-    if not 1 <= n <= CHUNK:
-        raise TypingError(f"nblocks must be in [1, {CHUNK}], got {n}")
-    emulate = mode.literal_value == EMULATED
-    # int8 tiles type (the stages' calls sit in a branch wide_tiles makes dead) but emit nothing
-    int4 = isinstance(w, types.Array) and w.dtype == types.uint8
-    if emulate and not int4:
-        raise TypingError(f"w must be int4 (uint8) tiles, got {w}")
-    live = int4 and (emulate or is_amx(isa))
+def _int4(w) -> bool:
+    """int4 (uint8) tiles; int8 tiles type too (the stages' calls sit in a branch wide_tiles
+    makes dead) but their intrinsics emit nothing."""
     check_array(w, w.dtype if isinstance(w, types.Array) else types.uint8, "w")
-    check_array(x, types.int8, "x")
-    check_array(xs, types.float32, "xs")
-    check_array(xc, types.int32, "xc")
-    check_array(o, types.float32, "o")
-    if not isinstance(rows, types.NoneType):
-        check_array(rows, types.int64, "rows")
+    return w.dtype == types.uint8
+
+
+def _literal(name: str, lit, lo: int, hi: int) -> int:
+    if not isinstance(lit, types.IntegerLiteral) or not lo <= lit.literal_value <= hi:
+        raise TypingError(f"{name} must be a literal int in [{lo}, {hi}], got {lit}")
+    return lit.literal_value
+
+
+@intrinsic
+def unpack_b(typingctx, nblocks, w, woff, pf, bbuf, boff):
+    """B of ``nblocks`` (a literal) consecutive int4 blocks from byte ``woff`` of w, into
+    ``bbuf`` (uint8) at byte ``boff``, 512 bytes per block; first each block's lines at byte
+    ``pf + 288 i`` of w are prefetched into L2 (tiles.PREFETCH_LOCALITY)."""
+    n = _literal("nblocks", nblocks, 1, CHUNK)
+    live = _int4(w)
+    check_array(bbuf, types.uint8, "bbuf")
     i64 = types.int64
-    sig = types.void(isa, mode, nblocks, w, i64, x, xs, xc, rows, i64, i64, o, i64, i64)
+    sig = types.void(nblocks, w, i64, i64, bbuf, i64)
 
     def codegen(context, builder, signature, args):
         if not live:
             return context.get_dummy_value()
-        _, _, _, wv, woffv, xv, xsv, xcv, rowsv, jv, bv, ov, ooffv, ostridev = args
+        _, wv, woffv, pfv, bv, boffv = args
         aty = signature.args
-        v32b, v16, vf = ir.VectorType(I8, 32), ir.VectorType(I32, 16), ir.VectorType(F32, 16)
-        wp8 = at(context, builder, aty[3], wv, woffv, I8)
-        col = builder.mul(bv, ir.Constant(I64, A_BYTES))
-        a_stride = A_BYTES * n
-        a, bs, c = (_scratch(builder, size) for size in
-                    (ROWS * a_stride, n * B_ROWS * B_BYTES, n * ROWS * C_BYTES))
-        sxp, xcp = [], []
-        for k in range(ROWS):  # phase 1: A
-            r = builder.add(jv, ir.Constant(I64, k))
-            if not isinstance(aty[8], types.NoneType):
-                r = builder.load(at(context, builder, aty[8], rowsv, r, I64))
-            xp = row_at(context, builder, aty[5], xv, r, col, I8)
-            sxp.append(row_at(context, builder, aty[6], xsv, r, bv, F32))
-            xcp.append(row_at(context, builder, aty[7], xcv, r, bv, I32))
-            for i in range(n):
-                piece = builder.load(_vec(builder, _off(builder, xp, A_BYTES * i), v32b),
-                                     align=1)
-                dst = _off(builder, a, k * a_stride + A_BYTES * i)
-                builder.store(piece, _vec(builder, dst, v32b), align=32)
-        scales = []
-        for i in range(n):  # phase 2: B, and the blocks' weight scales
+        v16 = ir.VectorType(I32, 16)
+        wp8 = at(context, builder, aty[1], wv, woffv, I8)
+        far = at(context, builder, aty[1], wv, pfv, I8)
+        dst = at(context, builder, aty[4], bv, boffv, I8)
+        prefetch = fn(builder, "llvm.prefetch.p0", ir.VoidType(),
+                      [I8.as_pointer(), I32, I32, I32])
+        for i in range(n):
+            for line in range(0, tiles4.BLOCK_BYTES4, 64):
+                builder.call(prefetch, [_off(builder, far, tiles4.BLOCK_BYTES4 * i + line),
+                                        ir.Constant(I32, 0), ir.Constant(I32, 2),
+                                        ir.Constant(I32, 1)])
             wpi = _off(builder, wp8, tiles4.BLOCK_BYTES4 * i)
             for g, wg in enumerate(tiles4.weights_vnni(builder, wpi)):
-                dst = _off(builder, bs, (i * B_ROWS + g) * B_BYTES)
-                builder.store(wg, _vec(builder, dst, v16), align=64)
-            scales.append(tiles4.scales(builder, wpi, 1)[0])
-        for i in range(n):  # phase 3: C of each block
-            ai = _off(builder, a, A_BYTES * i)
-            bi = _off(builder, bs, i * B_ROWS * B_BYTES)
-            ci = _off(builder, c, i * ROWS * C_BYTES)
+                p = _off(builder, dst, (i * B_ROWS + g) * B_BYTES)
+                builder.store(wg, _vec(builder, p, v16), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def tile_dots(typingctx, isa, mode, nblocks, w, x, xoff, bbuf, boff, cbuf, coff):
+    """C of ``nblocks`` blocks into ``cbuf`` (int32) from element ``coff`` (256 per block):
+    A = 16 rows of x (int8, 2-D) from element ``xoff`` + 32 per block, row stride x's width;
+    B from ``bbuf`` at byte ``boff`` (:func:`unpack_b`). ``mode``: :data:`TILES` (nothing
+    unless ``isa`` is AMX) or :data:`EMULATED`; ``w`` only says the format."""
+    n = _literal("nblocks", nblocks, 1, CHUNK)
+    emulate = _literal("mode", mode, EMULATED, TILES) == EMULATED
+    live = _int4(w) and (emulate or is_amx(isa))
+    check_array(x, types.int8, "x")
+    check_array(bbuf, types.uint8, "bbuf")
+    check_array(cbuf, types.int32, "cbuf")
+    i64 = types.int64
+    sig = types.void(isa, mode, nblocks, w, x, i64, bbuf, i64, cbuf, i64)
+
+    def codegen(context, builder, signature, args):
+        if not live:
+            return context.get_dummy_value()
+        _, _, _, _, xv, xoffv, bv, boffv, cv, coffv = args
+        aty = signature.args
+        arr = context.make_array(aty[4])(context, builder, xv)
+        ld = cgutils.unpack_tuple(builder, arr.shape, 2)[1]
+        a0 = at(context, builder, aty[4], xv, xoffv, I8)
+        b0 = at(context, builder, aty[6], bv, boffv, I8)
+        c0 = builder.bitcast(at(context, builder, aty[8], cv, coffv, I32), I8.as_pointer())
+        for i in range(n):
+            ai = _off(builder, a0, A_BYTES * i)
+            bi = _off(builder, b0, i * B_ROWS * B_BYTES)
+            ci = _off(builder, c0, i * ROWS * C_BYTES)
             if emulate:
-                _emulated_dot(builder, ai, a_stride, bi, ci)
+                _emulated_dot(builder, ai, ld, bi, ci)
             else:
-                _tile_dot(builder, ai, a_stride, bi, ci, _SETS[i % 2])
-        for k in range(ROWS):  # phase 4: each row's epilogue, blocks in order
-            off = builder.add(ooffv, builder.mul(ostridev, ir.Constant(I64, k)))
-            op = at(context, builder, aty[11], ov, off, vf)
+                _tile_dot(builder, ai, ld, bi, ci, _SETS[i % 2])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def epilogue16(typingctx, nblocks, w, woff, xs, xc, j, b, cbuf, coff, o, ooff, ostride):
+    """For ``k < 16`` and the ``nblocks`` blocks ``c = b..`` (weights from byte ``woff`` of w,
+    their dots in ``cbuf`` from element ``coff``) in order::
+
+        o[ooff + k*ostride : +16] += float32(C[c][k] + xc[j+k, c]) * (scales * xs[j+k, c])
+
+    (tiles.rows_block's float operations), each row's 16 outputs loaded and stored once."""
+    n = _literal("nblocks", nblocks, 1, CHUNK)
+    live = _int4(w)
+    check_array(xs, types.float32, "xs")
+    check_array(xc, types.int32, "xc")
+    check_array(cbuf, types.int32, "cbuf")
+    check_array(o, types.float32, "o")
+    i64 = types.int64
+    sig = types.void(nblocks, w, i64, xs, xc, i64, i64, cbuf, i64, o, i64, i64)
+
+    def codegen(context, builder, signature, args):
+        if not live:
+            return context.get_dummy_value()
+        _, wv, woffv, xsv, xcv, jv, bv, cv, coffv, ov, ooffv, ostridev = args
+        aty = signature.args
+        v16, vf = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
+        wp8 = at(context, builder, aty[1], wv, woffv, I8)
+        scales = [tiles4.scales(builder, _off(builder, wp8, tiles4.BLOCK_BYTES4 * i), 1)[0]
+                  for i in range(n)]
+        c0 = at(context, builder, aty[7], cv, coffv, v16)
+        for k in range(ROWS):
+            r = builder.add(jv, ir.Constant(I64, k))
+            sxp = row_at(context, builder, aty[3], xsv, r, bv, F32)
+            xcp = row_at(context, builder, aty[4], xcv, r, bv, I32)
+            op = at(context, builder, aty[9], ov,
+                    builder.add(ooffv, builder.mul(ostridev, ir.Constant(I64, k))), vf)
             acc = builder.load(op, align=4)
             for i in range(n):
-                dot = builder.load(_vec(builder, _off(builder, c, (i * ROWS + k) * C_BYTES),
-                                        v16), align=64)
-                xci = builder.load(builder.gep(xcp[k], [ir.Constant(I32, i)]), align=4)
-                sx = builder.load(builder.gep(sxp[k], [ir.Constant(I32, i)]), align=4)
+                dot = builder.load(builder.gep(c0, [ir.Constant(I32, i * ROWS + k)]), align=4)
+                xci = builder.load(builder.gep(xcp, [ir.Constant(I32, i)]), align=4)
+                sx = builder.load(builder.gep(sxp, [ir.Constant(I32, i)]), align=4)
                 scale = builder.fmul(scales[i], splat(builder, sx, vf))
                 prod = builder.fmul(builder.sitofp(builder.add(dot, splat(builder, xci, v16)),
                                                    vf), scale)
@@ -256,3 +307,49 @@ def rows16_blocks(typingctx, isa, mode, nblocks, w, woff, x, xs, xc, rows, j, b,
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@njit(cache=True, nogil=True)
+def _pipeline(isa, mode, n, w, woff, bb, nb, pf, x, xs, xc, j, o, ooff, ostride, bbuf, cbuf):
+    numba.literally(isa)
+    numba.literally(mode)
+    numba.literally(n)
+    steps = nb // n
+    for c in range(steps + 2):
+        if c < steps:
+            h = (c & 1) * B_CHUNK
+            unpack_b(n, w, woff + c * n * bb, pf + c * n * bb, bbuf, h)
+        d = c - 1
+        if 0 <= d < steps:
+            tile_dots(isa, mode, n, w, x, j * x.shape[1] + d * n * A_BYTES, bbuf,
+                      (d & 1) * B_CHUNK, cbuf, (d & 1) * (C_CHUNK // 4))
+        e = c - 2
+        if e >= 0:
+            epilogue16(n, w, woff + e * n * bb, xs, xc, j, e * n, cbuf,
+                       (e & 1) * (C_CHUNK // 4), o, ooff, ostride)
+
+
+@njit(cache=True, nogil=True)
+def run16(isa, mode, w, woff, bb, nb, pf, x, xs, xc, j, o, ooff, ostride, bbuf, cbuf) -> None:
+    """All ``nb`` blocks (``bb`` bytes each, the first at byte ``woff`` of w, flat) of one int4
+    micro-tile applied to rows ``j .. j+15`` of x/xs/xc (int8 [R, n], float32 and int32 [R,
+    n/32]), adding into ``o[ooff + k*ostride:][:16]``, as the module's pipeline with chunks of
+    CHUNK blocks (or 4, 2, 1 when nb is not a multiple); prefetching from byte ``pf`` on.
+    ``bbuf``/``cbuf``: :func:`buffers`. The bits of tiles.rows_block per block and row."""
+    numba.literally(isa)
+    numba.literally(mode)
+    if nb % CHUNK == 0:
+        _pipeline(isa, mode, CHUNK, w, woff, bb, nb, pf, x, xs, xc, j, o, ooff, ostride, bbuf,
+                  cbuf)
+    elif nb % 4 == 0:
+        _pipeline(isa, mode, 4, w, woff, bb, nb, pf, x, xs, xc, j, o, ooff, ostride, bbuf, cbuf)
+    elif nb % 2 == 0:
+        _pipeline(isa, mode, 2, w, woff, bb, nb, pf, x, xs, xc, j, o, ooff, ostride, bbuf, cbuf)
+    else:
+        _pipeline(isa, mode, 1, w, woff, bb, nb, pf, x, xs, xc, j, o, ooff, ostride, bbuf, cbuf)
+
+
+@njit(cache=True, nogil=True)
+def buffers():
+    """run16's scratch: B and C, two halves each."""
+    return np.empty(2 * B_CHUNK, np.uint8), np.empty(2 * C_CHUNK // 4, np.int32)

@@ -16,46 +16,23 @@ instruction set; :func:`layer_kernel` returns the entry point for one.
 
 from __future__ import annotations
 
-import math
-
 import numba
 import numpy as np
 from numba import njit, prange
 
 from cpu_experts.act import act_block, scratch
-from cpu_experts.amx import CHUNK, TILES, rows16_blocks, tile_begin, tile_end, wide_tiles
+from cpu_experts.activations import decode_activations, empty_f32_aligned, gather_wide
+from cpu_experts.amx import TILES, buffers, run16, tile_begin, tile_end, wide_tiles
 from cpu_experts.atomics import fetch_add, num_threads
 from cpu_experts.errors import ERR_EXPERT_ID, ERR_NON_FINITE, ERR_OK
 from cpu_experts.isa import ISA_AMX, ISA_AVX2, ISA_AVX512VNNI, ISA_PORTABLE
 from cpu_experts.pairs import group_pairs
 from cpu_experts.quant import BLOCK
 from cpu_experts.tiles import TU, block_prologue, rows_block
-from cpu_experts.tiles4 import BLOCK_BYTES4, GROUP_ROWS, WIDE_ROWS, block_sum, rows_per_call
+from cpu_experts.tiles4 import BLOCK_BYTES4, GROUP_ROWS, WIDE_ROWS, rows_per_call
 
 PREFETCH_AHEAD = 16384  # bytes ahead of the block being read (default; 0 = the block itself)
 ROWS = 4  # rows per micro-kernel call (tiles.rows_block); a remainder goes 2, then 1
-
-
-@njit(cache=True, nogil=True)
-def f16_value(bits) -> np.float32:
-    """float32 value of an IEEE half given as its uint16 bits."""
-    e = (np.int64(bits) >> 10) & 31
-    m = np.int64(bits) & 1023
-    sign = -1.0 if np.int64(bits) & 0x8000 else 1.0
-    if e == 0:
-        return np.float32(sign * (m * 2.0**-24))
-    return np.float32(sign * math.ldexp(1024.0 + m, int(e) - 25))
-
-
-@njit(cache=True, nogil=True)
-def empty_f32_aligned(n: int):
-    """``np.empty(n, float32)`` starting on a 64-byte boundary. The stages' float32 scratch
-    is written by many threads in 64-byte pieces (16 units of one row); with Numba's 32-byte
-    alignment half of those pieces would straddle two cache lines shared with a neighbouring
-    item on another thread (false sharing)."""
-    buf = np.empty(n + 16, np.float32)
-    off = (-(buf.ctypes.data >> 2)) & 15
-    return buf[off:off + n]
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -86,22 +63,20 @@ def _block_rows(isa, wf, at, x, xs, xc, rows, lo, hi, b, of, obase, ostride, ws)
         rows_block(isa, 1, wf, at, x, xs, xc, rows, j, b, of, obase + j * ostride, ostride, ws)
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _wide_blocks(isa, n, wf, at, bb, x, xs, xc, rows, lo, hi, b, of, obase, ostride, ws) -> None:
-    """Blocks ``b .. b+n-1`` (``n`` = amx.CHUNK or 1; the first at byte ``at``, ``bb`` bytes
-    each) applied to slots ``lo:hi`` on AMX: each group of 16 slots through amx.rows16_blocks,
-    the rest block by block (:func:`_block_rows`). Same bits as :func:`_block_rows` per block."""
+@njit(cache=True, nogil=True)
+def _wide_rows(isa, w, woff, bb, nb, pf, x, xs, xc, lo, hi, o, obase, ostride) -> int:
+    """AMX (amx.run16): slots ``lo:hi``, 16 at a time, through all ``nb`` blocks of one int4
+    micro-tile (the first at byte ``woff`` of w, prefetching from byte ``pf``); slot j is row j
+    of x/xs/xc and adds into ``o[obase + j * ostride:][:16]``. Returns the first slot left
+    (fewer than 16: the caller's per-block path)."""
+    numba.literally(isa)
+    bbuf, cbuf = buffers()
     j = lo
     while hi - j >= WIDE_ROWS:
-        if n == CHUNK:
-            rows16_blocks(isa, TILES, CHUNK, wf, at, x, xs, xc, rows, j, b, of,
-                          obase + j * ostride, ostride)
-        else:
-            rows16_blocks(isa, TILES, 1, wf, at, x, xs, xc, rows, j, b, of,
-                          obase + j * ostride, ostride)
+        run16(isa, TILES, w, woff, bb, nb, pf, x, xs, xc, j, o, obase + j * ostride, ostride,
+              bbuf, cbuf)
         j += WIDE_ROWS
-    for i in range(n):
-        _block_rows(isa, wf, at + i * bb, x, xs, xc, rows, j, hi, b + i, of, obase, ostride, ws)
+    return j
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -121,7 +96,7 @@ def _prefetch_next(isa, wf, at, ws, active, T, t, nb, bb, pa, pb):
 
 @njit(cache=True, nogil=True, parallel=True)
 def _gate_up_stage(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead, flip, hk, hs, hc,
-                   done, fine, sc) -> None:
+                   done, fine, sc, xg, xsg, xcg) -> None:
     """out[m, slot, :] = matrix m of each slot's expert applied to its activation row, and h
     (act.py) of each slot as soon as its four tiles of a block of 32 units are written.
 
@@ -136,7 +111,8 @@ def _gate_up_stage(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead, fli
     (gate and up, tiles 2c and 2c+1), sees the other three's stores (the atomic orders them)
     and computes the block's h for every slot of the expert into hk/hs/hc (act.act_block),
     with its thread's part of ``sc`` (act.scratch); ``fine[A * T/2]`` records whether that h
-    was finite.
+    was finite. xg/xsg/xcg: on AMX, the activations of the experts with 16+ slots in slot
+    order (activations.gather_wide), read by amx.run16.
     """
     numba.literally(isa)
     M, T, nb, bb = w.shape[1], w.shape[2], w.shape[3], w.shape[4]
@@ -163,16 +139,12 @@ def _gate_up_stage(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead, fli
                 block_prologue(isa, wf, at, ws, at + ahead)
                 rows_block(isa, 1, wf, at, xk, xs, xc, rows_of, lo, b, of,
                            (m * P + lo) * units + t * TU, units, ws)
-        elif wide_tiles(isa, wf):  # AMX and int4: CHUNK blocks per call, prefetched first
-            b = 0
-            while b < nb:
-                n = CHUNK if nb - b >= CHUNK else 1
-                for i in range(n):
-                    at = (base + b + i) * bb
-                    block_prologue(isa, wf, at, ws, at + ahead)
-                _wide_blocks(isa, n, wf, (base + b) * bb, bb, xk, xs, xc, rows_of, lo, hi, b,
-                             of, m * P * units + t * TU, units, ws)
-                b += n
+        elif wide_tiles(isa, wf) and hi - lo >= WIDE_ROWS:  # AMX: 16 slots at a time
+            j = _wide_rows(isa, wf, base * bb, bb, nb, base * bb + ahead, xg, xsg, xcg, lo, hi,
+                           of, m * P * units + t * TU, units)
+            for b in range(nb):
+                _block_rows(isa, wf, (base + b) * bb, xk, xs, xc, rows_of, j, hi, b, of,
+                            m * P * units + t * TU, units, ws)
         else:
             for b in range(nb):
                 at = (base + b) * bb
@@ -199,8 +171,9 @@ def gate_up_act(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead, flip, 
     blocks = active.shape[0] * hk.shape[1] // BLOCK
     done = np.zeros(blocks, np.int32)
     fine = np.zeros(blocks, np.bool_)
+    xg, xsg, xcg = gather_wide(isa, w, xk, xs, xc, offsets, rows_of)
     _gate_up_stage(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead, flip, hk, hs, hc,
-                   done, fine, scratch(num_threads()))
+                   done, fine, scratch(num_threads()), xg, xsg, xcg)
     for c in range(blocks):
         if not fine[c]:
             return False
@@ -245,16 +218,15 @@ def _down_combine_stage(isa, w, hk, hs, hc, active, offsets, pair_of, slot_of_pa
             for j in range(lo, hi):
                 yf[(t * P + j) * TU:(t * P + j + 1) * TU] = 0.0
             one = hi - lo == 1  # one row: the branch below is the same at every block
-            if not one and wide_tiles(isa, wf):  # AMX and int4: as in _gate_up_stage
-                b = 0
-                while b < nb:
-                    n = CHUNK if nb - b >= CHUNK else 1
-                    for i in range(n):
-                        pa, pb = _prefetch_next(isa, wf, (base + b + i) * bb, ws, active, T, t,
-                                                nb, bb, pa, pb)
-                    _wide_blocks(isa, n, wf, (base + b) * bb, bb, hk, hs, hc, None, lo, hi, b,
-                                 yf, t * P * TU, TU, ws)
-                    b += n
+            if hi - lo >= WIDE_ROWS and wide_tiles(isa, wf):  # AMX: as in _gate_up_stage
+                for b in range(nb):
+                    pa, pb = _prefetch_next(isa, wf, (base + b) * bb, ws, active, T, t, nb, bb,
+                                            pa, pb)
+                j = _wide_rows(isa, wf, base * bb, bb, nb, base * bb, hk, hs, hc, lo, hi, yf,
+                               t * P * TU, TU)
+                for b in range(nb):
+                    _block_rows(isa, wf, (base + b) * bb, hk, hs, hc, None, j, hi, b, yf,
+                                t * P * TU, TU, ws)
                 continue
             for b in range(nb):
                 at = (base + b) * bb
@@ -281,43 +253,6 @@ def _down_combine_stage(isa, w, hk, hs, hc, active, offsets, pair_of, slot_of_pa
 
 
 @njit(cache=True, nogil=True)
-def _decode_activations(xq, xd_bits, rows, flip, sums):
-    """The first ``rows`` rows: int8 activations in tiles.py form (``xq[:rows]`` itself
-    unless ``flip``), fp16-bit scales -> float32
-    and, when ``sums``, ``-8 *`` each block's sum (int32 [rows, H/32]; else [0, H/32]).
-    Serial (before the first parallel stage), so written as loops LLVM vectorises: unsigned
-    indices, no branch per byte, the scales widened by integer operations (f16_value's
-    values, exactly: a normal half's bits shifted and rebiased, a subnormal's ``m * 2**-24``)."""
-    H = xq.shape[1]
-    nb = H // BLOCK
-    xk = np.empty((rows, H), np.int8) if flip else xq[:rows]  # int4, AVX2: x as it is
-    xs = np.empty((rows, nb), np.float32)
-    xc = np.empty((rows if sums else 0, nb), np.int32)
-    xs_bits = xs.view(np.int32)
-    for r in range(rows):
-        src, hb, sb = xq[r], xd_bits[r], xs_bits[r]
-        if flip:
-            dst = xk[r]
-            for i in range(H):
-                dst[np.uintp(i)] = src[np.uintp(i)] ^ np.int8(-128)
-        for b in range(nb):
-            h = np.int32(hb[np.uintp(b)])
-            em = h & np.int32(0x7FFF)
-            sign = (h & np.int32(0x8000)) << np.int32(16)
-            sb[np.uintp(b)] = ((em << np.int32(13)) + np.int32(112 << 23)) | sign
-        for b in range(nb):
-            em = np.int32(hb[np.uintp(b)]) & np.int32(0x7FFF)
-            if em < np.int32(0x400):  # zero or subnormal: exact in float32
-                v = np.float32(em) * np.float32(2.0**-24)
-                xs[r, b] = -v if hb[np.uintp(b)] & 0x8000 else v
-        if sums:
-            cr = xc[r]
-            for b in range(nb):
-                cr[np.uintp(b)] = np.int32(-8) * block_sum(src, b * BLOCK)
-    return xk, xs, xc
-
-
-@njit(cache=True, nogil=True)
 def moe_layer(isa, gu, down, xq, xd_bits, expert_ids, weights, out, ahead) -> int:
     """One MoE layer on one shard for ``R = expert_ids.shape[0]`` rows; writes ``out[:R]``.
 
@@ -341,7 +276,7 @@ def moe_layer(isa, gu, down, xq, xd_bits, expert_ids, weights, out, ahead) -> in
     if P == 0:  # nothing on the CPU this layer
         out[:R] = 0.0
         return ERR_OK
-    xk, xs, xc = _decode_activations(xq, xd_bits, R, flip, int4)
+    xk, xs, xc = decode_activations(xq, xd_bits, R, flip, int4)
     rows_of = pair_row[members]            # [P] activation row of each slot (slot = grouped order)
     slot_of_pair = np.empty(P, np.int64)   # [P] pair id -> slot
     for s in range(P):

@@ -31,7 +31,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from cpu_experts import act, kernels, shard
+from cpu_experts import act, activations, kernels, shard
 from cpu_experts import isa as cpu_isa
 from cpu_experts.quant import quantize
 from scripts.bench_common import best_us, cpu_model
@@ -83,11 +83,11 @@ def stage_times(which: int, weights, I: int, rng, rows_list=(1, 4, 16)) -> list[
         q, d = quantize(rng.standard_normal((rows, H)).astype(np.float32))
         ids, w = np.zeros((rows, 1), np.int32), np.ones((rows, 1), np.float32)
         pair_of, pair_row, active, offsets, members = kernels.group_pairs(ids, 1)
-        xk, xs, xc = kernels._decode_activations(q, d.view(np.uint16), rows, flip, int4)
-        g_u = kernels.empty_f32_aligned(2 * rows * I).reshape((2, rows, I))
+        xk, xs, xc = activations.decode_activations(q, d.view(np.uint16), rows, flip, int4)
+        g_u = activations.empty_f32_aligned(2 * rows * I).reshape((2, rows, I))
         hk, hs = np.empty((rows, I), np.int8), np.empty((rows, I // 32), np.float32)
         hc = np.empty((rows, I // 32), np.int32)
-        y = kernels.empty_f32_aligned(rows * H).reshape((rows, H))
+        y = activations.empty_f32_aligned(rows * H).reshape((rows, H))
         out = np.empty((rows, H), np.float32)
         slots = np.arange(rows)
         rec = {"what": "stages_one_expert", "isa": cpu_isa.NAMES[which], "I": I, "rows": rows,
@@ -180,12 +180,12 @@ def diag_stages(which: int, layers: list, ids_list: list[np.ndarray], rng) -> di
         P = pair_row.shape[0]
         slot_of_pair = np.empty(P, np.int64)
         slot_of_pair[members] = np.arange(P)
-        g_u = kernels.empty_f32_aligned(2 * P * Is).reshape((2, P, Is))
+        g_u = activations.empty_f32_aligned(2 * P * Is).reshape((2, P, Is))
         hk, hs = np.empty((P, Is), np.int8), np.empty((P, Is // 32), np.float32)
         hc = np.empty((P, Is // 32), np.int32)
-        y, out = kernels.empty_f32_aligned(P * H), np.empty((rows, H), np.float32)
+        y, out = activations.empty_f32_aligned(P * H), np.empty((rows, H), np.float32)
         t0 = time.perf_counter_ns()
-        xk, xs, xc = kernels._decode_activations(q, d.view(np.uint16), rows, flip, int4)
+        xk, xs, xc = activations.decode_activations(q, d.view(np.uint16), rows, flip, int4)
         t1 = time.perf_counter_ns()
         gate_up(gu, xk, xs, xc, active, offsets, pair_row[members], g_u, kernels.PREFETCH_AHEAD,
                 flip, hk, hs, hc)  # SiLU and h's quantization included (act.py)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from numba import njit
 
+from cpu_experts import activations, kernels, reference, shard
 from cpu_experts import isa as cpu_isa
-from cpu_experts import kernels, reference, shard
 from cpu_experts.isa import ISA_AVX2, ISA_AVX512VNNI, ISA_PORTABLE
 from cpu_experts.quant import quantize
 from cpu_experts.tiles4 import WIDE_ROWS, block_sum, rows_per_call
@@ -57,13 +57,13 @@ def test_decode_activations_exact(flip: bool) -> None:
     rng = np.random.default_rng(3)
     xq = rng.integers(-128, 128, (bits.shape[0], 64)).astype(np.int8)
     xq[0], xq[1] = -128, 127
-    xk, xs, xc = kernels._decode_activations(xq, bits, bits.shape[0], flip, True)
+    xk, xs, xc = activations.decode_activations(xq, bits, bits.shape[0], flip, True)
     assert xs.view(np.int32).tobytes() == bits.view(np.float16).astype(np.float32).view(
         np.int32).tobytes()
     assert xk.tobytes() == (xq ^ np.int8(-128) if flip else xq).tobytes()
     want = -8 * xq.astype(np.int32).reshape(-1, 2, 32).sum(-1)
     assert np.array_equal(xc, want), np.argwhere(xc != want)[:3]
-    assert kernels._decode_activations(xq, bits, 3, flip, False)[2].shape == (0, 2)
+    assert activations.decode_activations(xq, bits, 3, flip, False)[2].shape == (0, 2)
 
 
 @njit

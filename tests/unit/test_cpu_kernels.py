@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from cpu_experts import act, kernels, reference, shard
+from cpu_experts import act, activations, kernels, reference, shard
 from cpu_experts import isa as cpu_isa
 from cpu_experts.quant import quantize, quantize_ref
 
@@ -141,7 +141,7 @@ def test_f16_value_all_finite_halves() -> None:
     bits = np.arange(0x10000, dtype=np.uint16)
     halves = bits.view(np.float16)
     finite = np.isfinite(halves)
-    got = np.array([kernels.f16_value(b) for b in bits[finite]], np.float32)
+    got = np.array([activations.f16_value(b) for b in bits[finite]], np.float32)
     assert got.tobytes() == halves[finite].astype(np.float32).tobytes()
 
 
