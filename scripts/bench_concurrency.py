@@ -13,13 +13,15 @@ Workloads (fixed prompts and seeds, temperature 0.85, thinking disabled):
   (scripts/bench_concurrency_tools.py).
 
 Every run is a fresh ``tandem serve`` process with its own config
-(scripts/bench_concurrency_serve.py); one short request warms it up and is excluded
-(counters are read after it). Arms (``--arms``): the speculation mode (``narrow``: each
-drafted slot verified alone; ``wide``: 2-4 drafted slots in one pass; ``off``), or
-``adaptive``: wide with ``draft_budget = "adaptive"`` (docs/speculation.md, the draft
-budget); ``@N`` after an arm sets ``num_drafts`` (``wide@2``, ``adaptive@8``: the fixed
-lengths beside the adaptive budget). ``--pairs`` paired runs per workload, the arms' order
-alternating pair by pair.
+(scripts/bench_concurrency_serve.py); four short concurrent requests (``--warm-up-tokens``)
+warm it up and are excluded (counters are read after them): with the replay proposer they
+are in the plain run's records too, so an arm's verify layouts run their eager first pass
+and their CUDA graph capture there, not in the workload. Arms (``--arms``): the speculation
+mode (``narrow``: each drafted slot verified alone; ``wide``: 2-4 drafted slots in one pass;
+``off``), or ``adaptive``: wide with ``draft_budget = "adaptive"`` (docs/speculation.md, the
+draft budget); ``@N`` after an arm sets ``num_drafts`` (``wide@2``, ``adaptive@8``: the
+fixed lengths beside the adaptive budget). ``--pairs`` paired runs per workload, the arms'
+order alternating pair by pair; ``--time-budget`` starts no run that would end after it.
 
 ``--proposer replay`` (benchmarks of random synthetic models): pair 1's ``off`` run records
 every request's token ids (``[speculation] record_file``), they become the workload's replay
@@ -60,8 +62,8 @@ from pathlib import Path
 import aiohttp
 
 from daemon.proposers.replay import prompt_key, read_records, write_replay_file
-from scripts.bench_common import REPO, command_line, delta, machine, scrape, sse_chunks
-from scripts.bench_concurrency_report import best_fixed, load_runs, summarize, table
+from scripts.bench_common import REPO, command_line, delta, machine, scrape
+from scripts.bench_concurrency_report import table, write_summary
 from scripts.bench_concurrency_serve import (
     DRAM_GBS,
     arm_speculation,
@@ -69,111 +71,16 @@ from scripts.bench_concurrency_serve import (
     cpu_bytes_per_expert,
     draft_figures,
     exactness,
+    pin_placement,
+    replay_reference,
     run_config,
     serving,
     step_figures,
     write_toml,
 )
-from scripts.bench_concurrency_tools import (
-    FILE_BYTES,
-    SCRIPT,
-    TOOLS,
-    run_tool,
-    scripted_call,
-    setup_project,
-)
+from scripts.bench_concurrency_tools import FILE_BYTES
+from scripts.bench_concurrency_workloads import STREAMS, WARM_UP, chat, in_order, workload
 from scripts.procs import free_port
-
-TEMPERATURE = 0.85
-STREAMS = 4
-ESSAYS = [
-    "Write a long essay on how the printing press changed the spread of ideas in Europe.",
-    "Write a long essay about the history of timekeeping, from sundials to atomic clocks.",
-    "Write a long essay on why cities grew up beside rivers, with examples from three "
-    "continents.",
-    "Write a long essay explaining how vaccines train the immune system, for a general reader.",
-]
-TASKS = [
-    ("lru.py", "a class LRUCache(capacity) with get(key) and put(key, value), evicting the "
-               "least recently used entry"),
-    ("csvline.py", "a function parse_line(line) that splits one CSV line into fields, "
-                   "honouring double quotes"),
-    ("intervals.py", "a function merge(intervals) that merges overlapping (start, end) pairs"),
-    ("roman.py", "functions to_roman(n) and from_roman(s) for 1 <= n <= 3999"),
-]
-SYSTEM = ("You are a coding agent. Work through the tools: read the project files you need, "
-          "write the module with write_file, check it with run_check, fix it if the check "
-          "fails.")
-async def chat(session: aiohttp.ClientSession, url: str, model: str, messages: list[dict],
-               max_tokens: int, seed: int, tools: list | None = None) -> dict:
-    """One streamed chat completion: its text, tool calls and completion tokens."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens,
-            "temperature": TEMPERATURE, "seed": seed, "stream": True,
-            "stream_options": {"include_usage": True},
-            "chat_template_kwargs": {"enable_thinking": False}}
-    if tools:
-        body["tools"] = tools
-    text, calls, tokens = [], [], 0
-    async with session.post(url + "/v1/chat/completions", json=body) as r:
-        if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
-        async for chunk in sse_chunks(r):
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            for choice in chunk.get("choices", []):
-                d = choice.get("delta", {})
-                text.append(d.get("content") or "")
-                calls += d.get("tool_calls") or []
-    return {"text": "".join(text), "tool_calls": calls, "tokens": tokens}
-
-
-async def agent_loop(session: aiohttp.ClientSession, url: str, model: str, i: int,
-                     max_tokens: int, chat_fn=None,
-                     file_bytes: tuple[int, int] = FILE_BYTES) -> dict:
-    """One coding agent, ``len(SCRIPT)`` turns: the model writes, then the turn's scripted
-    tool call (scripts/bench_concurrency_tools.py) runs and its result joins the context.
-    ``chat_fn``: ``chat`` (tests pass a stand-in); ``file_bytes``: the read files' sizes.
-    Returns tokens, turns, tool calls and the characters the tools sent back."""
-    chat_fn = chat_fn or chat
-    filename, what = TASKS[i]
-    messages = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": f"Write {filename}: {what}."}]
-    tokens = calls = tool_chars = 0
-    with tempfile.TemporaryDirectory() as tmp:
-        files = setup_project(Path(tmp), i, file_bytes)
-        for turn in range(len(SCRIPT)):
-            res = await chat_fn(session, url, model, messages, max_tokens, 100 * i + turn,
-                                TOOLS)
-            tokens += res["tokens"]
-            call = scripted_call(turn, i, filename, files, res["text"])
-            messages.append({"role": "assistant", "content": res["text"], "tool_calls": [call]})
-            out = await asyncio.to_thread(run_tool, Path(tmp), call["function"]["name"],
-                                          call["function"]["arguments"])
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": out})
-            calls += 1
-            tool_chars += len(out)
-    return {"tokens": tokens, "turns": len(SCRIPT), "tool_calls": calls,
-            "tool_chars": tool_chars}
-
-
-async def essay(session: aiohttp.ClientSession, url: str, model: str, i: int,
-                max_tokens: int) -> dict:
-    res = await chat(session, url, model, [{"role": "user", "content": ESSAYS[i]}],
-                     max_tokens, 1000 + i)
-    return {"tokens": res["tokens"], "turns": 1, "tool_calls": 0}
-
-
-async def workload(url: str, model: str, name: str, args: argparse.Namespace
-                   ) -> tuple[list[dict], float]:
-    fn, max_tokens = ((essay, args.essay_tokens) if name == "essay"
-                      else (functools.partial(agent_loop, file_bytes=args.file_bytes),
-                            args.coding_tokens))
-    timeout = aiohttp.ClientTimeout(total=None)
-    async with aiohttp.ClientSession(timeout=timeout) as s:
-        t0 = time.monotonic()
-        streams = await asyncio.gather(*(fn(s, url, model, i, max_tokens)
-                                         for i in range(STREAMS)))
-        return streams, time.monotonic() - t0
 
 
 def one_run(args: argparse.Namespace, ctx: dict, name: str, arm: str, pair: int,
@@ -181,6 +88,7 @@ def one_run(args: argparse.Namespace, ctx: dict, name: str, arm: str, pair: int,
     """One fresh server, warm-up excluded, the workload, its figures; every request's
     token ids go to ``ctx["work"]/<run>.records.jsonl`` (docs/speculation.md, the replay
     proposer)."""
+    begin = time.monotonic()
     records = ctx["work"] / f"{name}_{arm}_{pair}.records.jsonl"
     records.unlink(missing_ok=True)
     spec = arm_speculation(arm, args.proposer)
@@ -197,16 +105,23 @@ def one_run(args: argparse.Namespace, ctx: dict, name: str, arm: str, pair: int,
     if "per_expert" not in ctx:
         ctx["per_expert"] = cpu_bytes_per_expert(config)
     log = ctx["work"] / f"{name}_{arm}_{pair}.log"
+    t0 = time.monotonic()
     with serving(config, port, log, args.ready_timeout, args.blas_threads) as (url, model):
+        start_s = time.monotonic() - t0
 
         async def warm_up() -> None:
             async with aiohttp.ClientSession() as s:
-                await chat(s, url, model, [{"role": "user", "content": "Hello"}], 8, 0)
+                await in_order([functools.partial(chat, s, url, model,
+                                                  [{"role": "user", "content": p}],
+                                                  args.warm_up_tokens, i)
+                                for i, p in enumerate(WARM_UP)])
 
         asyncio.run(warm_up())
         before, load = scrape(url), os.getloadavg()[0]
         streams, wall = asyncio.run(workload(url, model, name, args))
         after, load = scrape(url), [load, os.getloadavg()[0]]
+        t1 = time.monotonic()
+    ctx["durations"].append(time.monotonic() - begin)
     steady_s = delta(after, before, "tandem_steady_decode_seconds_total", slots=str(STREAMS))
     steady_t = delta(after, before, "tandem_steady_decode_tokens_total", slots=str(STREAMS))
     tokens = sum(s["tokens"] for s in streams)
@@ -226,13 +141,11 @@ def one_run(args: argparse.Namespace, ctx: dict, name: str, arm: str, pair: int,
             "tool_chars": sum(s.get("tool_chars", 0) for s in streams),
             "drafts": draft_figures(after, before),
             "steps": step_figures(after, before, ctx["per_expert"], args.dram_gbs),
-            "records": str(records)}
-
-
-def replay_reference(path: Path) -> dict[str, list[int]]:
-    """prompt key -> the plain run's continuation, from a replay file."""
-    data = json.loads(path.read_text())
-    return {prompt_key(r["prompt_ids"]): r["continuation"] for r in data["records"]}
+            "records": str(records),
+            # where the run's time went: the server's start (load), warm-up and workload,
+            # its stop (every process ended)
+            "server_start_s": round(start_s, 1), "run_s": round(t1 - t0 - start_s, 1),
+            "server_stop_s": round(time.monotonic() - t1, 1)}
 
 
 def record_replay(args: argparse.Namespace, run: dict, path: Path) -> None:
@@ -253,11 +166,25 @@ def arm_order(args: argparse.Namespace) -> list[str]:
     return arms
 
 
+def fits(args: argparse.Namespace, ctx: dict, run: str) -> bool:
+    """Whether ``run`` may start: nothing skipped yet and it fits ``--time-budget`` (seconds
+    since the start; a run is taken to last as long as the longest so far). Else it joins
+    ``ctx["skipped"]`` (the summary's), and so does every later run."""
+    if not ctx["skipped"] and (args.time_budget is None or not ctx["durations"] or
+                               time.monotonic() - ctx["t0"] + max(ctx["durations"])
+                               <= args.time_budget):
+        return True
+    ctx["skipped"].append(run)
+    return False
+
+
 def run_workload(args: argparse.Namespace, ctx: dict, name: str, arms: list[str]) -> None:
     """Every pair of one workload; each run's ``exact`` compares its requests' tokens with
     the plain run's (the replay file's records, else ``off`` pair 1's)."""
     replay = ctx["work"] / f"replay_{name}.json" if args.proposer == "replay" else None
     if replay is not None and not replay.is_file() and "off" not in arms:
+        if not fits(args, ctx, f"{name}_off_0 (records the replay file)"):
+            return
         record_replay(args, one_run(args, ctx, name, "off", 0, None), replay)
     ref = replay_reference(replay) if replay is not None and replay.is_file() else None
     done: list[dict] = []
@@ -268,6 +195,8 @@ def run_workload(args: argparse.Namespace, ctx: dict, name: str, arms: list[str]
             if args.resume and out.is_file() and (replay is None or replay.is_file()):
                 done.append(json.loads(out.read_text()))
                 continue
+            if not fits(args, ctx, out.stem):
+                continue
             run = one_run(args, ctx, name, arm, pair, replay)
             if replay is not None and ref is None:  # pair 1's off run: the first of the pair
                 record_replay(args, run, replay)
@@ -276,6 +205,7 @@ def run_workload(args: argparse.Namespace, ctx: dict, name: str, arms: list[str]
                 run["exact"] = exactness(read_records(Path(run["records"])), ref)
             done.append(run)
             out.write_text(json.dumps(run, indent=1) + "\n")
+            ctx["summary"]()
             tps = run["four_stream_decode_tps"]
             print(f"{name:6s} {arm:10s} pair {pair}: four-stream "
                   f"{'-' if tps is None else f'{tps:.1f}'} tok/s, whole run "
@@ -331,7 +261,14 @@ def main(argv: list[str] | None = None) -> int:
                    "replay files (default: /tmp/tandem-bench-concurrency/<out-dir name>)")
     p.add_argument("--resume", action="store_true", help="keep runs already in --out-dir "
                    "(with their records in --work-dir): rerun the command after a time limit")
+    p.add_argument("--time-budget", type=float, default=None, help="seconds: start no run "
+                   "that would end later (a run is taken to last as long as the longest so "
+                   "far); the ones left are the summary's 'skipped' (then --resume)")
+    p.add_argument("--warm-up-tokens", type=int, default=32,
+                   help="tokens of each of the four warm-up requests (each stream starts "
+                   "at the first token of the one before: the first must still run then)")
     args = p.parse_args(argv)
+    t0 = time.monotonic()
     arms = arm_order(args)
     for arm in arms:
         arm_speculation(arm, args.proposer)  # refuse an unknown arm before any server
@@ -341,20 +278,23 @@ def main(argv: list[str] | None = None) -> int:
         args.out_dir.resolve().name
     work.mkdir(parents=True, exist_ok=True)
     cfg, facts = base_config(args, work)
-    ctx = {"work": work, "base": cfg, "facts": facts, "machine": machine()}
+    facts["cpu_experts_per_layer"] = pin_placement(
+        cfg, [arm_speculation(a, args.proposer) for a in arms], work)
+    ctx = {"work": work, "base": cfg, "facts": facts, "machine": machine(), "t0": t0,
+           "durations": [], "skipped": []}
     workloads = args.workloads.split(",")
+    head = {"command": command_line(), "machine": ctx["machine"], **facts,
+            "proposer": args.proposer,
+            "replay_source": args.replay_source if args.proposer == "replay" else None,
+            "skipped": ctx["skipped"]}
+    ctx["summary"] = functools.partial(write_summary, args.out_dir, head, workloads, arms, base)
     for name in workloads:
         run_workload(args, ctx, name, arms)
-    runs = load_runs(args.out_dir, workloads, arms)
-    by_workload = summarize(runs, arms, base)
-    summary = {"command": command_line(), "machine": ctx["machine"], **facts,
-               "proposer": args.proposer,
-               "replay_source": args.replay_source if args.proposer == "replay" else None,
-               "arms": arms, "base": base, "runs": len(runs), "by_workload": by_workload,
-               "adaptive_vs_best_fixed": {n: best_fixed(e, arms)
-                                          for n, e in by_workload.items()}}
-    (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    summary = ctx["summary"]()
     print(table(summary))
+    if ctx["skipped"]:
+        print(f"skipped (--time-budget {args.time_budget:g} s): {', '.join(ctx['skipped'])}")
+    print(f"{time.monotonic() - t0:.0f} s, runs of {[round(d) for d in ctx['durations']]} s")
     return 0
 
 

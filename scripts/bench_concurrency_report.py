@@ -89,6 +89,26 @@ def _fmt(v: float | None, digits: int = 1) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
+def write_summary(out_dir: Path, head: dict, workloads: list[str], arms: list[str],
+                  base: str) -> dict:
+    """``out_dir/summary.json`` from every run file there (rewritten after each run, so a
+    command cut by a time limit leaves the summary of what it ran). ``head``: the command,
+    this machine and the model's facts; the summary's ``machine`` is the runs' own where they
+    all ran on one (a summary of a device's runs made elsewhere with ``--pairs 0``)."""
+    runs = load_runs(out_dir, workloads, arms)
+    by_workload = summarize(runs, arms, base)
+    where = lambda m: json.dumps({k: m.get(k) for k in ("host", "cpu", "gpu")})  # noqa: E731
+    machines = {where(r["machine"]) for r in runs if r.get("machine")}
+    summary = {**head, "arms": arms, "base": base, "runs": len(runs),
+               "by_workload": by_workload,
+               "adaptive_vs_best_fixed": {n: best_fixed(e, arms)
+                                          for n, e in by_workload.items()}}
+    if len(machines) == 1 and machines != {where(head["machine"])}:
+        summary["machine"], summary["summarized_on"] = runs[-1]["machine"], head["machine"]
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
 def load_runs(out_dir: Path, workloads: list[str], arms: list[str]) -> list[dict]:
     """Every run file of ``out_dir`` of these workloads and arms, whatever its pair (a
     command with ``--pairs 0 --resume`` summarizes what earlier commands ran)."""

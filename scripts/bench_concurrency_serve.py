@@ -6,7 +6,8 @@ Every run gets its own TOML config, written from a base: ``--config FILE`` (path
 against the file's directory) or ``--model NAME --gpu-budget GIB|whole`` (a synthetic model
 directory and a split placement, as scripts/bench_load.py serves it), then ``--set KEY=VALUE``
 overrides, then the run's own ``[server]`` port and run directory and its ``[speculation]``
-section (the arm, the replay file, the record file).
+section (the arm, the replay file, the record file). Under a GPU budget the split is fixed
+once for all arms (``pin_placement``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.bench_common import REPO, Samples, delta, wait_ready
+from scripts.procs import descendants, wait_gone
 
 # the H200's int8 CPU expert kernel rate at the 80B's expert shape (docs/benchmarks.md,
 # bench_step's default): the CPU floor of a step is its CPU expert bytes over this
@@ -86,6 +88,36 @@ def base_config(args: argparse.Namespace, work: Path) -> tuple[dict, dict]:
     return cfg, facts
 
 
+def pin_placement(cfg: dict, specs: list[dict], work: Path) -> int | None:
+    """A split placement under a GPU budget, made the same in every arm: the memory plan
+    keeps the speculation headroom off the budget (none with mode ``off``), so each arm would
+    put a different number of experts on the GPU, and a request's tokens would differ
+    between arms (GPU experts in the model's dtype, CPU ones in int8) as well as its speed.
+    Sets ``experts.cpu_experts_per_layer`` to the plan of the arm (``specs``: their
+    ``[speculation]`` keys) that leaves the fewest experts on the GPU, and returns it (None
+    where the config has no budget, or fixes the split already)."""
+    from daemon.config import load_config  # noqa: PLC0415
+    from daemon.lifecycle import worker_config  # noqa: PLC0415
+    from gpu_worker.loader import load_config as model_config  # noqa: PLC0415
+    from gpu_worker.memory_plan import plan_for_worker  # noqa: PLC0415
+
+    experts = cfg.get("experts", {})
+    if (experts.get("placement") != "split" or experts.get("gpu_memory_gb") is None
+            or experts.get("cpu_experts_per_layer")):
+        return None
+    cpu = 0
+    for i, spec in enumerate(specs):  # (the proposer does not change the plan)
+        spec = {**spec, "proposer": "suffix"} if spec["proposer"] == "replay" else spec
+        config = load_config(write_toml(work / f"plan-{i}.toml", run_config(
+            cfg, port=8000, run_dir=work, speculation=spec)))
+        backend = "numpy" if config.model.backend == "numpy" else "cupy"
+        plan = plan_for_worker(worker_config(config), model_config(config.model.path),
+                               backend=backend, host_available_bytes=None)
+        cpu = max(cpu, plan.experts_cpu_per_layer)
+    experts["cpu_experts_per_layer"] = cpu
+    return cpu
+
+
 def synthetic_config(args: argparse.Namespace, work: Path) -> tuple[dict, float | str]:
     """A synthetic model's config at a GPU budget (GiB, or "whole": the device's size)."""
     from scripts.bench_load import model_dir  # noqa: PLC0415
@@ -136,8 +168,11 @@ BLAS_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 def serving(config: Path, port: int, log: Path, ready_timeout: float,
             blas_threads: int | None = None) -> Iterator[tuple[str, str]]:
     """A fresh ``tandem serve --config config``, ready: yields (base URL, model id); its
-    output goes to ``log``; terminated on exit. ``blas_threads``: the BLAS pool's threads
-    in the server's processes (None: the environment's)."""
+    output goes to ``log``; terminated on exit, and the exit waits until every process of
+    its tree has ended: the next run's server needs the memory they hold (the 80B at a
+    32 GiB budget: ~74 GiB of /dev/shm, 110 GiB on the H200, and ~28 GiB of the GPU).
+    ``blas_threads``: the BLAS pool's threads in the server's processes (None: the
+    environment's)."""
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ)
     if blas_threads:
@@ -152,8 +187,29 @@ def serving(config: Path, port: int, log: Path, ready_timeout: float,
                 model = json.load(r)["data"][0]["id"]
             yield url, model
         finally:
+            tree = descendants(proc.pid)
             proc.terminate()
-            proc.wait(timeout=60)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            left = wait_gone(tree, 60)
+            if left:
+                print(f"server processes {left} of {config.name} did not end", flush=True)
+            drop_shared_files(tree)
+
+
+def drop_shared_files(pids: list[int]) -> None:
+    """Unlink the shared-memory files (``tandem-<tag>-<pid>-<id>``, cpu_experts/rings.py)
+    that these ended processes made: a server stopped before it was ready leaves its CPU
+    experts' shard there (~73 GiB for the 80B at 32 GiB), and the next server would not fit."""
+    from cpu_experts.rings import shm_dir  # noqa: PLC0415
+
+    for pid in pids:
+        for f in Path(shm_dir()).glob(f"tandem-*-{pid}-*"):
+            print(f"removing {f}, left by a stopped server", flush=True)
+            f.unlink(missing_ok=True)
 
 
 def cpu_bytes_per_expert(config: Path) -> float | None:
@@ -202,6 +258,14 @@ def draft_figures(after: Samples, before: Samples) -> dict[str, dict[str, float]
             out[source] = {"verifies": verifies, "accepted": accepted,
                            "accepted_per_verify": accepted / verifies}
     return out
+
+
+def replay_reference(path: Path) -> dict[str, list[int]]:
+    """prompt key -> the plain run's continuation, from a replay file."""
+    from daemon.proposers.replay import prompt_key  # noqa: PLC0415
+
+    data = json.loads(path.read_text())
+    return {prompt_key(r["prompt_ids"]): r["continuation"] for r in data["records"]}
 
 
 def exactness(records: list[dict], reference: dict[str, list[int]]) -> dict[str, int]:

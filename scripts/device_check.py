@@ -133,6 +133,20 @@ PLANS: dict[str, list[Check]] = {
         Check("step_q64", f"{Q64}; {PY} scripts.bench_step --model /tmp/q64.json --gpu-budget "
               "whole --graphs --steps 5 --out $OUT/step_gpu_only_h200.json", 120),
     ],
+    # issue 15's concurrency benchmark, the smallest meaningful run: the synthetic 80B at
+    # 32 GiB, essays, replay drafts, off (records the replay file) then narrow and wide, one
+    # pair, a fresh server each (~110 s load + ~40 s warm-up, workload and stop: ~450 s).
+    # The run JSONs and summary.json come back in $OUT/concurrency_h200/32; the configs,
+    # server logs, records and replay file in one tar (docs/benchmarks.md, on the H200)
+    "concurrency": [
+        Check("concurrency_32", "mount -o remount,size=110G /dev/shm; timeout -k 15 500 "
+              f"{PY} scripts.bench_concurrency --model qwen3-next-80b-a3b --gpu-budget 32 "
+              "--proposer replay --replay-source mtp --arms off,narrow,wide --pairs 1 "
+              "--workloads essay --essay-tokens 128 --time-budget 490 "
+              "--out-dir $OUT/concurrency_h200/32 --work-dir /tmp/tbc-h200-32; rc=$?; "
+              "tar czf $OUT/concurrency_h200_32_work.tar.gz --exclude='./model-*' "
+              "-C /tmp/tbc-h200-32 .; exit $rc", 525),
+    ],
     # CUDA graphs (gpu_worker/step_graph.py): bits equal eager, with and without CPU experts
     "graphs": [
         Check("graphs", f"{PY} pytest -q -p no:cacheprovider tests/gpu/test_topk_cupy.py "

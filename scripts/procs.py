@@ -1,11 +1,13 @@
 """Processes and ports on this machine, for the scripts that start a server and for the
 integration tests: a free loopback port, the process tree below a pid, a process's command
-line (all from /proc)."""
+line, waiting for processes to end (all from /proc)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import time
 
 
 def free_port() -> int:
@@ -48,3 +50,33 @@ def cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, whose memory is already freed, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:].split()[0] not in ("Z", "X")
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Wait up to ``timeout`` s for every one of ``pids`` to end; SIGKILL (and wait 10 s more
+    for) those left. Returns the pids still running after that (normally none)."""
+    deadline = time.monotonic() + timeout
+    left = [p for p in pids if alive(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = [p for p in left if alive(p)]
+    for p in left:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+    deadline = time.monotonic() + 10
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = [p for p in left if alive(p)]
+    return left

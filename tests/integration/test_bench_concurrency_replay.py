@@ -24,17 +24,59 @@ def test_replay_arms_give_the_plain_tokens(tmp_path):
     assert summary["arms"] == ["off", "adaptive@2"]  # off first: it records
     assert summary["model"] == "tandem-tiny" and summary["gpu_budget_gb"] is None
     assert summary["machine"]["cores"] >= 1 and summary["runs"] == 4
+    assert summary["skipped"] == [] and "summarized_on" not in summary
     for name, turns in (("essay", 4), ("coding", 24)):
         replay = json.loads((work / f"replay_{name}.json").read_text())
         assert replay["workload"] == name and replay["source"] == "mtp"
-        assert len(replay["records"]) == turns + 1  # and the warm-up request
+        assert len(replay["records"]) == turns + 4  # and the four warm-up requests
         for arm in ("off", "adaptive@2"):
             run = json.loads((out / f"{name}_{arm}_1.json").read_text())
-            assert run["exact"] == {"requests": turns + 1, "equal": turns + 1, "differ": 0,
+            assert run["exact"] == {"requests": turns + 4, "equal": turns + 4, "differ": 0,
                                     "unknown": 0}, (name, arm)
             assert run["turns"] == turns and run["steps"]["steps"] > 0
+            assert run["server_start_s"] > 0 and run["run_s"] > 0 and run["server_stop_s"] >= 0
             if arm != "off":
                 assert run["drafts"]["mtp"]["accepted_per_verify"] > 0, (name, arm)
         entry = summary["by_workload"][name]
         assert entry["tokens_equal_plain"] == {"off": [True], "adaptive@2": [True]}
         assert set(entry["four_stream_decode_tps_pair_ratios"]) == {"adaptive@2"}
+
+
+@pytest.mark.slow
+def test_a_synthetic_model_under_a_budget_gives_the_plain_tokens_in_every_arm(tmp_path):
+    """The H200 command's path (--model, a GPU budget, split placement, CPU experts) on a
+    tiny synthetic Qwen3-Next on NumPy: the arms share one placement (the memory plan of
+    mode off alone would keep more experts on the GPU) and every request keeps its slot (a
+    synthetic model routes by slot), so the replay arms give the plain tokens and draft."""
+    import json as _json
+
+    from gpu_worker.memory_plan import plan_memory
+    from gpu_worker.model_config import ModelConfig
+    from scripts.tiny_model import DEFAULT_SIZES, build_config
+
+    raw = build_config("qwen3_next", {**DEFAULT_SIZES, "experts": 16, "topk": 4,
+                                      "vocab": 1024}, "bfloat16", [1023])
+    (tmp_path / "config.json").write_text(_json.dumps(raw))
+    plan = plan_memory(ModelConfig.from_dict({**raw, "mtp_num_hidden_layers": 1}),
+                       dtype="float64", backend="numpy", max_context=1024,
+                       prefix_cache_mb=256, placement="split", cpu_workers=1,
+                       host_available_bytes=None)
+    per_n = len(plan.moe_layers) * plan.gpu_bytes_per_expert
+    budget = (plan.gpu_fixed_bytes + 6.5 * per_n) / 2**30  # 6 per layer with mode off
+    out, work = tmp_path / "out", tmp_path / "work"
+    assert bench_concurrency.main([
+        "--model", str(tmp_path / "config.json"), "--gpu-budget", f"{budget:.6f}",
+        "--max-context", "1024", "--set", 'model.backend="numpy"',
+        "--set", 'model.dtype="float64"', "--set", "experts.cpu_workers=1",
+        "--proposer", "replay", "--arms", "off,narrow,wide", "--pairs", "1",
+        "--workloads", "essay", "--essay-tokens", "48", "--time-budget", "600",
+        "--out-dir", str(out), "--work-dir", str(work)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    pinned = summary["cpu_experts_per_layer"]
+    assert 10 < pinned < 16 and summary["skipped"] == []  # mode off alone: 10 on the CPU
+    for arm in ("off", "narrow", "wide"):
+        run = json.loads((out / f"essay_{arm}_1.json").read_text())
+        assert run["exact"]["equal"] == run["exact"]["requests"] == 8, arm
+        assert f"{16 - pinned} of 16 on the GPU" in (work / f"essay_{arm}_1.log").read_text()
+        if arm != "off":
+            assert run["drafts"]["mtp"]["verifies"] >= 8, arm  # drafts all the way

@@ -9,9 +9,13 @@ import pytest
 
 bench = pytest.importorskip("scripts.bench_concurrency")
 
+from scripts import bench_concurrency_workloads as workloads  # noqa: E402
+from scripts.bench_concurrency_report import summarize  # noqa: E402
+from scripts.bench_concurrency_tools import TOOLS, run_tool  # noqa: E402
+
 
 def _call(tmp_path, name: str, **args) -> str:
-    return bench.run_tool(tmp_path, name, json.dumps(args))
+    return run_tool(tmp_path, name, json.dumps(args))
 
 
 def test_write_read_and_check_a_module(tmp_path):
@@ -30,7 +34,7 @@ def test_paths_stay_in_the_scratch_directory_and_bad_calls_answer_errors(tmp_pat
     (tmp_path / "inner").mkdir()
     _call(tmp_path / "inner", "write_file", path="../../escape.py", content="x")
     assert (tmp_path / "inner" / "escape.py").exists() and not (tmp_path / "escape.py").exists()
-    assert bench.run_tool(tmp_path, "read_file", "{not json").startswith("error: bad arguments")
+    assert run_tool(tmp_path, "read_file", "{not json").startswith("error: bad arguments")
     assert _call(tmp_path, "read_file").startswith("error: bad arguments")
     assert _call(tmp_path, "delete", path="m.py") == "error: no tool named 'delete'"
 
@@ -40,7 +44,7 @@ def test_summary_pairs_runs_by_pair_and_takes_medians():
              "whole_run_tps": (tps or 0.0) / 2}
             for arm, pair, tps in (("narrow", 1, 10.0), ("wide", 1, 15.0), ("narrow", 2, 20.0),
                                    ("wide", 2, 20.0), ("narrow", 3, 30.0), ("wide", 3, None))]
-    s = bench.summarize(runs, ["narrow", "wide"])["essay"]
+    s = summarize(runs, ["narrow", "wide"])["essay"]
     assert s["four_stream_decode_tps"] == {"narrow": 20.0, "wide": 17.5}
     assert s["four_stream_decode_tps_pair_ratios"] == {"wide": [1.5, 1.0]}
     assert s["whole_run_tps"]["narrow"] == 10.0
@@ -65,11 +69,105 @@ def test_scripted_agent_loop_calls_tools_and_grows_its_context():
 
     async def fake_chat(session, url, model, messages, max_tokens, seed, tools):
         seen.append(sum(len(m["content"]) for m in messages))
-        assert tools == bench.TOOLS
+        assert tools == TOOLS
         return {"text": f"X_{seed} = {len(messages)}\n", "tool_calls": [], "tokens": 5}
 
-    res = asyncio.run(bench.agent_loop(None, "", "m", 1, 32, chat_fn=fake_chat))
+    res = asyncio.run(workloads.agent_loop(None, "", "m", 1, 32, chat_fn=fake_chat))
     assert res["turns"] == res["tool_calls"] == 6 and res["tokens"] == 30
     assert len(seen) == 6 and all(b > a for a, b in zip(seen, seen[1:], strict=False))
     assert seen[1] - seen[0] >= 2048  # the first tool result is a 2-8 kB file
     assert res["tool_chars"] >= 2 * 2048  # two reads, plus "wrote ..." and "ok"
+
+
+def test_time_budget_skips_the_run_that_would_end_late_and_every_later_one():
+    import argparse
+    import time
+
+    args = argparse.Namespace(time_budget=100.0)
+    ctx = {"t0": time.monotonic() - 50, "durations": [], "skipped": []}
+    assert bench.fits(args, ctx, "essay_off_1")  # nothing measured yet: it starts
+    ctx["durations"] = [40.0]
+    assert bench.fits(args, ctx, "essay_narrow_1")  # 50 + 40 <= 100
+    ctx["durations"] = [40.0, 60.0]
+    assert not bench.fits(args, ctx, "essay_wide_1")  # 50 + 60 > 100
+    ctx["durations"] = [1.0]
+    assert not bench.fits(args, ctx, "coding_off_1")  # later runs follow the skipped one
+    assert ctx["skipped"] == ["essay_wide_1", "coding_off_1"]
+    assert bench.fits(argparse.Namespace(time_budget=None), {"skipped": []}, "x")
+
+
+def test_summary_after_each_run_names_the_machine_the_runs_ran_on(tmp_path):
+    from scripts.bench_concurrency_report import write_summary
+
+    device = {"host": "h200", "cpu": "Xeon", "gpu": "NVIDIA H200", "git": "abc"}
+    here = {"host": "vm", "cpu": "EPYC", "gpu": None, "git": "def"}
+    for arm, tps in (("narrow", 10.0), ("wide", 16.0)):
+        (tmp_path / f"essay_{arm}_1.json").write_text(json.dumps(
+            {"workload": "essay", "arm": arm, "pair": 1, "four_stream_decode_tps": tps,
+             "whole_run_tps": tps, "machine": device}))
+    head = {"command": "c", "machine": here, "model": "m", "skipped": []}
+    s = write_summary(tmp_path, head, ["essay", "coding"], ["narrow", "wide"], "narrow")
+    assert json.loads((tmp_path / "summary.json").read_text()) == s
+    assert s["machine"] == device and s["summarized_on"] == here and s["runs"] == 2
+    assert s["by_workload"]["essay"]["four_stream_decode_tps_pair_ratios"] == {"wide": [1.6]}
+    s = write_summary(tmp_path, {**head, "machine": device}, ["essay"], ["narrow", "wide"],
+                      "narrow")
+    assert s["machine"] == device and "summarized_on" not in s
+
+
+def test_wait_gone_waits_for_processes_and_kills_what_stays():
+    import subprocess
+    import sys
+
+    from scripts.procs import alive, wait_gone
+
+    quick = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    stuck = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                              "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"])
+    assert alive(quick.pid) and alive(stuck.pid)
+    children = [quick, stuck]  # zombies until this process waits for them
+    assert wait_gone([quick.pid, stuck.pid], 2.0) == []  # a zombie counts as gone
+    assert [p.wait(timeout=5) for p in children] == [0, -9]
+    assert not alive(quick.pid)
+
+
+def test_streams_are_admitted_in_order_each_after_the_first_token_of_the_one_before():
+    import asyncio
+
+    log: list[str] = []
+
+    async def stream(i: int, started: asyncio.Event) -> int:
+        log.append(f"start {i}")
+        await asyncio.sleep(0.01 * (4 - i))  # the prompt read: later streams read faster
+        log.append(f"token {i}")
+        started.set()
+        await asyncio.sleep(0.3)
+        log.append(f"end {i}")
+        return i
+
+    async def fails(started: asyncio.Event) -> int:  # no token at all: the next still starts
+        log.append("start x")
+        return -1
+
+    starts = [lambda started, i=i: stream(i, started) for i in range(3)] + [fails]
+    assert asyncio.run(workloads.in_order(starts)) == [0, 1, 2, -1]
+    assert log[:6] == ["start 0", "token 0", "start 1", "token 1", "start 2", "token 2"]
+    assert log.index("start x") < log.index("end 0")  # concurrent, not one after another
+
+
+def test_a_stopped_servers_shared_files_are_removed_and_no_others():
+    from pathlib import Path
+
+    from cpu_experts.rings import shm_dir
+    from scripts.bench_concurrency_serve import drop_shared_files
+
+    mine = Path(shm_dir()) / "tandem-experts0-999999991-ab12cd34"
+    other = Path(shm_dir()) / "tandem-experts0-9999999910-ab12cd34"  # another pid
+    try:
+        mine.write_bytes(b"x")
+        other.write_bytes(b"x")
+        drop_shared_files([999999991])
+        assert not mine.exists() and other.exists()
+    finally:
+        mine.unlink(missing_ok=True)
+        other.unlink(missing_ok=True)
