@@ -158,7 +158,9 @@ class Runner:
             timings.update(draft_ms)
             counters.update(draft_counts)
         if self.graphs is not None:
-            counters.update(self.graphs.take_counts())
+            counts, ms = self.graphs.take_counts()
+            counters.update(counts)
+            timings.update(ms)
         if self.experts is not None:
             stats = self.experts.take_stats()
             timings["cpu_experts"] = stats.pop("cpu_experts_ms")

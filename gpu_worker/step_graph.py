@@ -154,12 +154,15 @@ class StepGraphs:
         self.outputs: tuple | None = None
         self.on_launch = None  # called right after each graph launch (benchmarks' host time)
 
-    def take_counts(self) -> dict[str, float]:
-        """Captures, replays, refusals and capture milliseconds since the last call, and the
-        graphs held now."""
+    def take_counts(self) -> tuple[dict[str, int], dict[str, float]]:
+        """Since the last call: (captures, replays and refusals, with the graphs held now;
+        ``{"graph_capture": ms}``), the step result's counters (ints: the wire checks) and
+        timings."""
         out = {k: v - self._taken[k] for k, v in self.totals.items()}
         self._taken = dict(self.totals)
-        return {**out, "graphs": len(self.graphs)}
+        ms = out.pop("graph_capture_ms")
+        return ({k: int(v) for k, v in out.items()} | {"graphs": len(self.graphs)},
+                {"graph_capture": float(ms)})
 
     def run(self, work: list[SlotWork], batch: RaggedBatch, rows: np.ndarray,
             first: dict[int, int]) -> tuple[ForwardOut, list[tuple[list[int], int]]] | None:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
+from protocol.codec import decode, encode
+
 
 class InProcessWorker:
     """The real Runner behind the scheduler's ``async step(plan)`` interface; keeps every
-    plan and result."""
+    plan and result. Plans and results cross the wire codec as they do between processes
+    (encoded, checked, decoded), so a field of the wrong type fails here, not only when a
+    real worker sends it."""
 
     def __init__(self, runner) -> None:
         self.runner = runner
@@ -16,7 +20,7 @@ class InProcessWorker:
     async def step(self, plan):
         self.plans.append(plan)
         await asyncio.sleep(0)  # like a real worker, let the front ends run during a step
-        result = self.runner.execute(plan)
+        result = decode(encode(self.runner.execute(decode(encode(plan)))))
         self.results.append(result)
         return result
 
