@@ -262,7 +262,7 @@ class HttpApi:
                                                            _prompt_param(req)),
                                 stop=req.stop, priority=req.priority, eos=not req.ignore_eos,
                                 progress=req.stream and req.include_progress,
-                                speculation=req.speculation)
+                                speculation=req.speculation, user=req.user)
         handle = self._submit(gen)
         self.active[gen.request_id] = handle
         fmt = Formatter(req.kind, request[REQUEST_ID], self.model_name, int(time.time()))

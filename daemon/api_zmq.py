@@ -183,7 +183,8 @@ class ZmqApi:
         return GenerationRequest(
             request_id=_internal_id(peer, msg.request_id), prompt_ids=ids,
             sampling=sampling, max_tokens=msg.max_tokens,
-            stop=tuple(msg.stop), priority=msg.priority, speculation=msg.speculation)
+            stop=tuple(msg.stop), priority=msg.priority, speculation=msg.speculation,
+            user=msg.user)
 
     async def _stream(self, peer: bytes, msg: SubmitRequest, handle) -> None:
         index, ids, text = 0, [], []

@@ -111,10 +111,12 @@ class Daemon:
 
     def adopt(self, info: ModelInfo) -> None:
         """What the worker reported at READY: EOS ids (unless the tokenizer has its own),
-        the prefix cache's share of the KV pool, vocabulary and sampling defaults."""
+        the prefix cache's share of the KV pool, vocabulary and sampling defaults, and whether
+        the model routes by SlotWork.route_key (a synthetic model: prefixes shared per key)."""
         if self.tokenizer is None:
             self.scheduler.eos_ids = frozenset(info.eos_token_ids)
         self.scheduler.vocab_size = info.vocab_size
+        self.scheduler.route_keyed = info.synthetic_routing
         kv = info.kv
         budget = self.config.scheduler.prefix_cache_max_mb * 2**20
         self.scheduler.prefix = (PrefixCache(kv.prefix_blocks, kv.block_size,

@@ -2,7 +2,8 @@
 
 `parse_completion(body)` / `parse_chat(body)` turn a decoded JSON object into a `ParsedRequest`
 or raise `ApiError` (HTTP 400) naming the offending field. Fields OpenAI defines but Tandem does
-not implement are refused with a message rather than silently ignored, except `user`.
+not implement are refused with a message rather than silently ignored; `user` is kept as a
+synthetic model's routing key (docs/synthetic.md) and otherwise unused.
 A JSON null means "absent" for every optional field.
 """
 
@@ -71,6 +72,7 @@ class ParsedRequest:
     priority: int = 0
     ignore_eos: bool = False  # vLLM's extension: generate past EOS (benchmarks)
     speculation: bool = True  # Tandem's: false opts this request out of speculative decoding
+    user: str | None = None  # OpenAI's: a synthetic model's routing key, else unused
 
 
 # ---- scalar checks ------------------------------------------------------------------------------
@@ -148,7 +150,7 @@ def _common(body: Any, kind: str, known: frozenset[str]) -> ParsedRequest:
         include_progress=_stream_options(body.get("stream_options"), stream, "include_progress"),
         priority=_int(body, "priority", *PRIORITY_RANGE) or 0,
         ignore_eos=bool(_bool(body, "ignore_eos")),
-        speculation=_bool(body, "speculation") is not False)
+        speculation=_bool(body, "speculation") is not False, user=user)
 
 
 def _stop(value: Any) -> tuple[str, ...]:

@@ -8,11 +8,18 @@ Three bounds, whichever binds first: ``max_blocks`` KV blocks pinned, ``max_entr
 entries, and ``max_bytes`` (``[scheduler] prefix_cache_max_mb``) for the blocks' bytes plus
 one recurrent-state snapshot per entry (``state_bytes``: the GDN states of one slot, about
 79 MB on Qwen3-Next-80B, so 256 of them would be 20 GB that no budget counted).
+
+``space``: entries are shared only within one space. A synthetic model's states depend on
+the routing key of the request that computed them (docs/synthetic.md), so the scheduler
+passes that key there; None (real models) is one space for everyone.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
+
+Key = tuple[Hashable, tuple[int, ...]]  # (space, tokens)
 
 
 class PrefixCache:
@@ -23,7 +30,7 @@ class PrefixCache:
         self.block_size = block_size
         self.max_entries = max_entries
         self.block_bytes, self.state_bytes, self.max_bytes = block_bytes, state_bytes, max_bytes
-        self._by_tokens: OrderedDict[tuple[int, ...], int] = OrderedDict()  # LRU order
+        self._by_tokens: OrderedDict[Key, int] = OrderedDict()  # LRU order
         self._blocks: dict[int, int] = {}  # entry id -> blocks it may pin
         self._lengths: dict[int, int] = {}  # length -> entries of that length
 
@@ -49,28 +56,29 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._by_tokens)
 
-    def lookup(self, prompt: list[int]) -> tuple[int, int] | None:
-        """(entry id, n) of the longest cached prefix shorter than the prompt."""
+    def lookup(self, prompt: list[int], space: Hashable = None) -> tuple[int, int] | None:
+        """(entry id, n) of the longest prefix shorter than the prompt cached in ``space``."""
         for n in sorted(self._lengths, reverse=True):
             if n < len(prompt):
-                key = tuple(prompt[:n])
+                key = (space, tuple(prompt[:n]))
                 if key in self._by_tokens:
                     self._by_tokens.move_to_end(key)
                     return self._by_tokens[key], n
         return None
 
-    def contains(self, tokens: list[int]) -> bool:
-        return tuple(tokens) in self._by_tokens
+    def contains(self, tokens: list[int], space: Hashable = None) -> bool:
+        return (space, tuple(tokens)) in self._by_tokens
 
-    def add(self, tokens: list[int], entry_id: int) -> list[int]:
-        """Record a new checkpoint; returns the ids of entries evicted to make room."""
+    def add(self, tokens: list[int], entry_id: int, space: Hashable = None) -> list[int]:
+        """Record a new checkpoint in ``space``; returns the ids of entries evicted to make
+        room."""
         blocks, nbytes = self._cost(len(tokens))
         evicted = []
         while self._by_tokens and self._over(blocks, nbytes):
             evicted.append(self._pop_oldest())
         if not self.fits(len(tokens)):
             return evicted  # too big to keep at all; the caller must drop it
-        self._by_tokens[tuple(tokens)] = entry_id
+        self._by_tokens[(space, tuple(tokens))] = entry_id
         self._blocks[entry_id] = blocks
         self._lengths[len(tokens)] = self._lengths.get(len(tokens), 0) + 1
         return evicted
@@ -87,9 +95,9 @@ class PrefixCache:
                            max_bytes=self.max_bytes)
 
     def _pop_oldest(self) -> int:
-        key, entry = self._by_tokens.popitem(last=False)
+        (_, tokens), entry = self._by_tokens.popitem(last=False)
         del self._blocks[entry]
-        self._lengths[len(key)] -= 1
-        if not self._lengths[len(key)]:
-            del self._lengths[len(key)]
+        self._lengths[len(tokens)] -= 1
+        if not self._lengths[len(tokens)]:
+            del self._lengths[len(tokens)]
         return entry

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 
 from protocol.messages import SamplingParams
 
@@ -38,6 +39,14 @@ class GenerationRequest:
     eos: bool = True  # stop at the model's EOS ids
     progress: bool = False  # push prompt-progress events (RequestEvent.progress) while waiting
     speculation: bool = True  # False: never draft for it (nor index its text globally)
+    user: str | None = None  # OpenAI's `user`: a synthetic model's routing key (user_route_key)
+
+
+def user_route_key(user: str) -> int:
+    """A synthetic model's routing key for ``user`` (SlotWork.route_key): 63 bits of its
+    BLAKE2b, the same in every process and run (Python's hash() is salted per process)."""
+    digest = hashlib.blake2b(user.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 @dataclasses.dataclass(slots=True)

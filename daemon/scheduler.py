@@ -95,6 +95,9 @@ class Scheduler:
         self.vocab_size: int | None = None  # the worker's (READY); prompt ids must be below
         self.metrics: Metrics | NullMetrics = metrics if metrics is not None else NullMetrics()
         self.prefix = PrefixCache(prefix_blocks, block_size) if prefix_blocks else None
+        # the worker's model routes by SlotWork.route_key (READY: ModelInfo.synthetic_routing):
+        # prefix states are then shared only between requests of one routing key
+        self.route_keyed = False
         self.worker: StepWorker | None = None  # set by attach()
         self.slots: list[Sequence | None] = [None] * max_slots
         self.queue: list[tuple[int, int, Sequence]] = []  # heap of (-priority, order, seq)
@@ -252,7 +255,8 @@ class Scheduler:
         sampling = dataclasses.replace(seq.req.sampling, seed=seq.seed)
         common = dict(slot=slot, request_id=seq.req.request_id, sampling=sampling,
                       prompt_len=len(seq.prompt), cached_len=seq.cached,
-                      mtp_drafts=self._mtp_drafts if seq.req.speculation else 0)
+                      mtp_drafts=self._mtp_drafts if seq.req.speculation else 0,
+                      route_key=seq.user_key)
         if not seq.in_prefill:
             drafts = self._drafts(seq)
             return SlotWork(kind=WorkKind.DECODE, start_pos=seq.processed, num_tokens=1,
@@ -267,8 +271,11 @@ class Scheduler:
         if self.prefix is not None:  # chunks end on checkpoint boundaries
             boundary = (start // self.checkpoint_interval + 1) * self.checkpoint_interval
             end = min(end, boundary)
-            if end % self.checkpoint_interval == 0 or end == target:
-                self._checkpoint(slot, seq.tokens(0, end), after)
+            if (end % self.checkpoint_interval == 0 or end == target) and (
+                    not self.route_keyed or seq.user_key is not None or seq.state_slot == slot):
+                # NOTE: a synthetic model's request without a user, swapped back in to another
+                # slot, holds states of two slots' routing: no space is theirs to share
+                self._checkpoint(slot, seq.tokens(0, end), after, self._space(slot, seq))
         return SlotWork(kind=WorkKind.PREFILL, start_pos=start, num_tokens=end - start,
                         input_ids=token_array(seq.tokens(start, end)),
                         needs_logits=end == target, **common)
@@ -277,13 +284,18 @@ class Scheduler:
         """Draft tokens to verify after ``seq``'s next decode row (tests swap in an oracle)."""
         return self.draft_plan.propose(seq, self.max_context)
 
-    def _checkpoint(self, slot: int, tokens: list[int], after: list[CacheOp]) -> None:
-        if self.prefix.contains(tokens) or not self.prefix.fits(len(tokens)):
+    def _space(self, slot: int, seq: Sequence) -> int | None:
+        """The prefix cache's space of ``seq`` in ``slot`` (daemon/prefix_cache.py)."""
+        return seq.route_key(slot) if self.route_keyed else None
+
+    def _checkpoint(self, slot: int, tokens: list[int], after: list[CacheOp],
+                    space: int | None) -> None:
+        if self.prefix.contains(tokens, space) or not self.prefix.fits(len(tokens)):
             return
         entry = self._new_entry()
         after.append(CacheOp(op=OP.CHECKPOINT, slot=slot, num_tokens=len(tokens),
                              entry_id=entry))
-        for dropped in self.prefix.add(tokens, entry):
+        for dropped in self.prefix.add(tokens, entry, space):
             self._ops.append(CacheOp(op=OP.DROP_CHECKPOINT, entry_id=dropped))
 
     def _admit(self) -> None:
@@ -301,7 +313,8 @@ class Scheduler:
                 progress.admitted(seq)
                 continue
             self._ops.append(CacheOp(op=OP.ALLOCATE, slot=slot, num_tokens=len(seq.prompt)))
-            hit = (self.prefix.lookup(seq.tokens(0, seq.prefill_len))
+            seq.state_slot = slot
+            hit = (self.prefix.lookup(seq.tokens(0, seq.prefill_len), self._space(slot, seq))
                    if self.prefix is not None else None)
             if hit is not None:
                 entry, n = hit

@@ -7,7 +7,13 @@ import time
 from typing import TYPE_CHECKING
 
 from daemon.proposers.suffix import SuffixProposer
-from daemon.request import GenerationRequest, RequestEvent, RequestHandle, Usage
+from daemon.request import (
+    GenerationRequest,
+    RequestEvent,
+    RequestHandle,
+    Usage,
+    user_route_key,
+)
 from protocol.messages import Phase
 
 if TYPE_CHECKING:
@@ -51,6 +57,16 @@ class Sequence:
     draft_source: int = 0  # DraftSource of its latest drafts (daemon.draft_plan; 0: none)
     progress: PromptProgress = dataclasses.field(default_factory=PromptProgress)
     progress_sent: dict | None = None  # the last progress event pushed (opt-in requests)
+    user_key: int | None = dataclasses.field(init=False)  # user_route_key(req.user)
+    state_slot: int | None = None  # the slot its worker states began in (a swap keeps them)
+
+    def __post_init__(self) -> None:
+        self.user_key = None if self.req.user is None else user_route_key(self.req.user)
+
+    def route_key(self, slot: int) -> int:
+        """What a synthetic model routes this request's rows by in ``slot``: its user's key,
+        else the slot (the worker's default for SlotWork.route_key None)."""
+        return slot if self.user_key is None else self.user_key
 
     @property
     def prompt(self) -> list[int]:

@@ -69,7 +69,8 @@ class MtpDrafter:
         parts, rows_h, last_pos = self._head_rows(work, batch, hidden, committed)
         if not parts:
             return {}
-        mbatch = RaggedBatch.build(parts)
+        keys = {w.slot: w.route_key for w in work}  # a synthetic model routes by them
+        mbatch = RaggedBatch.build(parts, keys)
         ends = {seg.slot: seg.row0 + seg.num - 1 for seg in mbatch.segments}
         want = [s for s, _, _ in parts if s in last_pos]
         last_rows = np.asarray([ends[s] for s in want], dtype=np.int64)
@@ -81,7 +82,7 @@ class MtpDrafter:
         k_of = {w.slot: w.mtp_drafts for w in work}
         limit = {s: min(k_of[s], self.max_context - 1 - last_pos[s]) for s in want}
         return (yield from self._chain(want, limit, last_pos, out.logits,
-                                       out.hidden[xp.asarray(last_rows)]))
+                                       out.hidden[xp.asarray(last_rows)], keys))
 
     def _head_rows(self, work: list[SlotWork], batch: RaggedBatch, hidden: Array,
                    committed: Committed
@@ -116,7 +117,7 @@ class MtpDrafter:
         return parts, rows_h, last_pos
 
     def _chain(self, live: list[int], limit: dict[int, int], last_pos: dict[int, int],
-               logits: Array, h: Array) -> DraftSteps:
+               logits: Array, h: Array, keys: dict[int, int | None]) -> DraftSteps:
         """Argmax drafts from the head's output rows (``logits`` [n, V], ``h`` [n, H], one per
         slot of ``live``); each further draft is one more head row at the next position, on
         the head's own output, until the slot has ``limit`` drafts (a yield after each). The
@@ -132,7 +133,7 @@ class MtpDrafter:
                 break
             live = [live[i] for i in keep]
             cbatch = RaggedBatch.build([(s, last_pos[s] + len(drafts[s]), [drafts[s][-1]])
-                                        for s in live])
+                                        for s in live], keys)
             out = self.model.mtp_forward(cbatch, h[xp.asarray(np.asarray(keep, np.int64))],
                                          self.caches)
             yield

@@ -208,7 +208,8 @@ class Runner:
         """One forward pass over ``work``: each slot's input rows then its drafts; logits of
         every row of a drafted slot, of the last row of the others that need one."""
         batch = RaggedBatch.build([(w.slot, w.start_pos, np.concatenate(
-            [w.input_ids, w.draft_ids]).astype(np.int64)) for w in work])
+            [w.input_ids, w.draft_ids]).astype(np.int64)) for w in work],
+            {w.slot: w.route_key for w in work})
         rows, first = [], {}
         for w, seg in zip(work, batch.segments, strict=True):
             if len(w.draft_ids):

@@ -119,7 +119,8 @@ def build_runner(cfg: WorkerConfig) -> tuple[Runner, object, ModelInfo]:
     info = ModelInfo(name=cfg.name or os.path.basename(os.path.normpath(cfg.model)),
                      vocab_size=mc.vocab_size, max_slots=cfg.max_slots,
                      max_context=cfg.max_context, eos_token_ids=list(gen["eos_token_ids"]),
-                     generation_defaults=defaults, kv=layout)
+                     generation_defaults=defaults, kv=layout,
+                     synthetic_routing=model.routing is not None)
     return runner, pool, info
 
 

@@ -44,7 +44,7 @@ from gpu_worker.verify import picks, sampling_inputs
 from protocol.messages import SlotWork, WorkKind
 
 MAX_GRAPHS = 48  # layouts kept; the least recently used one goes first
-MODEL_INPUTS = ("tokens", "positions", "logit_rows", "attn", "gdn", "routing", "row_slots")
+MODEL_INPUTS = ("tokens", "positions", "logit_rows", "attn", "gdn", "routing", "row_keys")
 
 
 def graphs_status(wanted: bool, model: Model, experts) -> tuple[bool, str]:

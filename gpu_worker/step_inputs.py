@@ -59,10 +59,10 @@ def host_inputs(model, caches, batch: RaggedBatch, logit_rows: np.ndarray,
     if model.routing is not None:
         bound = model.routing.bind_batch(batch)
         if model.xp is np:  # every MoE layer's picks in one vectorised call
-            host["routing"] = bound.model.choose_layers(_moe_layers(model), bound.slots,
+            host["routing"] = bound.model.choose_layers(_moe_layers(model), bound.keys,
                                                         bound.positions)
-        else:  # the rows' slots: the routing kernel picks on the device (KernelRouting)
-            host["row_slots"] = bound.slots
+        else:  # the rows' routing keys: the kernel picks on the device (KernelRouting)
+            host["row_keys"] = bound.keys
     return host
 
 
@@ -85,8 +85,8 @@ def step_inputs(model, caches, batch: RaggedBatch, dev: dict[str, Array],
     if "routing" in dev:
         routing = DeviceRouting({index: dev["routing"][i]
                                  for i, index in enumerate(_moe_layers(model))})
-    elif "row_slots" in dev:
-        routing = KernelRouting(_routing_tables(model), dev["row_slots"], dev["positions"])
+    elif "row_keys" in dev:
+        routing = KernelRouting(_routing_tables(model), dev["row_keys"], dev["positions"])
     return StepInputs(dev["tokens"], dev["positions"], dev["logit_rows"], meta, routing)
 
 
@@ -112,11 +112,11 @@ class KernelRouting:
     """A synthetic model's routing of one pass, computed on the device by one launch for
     every MoE layer the first time a layer asks (inside the pass: a CUDA graph captures it)."""
 
-    def __init__(self, tables, slots: Array, positions: Array) -> None:
-        self.tables, self.slots, self.positions = tables, slots, positions
+    def __init__(self, tables, keys: Array, positions: Array) -> None:
+        self.tables, self.keys, self.positions = tables, keys, positions  # int64 [R] each
         self._ids = None
 
     def ids(self, layer: int) -> Array:
         if self._ids is None:
-            self._ids = self.tables.choose(self.slots, self.positions)  # [L, R, k]
+            self._ids = self.tables.choose(self.keys, self.positions)  # [L, R, k]
         return self._ids[self.tables.index[layer]]

@@ -66,11 +66,13 @@ def build_submit(prompt: str | None = None, *, prompt_ids: Sequence[int] | None 
                  top_k: int | None = None, min_p: float | None = None, seed: int | None = None,
                  stop: Sequence[str] = (), priority: int = 0, stream: bool = True,
                  include_usage: bool = True, request_id: str | None = None,
-                 speculation: bool = True, **penalties: float) -> SubmitRequest:
+                 speculation: bool = True, user: str | None = None,
+                 **penalties: float) -> SubmitRequest:
     """A SubmitRequest from keyword arguments; raises ValueError on bad values.
     temperature, top_p, top_k, min_p left out (None) take the model's generation defaults
     (generation_config.json), as on the HTTP API; `seed` left out: a random one.
-    `penalties`: repetition_penalty, presence_penalty, frequency_penalty."""
+    `penalties`: repetition_penalty, presence_penalty, frequency_penalty. `user`: OpenAI's
+    field (a synthetic model's routing key, docs/synthetic.md; real models ignore it)."""
     chat = None
     if messages is not None:
         chat = [m if isinstance(m, ChatMessage) else ChatMessage(role=m["role"],
@@ -83,7 +85,7 @@ def build_submit(prompt: str | None = None, *, prompt_ids: Sequence[int] | None 
         request_id=request_id or uuid.uuid4().hex, prompt=prompt,
         prompt_ids=None if prompt_ids is None else token_array(prompt_ids), messages=chat,
         sampling=sampling, max_tokens=max_tokens, stop=list(stop), stream=stream,
-        priority=priority, include_usage=include_usage, speculation=speculation,
+        priority=priority, include_usage=include_usage, speculation=speculation, user=user,
         sampling_from_model=[k for k in MODEL_DEFAULT_FIELDS if given[k] is None])
 
 

@@ -51,6 +51,9 @@ class SubmitRequest:
     priority: int = 0  # higher may preempt lower; the daemon accepts -1000..1000
     include_usage: bool = False
     speculation: bool = True  # False: no speculative decoding for it (same tokens, no drafts)
+    # OpenAI's `user`: who sent it. Only a synthetic model uses it (its routing key, so the
+    # request's tokens do not depend on its slot: docs/synthetic.md); real models ignore it
+    user: str | None = None
     # names of sampling's fields (of MODEL_DEFAULT_FIELDS) the client left out: the daemon
     # takes the model's generation defaults for them (the client library lists every one its
     # caller did not give); the fields named here are ignored in `sampling`

@@ -13,6 +13,8 @@ from protocol.fields import array_field, check
 from protocol.kinds import MsgKind
 from protocol.sampling import SamplingDefaults, SamplingParams
 
+MAX_ROUTE_KEY = 1 << 63  # SlotWork.route_key is below it (an int64 on the device)
+
 
 class WorkKind(IntEnum):
     PREFILL = 1  # a chunk of the prompt
@@ -68,9 +70,14 @@ class SlotWork:
     prompt_len: int
     cached_len: int = 0
     mtp_drafts: int = 0  # keep the slot's MTP state and propose this many drafts after it
+    # a synthetic model's routing key for the request's rows (the daemon's hash of its
+    # `user`, 0 <= key < 2**63; None: the slot). Real models ignore it (docs/synthetic.md)
+    route_key: int | None = None
 
     def __post_init__(self) -> None:
         check(self.slot >= 0 and self.start_pos >= 0, "slot and start_pos must be >= 0")
+        check(self.route_key is None or 0 <= self.route_key < MAX_ROUTE_KEY,
+              "route_key must be in 0..2**63-1")
         check(0 <= self.mtp_drafts <= 64, "mtp_drafts must be in 0..64")
         check(self.num_tokens == len(self.input_ids) > 0,
               "num_tokens must equal len(input_ids) > 0")
@@ -207,6 +214,9 @@ class ModelInfo:
     eos_token_ids: list[int]  # generation_config.json's eos_token_id (else config.json's)
     generation_defaults: SamplingDefaults  # generation_config.json's sampling values
     kv: KvLayout
+    # a synthetic model: experts are picked by SlotWork.route_key (docs/synthetic.md), so a
+    # prefix's states depend on the key and the daemon shares them only within one key
+    synthetic_routing: bool = False
 
 
 @dataclass(slots=True, kw_only=True)

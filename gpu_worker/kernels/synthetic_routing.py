@@ -1,11 +1,15 @@
 """A synthetic model's routing (gpu_worker/weights/routing.py) computed on the GPU.
 
 The routing model replaces a synthetic model's router with a pure function of (seed, layer,
-slot, position, lane): counter-based splitmix64 hashes, a walk back to the lane's last
+key, position, lane): counter-based splitmix64 hashes, a walk back to the lane's last
 renewal, a draw from the lane's Zipf stratum and the layer's ranking. Computed on the host it
 cost 3-7 ms per step for 48 layers (one vectorised NumPy call, ``choose_layers``), which the
 step's host time cannot afford (issue 14: <= 1 ms); here one launch gives every layer's ids
-from the rows' slots and positions on the device, inside the step's CUDA graph.
+from the rows' routing keys and positions on the device, inside the step's CUDA graph.
+NOTE: the kernel's ``slots`` argument takes the rows' routing keys (a request's
+SlotWork.route_key, else its slot: gpu_worker/weights/routing.py), int64 like the slot it
+was named for; every key is in 0..2**63-1, so the kernel's cast to unsigned long long gives
+the host's ``astype(np.uint64)`` bits, and a key equal to the slot gives the slot's ids.
 
 Bit for bit the host's: the hashes are 64-bit integer arithmetic, the uniform draw is the top
 53 bits times 2^-53 (exact in float64), the stratum search compares float64 values exactly
@@ -92,19 +96,20 @@ class DeviceRoutingTables:
                                 .astype(np.int64))
         self.layer_ids = cp.asarray(np.asarray(self.layers, np.int64))
 
-    def choose(self, slots, positions):
-        """int64 [L, R, k] on the device: ``choose_layers(self.layers, slots, positions)``
-        for device int64 ``slots`` [R] and ``positions`` [R] (every position >= 0)."""
+    def choose(self, keys, positions):
+        """int64 [L, R, k] on the device: ``choose_layers(self.layers, keys, positions)``
+        for device int64 routing ``keys`` [R] (each in 0..2**63-1) and ``positions`` [R]
+        (every position >= 0)."""
         import cupy as cp  # noqa: PLC0415
 
         m = self.model
-        L, R, k = len(self.layers), int(slots.shape[0]), m.top_k
+        L, R, k = len(self.layers), int(keys.shape[0]), m.top_k
         ids = cp.empty((L, R, k), cp.int64)
         n = L * R * k
         if n:
             raw_module(kernel_source(), "synthetic routing kernel").get_function("route_rows")(
                 (-(-n // THREADS),), (THREADS,),
-                (np.int64(m.seed), self.layer_ids, np.int32(L), slots, positions, np.int32(R),
+                (np.int64(m.seed), self.layer_ids, np.int32(L), keys, positions, np.int32(R),
                  np.int32(k), np.int32(m.num_experts), np.int32(WINDOW),
                  np.float64(m.params.locality), self.cdf, np.int32(self.cdf.shape[1]),
                  self.perms, ids))

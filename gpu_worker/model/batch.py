@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -10,12 +11,14 @@ import numpy as np
 @dataclasses.dataclass(frozen=True, slots=True)
 class Segment:
     """``num`` consecutive tokens of ``slot`` at absolute positions start..start+num-1,
-    occupying batch rows row0..row0+num-1."""
+    occupying batch rows row0..row0+num-1. ``route_key``: what a synthetic model routes the
+    rows by (SlotWork.route_key; the slot by default)."""
 
     slot: int
     start: int
     num: int
     row0: int
+    route_key: int
 
     @property
     def rows(self) -> slice:
@@ -33,8 +36,11 @@ class RaggedBatch:
     segments: tuple[Segment, ...]
 
     @classmethod
-    def build(cls, parts: list[tuple[int, int, list[int] | np.ndarray]]) -> RaggedBatch:
-        """``parts``: (slot, start position, token ids) per slot; one segment per slot."""
+    def build(cls, parts: list[tuple[int, int, list[int] | np.ndarray]],
+              route_keys: Mapping[int, int | None] | None = None) -> RaggedBatch:
+        """``parts``: (slot, start position, token ids) per slot; one segment per slot.
+        ``route_keys``: slot -> its rows' routing key (absent or None: the slot)."""
+        route_keys = route_keys or {}
         segments, tokens, positions, row0 = [], [], [], 0
         seen = set()
         for slot, start, ids in parts:
@@ -44,7 +50,9 @@ class RaggedBatch:
             if ids.size == 0:
                 raise ValueError(f"slot {slot}: empty segment")
             seen.add(slot)
-            segments.append(Segment(slot, start, int(ids.size), row0))
+            key = route_keys.get(slot)
+            segments.append(Segment(slot, start, int(ids.size), row0,
+                                    slot if key is None else key))
             tokens.append(ids)
             positions.append(np.arange(start, start + ids.size, dtype=np.int64))
             row0 += ids.size

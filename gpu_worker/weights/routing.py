@@ -14,11 +14,13 @@ difference (docs/synthetic.md calibrates them from the embedded model):
   chance). 0: every token draws afresh. Consecutive tokens share, in expectation, a
   fraction q + (1 - q) c of their experts, c the chance a lane redraws its own expert.
 
-Stateless and batch invariant: the ids of a row are a pure function of (seed, layer, slot,
-absolute position), computed on the host from counter-based hashes. A lane's value at
-position p is its fresh draw at its last renewal position p' <= p (found by walking back:
-renewal is a hashed coin per (layer, slot, position, lane)), so a verify row at p routes
-exactly like the plain decoding row at p, whatever else is in the batch.
+Stateless and batch invariant: the ids of a row are a pure function of (seed, layer, key,
+absolute position), computed on the host from counter-based hashes. A row's key is its
+request's routing key (SlotWork.route_key: a hash of the request's ``user``), else its slot.
+A lane's value at position p is its fresh draw at its last renewal position p' <= p (found by
+walking back: renewal is a hashed coin per (layer, key, position, lane)), so a verify row at
+p routes exactly like the plain decoding row at p, whatever else is in the batch, and a
+request with a key routes the same in every slot.
 NOTE: two experts of one stratum never serve the same token; with k strata of E / k
 experts that changes neither the pick shares nor the overlap statistics above.
 """
@@ -102,33 +104,35 @@ class RoutingModel:
         new_id = np.argsort(np.asarray(order))  # old id -> new id
         self._perms[layer] = new_id[self.ranking(layer)]
 
-    def bind(self, slots: np.ndarray, positions: np.ndarray) -> BoundRouting:
-        """The routing of rows (``slots`` [R], ``positions`` [R]), computed per layer."""
-        return BoundRouting(self, np.asarray(slots, np.int64), np.asarray(positions, np.int64))
+    def bind(self, keys: np.ndarray, positions: np.ndarray) -> BoundRouting:
+        """The routing of rows (routing ``keys`` [R], ``positions`` [R]), computed per
+        layer. A key is in 0..2**63-1: a slot, or a request's SlotWork.route_key."""
+        return BoundRouting(self, np.asarray(keys, np.int64), np.asarray(positions, np.int64))
 
     def bind_batch(self, batch) -> BoundRouting:
-        """:meth:`bind` for a gpu_worker.model.batch.RaggedBatch."""
-        slots = np.empty(batch.num_rows, np.int64)
+        """:meth:`bind` for a gpu_worker.model.batch.RaggedBatch: each row keyed by its
+        segment's ``route_key`` (the request's routing key, else the slot)."""
+        keys = np.empty(batch.num_rows, np.int64)
         for seg in batch.segments:
-            slots[seg.rows] = seg.slot
-        return self.bind(slots, batch.positions)
+            keys[seg.rows] = seg.route_key
+        return self.bind(keys, batch.positions)
 
-    def choose(self, layer: int, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """int64 [R, k]: distinct experts per row, a pure function of (seed, layer, slot,
+    def choose(self, layer: int, keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """int64 [R, k]: distinct experts per row, a pure function of (seed, layer, key,
         position) of that row."""
-        return self.choose_layers([layer], slots, positions)[0]
+        return self.choose_layers([layer], keys, positions)[0]
 
-    def choose_layers(self, layers, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    def choose_layers(self, layers, keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """int64 [L, R, k]: :meth:`choose` of every layer of ``layers`` in one vectorised
         pass (a pass's routing before it runs: one call instead of one per MoE layer)."""
         layers = np.asarray(layers, np.int64).reshape(-1)
-        slots = np.asarray(slots, np.int64).reshape(-1)
+        keys = np.asarray(keys, np.int64).reshape(-1)
         positions = np.asarray(positions, np.int64).reshape(-1)
         if (positions < 0).any():
             raise ValueError("positions must be >= 0")
-        k, L, R = self.top_k, layers.size, slots.size
+        k, L, R = self.top_k, layers.size, keys.size
         lay, sl, pos, lanes = np.broadcast_arrays(
-            layers[:, None, None], slots[None, :, None], positions[None, :, None],
+            layers[:, None, None], keys[None, :, None], positions[None, :, None],
             np.arange(k, dtype=np.int64)[None, None, :])  # each [L, R, k]
         start = self._renewals(lay, sl, pos, lanes)
         u = _uniform(_hash(self.seed, _DRAW, lay, sl, start, lanes))
@@ -140,13 +144,13 @@ class RoutingModel:
         return np.take_along_axis(perms, ranks, axis=1).reshape(L, R, k)
 
     # ---- internals -------------------------------------------------------------------------
-    def _renewals(self, layers: np.ndarray, slots: np.ndarray, positions: np.ndarray,
+    def _renewals(self, layers: np.ndarray, keys: np.ndarray, positions: np.ndarray,
                   lanes: np.ndarray) -> np.ndarray:
         """Per entry (broadcast shapes): the last position <= p at which the lane drew
         afresh."""
-        layers, slots, start, lanes = np.broadcast_arrays(layers, slots, positions, lanes)
+        layers, keys, start, lanes = np.broadcast_arrays(layers, keys, positions, lanes)
         shape = start.shape
-        layers, slots = layers.ravel(), slots.ravel()
+        layers, keys = layers.ravel(), keys.ravel()
         start, lanes = start.ravel().copy(), lanes.ravel()
         q = self.params.locality
         todo = np.arange(start.size)
@@ -154,7 +158,7 @@ class RoutingModel:
             p, lane = start[todo], lanes[todo]
             renew = (p == 0) | ((p + lane * WINDOW // self.top_k) % WINDOW == 0)
             if q > 0:
-                coin = _uniform(_hash(self.seed, _RENEW, layers[todo], slots[todo], p, lane))
+                coin = _uniform(_hash(self.seed, _RENEW, layers[todo], keys[todo], p, lane))
                 renew |= coin >= q
             else:
                 renew[:] = True
@@ -168,11 +172,11 @@ class BoundRouting:
     """A RoutingModel bound to one batch's rows (a :class:`RowRouting`)."""
 
     model: RoutingModel
-    slots: np.ndarray  # [R]
+    keys: np.ndarray  # [R]
     positions: np.ndarray  # [R]
 
     def ids(self, layer: int) -> np.ndarray:
-        return self.model.choose(layer, self.slots, self.positions)
+        return self.model.choose(layer, self.keys, self.positions)
 
 
 def _splitmix(z: np.ndarray) -> np.ndarray:

@@ -65,7 +65,8 @@ def step_plan() -> StepPlan:
                                                   repetition_penalty=1.1, presence_penalty=0.5,
                                                   frequency_penalty=-0.5),
                           draft_ids=np.array([5, 6], np.int32),
-                          draft_sources=np.array([DraftSource.MTP, DraftSource.SUFFIX], np.uint8))
+                          draft_sources=np.array([DraftSource.MTP, DraftSource.SUFFIX], np.uint8),
+                          route_key=2**63 - 1)  # a synthetic model's routing key, the largest
     return StepPlan(step_id=11, slots=[prefill, decode_row],
                     cache_ops=[CacheOp(op=CacheOpKind.ALLOCATE, slot=0, num_tokens=2048),
                                CacheOp(op=CacheOpKind.SHARE_PREFIX, slot=0, num_tokens=64,
@@ -93,14 +94,15 @@ SAMPLES = [
                               eos_token_ids=[1, 2],
                               generation_defaults=SamplingDefaults(temperature=0.7, top_k=20),
                               kv=KvLayout(block_size=64, block_bytes=4096, num_blocks=128,
-                                          prefix_blocks=64, dtype="int8"))), 2),
+                                          prefix_blocks=64, dtype="int8"),
+                              synthetic_routing=True)), 2),
     (WorkerError(code=WorkerErrorCode.BAD_PLAN, message="unknown entry 3", step_id=3), 2),
     (Heartbeat(seq=5, time_ns=123456789), 2),
     (Shutdown(reason="SIGTERM"), 2),
     (Ping(nonce=1, time_ns=2), 2),
     (Pong(nonce=1, time_ns=2), 2),
     (SubmitRequest(request_id="r1", prompt="Hello there", max_tokens=16, stop=["\n"],
-                   priority=2, include_usage=True), 2),
+                   priority=2, include_usage=True, user="agent-0"), 2),
     (SubmitRequest(request_id="r2", prompt_ids=np.arange(5000, dtype=np.int32)), 3),
     (SubmitRequest(request_id="r3", messages=[ChatMessage(role="system", content="Be brief."),
                                               ChatMessage(role="user", content="Hi")],
@@ -252,7 +254,9 @@ def test_rejects_bad_fields(plan_frames):
     lambda b: b["slots"][0].update(input_ids=[1, 2, 3]),  # list where an array is due
     lambda b: b["slots"][0].update(start_pos=b["slots"][1]["draft_ids"]),  # array for an int
     lambda b: b["cache_ops"][0].update(slot="0"),
-], ids=range(10))
+    lambda b: b["slots"][1].update(route_key="agent-0"),  # the daemon sends the hash
+    lambda b: b["slots"][1].update(route_key=True),
+], ids=range(12))
 def test_rejects_wrong_types(plan_frames, mutate):
     body = body_of(plan_frames)
     mutate(body)
@@ -269,6 +273,10 @@ def test_rejects_bad_values(plan_frames):
     body = body_of(plan_frames)
     body["slots"][1]["sampling"]["top_p"] = 0.0
     expect(E.BAD_VALUE, with_body(plan_frames, body))
+    for key in (2**63, -1):  # a routing key is in 0..2**63-1 (the device's int64)
+        body = body_of(plan_frames)
+        body["slots"][1]["route_key"] = key
+        assert "route_key" in expect(E.BAD_VALUE, with_body(plan_frames, body)).message
     frames = [bytes(f) for f in encode(TokenEvent(request_id="r", index=0, token_ids=[],
                                                   text=""))]
     body = body_of(frames)
