@@ -113,7 +113,7 @@ def one_run(args: argparse.Namespace, ctx: dict, name: str, arm: str, pair: int,
             async with aiohttp.ClientSession() as s:
                 await in_order([functools.partial(chat, s, url, model,
                                                   [{"role": "user", "content": p}],
-                                                  args.warm_up_tokens, i)
+                                                  args.warm_up_tokens, i, user=f"warm-up-{i}")
                                 for i, p in enumerate(WARM_UP)])
 
         asyncio.run(warm_up())

@@ -1,7 +1,9 @@
 """The concurrency benchmark's workloads (scripts/bench_concurrency.py): four streams of
 essays or of coding agents (their tools: scripts/bench_concurrency_tools.py), fixed prompts
 and seeds, temperature 0.85, thinking disabled, each stream's requests streamed over the
-OpenAI chat API and admitted in stream order."""
+OpenAI chat API and admitted in stream order. Every request names its stream as OpenAI's
+``user`` (``essay-<i>``, ``agent-<i>``, ``warm-up-<i>``): a synthetic model routes by it
+(docs/synthetic.md), so a stream's tokens do not depend on the slot its request takes."""
 
 from __future__ import annotations
 
@@ -49,15 +51,18 @@ SYSTEM = ("You are a coding agent. Work through the tools: read the project file
 
 async def chat(session: aiohttp.ClientSession, url: str, model: str, messages: list[dict],
                max_tokens: int, seed: int, tools: list | None = None,
-               started: asyncio.Event | None = None) -> dict:
+               started: asyncio.Event | None = None, user: str | None = None) -> dict:
     """One streamed chat completion: its text, tool calls and completion tokens; ``started``
-    is set at its first token (the request holds a slot then)."""
+    is set at its first token (the request holds a slot then); ``user``: OpenAI's field (the
+    stream's name: a synthetic model's routing key)."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens,
             "temperature": TEMPERATURE, "seed": seed, "stream": True,
             "stream_options": {"include_usage": True},
             "chat_template_kwargs": {"enable_thinking": False}}
     if tools:
         body["tools"] = tools
+    if user is not None:
+        body["user"] = user
     text, calls, tokens = [], [], 0
     async with session.post(url + "/v1/chat/completions", json=body) as r:
         if r.status != 200:
@@ -78,8 +83,8 @@ async def chat(session: aiohttp.ClientSession, url: str, model: str, messages: l
 async def in_order(starts: list) -> list:
     """Await ``starts[i](started=...)`` concurrently, each begun once the one before it has its
     first token (``started`` set): admitted in index order, request i takes slot i in every
-    run. A synthetic model routes by slot (gpu_worker/weights/routing.py), so a request's
-    tokens, and the replay arms' drafts, depend on its slot."""
+    run (a synthetic model routes by the requests' ``user``, not by slot; the order keeps the
+    runs' schedules alike)."""
     events = [asyncio.Event() for _ in starts]
 
     async def one(i: int, start) -> dict:
@@ -101,8 +106,8 @@ async def agent_loop(session: aiohttp.ClientSession, url: str, model: str, i: in
     ``started``: set at the first turn's first token; ``chat_fn``: ``chat`` (tests pass a
     stand-in); ``file_bytes``: the read files' sizes. Returns tokens, turns, tool calls and
     the characters the tools sent back. Only the first turn's slot is fixed (``in_order``):
-    later turns take the slot free then, so on a synthetic model their tokens may differ
-    between arms (``exact`` counts them)."""
+    later turns take the slot free then; every turn is sent as user ``agent-<i>``, so a
+    synthetic model routes it alike in every slot, arm and run."""
     chat_fn = chat_fn or chat
     filename, what = TASKS[i]
     messages = [{"role": "system", "content": SYSTEM},
@@ -112,7 +117,8 @@ async def agent_loop(session: aiohttp.ClientSession, url: str, model: str, i: in
         files = setup_project(Path(tmp), i, file_bytes)
         for turn in range(len(SCRIPT)):
             res = await chat_fn(session, url, model, messages, max_tokens, 100 * i + turn,
-                                TOOLS, **({"started": started} if started and not turn else {}))
+                                TOOLS, user=f"agent-{i}",
+                                **({"started": started} if started and not turn else {}))
             tokens += res["tokens"]
             call = scripted_call(turn, i, filename, files, res["text"])
             messages.append({"role": "assistant", "content": res["text"], "tool_calls": [call]})
@@ -128,7 +134,7 @@ async def agent_loop(session: aiohttp.ClientSession, url: str, model: str, i: in
 async def essay(session: aiohttp.ClientSession, url: str, model: str, i: int,
                 max_tokens: int, started: asyncio.Event | None = None) -> dict:
     res = await chat(session, url, model, [{"role": "user", "content": ESSAYS[i]}],
-                     max_tokens, 1000 + i, started=started)
+                     max_tokens, 1000 + i, started=started, user=f"essay-{i}")
     return {"tokens": res["tokens"], "turns": 1, "tool_calls": 0}
 
 

@@ -42,35 +42,39 @@ def test_replay_arms_give_the_plain_tokens(tmp_path):
         assert set(entry["four_stream_decode_tps_pair_ratios"]) == {"adaptive@2"}
 
 
-@pytest.mark.slow
-def test_a_synthetic_model_under_a_budget_gives_the_plain_tokens_in_every_arm(tmp_path):
-    """The H200 command's path (--model, a GPU budget, split placement, CPU experts) on a
-    tiny synthetic Qwen3-Next on NumPy: the arms share one placement (the memory plan of
-    mode off alone would keep more experts on the GPU) and every request keeps its slot (a
-    synthetic model routes by slot), so the replay arms give the plain tokens and draft."""
-    import json as _json
-
-    from gpu_worker.memory_plan import plan_memory
-    from gpu_worker.model_config import ModelConfig
-    from scripts.tiny_model import DEFAULT_SIZES, build_config
+def _synthetic(tmp_path, max_context: int) -> list[str]:
+    """A tiny synthetic Qwen3-Next (16 experts, top-4) on NumPy in float64, under a GPU
+    budget that mode off alone would spend on 6 experts per layer: the bench's options."""
+    from gpu_worker.memory_plan import plan_memory  # noqa: PLC0415
+    from gpu_worker.model_config import ModelConfig  # noqa: PLC0415
+    from scripts.tiny_model import DEFAULT_SIZES, build_config  # noqa: PLC0415
 
     raw = build_config("qwen3_next", {**DEFAULT_SIZES, "experts": 16, "topk": 4,
                                       "vocab": 1024}, "bfloat16", [1023])
-    (tmp_path / "config.json").write_text(_json.dumps(raw))
+    (tmp_path / "config.json").write_text(json.dumps(raw))
     plan = plan_memory(ModelConfig.from_dict({**raw, "mtp_num_hidden_layers": 1}),
-                       dtype="float64", backend="numpy", max_context=1024,
+                       dtype="float64", backend="numpy", max_context=max_context,
                        prefix_cache_mb=256, placement="split", cpu_workers=1,
                        host_available_bytes=None)
     per_n = len(plan.moe_layers) * plan.gpu_bytes_per_expert
     budget = (plan.gpu_fixed_bytes + 6.5 * per_n) / 2**30  # 6 per layer with mode off
+    return ["--model", str(tmp_path / "config.json"), "--gpu-budget", f"{budget:.6f}",
+            "--max-context", str(max_context), "--set", 'model.backend="numpy"',
+            "--set", 'model.dtype="float64"', "--set", "experts.cpu_workers=1",
+            "--proposer", "replay", "--pairs", "1", "--time-budget", "600",
+            "--out-dir", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work")]
+
+
+@pytest.mark.slow
+def test_a_synthetic_model_under_a_budget_gives_the_plain_tokens_in_every_arm(tmp_path):
+    """The H200 command's path (--model, a GPU budget, split placement, CPU experts) on a
+    tiny synthetic Qwen3-Next on NumPy: the arms share one placement (the memory plan of
+    mode off alone would keep more experts on the GPU) and every request routes by its
+    stream's ``user`` (a synthetic model's routing key), so the replay arms give the plain
+    tokens and draft."""
     out, work = tmp_path / "out", tmp_path / "work"
-    assert bench_concurrency.main([
-        "--model", str(tmp_path / "config.json"), "--gpu-budget", f"{budget:.6f}",
-        "--max-context", "1024", "--set", 'model.backend="numpy"',
-        "--set", 'model.dtype="float64"', "--set", "experts.cpu_workers=1",
-        "--proposer", "replay", "--arms", "off,narrow,wide", "--pairs", "1",
-        "--workloads", "essay", "--essay-tokens", "48", "--time-budget", "600",
-        "--out-dir", str(out), "--work-dir", str(work)]) == 0
+    assert bench_concurrency.main(_synthetic(tmp_path, 1024) + [
+        "--arms", "off,narrow,wide", "--workloads", "essay", "--essay-tokens", "48"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     pinned = summary["cpu_experts_per_layer"]
     assert 10 < pinned < 16 and summary["skipped"] == []  # mode off alone: 10 on the CPU
@@ -80,3 +84,19 @@ def test_a_synthetic_model_under_a_budget_gives_the_plain_tokens_in_every_arm(tm
         assert f"{16 - pinned} of 16 on the GPU" in (work / f"essay_{arm}_1.log").read_text()
         if arm != "off":
             assert run["drafts"]["mtp"]["verifies"] >= 8, arm  # drafts all the way
+
+
+@pytest.mark.slow
+def test_a_synthetic_models_coding_turns_give_the_plain_tokens_in_any_slot(tmp_path):
+    """The coding workload on the synthetic model: a later turn takes whichever slot is free,
+    and routes by its agent's ``user`` all the same, so every turn of the replay arm gives
+    the plain run's tokens and takes its drafts (routed by slot, some turns differed and the
+    turns after them were unknown: 6 of 28 equal)."""
+    out = tmp_path / "out"
+    assert bench_concurrency.main(_synthetic(tmp_path, 4096) + [
+        "--arms", "off,wide", "--workloads", "coding", "--coding-tokens", "8",
+        "--file-bytes", "200,300"]) == 0
+    for arm in ("off", "wide"):
+        run = json.loads((out / f"coding_{arm}_1.json").read_text())
+        assert run["exact"] == {"requests": 28, "equal": 28, "differ": 0, "unknown": 0}, arm
+    assert run["drafts"]["mtp"]["accepted_per_verify"] > 1.2

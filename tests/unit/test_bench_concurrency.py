@@ -67,9 +67,9 @@ def test_scripted_agent_loop_calls_tools_and_grows_its_context():
 
     seen: list[int] = []
 
-    async def fake_chat(session, url, model, messages, max_tokens, seed, tools):
+    async def fake_chat(session, url, model, messages, max_tokens, seed, tools, user):
         seen.append(sum(len(m["content"]) for m in messages))
-        assert tools == TOOLS
+        assert tools == TOOLS and user == "agent-1"  # the stream's routing key, every turn
         return {"text": f"X_{seed} = {len(messages)}\n", "tool_calls": [], "tokens": 5}
 
     res = asyncio.run(workloads.agent_loop(None, "", "m", 1, 32, chat_fn=fake_chat))
