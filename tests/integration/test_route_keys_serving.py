@@ -14,6 +14,7 @@ aiohttp = pytest.importorskip("aiohttp")
 
 from protocol.client import TandemClient  # noqa: E402
 from scripts import make_synthetic_model  # noqa: E402
+from scripts.bench_common import sse_chunks  # noqa: E402
 from scripts.tiny_model import DEFAULT_SIZES, build_config  # noqa: E402
 from tests.integration.server import Server  # noqa: E402
 
@@ -48,11 +49,7 @@ async def complete(s, url: str, prompt: str, user: str | None = None, max_tokens
     text, cached = [], None
     async with s.post(url + "/v1/completions", json=body) as r:
         assert r.status == 200, await r.text()
-        async for line in r.content:
-            line = line.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(r):
             if chunk.get("usage"):
                 cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
             text += [c.get("text") or "" for c in chunk["choices"]]
