@@ -219,11 +219,13 @@ class Daemon:
         hung or broke (in-flight requests have been failed with the reason)."""
         run = asyncio.create_task(self.scheduler.run())
         watch = asyncio.create_task(worker.watch())
-        await asyncio.wait({run, watch}, return_when=asyncio.FIRST_COMPLETED)
-        for task in (run, watch):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        try:
+            await asyncio.wait({run, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when shutdown cancels us: the watch must not outlive its worker
+            for task in (run, watch):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         error = None if watch.cancelled() else watch.exception()
         if run.done() and not run.cancelled() and run.exception() is not None:
             error = run.exception()  # a fault of the loop itself: log it, restart

@@ -5,6 +5,7 @@ restarted, the ZeroMQ client samples with the model's defaults, logs name every 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ from protocol.codec import encode
 from protocol.errors import BadRequestError, ProtocolViolationError, WorkerDiedError
 from protocol.messages import ChatMessage, ErrorReply, SubmitRequest
 from protocol.sockets import ClientToDaemon
+from scripts.procs import descendants
 from scripts.tiny_model import make_tiny_model
 from tests.integration.server import Server
 
@@ -206,3 +208,18 @@ def test_protocol_violation_error_is_typed(server):
     reply = _raw(server, [b"\xfe", b"\x80"])
     assert reply.code.name == "PROTOCOL"
     assert ProtocolViolationError.code == reply.code
+
+
+def test_sigterm_to_every_process_stops_cleanly(model, tmp_path):
+    """systemd stops the unit by SIGTERM to every process of its cgroup at once
+    (configs/tandem.service: KillMode=control-group): the daemon exits 0, leaves no process,
+    and no task of the dead worker outlives the shutdown unread (asyncio's 'Task exception
+    was never retrieved', logged at every such stop before)."""
+    srv = Server(tmp_path, model).start()
+    for pid in [srv.proc.pid, *descendants(srv.proc.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    assert srv.proc.wait(timeout=30) == 0
+    assert srv.stop() == 0
+    log = srv.log.read_text()
+    assert "never retrieved" not in log, log[-3000:]
