@@ -21,9 +21,10 @@ chunk ``c`` (scratch buffers double-buffered by chunk parity):
 C[m][u] = sum_t x[m, t] * n[u, t] with ``n = v + 8`` (unsigned nibbles), the same integer as
 VNNI's; each row adds its ``xc = -8 * sum x`` and takes tiles.rows_block's float operations in
 the same order, so the bits are every other instruction set's. The tile configuration
-(palette 1) is loaded per item by :func:`tile_begin` and released by :func:`tile_end`; both
-are no-ops for other instruction sets. The process must have Linux's permission for the tile
-data (isa.amx_permitted), or the first tile instruction faults.
+(palette 1) is loaded by :func:`tile_begin` and released by :func:`tile_end` around each
+group of run16 calls (kernels._wide_rows); both are no-ops for other instruction sets. The
+process must have Linux's permission for the tile data (isa.amx_permitted), or the first
+tile instruction faults.
 
 ``mode = EMULATED`` computes step 2 with generic vector IR from the same buffers (any CPU):
 the tests check the pipeline's addressing and order on machines without AMX.
@@ -65,7 +66,8 @@ CHUNK = 8  # blocks per pipeline step (fewer when a run's block count is not a m
 A_BYTES = 32  # a row of A: one block's 32 activation bytes
 B_ROWS, B_BYTES = GROUPS, 64  # groups of 4 positions, 16 units x 4 bytes
 C_BYTES = 64  # a row of C: 16 int32
-B_CHUNK, C_CHUNK = CHUNK * B_ROWS * B_BYTES, CHUNK * ROWS * C_BYTES  # bytes per buffer half
+B_CHUNK = CHUNK * B_ROWS * B_BYTES  # bytes of one half of the B buffer
+C_CHUNK = CHUNK * ROWS * C_BYTES // 4  # int32 of one half of the C buffer
 TILES, EMULATED = 1, 0  # run16's mode
 _SETS = ((0, 1, 2), (3, 4, 5))  # (C, A, B) tile registers of even and odd blocks
 
@@ -322,11 +324,11 @@ def _pipeline(isa, mode, n, w, woff, bb, nb, pf, x, xs, xc, j, o, ooff, ostride,
         d = c - 1
         if 0 <= d < steps:
             tile_dots(isa, mode, n, w, x, j * x.shape[1] + d * n * A_BYTES, bbuf,
-                      (d & 1) * B_CHUNK, cbuf, (d & 1) * (C_CHUNK // 4))
+                      (d & 1) * B_CHUNK, cbuf, (d & 1) * C_CHUNK)
         e = c - 2
         if e >= 0:
             epilogue16(n, w, woff + e * n * bb, xs, xc, j, e * n, cbuf,
-                       (e & 1) * (C_CHUNK // 4), o, ooff, ostride)
+                       (e & 1) * C_CHUNK, o, ooff, ostride)
 
 
 @njit(cache=True, nogil=True)
@@ -352,4 +354,4 @@ def run16(isa, mode, w, woff, bb, nb, pf, x, xs, xc, j, o, ooff, ostride, bbuf, 
 @njit(cache=True, nogil=True)
 def buffers():
     """run16's scratch: B and C, two halves each."""
-    return np.empty(2 * B_CHUNK, np.uint8), np.empty(2 * C_CHUNK // 4, np.int32)
+    return np.empty(2 * B_CHUNK, np.uint8), np.empty(2 * C_CHUNK, np.int32)

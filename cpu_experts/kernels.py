@@ -68,14 +68,17 @@ def _wide_rows(isa, w, woff, bb, nb, pf, x, xs, xc, lo, hi, o, obase, ostride) -
     """AMX (amx.run16): slots ``lo:hi``, 16 at a time, through all ``nb`` blocks of one int4
     micro-tile (the first at byte ``woff`` of w, prefetching from byte ``pf``); slot j is row j
     of x/xs/xc and adds into ``o[obase + j * ostride:][:16]``. Returns the first slot left
-    (fewer than 16: the caller's per-block path)."""
+    (fewer than 16: the caller's per-block path). The tile configuration is held for the
+    call only (amx.tile_begin / tile_end)."""
     numba.literally(isa)
     bbuf, cbuf = buffers()
+    tile_begin(isa)
     j = lo
     while hi - j >= WIDE_ROWS:
         run16(isa, TILES, w, woff, bb, nb, pf, x, xs, xc, j, o, obase + j * ostride, ostride,
               bbuf, cbuf)
         j += WIDE_ROWS
+    tile_end(isa)
     return j
 
 
@@ -128,9 +131,6 @@ def _gate_up_stage(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead, fli
         lo, hi = offsets[a], offsets[a + 1]
         base = ((active[a] * M + m) * T + t) * nb
         ws = np.empty(TU, np.int32)
-        tiles = hi - lo >= WIDE_ROWS  # AMX (amx.py) takes the calls of WIDE_ROWS rows
-        if tiles:
-            tile_begin(isa)
         for j in range(lo, hi):
             of[(m * P + j) * units + t * TU:(m * P + j) * units + (t + 1) * TU] = 0.0
         if hi - lo == 1:  # one row (most experts of a decode step): its own tight loop
@@ -158,8 +158,6 @@ def _gate_up_stage(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead, fli
             for j in range(lo, hi):
                 ok = act_block(gf, uf, units, j, t // 2, flip, hkf, hs, hc, sc, so) and ok
             fine[c] = ok
-        if tiles:
-            tile_end(isa)
 
 
 @njit(cache=True, nogil=True)
@@ -201,13 +199,8 @@ def _down_combine_stage(isa, w, hk, hs, hc, active, offsets, pair_of, slot_of_pa
     step = ahead // bb
     wf, yf, outf = w.reshape(w.size), y.reshape(y.size), out.reshape(out.size)
     H = out.shape[1]
-    tiles = False  # any expert with WIDE_ROWS rows: its calls go through AMX (amx.py)
-    for a in range(A):
-        tiles = tiles or offsets[a + 1] - offsets[a] >= WIDE_ROWS
     for t in prange(T):
         ws = np.empty(TU, np.int32)
-        if tiles:
-            tile_begin(isa)
         c0 = t * TU
         # the prefetch cursor: block pb of run pa, ``step`` blocks ahead in this item's
         # sequence (runs a = 0..A-1 of nb blocks, then the next item's runs, from a = 0)
@@ -248,8 +241,6 @@ def _down_combine_stage(isa, w, hk, hs, hc, active, offsets, pair_of, slot_of_pa
                     ys = (t * P + slot_of_pair[p]) * TU
                     for i in range(TU):
                         outf[o + i] += wk * yf[ys + i]
-        if tiles:
-            tile_end(isa)
 
 
 @njit(cache=True, nogil=True)
