@@ -76,18 +76,17 @@ def decode_activations(xq, xd_bits, rows, flip, sums):
 
 
 @njit(cache=True, nogil=True)
-def gather_wide(isa, w, xk, xs, xc, offsets, rows_of):
-    """On AMX with int4 tiles: x/xs/xc rows of the slots of experts with 16 or more slots, in
-    slot order (AMX loads A straight from memory, 16 evenly spaced rows); other slots' rows
-    are left unset. Else three empty arrays."""
+def gather_wide(isa, w, xk, xs, offsets, rows_of):
+    """On AMX with int4 tiles: x/xs rows of the slots of experts with 16 or more slots, in slot
+    order (AMX loads A straight from memory, 16 evenly spaced rows); other slots' rows are
+    left unset. Else two empty arrays."""
     numba.literally(isa)
     H, nb = xk.shape[1], xs.shape[1]
     P = rows_of.shape[0] if wide_tiles(isa, w) else 0
     xg = np.empty((P, H), np.int8)
     xsg = np.empty((P, nb), np.float32)
-    xcg = np.empty((P, nb), np.int32)
     if P == 0:
-        return xg, xsg, xcg
+        return xg, xsg
     xkf, xgf = xk.reshape(xk.size), xg.reshape(xg.size)
     for a in range(offsets.shape[0] - 1):
         if offsets[a + 1] - offsets[a] >= WIDE_ROWS:
@@ -97,5 +96,4 @@ def gather_wide(isa, w, xk, xs, xc, offsets, rows_of):
                     xgf[s * H + i] = xkf[r * H + i]
                 for b in range(nb):
                     xsg[s, b] = xs[r, b]
-                    xcg[s, b] = xc[r, b]
-    return xg, xsg, xcg
+    return xg, xsg

@@ -1,6 +1,6 @@
 """AMX tiles for int4 experts with 16 or more rows (the ``amx`` instruction set, isa.py).
 
-One ``tdpbsud`` (signed bytes times unsigned bytes, summed into int32) computes what 128
+One ``tdpbssd`` (signed bytes times signed bytes, summed into int32) computes what 128
 ``vpdpbusd`` do in tiles4.dots_vnni: the int32 dots of 16 rows x 16 units x the 32 positions
 of one block. :func:`run16` applies all blocks of one micro-tile to 16 rows whose activations
 are consecutive rows of ``x`` (the stages gather them once per expert) as a software pipeline
@@ -9,18 +9,20 @@ core's ordinary stores and loads (a tile load right after the vector stores of i
 vector load right after the tile store of its data, waits for the stores to reach L1). At
 chunk ``c`` (scratch buffers double-buffered by chunk parity):
 
-1. :func:`unpack_b`: chunk c's nibbles unpacked (tiles4.weights_vnni: per block 8 rows of 64
-   bytes ``[16 units][4 positions]``; tiles4.py's order is already AMX's) into B scratch;
+1. :func:`unpack_b`: chunk c's nibbles unpacked as the signed values ``v = n - 8``
+   (tiles4.weights_vnni: per block 8 rows of 64 bytes ``[16 units][4 positions]``; tiles4.py's
+   order is already AMX's) into B scratch;
 2. :func:`tile_dots`: chunk c-1's C = A . B per block (A loaded straight from x, B from the
    scratch chunk c-1 wrote), in two alternating sets of tile registers (C, A, B = tmm0-2,
-   tmm3-5) so two blocks are in flight: ``tilezero; tileloadd; tileloadd; tdpbsud;
+   tmm3-5) so two blocks are in flight: ``tilezero; tileloadd; tileloadd; tdpbssd;
    tilestored`` into C scratch;
-3. :func:`epilogue16`: chunk c-2's dots (``C + xc``) through the format's float epilogue, each
-   row's output loaded and stored once per chunk, blocks in order.
+3. :func:`epilogue16`: chunk c-2's dots through the format's float epilogue, each row's output
+   loaded and stored once per chunk, blocks in order.
 
-C[m][u] = sum_t x[m, t] * n[u, t] with ``n = v + 8`` (unsigned nibbles), the same integer as
-VNNI's; each row adds its ``xc = -8 * sum x`` and takes tiles.rows_block's float operations in
-the same order, so the bits are every other instruction set's. The tile configuration
+C[m][u] = sum_t x[m, t] * v[u, t], the integer VNNI reaches as ``sum n x + xc`` (unsigned
+nibbles ``n = v + 8`` and ``xc = -8 * sum x``); signed weights spare the epilogue that add per
+row and block, and each row takes tiles.rows_block's float operations in the same order, so
+the bits are every other instruction set's. The tile configuration
 (palette 1) is loaded by :func:`tile_begin` and released by :func:`tile_end` around each
 group of run16 calls (kernels._wide_rows); both are no-ops for other instruction sets. The
 process must have Linux's permission for the tile data (isa.amx_permitted), or the first
@@ -153,7 +155,7 @@ def _tile_dot(builder, a, a_stride, b, c, regs) -> None:
     _asm(builder, f"tilezero %tmm{tc}\n\t"
                   f"tileloadd ($0,$1,1), %tmm{ta}\n\t"
                   f"tileloadd ($2,$3,1), %tmm{tb}\n\t"
-                  f"tdpbsud %tmm{tb}, %tmm{ta}, %tmm{tc}\n\t"
+                  f"tdpbssd %tmm{tb}, %tmm{ta}, %tmm{tc}\n\t"
                   f"tilestored %tmm{tc}, ($4,$3,1)",
          [a, a_stride, b, ir.Constant(I64, B_BYTES), c], "r,r,r,r,r")
 
@@ -172,7 +174,7 @@ def _emulated_dot(builder, a, a_stride, b, c) -> None:
                 g, ir.Constant(I64, B_BYTES))]), v64b), align=64)
             word = builder.load(_vec(builder, builder.gep(arow, [builder.mul(
                 g, ir.Constant(I64, 4))]), I32), align=4)
-            prod = builder.mul(builder.zext(wg, v64), lanes4(builder, word, 64))
+            prod = builder.mul(builder.sext(wg, v64), lanes4(builder, word, 64))
             builder.store(sum4(builder, prod, builder.load(crow, align=64)), crow, align=64)
 
 
@@ -192,7 +194,8 @@ def _literal(name: str, lit, lo: int, hi: int) -> int:
 @intrinsic
 def unpack_b(typingctx, nblocks, w, woff, pf, bbuf, boff):
     """B of ``nblocks`` (a literal) consecutive int4 blocks from byte ``woff`` of w, into
-    ``bbuf`` (uint8) at byte ``boff``, 512 bytes per block; first each block's lines at byte
+    ``bbuf`` (uint8) at byte ``boff``, 512 bytes per block, as the signed bytes ``v = n - 8``;
+    first each block's lines at byte
     ``pf + 288 i`` of w are prefetched into L2 (tiles.PREFETCH_LOCALITY)."""
     n = _literal("nblocks", nblocks, 1, CHUNK)
     live = _int4(w)
@@ -205,7 +208,8 @@ def unpack_b(typingctx, nblocks, w, woff, pf, bbuf, boff):
             return context.get_dummy_value()
         _, wv, woffv, pfv, bv, boffv = args
         aty = signature.args
-        v16 = ir.VectorType(I32, 16)
+        v64b = ir.VectorType(I8, 64)
+        eight = ir.Constant(v64b, [8] * 64)
         wp8 = at(context, builder, aty[1], wv, woffv, I8)
         far = at(context, builder, aty[1], wv, pfv, I8)
         dst = at(context, builder, aty[4], bv, boffv, I8)
@@ -219,7 +223,8 @@ def unpack_b(typingctx, nblocks, w, woff, pf, bbuf, boff):
             wpi = _off(builder, wp8, tiles4.BLOCK_BYTES4 * i)
             for g, wg in enumerate(tiles4.weights_vnni(builder, wpi)):
                 p = _off(builder, dst, (i * B_ROWS + g) * B_BYTES)
-                builder.store(wg, _vec(builder, p, v16), align=1)
+                signed = builder.sub(builder.bitcast(wg, v64b), eight)
+                builder.store(signed, _vec(builder, p, v64b), align=1)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -264,46 +269,42 @@ def tile_dots(typingctx, isa, mode, nblocks, w, x, xoff, bbuf, boff, cbuf, coff)
 
 
 @intrinsic
-def epilogue16(typingctx, nblocks, w, woff, xs, xc, j, b, cbuf, coff, o, ooff, ostride):
+def epilogue16(typingctx, nblocks, w, woff, xs, j, b, cbuf, coff, o, ooff, ostride):
     """For ``k < 16`` and the ``nblocks`` blocks ``c = b..`` (weights from byte ``woff`` of w,
     their dots in ``cbuf`` from element ``coff``) in order::
 
-        o[ooff + k*ostride : +16] += float32(C[c][k] + xc[j+k, c]) * (scales * xs[j+k, c])
+        o[ooff + k*ostride : +16] += float32(C[c][k]) * (scales * xs[j+k, c])
 
     (tiles.rows_block's float operations), each row's 16 outputs loaded and stored once."""
     n = _literal("nblocks", nblocks, 1, CHUNK)
     live = _int4(w)
     check_array(xs, types.float32, "xs")
-    check_array(xc, types.int32, "xc")
     check_array(cbuf, types.int32, "cbuf")
     check_array(o, types.float32, "o")
     i64 = types.int64
-    sig = types.void(nblocks, w, i64, xs, xc, i64, i64, cbuf, i64, o, i64, i64)
+    sig = types.void(nblocks, w, i64, xs, i64, i64, cbuf, i64, o, i64, i64)
 
     def codegen(context, builder, signature, args):
         if not live:
             return context.get_dummy_value()
-        _, wv, woffv, xsv, xcv, jv, bv, cv, coffv, ov, ooffv, ostridev = args
+        _, wv, woffv, xsv, jv, bv, cv, coffv, ov, ooffv, ostridev = args
         aty = signature.args
         v16, vf = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
         wp8 = at(context, builder, aty[1], wv, woffv, I8)
         scales = [tiles4.scales(builder, _off(builder, wp8, tiles4.BLOCK_BYTES4 * i), 1)[0]
                   for i in range(n)]
-        c0 = at(context, builder, aty[7], cv, coffv, v16)
+        c0 = at(context, builder, aty[6], cv, coffv, v16)
         for k in range(ROWS):
             r = builder.add(jv, ir.Constant(I64, k))
             sxp = row_at(context, builder, aty[3], xsv, r, bv, F32)
-            xcp = row_at(context, builder, aty[4], xcv, r, bv, I32)
-            op = at(context, builder, aty[9], ov,
+            op = at(context, builder, aty[8], ov,
                     builder.add(ooffv, builder.mul(ostridev, ir.Constant(I64, k))), vf)
             acc = builder.load(op, align=4)
             for i in range(n):
                 dot = builder.load(builder.gep(c0, [ir.Constant(I32, i * ROWS + k)]), align=4)
-                xci = builder.load(builder.gep(xcp, [ir.Constant(I32, i)]), align=4)
                 sx = builder.load(builder.gep(sxp, [ir.Constant(I32, i)]), align=4)
                 scale = builder.fmul(scales[i], splat(builder, sx, vf))
-                prod = builder.fmul(builder.sitofp(builder.add(dot, splat(builder, xci, v16)),
-                                                   vf), scale)
+                prod = builder.fmul(builder.sitofp(dot, vf), scale)
                 acc = builder.fadd(acc, prod)
             builder.store(acc, op, align=4)
         return context.get_dummy_value()
@@ -312,7 +313,7 @@ def epilogue16(typingctx, nblocks, w, woff, xs, xc, j, b, cbuf, coff, o, ooff, o
 
 
 @njit(cache=True, nogil=True)
-def _pipeline(isa, mode, n, w, woff, bb, nb, pf, x, xs, xc, j, o, ooff, ostride, bbuf, cbuf):
+def _pipeline(isa, mode, n, w, woff, bb, nb, pf, x, xs, j, o, ooff, ostride, bbuf, cbuf):
     numba.literally(isa)
     numba.literally(mode)
     numba.literally(n)
@@ -327,31 +328,37 @@ def _pipeline(isa, mode, n, w, woff, bb, nb, pf, x, xs, xc, j, o, ooff, ostride,
                       (d & 1) * B_CHUNK, cbuf, (d & 1) * C_CHUNK)
         e = c - 2
         if e >= 0:
-            epilogue16(n, w, woff + e * n * bb, xs, xc, j, e * n, cbuf,
+            epilogue16(n, w, woff + e * n * bb, xs, j, e * n, cbuf,
                        (e & 1) * C_CHUNK, o, ooff, ostride)
 
 
 @njit(cache=True, nogil=True)
-def run16(isa, mode, w, woff, bb, nb, pf, x, xs, xc, j, o, ooff, ostride, bbuf, cbuf) -> None:
+def run16(isa, mode, w, woff, bb, nb, pf, x, xs, j, o, ooff, ostride, bbuf, cbuf) -> None:
     """All ``nb`` blocks (``bb`` bytes each, the first at byte ``woff`` of w, flat) of one int4
-    micro-tile applied to rows ``j .. j+15`` of x/xs/xc (int8 [R, n], float32 and int32 [R,
-    n/32]), adding into ``o[ooff + k*ostride:][:16]``, as the module's pipeline with chunks of
-    CHUNK blocks (or 4, 2, 1 when nb is not a multiple); prefetching from byte ``pf`` on.
+    micro-tile applied to rows ``j .. j+15`` of x/xs (int8 [R, n], float32 [R, n/32]), adding
+    into ``o[ooff + k*ostride:][:16]``, as the module's pipeline with chunks of CHUNK blocks
+    (or 4, 2, 1 when nb is not a multiple); prefetching from byte ``pf`` on.
     ``bbuf``/``cbuf``: :func:`buffers`. The bits of tiles.rows_block per block and row."""
     numba.literally(isa)
     numba.literally(mode)
     if nb % CHUNK == 0:
-        _pipeline(isa, mode, CHUNK, w, woff, bb, nb, pf, x, xs, xc, j, o, ooff, ostride, bbuf,
+        _pipeline(isa, mode, CHUNK, w, woff, bb, nb, pf, x, xs, j, o, ooff, ostride, bbuf,
                   cbuf)
     elif nb % 4 == 0:
-        _pipeline(isa, mode, 4, w, woff, bb, nb, pf, x, xs, xc, j, o, ooff, ostride, bbuf, cbuf)
+        _pipeline(isa, mode, 4, w, woff, bb, nb, pf, x, xs, j, o, ooff, ostride, bbuf, cbuf)
     elif nb % 2 == 0:
-        _pipeline(isa, mode, 2, w, woff, bb, nb, pf, x, xs, xc, j, o, ooff, ostride, bbuf, cbuf)
+        _pipeline(isa, mode, 2, w, woff, bb, nb, pf, x, xs, j, o, ooff, ostride, bbuf, cbuf)
     else:
-        _pipeline(isa, mode, 1, w, woff, bb, nb, pf, x, xs, xc, j, o, ooff, ostride, bbuf, cbuf)
+        _pipeline(isa, mode, 1, w, woff, bb, nb, pf, x, xs, j, o, ooff, ostride, bbuf, cbuf)
 
 
 @njit(cache=True, nogil=True)
 def buffers():
-    """run16's scratch: B and C, two halves each."""
-    return np.empty(2 * B_CHUNK, np.uint8), np.empty(2 * C_CHUNK, np.int32)
+    """run16's scratch: B and C, two halves each, starting on 64-byte boundaries (Numba
+    aligns to 32 bytes: every 64-byte tile row would straddle two cache lines, and the
+    emulation's aligned vector stores would fault)."""
+    b = np.empty(2 * B_CHUNK + 64, np.uint8)
+    c = np.empty(2 * C_CHUNK + 16, np.int32)
+    bo = (-b.ctypes.data) & 63
+    co = ((-c.ctypes.data) & 63) >> 2
+    return b[bo:bo + 2 * B_CHUNK], c[co:co + 2 * C_CHUNK]

@@ -64,10 +64,10 @@ def _block_rows(isa, wf, at, x, xs, xc, rows, lo, hi, b, of, obase, ostride, ws)
 
 
 @njit(cache=True, nogil=True)
-def _wide_rows(isa, w, woff, bb, nb, pf, x, xs, xc, lo, hi, o, obase, ostride) -> int:
+def _wide_rows(isa, w, woff, bb, nb, pf, x, xs, lo, hi, o, obase, ostride) -> int:
     """AMX (amx.run16): slots ``lo:hi``, 16 at a time, through all ``nb`` blocks of one int4
     micro-tile (the first at byte ``woff`` of w, prefetching from byte ``pf``); slot j is row j
-    of x/xs/xc and adds into ``o[obase + j * ostride:][:16]``. Returns the first slot left
+    of x/xs and adds into ``o[obase + j * ostride:][:16]``. Returns the first slot left
     (fewer than 16: the caller's per-block path). The tile configuration is held for the
     call only (amx.tile_begin / tile_end)."""
     numba.literally(isa)
@@ -75,8 +75,8 @@ def _wide_rows(isa, w, woff, bb, nb, pf, x, xs, xc, lo, hi, o, obase, ostride) -
     tile_begin(isa)
     j = lo
     while hi - j >= WIDE_ROWS:
-        run16(isa, TILES, w, woff, bb, nb, pf, x, xs, xc, j, o, obase + j * ostride, ostride,
-              bbuf, cbuf)
+        run16(isa, TILES, w, woff, bb, nb, pf, x, xs, j, o, obase + j * ostride, ostride, bbuf,
+              cbuf)
         j += WIDE_ROWS
     tile_end(isa)
     return j
@@ -99,7 +99,7 @@ def _prefetch_next(isa, wf, at, ws, active, T, t, nb, bb, pa, pb):
 
 @njit(cache=True, nogil=True, parallel=True)
 def _gate_up_stage(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead, flip, hk, hs, hc,
-                   done, fine, sc, xg, xsg, xcg) -> None:
+                   done, fine, sc, xg, xsg) -> None:
     """out[m, slot, :] = matrix m of each slot's expert applied to its activation row, and h
     (act.py) of each slot as soon as its four tiles of a block of 32 units are written.
 
@@ -114,7 +114,7 @@ def _gate_up_stage(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead, fli
     (gate and up, tiles 2c and 2c+1), sees the other three's stores (the atomic orders them)
     and computes the block's h for every slot of the expert into hk/hs/hc (act.act_block),
     with its thread's part of ``sc`` (act.scratch); ``fine[A * T/2]`` records whether that h
-    was finite. xg/xsg/xcg: on AMX, the activations of the experts with 16+ slots in slot
+    was finite. xg/xsg: on AMX, the activations of the experts with 16+ slots in slot
     order (activations.gather_wide), read by amx.run16.
     """
     numba.literally(isa)
@@ -140,8 +140,8 @@ def _gate_up_stage(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead, fli
                 rows_block(isa, 1, wf, at, xk, xs, xc, rows_of, lo, b, of,
                            (m * P + lo) * units + t * TU, units, ws)
         elif wide_tiles(isa, wf) and hi - lo >= WIDE_ROWS:  # AMX: 16 slots at a time
-            j = _wide_rows(isa, wf, base * bb, bb, nb, base * bb + ahead, xg, xsg, xcg, lo, hi,
-                           of, m * P * units + t * TU, units)
+            j = _wide_rows(isa, wf, base * bb, bb, nb, base * bb + ahead, xg, xsg, lo, hi, of,
+                           m * P * units + t * TU, units)
             for b in range(nb):
                 _block_rows(isa, wf, (base + b) * bb, xk, xs, xc, rows_of, j, hi, b, of,
                             m * P * units + t * TU, units, ws)
@@ -169,9 +169,9 @@ def gate_up_act(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead, flip, 
     blocks = active.shape[0] * hk.shape[1] // BLOCK
     done = np.zeros(blocks, np.int32)
     fine = np.zeros(blocks, np.bool_)
-    xg, xsg, xcg = gather_wide(isa, w, xk, xs, xc, offsets, rows_of)
+    xg, xsg = gather_wide(isa, w, xk, xs, offsets, rows_of)
     _gate_up_stage(isa, w, xk, xs, xc, active, offsets, rows_of, out, ahead, flip, hk, hs, hc,
-                   done, fine, scratch(num_threads()), xg, xsg, xcg)
+                   done, fine, scratch(num_threads()), xg, xsg)
     for c in range(blocks):
         if not fine[c]:
             return False
@@ -215,7 +215,7 @@ def _down_combine_stage(isa, w, hk, hs, hc, active, offsets, pair_of, slot_of_pa
                 for b in range(nb):
                     pa, pb = _prefetch_next(isa, wf, (base + b) * bb, ws, active, T, t, nb, bb,
                                             pa, pb)
-                j = _wide_rows(isa, wf, base * bb, bb, nb, base * bb, hk, hs, hc, lo, hi, yf,
+                j = _wide_rows(isa, wf, base * bb, bb, nb, base * bb, hk, hs, lo, hi, yf,
                                t * P * TU, TU)
                 for b in range(nb):
                     _block_rows(isa, wf, (base + b) * bb, hk, hs, hc, None, j, hi, b, yf,
