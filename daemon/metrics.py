@@ -140,6 +140,11 @@ class Metrics:
         self._accepted_by = Counter(f"{p}_spec_accepted_by_source_tokens",
                                     "Draft tokens accepted, by draft source (accepted per "
                                     "verify = this / spec_verifies)", ["source"], registry=r)
+        self._graph_passes = Counter(f"{p}_cuda_graph_passes",
+                                     "Decode and verify passes by how CUDA graphs served them: "
+                                     "replayed (captured before), captured (then replayed), "
+                                     "first_run (a layout's first pass, eager), "
+                                     "capture_failed (eager)", ["outcome"], registry=r)
         self._restarts = Counter(f"{p}_worker_restarts", "Child processes restarted, by component",
                                  ["component"], registry=r)
         self._prompt_work_s = Counter(f"{p}_prompt_work_seconds",
@@ -245,6 +250,11 @@ class Metrics:
                           c.get("kv_total_blocks", 0))
         if step.steady_seconds is not None:
             self.observe_steady_decode(step.steady_slots, step.steady_seconds, step.emitted)
+        for outcome, key in (("replayed", "graph_replays"), ("captured", "graph_captures"),
+                             ("first_run", "graph_first_runs"),
+                             ("capture_failed", "graph_refused")):
+            if c.get(key):
+                self._graph_passes.labels(outcome=outcome).inc(c[key])
         if c.get("moe_layers"):  # a step that ran MoE layers (not cache ops alone)
             self.observe_experts(c["gpu_experts"], c["cpu_experts"], c["moe_layers"],
                                  step.cpu_expert_seconds, c["cpu_expert_bytes"])

@@ -72,9 +72,6 @@ class Runner:
         active, self.graphs_reason = graphs_status(cuda_graphs, model, experts)
         if active and self.overlap is not None:
             active, self.graphs_reason = False, "draft overlap keeps the passes eager"
-        if active and self.slot_routing:
-            active, self.graphs_reason = False, ("per-slot expert tracking (adaptive draft "
-                                                 "budget) runs on the host")
         self.graphs = (StepGraphs(model, self.caches, max_slots=max_slots,
                                   max_context=max_context, experts=experts)
                        if active else None)

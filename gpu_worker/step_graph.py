@@ -17,12 +17,13 @@ available: ``[model] cuda_graphs = false``.
 CPU experts on the launched path are captured too: their ring kernels are stream work, and
 their sequence numbers and distinct-expert tags become offsets from bases the replay writes
 (gpu_worker/experts/pinned_ring.py); the workers' device session opens before the replay
-and closes after it, as around an eager forward.
+and closes after it, as around an eager forward. With per-slot expert tracking (the adaptive
+draft budget) the routes a capture copies stay the graph's buffers, read after each replay
+(gpu_worker/experts/counters.py).
 
 Not taken (eager, the reason logged once at start or counted per pass): CPU experts on the
-host path or with per-slot tracking (the adaptive draft budget), draft overlap, prompt rows,
-segments over the paged kernel's 16 rows, the kernels switched off, vocabularies the device
-sampler does not take, the MTP drafter's passes.
+host path, draft overlap, prompt rows, segments over the paged kernel's 16 rows, the kernels
+switched off, vocabularies the device sampler does not take, the MTP drafter's passes.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ class StepGraphs:
         self.refused: dict[tuple, str] = {}
         # since start (benchmarks diff them); take_counts gives the part since its last call
         self.totals = {"graph_captures": 0, "graph_replays": 0, "graph_refused": 0,
-                       "graph_capture_ms": 0.0}
+                       "graph_first_runs": 0, "graph_capture_ms": 0.0}
         self._taken = dict(self.totals)
         # the GDN per-row buffers of verifying passes, one pair for every graph (a verify
         # step's rows x 75 MiB each for the 80B: a pair per graph would not fit); when a
@@ -175,6 +176,7 @@ class StepGraphs:
         g = self.graphs.get(key)
         if g is None and key not in self.seen:
             self.seen.add(key)  # eager this once: compiles what the layout needs
+            self.totals["graph_first_runs"] += 1
             return None
         cp, model, caches = self.cp, self.model, self.caches
         main = cp.cuda.get_current_stream()

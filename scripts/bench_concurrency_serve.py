@@ -244,6 +244,9 @@ def step_figures(after: Samples, before: Samples, per_expert: float | None,
         "cpu_floor_ms": cpu_bytes / (dram_gbs * 1e9) * 1e3}
     floor = out["cpu_floor_ms"]
     out["step_over_cpu_floor"] = step_ms / floor if floor else None
+    out["cuda_graph_passes"] = {  # how the run's decode/verify passes ran (graphs or eager)
+        o: delta(after, before, "tandem_cuda_graph_passes_total", outcome=o)
+        for o in ("replayed", "captured", "first_run", "capture_failed")}
     return out
 
 

@@ -50,6 +50,29 @@ class ExpertCounters:
         if self._row_slot is not None and len(self._row_slot) == ids.shape[0]:
             self._routes.append((layer * num_experts, ids, cpu, self._row_slot))
 
+    def begin_capture(self) -> int:
+        """Before a CUDA graph captures a forward: where its routes will start."""
+        return len(self._routes)
+
+    def end_capture(self, start: int) -> list[tuple[int, object, object]]:
+        """The routes the captured forward added from ``start`` (device buffers of the graph,
+        which each replay rewrites), taken off the pending list (capture runs nothing)."""
+        captured = [(base, ids, cpu) for base, ids, cpu, _ in self._routes[start:]]
+        del self._routes[start:]
+        return captured
+
+    def replay_routes(self, captured: list[tuple[int, object, object]]) -> None:
+        """Before a replay of a graph whose capture gave ``captured``: the routes still
+        pending are copied to the host first (an earlier replay of the same graph in this
+        step would be overwritten), then the graph's are pending with the coming pass's
+        rows (:meth:`track_rows`)."""
+        if self._row_slot is None:
+            return
+        self._routes = [(base, _host_copy(ids), _host_copy(cpu), rs)
+                        for base, ids, cpu, rs in self._routes]
+        self._routes += [(base, ids, cpu, self._row_slot) for base, ids, cpu in captured
+                         if len(self._row_slot) == ids.shape[0]]
+
     def take_slot_experts(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Per tracked slot since the last call: its distinct CPU experts (int32 [K], layer *
         experts per layer + expert) and how many of its rows picked each (uint16 [K]). A row
@@ -76,3 +99,8 @@ class ExpertCounters:
                  "cpu_experts_ms": self.cpu_experts_ms}
         self._reset()
         return stats
+
+
+def _host_copy(array) -> np.ndarray:
+    """A host array that nothing on the device (or the NumPy backend) writes again."""
+    return array.copy() if isinstance(array, np.ndarray) else to_numpy(array)

@@ -114,31 +114,33 @@ class ExpertPlacement:
         """Why passes over this placement cannot be captured (None: they can)."""
         if not self.launched:
             return "CPU experts on the host path (the device cannot map their ring)"
-        if self.counters.tracking:
-            return "per-slot expert tracking (adaptive draft budget) runs on the host"
         return None
 
     def begin_capture(self) -> None:
         """The next forward is captured (launched path only): its ring launches take their
         sequence numbers from the replay's base; its host counters are noted."""
         self._layers0 = self.counters.moe_layers
+        self._routes0 = self.counters.begin_capture()
         self.path.ring.begin_capture()
 
     def end_capture(self) -> tuple:
         """The captured forward's token for :meth:`before_replay`; ends the capture's device
         session (nothing ran)."""
         counts = self.path.ring.end_capture()
-        token = (counts, self.counters.moe_layers - self._layers0)
+        token = (counts, self.counters.moe_layers - self._layers0,
+                 self.counters.end_capture(self._routes0))
         self.counters.moe_layers = self._layers0
         self.end_step()
         return token
 
     def before_replay(self, token: tuple, stream) -> None:
         """Before a replay on ``stream``: the ring's session and bases, the host counters a
-        forward adds. :meth:`end_step` after it, as after an eager forward."""
-        counts, layers = token
+        forward adds, and the per-slot routes it will write (when rows are tracked).
+        :meth:`end_step` after it, as after an eager forward."""
+        counts, layers, routes = token
         self.path.ring.before_replay(counts, stream)
         self.counters.moe_layers += layers
+        self.counters.replay_routes(routes)
 
     def track_rows(self, row_slot: np.ndarray | None) -> None:
         """Record the coming pass's CPU experts per slot (ExpertCounters.track_rows)."""

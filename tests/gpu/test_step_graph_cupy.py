@@ -119,19 +119,24 @@ def test_the_reason_is_given_where_graphs_are_not_taken(bf16_model):
     assert runner.graphs is None and "cuda_graphs = false" in runner.graphs_reason
 
 
-def _serve_split(path, graphs: bool, mode: str):
+def _serve_split(path, graphs: bool, mode: str, slot_routing: bool = False):
     engine = Engine.from_dir(path, dtype="bfloat16", backend="cupy", placement="split",
                              cpu_experts_per_layer=3, cpu_workers=1, max_slots=SLOTS,
                              max_len=CONTEXT)
     try:
         assert engine.placement.launched
         runner = Runner(engine.model, max_slots=SLOTS, max_context=CONTEXT, block_size=4,
-                        extra_blocks=32, experts=engine.placement, cuda_graphs=graphs)
+                        extra_blocks=32, experts=engine.placement, cuda_graphs=graphs,
+                        slot_routing=slot_routing)
         assert (runner.graphs is not None) == graphs, runner.graphs_reason
         out, worker = _drive(runner, mode, [
             (p, SamplingParams(temperature=0.8 if i else 0.0, seed=i), 32)
             for i, p in enumerate(PROMPTS)])
         counters = [r.counters for r in worker.results]
+        if slot_routing:  # each slot's CPU experts and rows per expert, per step
+            counters = [(c, [(r.slot, bytes(r.cpu_experts), bytes(r.cpu_expert_rows))
+                             for r in res.slots]) for c, res in zip(counters, worker.results,
+                                                                   strict=True)]
         refused = runner.graphs.refused if runner.graphs is not None else {}
         return out, counters, refused
     finally:
@@ -153,6 +158,22 @@ def test_graphs_with_cpu_experts_give_the_tokens_and_counts_of_eager_passes(tmp_
     keys = ("moe_layers", "cpu_experts", "gpu_experts")
     assert [[c.get(k) for k in keys] for c in c_graph] == [[c.get(k) for k in keys]
                                                            for c in c_eager]
+
+
+@pytest.mark.parametrize("mode", ["narrow", "wide"])
+def test_graphs_report_each_slots_cpu_experts_as_eager_passes(tmp_path, mode):
+    """Per-slot expert tracking (the adaptive draft budget) inside graphs: the routes a
+    replay writes are read with that pass's slots; every step's report equals eager's."""
+    if EMULATED:
+        pytest.skip("the ring's kernels need the driver API")
+    path = make_tiny_model(tmp_path, "qwen3_next", seed=6, tokenizer=False,
+                           moe_intermediate=64, std=0.1)
+    eager, r_eager, _ = _serve_split(path, False, mode, slot_routing=True)
+    graphed, r_graph, refused = _serve_split(path, True, mode, slot_routing=True)
+    assert sum(c.get("graph_replays", 0) for c, _ in r_graph) > 0, refused
+    assert graphed == eager
+    assert any(experts for _, slots in r_eager for _, experts, _ in slots)
+    assert [slots for _, slots in r_graph] == [slots for _, slots in r_eager]
 
 
 def test_decode_layouts_are_captured_before_serving(bf16_model):

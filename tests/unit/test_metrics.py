@@ -110,6 +110,18 @@ def test_record_step_updates_every_figure_of_a_step():
     assert _value(m, "tandem_kv_blocks_total") == 0
 
 
+def test_cuda_graph_passes_are_counted_by_outcome():
+    """The worker's per-step graph counts (gpu_worker/step_graph.py) add up across steps."""
+    m = Metrics()
+    counts = {"graph_replays": 3, "graph_captures": 1, "graph_first_runs": 2,
+              "graph_refused": 0, "graphs": 4}
+    m.record_step(_step(counters=counts))
+    m.record_step(_step(counters={"graph_replays": 5, "graph_refused": 1}))
+    got = {o: _value(m, "tandem_cuda_graph_passes_total", outcome=o)
+           for o in ("replayed", "captured", "first_run", "capture_failed")}
+    assert got == {"replayed": 8, "captured": 1, "first_run": 2, "capture_failed": 1}
+
+
 def test_null_metrics_take_the_schedulers_calls():
     m = NullMetrics()
     m.record_step(_step())
