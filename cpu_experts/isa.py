@@ -5,8 +5,8 @@ this CPU cannot run it); unset, the best one the host has is used. Every choice 
 same bits. ``amx`` is ``avx512vnni`` whose 16-row int4 blocks go through AMX tiles (amx.py);
 it needs the CPU's ``amx-tile`` and ``amx-int8`` and Linux's permission to use the tile state,
 which :func:`available` requests for the process (``arch_prctl(ARCH_REQ_XCOMP_PERM)``). It is
-used only when named: on the H200 machine it is exact but slower than ``avx512vnni`` (one
-expert, 16 rows: 149 us against 113; docs/cpu_experts.md).
+used only when named: on the H200 machine it is exact but slower than ``avx512vnni`` on 16
+threads (one expert, 16 rows, gate/up: 121 us against 63; docs/cpu_experts.md).
 """
 
 from __future__ import annotations
