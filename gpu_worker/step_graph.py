@@ -69,6 +69,13 @@ def graphs_status(wanted: bool, model: Model, experts) -> tuple[bool, str]:
     return True, "decode and verify passes"
 
 
+def layout_key(work: list[SlotWork], batch: RaggedBatch, rows, first: dict[int, int]) -> tuple:
+    """What fixes every launch's shape of a pass: each segment's rows, the logits rows, each
+    slot's drafts and whether it samples (a graph is captured per key)."""
+    return (tuple(s.num for s in batch.segments), tuple(int(r) for r in rows),
+            tuple(len(w.draft_ids) for w in work), tuple(w.slot in first for w in work))
+
+
 def takes(work: list[SlotWork], batch: RaggedBatch) -> bool:
     """Whether one pass can replay a graph: decode (and verify) rows only, short segments."""
     return all(w.kind == WorkKind.DECODE for w in work) and all(
@@ -169,8 +176,7 @@ class StepGraphs:
             first: dict[int, int]) -> tuple[ForwardOut, list[tuple[list[int], int]]] | None:
         """The pass (forward, sampling, draft matching) through its layout's graph, captured
         now if the layout ran before; None: run it eagerly (nothing was done)."""
-        key = (tuple(s.num for s in batch.segments), tuple(int(r) for r in rows),
-               tuple(len(w.draft_ids) for w in work), tuple(w.slot in first for w in work))
+        key = layout_key(work, batch, rows, first)
         if key in self.refused:
             return None
         g = self.graphs.get(key)
