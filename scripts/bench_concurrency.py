@@ -5,7 +5,8 @@
 Workloads (fixed prompts and seeds, temperature 0.85, thinking disabled):
 
 * ``essay``: four independent long-form prompts, ``--essay-tokens`` each;
-* ``coding``: four independent agent loops of six turns, ``--coding-tokens`` per turn. The
+* ``coding``: four independent agent loops of six turns (``--coding-turns``),
+  ``--coding-tokens`` per turn. The
   tool calls are scripted (a small model never makes them): after each turn the harness
   reads a project file of 2-8 kB, writes the module (the turn's text) or checks it
   (``run_check`` byte-compiles and imports it in a child Python), in a scratch directory per
@@ -78,7 +79,7 @@ from scripts.bench_concurrency_serve import (
     step_figures,
     write_toml,
 )
-from scripts.bench_concurrency_tools import FILE_BYTES
+from scripts.bench_concurrency_tools import FILE_BYTES, SCRIPT
 from scripts.bench_concurrency_workloads import STREAMS, WARM_UP, chat, in_order, workload
 from scripts.procs import free_port
 
@@ -248,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", default="essay,coding")
     p.add_argument("--essay-tokens", type=int, default=256)
     p.add_argument("--coding-tokens", type=int, default=192)
+    p.add_argument("--coding-turns", type=int, default=len(SCRIPT),
+                   choices=range(1, len(SCRIPT) + 1), metavar=f"1..{len(SCRIPT)}",
+                   help="turns of each coding agent, the first of its script (read, write, "
+                   "check, read, write, check); fewer keep a run within one device command "
+                   "where prompts are slow (docs/benchmarks.md)")
     p.add_argument("--file-bytes", type=lambda v: tuple(int(x) for x in v.split(",")),
                    default=FILE_BYTES, help="MIN,MAX bytes of the files the coding agents "
                    "read (default 2048,8192: needs max_context of ~8k tokens and more)")

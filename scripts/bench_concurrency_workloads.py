@@ -100,8 +100,10 @@ async def in_order(starts: list) -> list:
 
 async def agent_loop(session: aiohttp.ClientSession, url: str, model: str, i: int,
                      max_tokens: int, started: asyncio.Event | None = None, chat_fn=None,
-                     file_bytes: tuple[int, int] = FILE_BYTES) -> dict:
-    """One coding agent, ``len(SCRIPT)`` turns: the model writes, then the turn's scripted
+                     file_bytes: tuple[int, int] = FILE_BYTES, turns: int = len(SCRIPT)
+                     ) -> dict:
+    """One coding agent, ``turns`` (the first of ``SCRIPT``'s): the model writes, then the
+    turn's scripted
     tool call (scripts/bench_concurrency_tools.py) runs and its result joins the context.
     ``started``: set at the first turn's first token; ``chat_fn``: ``chat`` (tests pass a
     stand-in); ``file_bytes``: the read files' sizes. Returns tokens, turns, tool calls and
@@ -115,7 +117,7 @@ async def agent_loop(session: aiohttp.ClientSession, url: str, model: str, i: in
     tokens = calls = tool_chars = 0
     with tempfile.TemporaryDirectory() as tmp:
         files = setup_project(Path(tmp), i, file_bytes)
-        for turn in range(len(SCRIPT)):
+        for turn in range(turns):
             res = await chat_fn(session, url, model, messages, max_tokens, 100 * i + turn,
                                 TOOLS, user=f"agent-{i}",
                                 **({"started": started} if started and not turn else {}))
@@ -127,7 +129,7 @@ async def agent_loop(session: aiohttp.ClientSession, url: str, model: str, i: in
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": out})
             calls += 1
             tool_chars += len(out)
-    return {"tokens": tokens, "turns": len(SCRIPT), "tool_calls": calls,
+    return {"tokens": tokens, "turns": turns, "tool_calls": calls,
             "tool_chars": tool_chars}
 
 
@@ -141,8 +143,8 @@ async def essay(session: aiohttp.ClientSession, url: str, model: str, i: int,
 async def workload(url: str, model: str, name: str, args: argparse.Namespace
                    ) -> tuple[list[dict], float]:
     fn, max_tokens = ((essay, args.essay_tokens) if name == "essay"
-                      else (functools.partial(agent_loop, file_bytes=args.file_bytes),
-                            args.coding_tokens))
+                      else (functools.partial(agent_loop, file_bytes=args.file_bytes,
+                                              turns=args.coding_turns), args.coding_tokens))
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(timeout=timeout) as s:
         t0 = time.monotonic()

@@ -79,6 +79,21 @@ def test_scripted_agent_loop_calls_tools_and_grows_its_context():
     assert res["tool_chars"] >= 2 * 2048  # two reads, plus "wrote ..." and "ok"
 
 
+def test_an_agent_loop_of_fewer_turns_takes_the_scripts_first_ones():
+    import asyncio
+
+    names: list[str] = []
+
+    async def fake_chat(session, url, model, messages, max_tokens, seed, tools, user):
+        if messages[-1]["role"] == "tool":
+            names.append(messages[-2]["tool_calls"][0]["function"]["name"])
+        return {"text": "X = 1\n", "tool_calls": [], "tokens": 3}
+
+    res = asyncio.run(workloads.agent_loop(None, "", "m", 0, 8, chat_fn=fake_chat, turns=3))
+    assert (res["turns"], res["tool_calls"], res["tokens"]) == (3, 3, 9)
+    assert names == list(workloads.SCRIPT[:2])  # the third call's result: no turn left
+
+
 def test_time_budget_skips_the_run_that_would_end_late_and_every_later_one():
     import argparse
     import time
