@@ -11,7 +11,7 @@ chunk ``c`` (scratch buffers double-buffered by chunk parity):
 
 1. :func:`unpack_b`: chunk c's nibbles unpacked as the signed values ``v = n - 8``
    (tiles4.weights_vnni: per block 8 rows of 64 bytes ``[16 units][4 positions]``; tiles4.py's
-   order is already AMX's) into B scratch;
+   order is already AMX's) into B scratch, its A rows prefetched (:func:`prefetch_a`);
 2. :func:`tile_dots`: chunk c-1's C = A . B per block (A loaded straight from x, B from the
    scratch chunk c-1 wrote), in two alternating sets of tile registers (C, A, B = tmm0-2,
    tmm3-5) so two blocks are in flight: ``tilezero; tileloadd; tileloadd; tdpbssd;
@@ -231,6 +231,37 @@ def unpack_b(typingctx, nblocks, w, woff, pf, bbuf, boff):
 
 
 @intrinsic
+def prefetch_a(typingctx, nblocks, w, x, xoff):
+    """Prefetch into L1 the A rows of ``nblocks`` (a literal) blocks: 16 rows of x (int8,
+    2-D, row stride x's width) from element ``xoff``, ``32 * nblocks`` bytes each. The
+    pipeline asks one step before :func:`tile_dots` loads them: tile loads of rows 2 KiB
+    apart find no hardware prefetch, and the rows were written by another thread."""
+    n = _literal("nblocks", nblocks, 1, CHUNK)
+    live = _int4(w)
+    check_array(x, types.int8, "x")
+    sig = types.void(nblocks, w, x, types.int64)
+
+    def codegen(context, builder, signature, args):
+        if not live:
+            return context.get_dummy_value()
+        _, _, xv, xoffv = args
+        aty = signature.args
+        arr = context.make_array(aty[2])(context, builder, xv)
+        ld = cgutils.unpack_tuple(builder, arr.shape, 2)[1]
+        a0 = at(context, builder, aty[2], xv, xoffv, I8)
+        prefetch = fn(builder, "llvm.prefetch.p0", ir.VoidType(),
+                      [I8.as_pointer(), I32, I32, I32])
+        for k in range(ROWS):
+            row = builder.gep(a0, [builder.mul(ld, ir.Constant(I64, k))])
+            for byte in range(0, max(A_BYTES * n, 64), 64):
+                builder.call(prefetch, [_off(builder, row, byte), ir.Constant(I32, 0),
+                                        ir.Constant(I32, 3), ir.Constant(I32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def tile_dots(typingctx, isa, mode, nblocks, w, x, xoff, bbuf, boff, cbuf, coff):
     """C of ``nblocks`` blocks into ``cbuf`` (int32) from element ``coff`` (256 per block):
     A = 16 rows of x (int8, 2-D) from element ``xoff`` + 32 per block, row stride x's width;
@@ -321,6 +352,7 @@ def _pipeline(isa, mode, n, w, woff, bb, nb, pf, x, xs, j, o, ooff, ostride, bbu
     for c in range(steps + 2):
         if c < steps:
             h = (c & 1) * B_CHUNK
+            prefetch_a(n, w, x, j * x.shape[1] + c * n * A_BYTES)
             unpack_b(n, w, woff + c * n * bb, pf + c * n * bb, bbuf, h)
         d = c - 1
         if 0 <= d < steps:
