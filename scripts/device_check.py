@@ -147,6 +147,27 @@ PLANS: dict[str, list[Check]] = {
               "tar czf $OUT/concurrency_h200_32_work.tar.gz --exclude='./model-*' "
               "-C /tmp/tbc-h200-32 .; exit $rc", 525),
     ],
+    # issue 15's coding workload at 32 GiB, one run per command (--budget 590; ~6.5 min a run
+    # there): this one records the plain run and its replay file; later commands carry
+    # $OUT/concurrency_h200/32 and the work folder back and add one arm each with --resume
+    # and --arms off,<arm> (docs/benchmarks.md)
+    "coding_32": [
+        Check("coding_off_32", "mount -o remount,size=110G /dev/shm; timeout -k 15 560 "
+              f"{PY} scripts.bench_concurrency --model qwen3-next-80b-a3b --gpu-budget 32 "
+              "--proposer replay --replay-source mtp --arms off --pairs 1 --workloads coding "
+              "--coding-turns 4 --coding-tokens 64 --time-budget 550 "
+              "--out-dir $OUT/concurrency_h200/32 --work-dir /tmp/tbc-h200-32c; rc=$?; "
+              "tar czf $OUT/coding_32_work.tar.gz --exclude='./model-*' "
+              "-C /tmp/tbc-h200-32c .; exit $rc", 585),
+    ],
+    # AMX against VNNI on one int4 expert, alternately in one process, then the AMX tests
+    "amx": [
+        Check("amx_vnni", f"{PY} scripts.bench_amx_vnni --rounds 5 --threads 16,8 "
+              "--out $OUT/amx_vnni.json", 240),
+        Check("amx_tests", f"{PY} pytest -q -p no:cacheprovider -o addopts= "
+              "tests/unit/test_cpu_amx.py tests/unit/test_cpu_int4_rows.py "
+              "tests/unit/test_cpu_kernels.py -k 'amx or AMX or tiles_equal'", 180),
+    ],
     # CUDA graphs (gpu_worker/step_graph.py): bits equal eager, with and without CPU experts
     "graphs": [
         Check("graphs", f"{PY} pytest -q -p no:cacheprovider tests/gpu/test_topk_cupy.py "
