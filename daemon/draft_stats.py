@@ -12,6 +12,9 @@
 * Step cost: least squares, with forgetting, of each decode-only step's wall time on
   (passes, rows, distinct CPU experts); the config's constants until ``MIN_STEPS`` such
   steps were seen, and for what the steps cannot tell apart (a slight ridge toward them).
+  Steps that captured a CUDA graph or ran a layout's first (eager, compiling) pass are left
+  out: they cost more than their layout does, and a budget that changes lengths meets new
+  layouts often, so fitting them would make every row look dearer and cut later drafts.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from protocol.messages import SlotWork, StepPlan, StepResult, WorkKind
 if TYPE_CHECKING:
     from daemon.config import SpeculationSection
 
+# a step's counters (gpu_worker/step_graph.py) that mark its time as not its layout's cost
+ONE_OFF_COUNTERS = ("graph_captures", "graph_first_runs", "graph_refused")
 # (successes, trials) every source starts from: a = 0.8, optimistic, so that drafts run
 # (and are measured) until the source's own figures say they do not pay
 SOURCE_PRIOR = (1.6, 2.0)
@@ -190,6 +195,8 @@ class DraftBudget:
                                     res.num_accepted)
             self.routing.observe(w.request_id, w.num_rows, res.cpu_experts,
                                  res.cpu_expert_rows, universe)
-        if plan.slots and all(w.kind == WorkKind.DECODE for w in plan.slots):
+        c = result.counters
+        if (plan.slots and all(w.kind == WorkKind.DECODE for w in plan.slots)
+                and not any(c.get(k, 0) for k in ONE_OFF_COUNTERS)):
             self.costs.observe(int(result.counters.get("passes", 1)), plan.num_rows,
                                int(result.counters.get("cpu_experts", 0)), seconds * 1e3)

@@ -17,11 +17,19 @@ from daemon.commands import config_from_args
 from daemon.config import SpeculationSection, load_config
 from daemon.config_checks import ConfigError
 from daemon.draft_budget import BudgetProblem, StepCost, choose, expected_union, patterns, ratio
-from daemon.draft_stats import MIN_STEPS, AcceptanceStats, CostFit, RoutingStats
+from daemon.draft_stats import MIN_STEPS, AcceptanceStats, CostFit, DraftBudget, RoutingStats
 from daemon.lifecycle import worker_config
 from gpu_worker.experts.counters import ExpertCounters
 from protocol.codec import decode, encode
-from protocol.messages import PromptPhase, SlotResult, StepResult
+from protocol.messages import (
+    PromptPhase,
+    SamplingParams,
+    SlotResult,
+    SlotWork,
+    StepPlan,
+    StepResult,
+    WorkKind,
+)
 from protocol.worker_config import WorkerConfig
 
 
@@ -225,6 +233,24 @@ def test_the_cost_fit_recovers_the_step_constants():
     assert got.expert_ms == pytest.approx(0.2)
     assert (got.fixed_ms, got.row_ms) == (pytest.approx(5.0, rel=0.05),
                                           pytest.approx(0.5, rel=0.05))
+
+
+def test_steps_that_capture_or_first_run_a_graph_do_not_teach_the_cost():
+    """A capture or a layout's eager first pass (compiling) is a one-off: the fit skips it."""
+    budget = DraftBudget(SpeculationSection(mode="wide", draft_budget="adaptive"))
+    work = SlotWork(slot=0, request_id="r", kind=WorkKind.DECODE,
+                    input_ids=np.array([5], np.int32), start_pos=3, num_tokens=1,
+                    needs_logits=True, sampling=SamplingParams(seed=1), prompt_len=3)
+    res = SlotResult(slot=0, request_id="r", token_ids=[6], num_accepted=0,
+                     prompt=PromptPhase(phase=2, prompt_tokens_this_step=0, prompt_len=3,
+                                        cached_len=0))
+    plan = StepPlan(step_id=1, slots=[work])
+    for counters in ({"graph_captures": 1}, {"graph_first_runs": 1}, {"graph_refused": 1}):
+        budget.observe(plan, StepResult(step_id=1, slots=[res], counters=counters), 5.0)
+    assert budget.costs.n == 0
+    budget.observe(plan, StepResult(step_id=2, slots=[res], counters={"graph_replays": 1}),
+                   0.05)
+    assert budget.costs.n == 1 and budget.costs.b[0] == pytest.approx(50.0)
 
 
 # ---- the worker's record and the wire ----------------------------------------------------------
