@@ -198,5 +198,5 @@ class DraftBudget:
         c = result.counters
         if (plan.slots and all(w.kind == WorkKind.DECODE for w in plan.slots)
                 and not any(c.get(k, 0) for k in ONE_OFF_COUNTERS)):
-            self.costs.observe(int(result.counters.get("passes", 1)), plan.num_rows,
-                               int(result.counters.get("cpu_experts", 0)), seconds * 1e3)
+            self.costs.observe(int(c.get("passes", 1)), plan.num_rows,
+                               int(c.get("cpu_experts", 0)), seconds * 1e3)

@@ -41,11 +41,11 @@ def summarize(records: list[dict]) -> list[dict]:
     for (name, threads, rows), recs in sorted(groups.items()):
         out.append({"isa": name, "threads": threads, "rows": rows, "rounds": len(recs),
                     **{k: round(statistics.median(r[k] for r in recs), 1) for k in KEYS}})
+    one_row = {(o["isa"], o["threads"]): o["layer_us"] for o in out if o["rows"] == 1}
     for rec in out:
-        one = [o for o in out if (o["isa"], o["threads"], o["rows"])
-               == (rec["isa"], rec["threads"], 1)]
+        one = one_row.get((rec["isa"], rec["threads"]))
         if rec["rows"] != 1 and one:
-            rec["layer_ratio_to_1_row"] = round(rec["layer_us"] / one[0]["layer_us"], 2)
+            rec["layer_ratio_to_1_row"] = round(rec["layer_us"] / one, 2)
     return out
 
 

@@ -148,9 +148,9 @@ PLANS: dict[str, list[Check]] = {
               "-C /tmp/tbc-h200-32 .; exit $rc", 525),
     ],
     # issue 15's coding workload at 32 GiB, one run per command (--budget 590; ~6.5 min a run
-    # there): this one records the plain run and its replay file; later commands carry
-    # $OUT/concurrency_h200/32 and the work folder back and add one arm each with --resume
-    # and --arms off,<arm> (docs/benchmarks.md)
+    # there by the 6-turn run's pace, not yet measured): this one records the plain run and
+    # its replay file; later commands carry $OUT/concurrency_h200/32 and the work folder
+    # back and add one arm each with --resume and --arms off,<arm> (docs/benchmarks.md)
     "coding_32": [
         Check("coding_off_32", "mount -o remount,size=110G /dev/shm; timeout -k 15 560 "
               f"{PY} scripts.bench_concurrency --model qwen3-next-80b-a3b --gpu-budget 32 "
