@@ -69,6 +69,12 @@ class _StaleAbsentGauge(Collector):
         yield family
 
 
+# tandem_cuda_graph_passes_total's outcomes and the worker's step counters they count
+# (gpu_worker/step_graph.py)
+GRAPH_OUTCOMES = {"replayed": "graph_replays", "captured": "graph_captures",
+                  "first_run": "graph_first_runs", "capture_failed": "graph_refused"}
+
+
 class Metrics:
     """All of the daemon's metrics; `render()` gives the Prometheus text exposition."""
 
@@ -250,9 +256,7 @@ class Metrics:
                           c.get("kv_total_blocks", 0))
         if step.steady_seconds is not None:
             self.observe_steady_decode(step.steady_slots, step.steady_seconds, step.emitted)
-        for outcome, key in (("replayed", "graph_replays"), ("captured", "graph_captures"),
-                             ("first_run", "graph_first_runs"),
-                             ("capture_failed", "graph_refused")):
+        for outcome, key in GRAPH_OUTCOMES.items():
             if c.get(key):
                 self._graph_passes.labels(outcome=outcome).inc(c[key])
         if c.get("moe_layers"):  # a step that ran MoE layers (not cache ops alone)

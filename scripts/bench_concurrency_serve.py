@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from daemon.metrics import GRAPH_OUTCOMES
 from scripts.bench_common import REPO, Samples, delta, wait_ready
 from scripts.procs import descendants, wait_gone
 
@@ -246,7 +247,7 @@ def step_figures(after: Samples, before: Samples, per_expert: float | None,
     out["step_over_cpu_floor"] = step_ms / floor if floor else None
     out["cuda_graph_passes"] = {  # how the run's decode/verify passes ran (graphs or eager)
         o: delta(after, before, "tandem_cuda_graph_passes_total", outcome=o)
-        for o in ("replayed", "captured", "first_run", "capture_failed")}
+        for o in GRAPH_OUTCOMES}
     return out
 
 
