@@ -26,8 +26,10 @@ from protocol.worker_config import (
     CPU_ISAS,
     DTYPES,
     GPU_FORMATS,
+    GRAPH_WARM_UPS,
     KV_CACHE_DTYPES,
     PLACEMENTS,
+    SPECULATION_MODES,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -67,6 +69,9 @@ class ModelSection:
     dtype: str = ""  # "" -> bfloat16 on the cupy backend, else float32
     backend: str = "numpy"
     cuda_graphs: bool = True  # cupy: decode/verify passes replayed as CUDA graphs (false: eager)
+    # captured before the server is ready: "all" (decode and every verify layout the
+    # speculation settings can make) or "decode" (verify layouts as they come: a shorter start)
+    cuda_graph_warm_up: str = "all"
 
     def __post_init__(self) -> None:
         if self.dtype == "":
@@ -80,6 +85,7 @@ class ModelSection:
         check_str("model.dtype", self.dtype, DTYPES)
         check_str("model.backend", self.backend, BACKENDS)
         check_bool("model.cuda_graphs", self.cuda_graphs)
+        check_str("model.cuda_graph_warm_up", self.cuda_graph_warm_up, GRAPH_WARM_UPS)
 
     @property
     def served_name(self) -> str:
@@ -302,7 +308,7 @@ class SpeculationSection:
     record_file: Path | None = None
 
     def __post_init__(self) -> None:
-        check_str("speculation.mode", self.mode, ("off", "narrow", "wide"))
+        check_str("speculation.mode", self.mode, SPECULATION_MODES)
         check_str("speculation.proposer", self.proposer, ("suffix", "mtp", "replay"))
         if self.proposer == "replay" and not (isinstance(self.replay_file, Path)
                                               and self.replay_file.is_file()):

@@ -34,14 +34,13 @@ from daemon.draft_stats import DraftBudget
 from daemon.proposers.global_suffix import GlobalSuffixIndex
 from daemon.proposers.replay import ReplayProposer
 from protocol.messages import DraftSource, SlotWork, StepPlan, StepResult, WorkKind
+from protocol.worker_config import MAX_WIDE_SLOTS, WIDE_CAPACITIES  # the worker's too
 
 if TYPE_CHECKING:
     from daemon.config import SpeculationSection
     from daemon.sequence import Sequence
 
 log = structlog.get_logger("tandem.speculation")
-WIDE_CAPACITIES = (8, 12, 16)  # decode rows of a wide verify pass
-MAX_WIDE_SLOTS = 4  # drafted slots in one wide pass
 WIDE_BACKENDS = ("numpy", "cupy", "auto")  # run a verify pass over several slots' rows
 WIDE_PLACEMENTS = ("gpu", "cpu", "split")  # the routed experts see the pass's union of rows
 

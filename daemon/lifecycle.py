@@ -50,7 +50,9 @@ def worker_config(config: Config) -> WorkerConfig:
                         and config.speculation.draft_budget == "adaptive",
                         draft_overlap=config.speculation.mode != "off"
                         and config.speculation.draft_overlap,
-                        cuda_graphs=config.model.cuda_graphs)
+                        speculation_mode=config.speculation.mode,
+                        cuda_graphs=config.model.cuda_graphs,
+                        graph_warm_up=config.model.cuda_graph_warm_up)
 
 
 def serve(config: Config) -> int:

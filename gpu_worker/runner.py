@@ -17,22 +17,21 @@ import time
 
 import numpy as np
 
+from gpu_worker import graph_warm
 from gpu_worker.cache_ops import CacheOps, PlanError
 from gpu_worker.draft_overlap import DraftOverlap, overlap_status
+from gpu_worker.graph_warm import MAX_WARM_LAYOUTS
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.model import Caches, Model
 from gpu_worker.mtp_drafter import MtpDrafter, run_all
 from gpu_worker.routed_experts import RoutedExperts
-from gpu_worker.step_graph import StepGraphs, graphs_status
+from gpu_worker.step_graph import MAX_GRAPHS, StepGraphs, graphs_status
 from gpu_worker.step_graph import takes as graph_takes
 from gpu_worker.verify import sample_and_match_all
 from protocol.messages import (
-    CacheOp,
-    CacheOpKind,
     Phase,
     PromptPhase,
-    SamplingParams,
     SlotResult,
     SlotWork,
     StepPlan,
@@ -46,6 +45,9 @@ _NO_ROUTES = (np.zeros(0, np.int32), np.zeros(0, np.uint16))
 
 class Runner:
     """The model, its caches and the interpreter of their commands, behind ``execute``.
+    ``max_drafts`` and ``speculation_mode``: what the daemon's verify passes can hold
+    (the graphs' shared buffers are made that big once; ``graph_warm_up`` "all" captures
+    their layouts in :meth:`warm_graphs`).
     ``experts``: the routed experts that are not all on the backend (None: all are);
     ``slot_routing``: report each decode slot's CPU experts (SlotResult.cpu_experts);
     ``draft_overlap``: run a pass's MTP drafter under the next pass's CPU experts where it
@@ -55,11 +57,15 @@ class Runner:
     def __init__(self, model: Model, *, max_slots: int, max_context: int, block_size: int = 16,
                  extra_blocks: int = 0, kv_int8: bool = False,
                  experts: RoutedExperts | None = None, slot_routing: bool = False,
-                 draft_overlap: bool = False, cuda_graphs: bool = False) -> None:
+                 draft_overlap: bool = False, cuda_graphs: bool = False, max_drafts: int = 0,
+                 speculation_mode: str = "off", graph_warm_up: str = "all") -> None:
         self.model = model
         self.slot_routing = slot_routing and experts is not None
         self.max_slots = max_slots
         self.max_context = max_context
+        self.max_drafts = max_drafts
+        self.speculation_mode = speculation_mode
+        self.graph_warm_up = graph_warm_up
         self.experts = experts
         # extra_blocks: room for prefix checkpoints beyond every slot's own blocks
         caches = model.new_caches(max_slots, max_context, block_size, extra_blocks,
@@ -73,7 +79,9 @@ class Runner:
         if active and self.overlap is not None:
             active, self.graphs_reason = False, "draft overlap keeps the passes eager"
         self.graphs = (StepGraphs(model, self.caches, max_slots=max_slots,
-                                  max_context=max_context, experts=experts)
+                                  max_context=max_context, experts=experts,
+                                  max_drafts=max_drafts, wide=speculation_mode != "narrow",
+                                  max_graphs=max(MAX_GRAPHS, max_slots + MAX_WARM_LAYOUTS))
                        if active else None)
 
     @property
@@ -90,42 +98,17 @@ class Runner:
         return self.cache_ops.lengths
 
     def warm_graphs(self) -> dict[str, float]:
-        """Before serving: capture the decode layouts, 1 to ``max_slots`` slots of one row
-        each, so that plain decoding never runs a layout's eager first pass or its capture
-        while requests wait. Every slot gets one prompt token, then each slot count runs two
-        decode passes (the first eager: it compiles what the layout needs; the second is
-        captured and replayed); the slots are freed after. Verify layouts (drafts) are
-        captured as they come. Returns the graphs captured and the seconds it took."""
+        """Before serving: capture the layouts the daemon's passes can have
+        (graph_warm.layouts: the decode layouts, 1 to ``max_slots`` slots of one row, and with
+        ``graph_warm_up = "all"`` every verify layout of the speculation settings), so that
+        serving never runs a layout's eager first pass or its capture while requests wait.
+        Each layout runs twice on scratch slots, freed after. Returns the graphs captured,
+        the layouts refused and tried, and the seconds it took."""
         if self.graphs is None or self.lengths:
-            return {"graphs": 0, "refused": 0, "seconds": 0.0}
-        t0, step = time.perf_counter(), 0
-        greedy = SamplingParams(temperature=0.0, seed=0)
-        before = dict(self.graphs.totals)
-
-        def run(slots: list[SlotWork], ops: list[CacheOp] | None = None) -> None:
-            nonlocal step
-            step -= 1  # negative ids: never a daemon's
-            self.execute(StepPlan(step_id=step, slots=slots, cache_ops=ops or []))
-
-        try:
-            for s in range(self.max_slots):
-                run([SlotWork(slot=s, request_id="warm-up", kind=WorkKind.PREFILL,
-                              input_ids=np.zeros(1, np.int32), start_pos=0, num_tokens=1,
-                              prompt_len=1, needs_logits=True, sampling=greedy)],
-                    [CacheOp(op=CacheOpKind.ALLOCATE, slot=s)])
-            for n in range(1, self.max_slots + 1):
-                for _ in range(2):
-                    run([SlotWork(slot=s, request_id="warm-up", kind=WorkKind.DECODE,
-                                  input_ids=np.zeros(1, np.int32), start_pos=self.lengths[s],
-                                  num_tokens=1, prompt_len=1, needs_logits=True,
-                                  sampling=greedy) for s in range(n)])
-        finally:
-            for s in list(self.lengths):
-                self.cache_ops.apply(CacheOp(op=CacheOpKind.FREE, slot=s))
-        after = self.graphs.totals
-        return {"graphs": after["graph_captures"] - before["graph_captures"],
-                "refused": after["graph_refused"] - before["graph_refused"],
-                "seconds": time.perf_counter() - t0}
+            return {"graphs": 0, "refused": 0, "layouts": 0, "seconds": 0.0}
+        drafts = self.max_drafts if self.graph_warm_up == "all" else 0
+        return graph_warm.warm(self, graph_warm.layouts(self.max_slots, drafts,
+                                                        self.speculation_mode))
 
     # ---- the step ------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:

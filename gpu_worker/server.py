@@ -66,6 +66,14 @@ def _log(event: str, **fields) -> None:
                       **fields}), file=sys.stderr, flush=True)
 
 
+def _device_free(xp) -> dict[str, float]:
+    """The device's free memory in GiB after start-up's captures (CUDA graphs' own memory is
+    outside CuPy's pools); nothing on NumPy."""
+    if xp.__name__ != "cupy":
+        return {}
+    return {"device_free_gib": round(xp.cuda.runtime.memGetInfo()[0] / 2**30, 2)}
+
+
 def build_runner(cfg: WorkerConfig) -> tuple[Runner, object, ModelInfo]:
     """The model, its CPU expert workers (or None) and the Runner, plus what READY reports."""
     source = open_source(cfg.model)  # validated here, before any data is read
@@ -95,11 +103,14 @@ def build_runner(cfg: WorkerConfig) -> tuple[Runner, object, ModelInfo]:
                     block_size=cfg.block_size, extra_blocks=extra_blocks,
                     kv_int8=cfg.kv_cache_dtype == "int8",
                     experts=pool if pool else None, slot_routing=cfg.slot_routing,
-                    draft_overlap=cfg.draft_overlap, cuda_graphs=cfg.cuda_graphs)
+                    draft_overlap=cfg.draft_overlap, cuda_graphs=cfg.cuda_graphs,
+                    max_drafts=cfg.max_drafts, speculation_mode=cfg.speculation_mode,
+                    graph_warm_up=cfg.graph_warm_up)
     _log("draft overlap", enabled=cfg.draft_overlap, active=runner.overlap is not None,
          reason=runner.overlap_reason)
     _log("cuda graphs", enabled=cfg.cuda_graphs, active=runner.graphs is not None,
-         reason=runner.graphs_reason, **runner.warm_graphs())
+         reason=runner.graphs_reason, warm_up=cfg.graph_warm_up, **runner.warm_graphs(),
+         **_device_free(model.xp))
     kv, states = runner.caches.kv, runner.caches.states
     layout = KvLayout(block_size=kv.block_size, block_bytes=kv.nbytes // max(kv.num_blocks, 1),
                       num_blocks=kv.num_blocks, prefix_blocks=extra_blocks,

@@ -43,6 +43,7 @@ from gpu_worker.model.model import Caches, ForwardOut, Model
 from gpu_worker.step_inputs import host_inputs, step_inputs, upload
 from gpu_worker.verify import picks, sampling_inputs
 from protocol.messages import SlotWork, WorkKind
+from protocol.worker_config import MAX_WIDE_SLOTS, WIDE_CAPACITIES
 
 MAX_GRAPHS = 48  # layouts kept; the least recently used one goes first
 MODEL_INPUTS = ("tokens", "positions", "logit_rows", "attn", "gdn", "routing", "row_keys")
@@ -133,7 +134,8 @@ class StepGraphs:
     returns None for the caller to run it eagerly."""
 
     def __init__(self, model: Model, caches: Caches, *, max_slots: int, max_context: int,
-                 experts=None, max_graphs: int = MAX_GRAPHS) -> None:
+                 experts=None, max_graphs: int = MAX_GRAPHS, max_drafts: int = 0,
+                 wide: bool = True) -> None:
         import cupy as cp  # noqa: PLC0415
 
         self.cp, self.model, self.caches = cp, model, caches
@@ -161,6 +163,15 @@ class StepGraphs:
         # copies its outputs there; read before the next pass runs); grown like track
         self.outputs: tuple | None = None
         self.on_launch = None  # called right after each graph launch (benchmarks' host time)
+        # both made as big as the daemon's passes can need (the memory plan counts them):
+        # growing them later would drop every graph, the ones captured at start-up too
+        self._make_outputs(max_slots * max(1 + max_drafts, GRAPH_OUTPUT_ROWS_PER_SLOT))
+        states = caches.states
+        if max_drafts and states is not None and states.num_layers:
+            tracked = 1 + max_drafts  # narrow: a drafted slot alone
+            if wide:
+                tracked = min(min(max_slots, MAX_WIDE_SLOTS) * tracked, WIDE_CAPACITIES[-1])
+            self.track = states.track_buffers(tracked)
 
     def take_counts(self) -> tuple[dict[str, int], dict[str, float]]:
         """Since the last call: (captures, replays and refusals, with the graphs held now;
@@ -219,7 +230,7 @@ class StepGraphs:
         """Make the shared buffers big enough for ``batch`` (outputs for its rows, GDN
         per-row buffers for its tracked rows); growing one drops every graph, which holds
         the old addresses. Whether that happened."""
-        cp, caches = self.cp, self.caches
+        caches = self.caches
         R = batch.num_rows  # >= its logits rows
         need = 0 if caches.states is None else caches.states.tracked_rows(batch.segments)
         grow_track = need and (self.track is None or self.track[0].shape[1] < need)
@@ -231,12 +242,15 @@ class StepGraphs:
             self.track = None  # freed before the bigger pair is made
             self.track = caches.states.track_buffers(need)
         if grow_out:
-            cfg, rows = self.model.cfg, max(R, GRAPH_OUTPUT_ROWS_PER_SLOT * self.max_slots)
-            self.outputs = None
-            with cp.cuda.using_allocator(self.pool.malloc):
-                self.outputs = (cp.empty((rows, cfg.vocab_size), cp.float32),
-                                cp.empty((rows, cfg.hidden_size), cp.float32))
+            self._make_outputs(max(R, GRAPH_OUTPUT_ROWS_PER_SLOT * self.max_slots))
         return True
+
+    def _make_outputs(self, rows: int) -> None:
+        cp, cfg = self.cp, self.model.cfg
+        self.outputs = None  # freed before the bigger pair is made
+        with cp.cuda.using_allocator(self.pool.malloc):
+            self.outputs = (cp.empty((rows, cfg.vocab_size), cp.float32),
+                            cp.empty((rows, cfg.hidden_size), cp.float32))
 
     def _capture(self, key: tuple, host: dict[str, np.ndarray], batch: RaggedBatch
                  ) -> _Graph | None:

@@ -21,6 +21,11 @@ CPU_ISAS = ("auto", "portable", "avx2", "avx512vnni", "amx")  # CPU expert kerne
 CPU_FORMATS = ("int8", "int4")  # CPU expert weights (cpu_experts/formats.py)
 # GPU routed experts: the model dtype, or int8 blocks of 32 (gpu_worker/kernels/int8_stack.py)
 GPU_FORMATS = ("model", "int8")
+SPECULATION_MODES = ("off", "narrow", "wide")  # how drafted slots are verified
+# what Runner.warm_graphs captures before READY: the decode layouts, or the verify ones too
+GRAPH_WARM_UPS = ("decode", "all")
+WIDE_CAPACITIES = (8, 12, 16)  # decode rows of a wide verify pass (daemon/draft_plan.py)
+MAX_WIDE_SLOTS = 4  # drafted slots in one wide pass
 HEARTBEAT_S = 1.0
 GIB = 2**30  # gpu_memory_gb counts GiB, the unit CUDA and nvidia-smi report devices in
 # NOTE: the daemon's PrefixCache holds at most this many checkpoints; each keeps a copy of
@@ -74,9 +79,11 @@ class WorkerConfig:
     gpu_memory_gb: float | None = None  # GPU budget in GiB; None: the whole device (CuPy)
     prefill_chunk: int = 512  # the daemon's longest prefill segment (sizes the work space)
     max_drafts: int = 0  # draft tokens per slot and step (0: speculation off)
+    speculation_mode: str = "off"  # off, narrow or wide: the verify passes' layouts
     slot_routing: bool = False  # SlotResult.cpu_experts per decode slot (adaptive drafts)
     draft_overlap: bool = False  # a pass's MTP drafter under the next pass's CPU experts
     cuda_graphs: bool = True  # decode/verify passes as CUDA graphs where they can be
+    graph_warm_up: str = "all"  # captured before READY: decode layouts, or verify ones too
     heartbeat_s: float = HEARTBEAT_S  # a Heartbeat this often while idle
 
     def __post_init__(self) -> None:
@@ -92,6 +99,8 @@ class WorkerConfig:
         _choice("cpu_isa", self.cpu_isa, CPU_ISAS)
         _choice("cpu_format", self.cpu_format, CPU_FORMATS)
         _choice("gpu_format", self.gpu_format, GPU_FORMATS)
+        _choice("speculation_mode", self.speculation_mode, SPECULATION_MODES)
+        _choice("graph_warm_up", self.graph_warm_up, GRAPH_WARM_UPS)
         for name, lo in (("max_slots", 1), ("max_context", 1), ("block_size", 1),
                          ("prefix_cache_max_mb", 0), ("cpu_experts_per_layer", 0),
                          ("cpu_workers", 0), ("prefill_chunk", 1), ("max_drafts", 0)):

@@ -16,6 +16,7 @@ from daemon.config import SpeculationSection
 from daemon.request import GenerationRequest
 from daemon.scheduler import Scheduler
 from gpu_worker.engine import Engine
+from gpu_worker.graph_warm import layouts
 from gpu_worker.runner import Runner
 from gpu_worker.step_graph import StepGraphs
 from protocol.messages import SamplingParams
@@ -212,3 +213,30 @@ def test_mtp_drafts_with_graphs_give_the_tokens_of_eager_passes(bf16_model):
         assert drafted > 0 and (replays > 0) == graphs
         out.append(got)
     assert out[1] == out[0]
+
+
+def test_verify_layouts_are_captured_before_serving(bf16_model):
+    """With speculation, warm_graphs also captures every verify layout the daemon can plan
+    (gpu_worker/graph_warm.py) and makes the shared buffers as big as they will get: wide
+    serving with drafts of varying length then replays from its first pass, never running a
+    layout eagerly or capturing one, and gives the tokens of an eager runner."""
+    drafts = 1 if EMULATED else 3
+    kw = dict(max_slots=SLOTS, max_context=CONTEXT, block_size=4, extra_blocks=32,
+              max_drafts=drafts, speculation_mode="wide")
+    runner = Runner(bf16_model, cuda_graphs=True, **kw)
+    free = runner.kv.allocator.num_free
+    warm = runner.warm_graphs()
+    assert warm["layouts"] == len(layouts(SLOTS, drafts, "wide")) > SLOTS
+    assert warm["graphs"] == warm["layouts"] and warm["refused"] == 0
+    assert not runner.lengths and runner.kv.allocator.num_free == free
+    before = dict(runner.graphs.totals)
+    requests = [(p, SamplingParams(temperature=0.7, seed=3 + i), 10 if EMULATED else 40)
+                for i, p in enumerate(PROMPTS)]
+    spec = {"num_drafts": drafts}
+    out, worker = _drive(runner, "wide", requests, **spec)
+    drafted = sum(len(w.draft_ids) for p in worker.plans for w in p.slots)
+    after = runner.graphs.totals
+    assert drafted > 0 and after["graph_replays"] > before["graph_replays"]
+    for k in ("graph_captures", "graph_first_runs", "graph_refused"):
+        assert after[k] == before[k], k
+    assert out == _drive(Runner(bf16_model, **kw), "wide", requests, **spec)[0]

@@ -1,0 +1,109 @@
+"""Start-up capture of the CUDA graphs a server replays (``Runner.warm_graphs``).
+
+A graph is kept per layout (step_graph.layout_key): with a pass's slots in
+``runner.layout_order``, that is the multiset of the slots' shapes, here each slot's drafts
+(rows = 1 + drafts; every decode row samples). :func:`layouts` lists the layouts the daemon's
+passes can have for the speculation settings; :func:`warm` runs each one twice on scratch
+slots (the first pass eager, which compiles its kernels; the second captured and replayed),
+so that serving never waits for a layout's first pass or its capture.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import numpy as np
+
+from protocol.messages import (
+    CacheOp,
+    CacheOpKind,
+    DraftSource,
+    SamplingParams,
+    SlotWork,
+    StepPlan,
+    WorkKind,
+)
+from protocol.worker_config import MAX_WIDE_SLOTS, WIDE_CAPACITIES
+
+MAX_WARM_LAYOUTS = 160  # verify layouts captured at start-up at most (uniform ones first)
+
+
+def layouts(max_slots: int, max_drafts: int, mode: str, *,
+            limit: int = MAX_WARM_LAYOUTS) -> list[tuple[int, ...]]:
+    """The layouts of a server's decode and verify passes, as each slot's drafts, more
+    first: the decode layouts (1 to ``max_slots`` slots without drafts), then
+
+    * ``wide`` (or one slot): every multiset of 1 to ``max_slots`` slots of 0 to
+      ``max_drafts`` drafts with 1 to ``MAX_WIDE_SLOTS`` drafted slots and at most
+      ``WIDE_CAPACITIES[-1]`` rows (daemon/draft_plan.py fits every wide pass so);
+    * ``narrow``: a drafted slot alone (its own pass; the other slots' pass is a decode
+      layout);
+
+    at most ``limit`` verify layouts, those with fewer distinct draft counts first (the
+    fixed draft lengths' layouts), then more slots."""
+    out = [(0,) * n for n in range(1, max_slots + 1)]
+    if mode == "off" or max_drafts <= 0:
+        return out
+    if mode == "narrow" or max_slots == 1:
+        return out + [(d,) for d in range(max_drafts, 0, -1)][:limit]
+    verify = []
+    for n in range(1, max_slots + 1):
+        for shape in itertools.combinations_with_replacement(range(max_drafts, -1, -1), n):
+            drafted = sum(1 for d in shape if d)
+            if 1 <= drafted <= MAX_WIDE_SLOTS and sum(shape) + n <= WIDE_CAPACITIES[-1]:
+                verify.append(shape)
+    verify.sort(key=lambda s: (len({d for d in s if d}), -len(s), -sum(s)))
+    return out + verify[:limit]
+
+
+def warm(runner: Any, shapes: list[tuple[int, ...]]) -> dict[str, float]:
+    """Run each layout of ``shapes`` (:func:`layouts`) twice on scratch slots 0..n-1 of
+    ``runner`` (a gpu_worker.runner.Runner with graphs, holding no slot): one prompt token
+    each, then decode passes with zero-valued drafts, greedy; a slot whose next pass would
+    pass the context limit starts again. The slots are freed after. Returns the graphs
+    captured, the layouts refused (they stay eager), the layouts tried and the seconds it
+    took."""
+    graphs = runner.graphs
+    t0, step = time.perf_counter(), 0
+    greedy = SamplingParams(temperature=0.0, seed=0)
+    before = dict(graphs.totals)
+    need = max((len(s) for s in shapes), default=0)
+    longest = 1 + max((max(s) for s in shapes), default=0)
+
+    def run(slots: list[SlotWork], ops: list[CacheOp] | None = None) -> None:
+        nonlocal step
+        step -= 1  # negative ids: never a daemon's
+        runner.execute(StepPlan(step_id=step, slots=slots, cache_ops=ops or []))
+
+    def start(s: int) -> None:
+        ops = [CacheOp(op=CacheOpKind.FREE, slot=s)] if s in runner.lengths else []
+        run([SlotWork(slot=s, request_id="warm-up", kind=WorkKind.PREFILL,
+                      input_ids=np.zeros(1, np.int32), start_pos=0, num_tokens=1,
+                      prompt_len=1, needs_logits=True, sampling=greedy)],
+            ops + [CacheOp(op=CacheOpKind.ALLOCATE, slot=s)])
+
+    def work(s: int, drafts: int) -> SlotWork:
+        return SlotWork(slot=s, request_id="warm-up", kind=WorkKind.DECODE,
+                        input_ids=np.zeros(1, np.int32), start_pos=runner.lengths[s],
+                        num_tokens=1, prompt_len=1, needs_logits=True, sampling=greedy,
+                        draft_ids=np.zeros(drafts, np.int32),
+                        draft_sources=np.full(drafts, DraftSource.MTP, np.uint8))
+
+    try:
+        for s in range(need):
+            start(s)
+        for shape in shapes:
+            for _ in range(2):
+                for s in range(len(shape)):
+                    if runner.lengths[s] + longest > runner.max_context:
+                        start(s)
+                run([work(s, d) for s, d in enumerate(shape)])
+    finally:
+        for s in list(runner.lengths):
+            runner.cache_ops.apply(CacheOp(op=CacheOpKind.FREE, slot=s))
+    after = graphs.totals
+    return {"graphs": after["graph_captures"] - before["graph_captures"],
+            "refused": after["graph_refused"] - before["graph_refused"],
+            "layouts": len(shapes), "seconds": time.perf_counter() - t0}
