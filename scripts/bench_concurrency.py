@@ -15,9 +15,9 @@ Workloads (fixed prompts and seeds, temperature 0.85, thinking disabled):
 
 Every run is a fresh ``tandem serve`` process with its own config
 (scripts/bench_concurrency_serve.py); four short concurrent requests (``--warm-up-tokens``)
-warm it up and are excluded (counters are read after them): with the replay proposer they
-are in the plain run's records too, so an arm's verify layouts run their eager first pass
-and their CUDA graph capture there, not in the workload. Arms (``--arms``): the speculation
+warm it up and are excluded (counters are read after them; with the replay proposer they
+are in the plain run's records too); the GPU worker has captured every decode and verify
+layout of the arm before it is ready (``[model] cuda_graph_warm_up``). Arms (``--arms``): the speculation
 mode (``narrow``: each drafted slot verified alone; ``wide``: 2-4 drafted slots in one pass;
 ``off``), or ``adaptive``: wide with ``draft_budget = "adaptive"`` (docs/speculation.md, the
 draft budget); ``@N`` after an arm sets ``num_drafts`` (``wide@2``, ``adaptive@8``: the
