@@ -17,11 +17,11 @@ Every run is a fresh ``tandem serve`` process with its own config
 (scripts/bench_concurrency_serve.py); four short concurrent requests (``--warm-up-tokens``)
 warm it up and are excluded (counters are read after them; with the replay proposer they
 are in the plain run's records too); the GPU worker has captured every decode and verify
-layout of the arm before it is ready (``[model] cuda_graph_warm_up``). Arms (``--arms``): the speculation
-mode (``narrow``: each drafted slot verified alone; ``wide``: 2-4 drafted slots in one pass;
-``off``), or ``adaptive``: wide with ``draft_budget = "adaptive"`` (docs/speculation.md, the
-draft budget); ``@N`` after an arm sets ``num_drafts`` (``wide@2``, ``adaptive@8``: the
-fixed lengths beside the adaptive budget). ``--pairs`` paired runs per workload, the arms'
+layout of the arm before it is ready (``[model] cuda_graph_warm_up``). Arms (``--arms``):
+the speculation mode (``narrow``: each drafted slot verified alone; ``wide``: 2-4 drafted
+slots in one pass; ``off``), or ``adaptive``: wide with ``draft_budget = "adaptive"``
+(docs/speculation.md, the draft budget); ``@N`` after an arm sets ``num_drafts``
+(``wide@2``, ``adaptive@8``: the fixed lengths beside the adaptive budget). ``--pairs`` paired runs per workload, the arms'
 order alternating pair by pair; ``--time-budget`` starts no run that would end after it.
 
 ``--proposer replay`` (benchmarks of random synthetic models): pair 1's ``off`` run records
