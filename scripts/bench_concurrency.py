@@ -21,8 +21,9 @@ layout of the arm before it is ready (``[model] cuda_graph_warm_up``). Arms (``-
 the speculation mode (``narrow``: each drafted slot verified alone; ``wide``: 2-4 drafted
 slots in one pass; ``off``), or ``adaptive``: wide with ``draft_budget = "adaptive"``
 (docs/speculation.md, the draft budget); ``@N`` after an arm sets ``num_drafts``
-(``wide@2``, ``adaptive@8``: the fixed lengths beside the adaptive budget). ``--pairs`` paired runs per workload, the arms'
-order alternating pair by pair; ``--time-budget`` starts no run that would end after it.
+(``wide@2``, ``adaptive@8``: the fixed lengths beside the adaptive budget). ``--pairs``
+paired runs per workload, the arms' order alternating pair by pair; ``--time-budget``
+starts no run that would end after it.
 
 ``--proposer replay`` (benchmarks of random synthetic models): pair 1's ``off`` run records
 every request's token ids (``[speculation] record_file``), they become the workload's replay
