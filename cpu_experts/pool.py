@@ -48,6 +48,8 @@ class CpuExpertPool:
     ``avx512vnni``; None: ``$TANDEM_CPU_ISA`` or the best this CPU has); every choice gives the
     same bits. ``prefetch_bytes``: how far ahead the kernels prefetch weights (None: default).
     ``weight_format``: "int8" (1.125 bytes per weight) or "int4" (0.5625; cpu_experts/formats.py).
+    ``shard_cache``: (directory, facts the weights follow from): shards kept between runs
+    (shard_cache.py); :attr:`cached`: an earlier pool made them, nothing is written.
     :attr:`layers` reads back what the workers hold (:class:`shard.TiledLayer`).
     """
 
@@ -55,7 +57,7 @@ class CpuExpertPool:
                  cores: list[list[int]] | None = None, max_rows: int = 256,
                  max_k: int = 16, spin_us: float = 2000.0, start_timeout: float = 600.0,
                  isa: str | None = None, prefetch_bytes: int | None = None,
-                 weight_format: str = "int8") -> None:
+                 weight_format: str = "int8", shard_cache: tuple | None = None) -> None:
         self.isa = cpu_isa.NAMES[cpu_isa.select(isa)]  # a ValueError here, before any process
         self.weight_format = check_format(weight_format)
         if prefetch_bytes is not None and not 0 <= prefetch_bytes <= 1 << 20:
@@ -92,7 +94,9 @@ class CpuExpertPool:
         ring_size = rings.Ring.size(self.num_workers, max_rows, self.hidden, max_k)
         try:
             self._files: ShardFiles | None = ShardFiles(self._procs, shapes, self.bounds,
-                                                        ring_size, self.weight_format)
+                                                        ring_size, self.weight_format,
+                                                        shard_cache)
+            self.cached = self._files.cached
             self.layers = self._files.layers
             self.shard_bytes = sum(self._files.sizes)  # the CPU experts' resident memory
             self.ring = rings.Ring(self._procs.files[0].buf, self.num_workers, max_rows,
@@ -100,7 +104,7 @@ class CpuExpertPool:
             given = {int(k): v for k, v in layers.items() if not isinstance(v, LayerShape)}
             if given and len(given) != len(layers):
                 raise ValueError("give every layer's weights, or only LayerShapes")
-            for layer, v in given.items():  # one layer quantized at a time
+            for layer, v in given.items() if not self.cached else ():  # a layer at a time
                 self.write(layer, 0, v if isinstance(v, QuantizedLayer)
                            else shard.quantize_layer(*v, self.weight_format))
             if given:

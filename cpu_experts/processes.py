@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-from cpu_experts import rings, shard
+from cpu_experts import rings, shard, shard_cache
 from cpu_experts.errors import CpuWorkerDied
 
 WATCH_EVERY_S = 0.005  # how often a device session's watchdog looks at the workers
@@ -34,6 +34,7 @@ class WorkerProcesses:
         self.ready_info: list[dict] = []  # each worker's READY line
         self.fds: list[int] = []  # per shard: written through (ShardFiles.write), then a
         # read-only handle on the unlinked file (ShardFiles.read)
+        self.entries: list = []  # shard cache entries in use (shard_cache.CacheEntry)
 
     def launch(self, specs: list[dict], timeout: float) -> None:
         """Start a worker per spec and wait for each READY; then unlink every shared file
@@ -114,7 +115,10 @@ class WorkerProcesses:
             d.close()
         for fd in self.fds:
             os.close(fd)
+        for entry in self.entries:
+            entry.close()
         self.procs, self.files, self.doorbells, self.fds = [], [], [], []
+        self.entries = []
 
 
 class ShardFiles:
@@ -135,29 +139,50 @@ class ShardFiles:
 
     def __init__(self, procs: WorkerProcesses, shapes: dict[int, shard.LayerShape],
                  bounds: list[dict[int, tuple[int, int]]], ring_size: int,
-                 fmt: str = "int8") -> None:
+                 fmt: str = "int8", cache: tuple[str, dict] | None = None) -> None:
         self.procs, self.shapes = procs, shapes
         plans = [shard.plan_shard(shapes, b, fmt) for b in bounds]
         self.manifests = [m for m, _ in plans]
         self.sizes = [size for _, size in plans]
-        _check_space(ring_size + sum(self.sizes))
+        # cache (directory, facts the weights follow from): the shards are the files of the
+        # entry keyed by the facts, the format and the workers' split (shard_cache.py); when
+        # an earlier load completed it, they are mapped as they are and nothing is written
+        self.entry = None
+        if cache is not None:
+            key = shard_cache.cache_key({**cache[1], "format": fmt, "bounds": [
+                sorted((int(k), [int(x) for x in v]) for k, v in b.items()) for b in bounds]})
+            self.entry = shard_cache.CacheEntry(cache[0], key, self.sizes)
+        if self.entry is not None:
+            procs.entries.append(self.entry)
+        self.cached = self.entry is not None and self.entry.complete
+        _check_space(ring_size, rings.shm_dir())
+        if not self.cached:
+            _check_space(sum(self.sizes), rings.shm_dir() if cache is None else cache[0])
         procs.files.append(rings.SharedFile.create(ring_size, "ring"))
         self._dst: list[dict] = []  # views for read() before seal(), never written
         for w, size in enumerate(self.sizes):
-            f = rings.SharedFile.create(size, f"experts{w}")
+            if self.entry is None:
+                f = rings.SharedFile.create(size, f"experts{w}")
+            else:
+                f = rings.SharedFile(self.entry.path(w), None if self.cached else size)
+                f.keep = True
             procs.files.append(f)
-            procs.fds.append(os.open(f.path, os.O_WRONLY))
-            self._dst.append(shard.views(f.buf, self.manifests[w]))
+            procs.fds.append(os.open(f.path, os.O_RDONLY if self.cached else os.O_WRONLY))
+            if not self.cached:
+                self._dst.append(shard.views(f.buf, self.manifests[w]))
         self._entries = [{layer: [e for e in m if e[0] == layer] for layer in shapes}
                          for m in self.manifests]  # per worker, per layer: (gu, down)
         self._scratch = threading.local()  # .buf: each writing thread's tile buffer
-        self._filled = {layer: np.zeros(s.num_experts, bool) for layer, s in shapes.items()}
+        self._filled = {layer: np.full(s.num_experts, self.cached)
+                        for layer, s in shapes.items()}
         self.layers = {layer: shard.TiledLayer(s, [b[layer] for b in bounds],
                                                lambda w, layer=layer: self.read(w, layer))
                        for layer, s in shapes.items()}
 
     def write(self, layer: int, first: int, ql: shard.QuantizedLayer) -> None:
         """Tile experts ``first..first + n`` of ``layer`` into every worker's shard."""
+        if self.cached:
+            raise RuntimeError("the shards come from the cache: nothing is written")
         want = self.shapes.get(layer)
         if want is None:
             raise KeyError(f"layer {layer} has no CPU experts (have {sorted(self.shapes)})")
@@ -188,9 +213,12 @@ class ShardFiles:
                                  "written to the CPU workers' shards")
         self._dst, self._scratch = [], threading.local()  # every thread's buffer goes
         for w, f in enumerate(self.procs.files[1:]):
-            fd, self.procs.fds[w] = self.procs.fds[w], os.open(f.path, os.O_RDONLY)
-            os.close(fd)
+            if not self.cached:
+                fd, self.procs.fds[w] = self.procs.fds[w], os.open(f.path, os.O_RDONLY)
+                os.close(fd)
             f.close()
+        if self.entry is not None and not self.cached:
+            self.entry.built()
 
     def specs(self, common: dict, cores: list[list[int]]) -> list[dict]:
         """Each worker's start spec (``common`` plus its shard, cores and a new doorbell)."""
@@ -215,12 +243,12 @@ class ShardFiles:
         return out
 
 
-def _check_space(need: int) -> None:
-    """Fail before any weight is read when shared memory cannot hold the experts."""
-    free = shutil.disk_usage(rings.shm_dir()).free
+def _check_space(need: int, where: str) -> None:
+    """Fail before any weight is read when ``where`` cannot hold the experts."""
+    free = shutil.disk_usage(where).free
     if need > free:
         raise MemoryError(f"the CPU experts need {need / 2**30:.2f} GiB of shared memory, but "
-                          f"{rings.shm_dir()} has {free / 2**30:.2f} GiB free (enlarge it, "
+                          f"{where} has {free / 2**30:.2f} GiB free (enlarge it, "
                           "e.g. mount -o remount,size=... /dev/shm, or put fewer experts on "
                           "the CPU)")
 

@@ -59,6 +59,7 @@ class SharedFile:
 
     def __init__(self, path: str, size: int | None = None, populate: bool = False) -> None:
         self.path = path
+        self.keep = False  # unlink() leaves it (a shard cache's file: shard_cache.py)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if size is not None else 0)
         fd = os.open(path, flags, 0o600)
         # NOTE: populate maps every page at once (MAP_POPULATE). Without it each 4 KiB page of
@@ -79,6 +80,8 @@ class SharedFile:
         return cls(os.path.join(shm_dir(), name), size)
 
     def unlink(self) -> None:
+        if self.keep:
+            return
         try:
             os.unlink(self.path)
         except FileNotFoundError:

@@ -227,9 +227,18 @@ class ExpertsSection:
     # CuPy, no limit on NumPy. With placement = "split" and no cpu_experts_per_layer, the
     # memory plan (gpu_worker/memory_plan.py) keeps as many experts on the GPU as fit
     gpu_memory_gb: float | None = None
+    # a directory that keeps the CPU experts' quantized shards between runs (on a memory file
+    # system, e.g. /dev/shm/tandem-shards): a restart maps them instead of quantizing again
+    # (cpu_experts/shard_cache.py). None: made anew at every start and freed at exit
+    shard_cache: Path | None = None
 
     def __post_init__(self) -> None:
         check_str("experts.placement", self.placement, PLACEMENTS)
+        if self.shard_cache is not None:
+            check_path("experts.shard_cache", self.shard_cache)
+            if self.shard_cache.exists() and not self.shard_cache.is_dir():
+                fail("experts.shard_cache", "must be a directory (made if missing)",
+                     str(self.shard_cache))
         if self.gpu_memory_gb is not None:
             check_num("experts.gpu_memory_gb", self.gpu_memory_gb, -math.inf)
             if self.gpu_memory_gb <= 0:

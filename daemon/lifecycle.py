@@ -43,6 +43,7 @@ def worker_config(config: Config) -> WorkerConfig:
                         cpu_cores=tuple(tuple(g) for g in e.cpu_cores),
                         cpu_isa=e.cpu_isa, cpu_format=e.cpu_format, gpu_format=e.gpu_format,
                         hot_experts=str(e.hot_experts or ""),
+                        cpu_shard_cache=str(e.shard_cache or ""),
                         gpu_memory_gb=e.gpu_memory_gb, prefill_chunk=sched.prefill_chunk,
                         max_drafts=0 if config.speculation.mode == "off"
                         else config.speculation.num_drafts,

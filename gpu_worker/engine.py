@@ -40,7 +40,8 @@ def load_model(source: WeightSource | str | Path, *, dtype: str = "float32",
                cpu_format: str = "int8", gpu_format: str = "model",
                hot_experts: str | Path | None = None, expert_split: ExpertSplit | None = None,
                progress: bool | None = None, log: Log | None = None,
-               chunk_bytes: int = CHUNK_BYTES) -> tuple[Model, ExpertPlacement | None]:
+               chunk_bytes: int = CHUNK_BYTES, cpu_shard_cache: str | Path | None = None
+               ) -> tuple[Model, ExpertPlacement | None]:
     """The model on its backend plus, unless ``placement`` is "gpu", the started CPU expert
     workers (an ExpertPlacement, gpu_worker/experts/placement.py, to be closed by the
     caller), streamed from ``source`` (a WeightSource, gpu_worker/weights/source.py, or a
@@ -49,7 +50,8 @@ def load_model(source: WeightSource | str | Path, *, dtype: str = "float32",
     ``cpu_isa`` picks the CPU expert kernels ("auto": ``$TANDEM_CPU_ISA`` or the best),
     ``cpu_format`` their weights ("int8" or "int4", cpu_experts/formats.py); ``gpu_format``
     the backend's routed experts ("model": the model dtype; "int8": int8 blocks of 32,
-    gpu_worker/kernels/int8_stack.py);
+    gpu_worker/kernels/int8_stack.py); ``cpu_shard_cache``: a directory that keeps the CPU
+    experts' shards between loads (cpu_experts/shard_cache.py);
     ``hot_experts`` (split): a router counts file whose most-picked experts stay on the GPU
     (gpu_worker/expert_stats.py). ``expert_split``: which experts go where, decided by the
     caller (a memory plan's experts per layer and order); None: from ``placement``,
@@ -74,7 +76,8 @@ def load_model(source: WeightSource | str | Path, *, dtype: str = "float32",
         expert_split = plan_split(source.config, placement, cpu_experts_per_layer, hot)
     exact = (dtype == "float64") if exact is None else exact
     pool_options = {"num_workers": cpu_workers, "cores": cpu_cores,
-                    "isa": None if cpu_isa == "auto" else cpu_isa, "weight_format": cpu_format}
+                    "isa": None if cpu_isa == "auto" else cpu_isa, "weight_format": cpu_format,
+                    "shard_cache": str(cpu_shard_cache) if cpu_shard_cache else None}
     return stream_load(source, expert_split, xp=get_xp(backend), dtype=DTYPES[dtype],
                        host_dtype=HOST_DTYPES[dtype], exact=exact, pool_options=pool_options,
                        progress=progress, log=log, chunk_bytes=chunk_bytes,

@@ -84,6 +84,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[Runner, object, ModelInfo]:
                              cpu_cores=[list(g) for g in cfg.cpu_cores] or None,
                              cpu_isa=cfg.cpu_isa, cpu_format=cfg.cpu_format,
                              gpu_format=cfg.gpu_format,
+                             cpu_shard_cache=cfg.cpu_shard_cache or None,
                              log=_log)  # one line per load phase: bytes and seconds
     if pool is not None:
         for info in pool.pool.ready_info:  # one line per CPU expert worker, what it holds

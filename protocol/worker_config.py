@@ -76,6 +76,7 @@ class WorkerConfig:
     cpu_format: str = "int8"  # CPU expert weights: int8 (1.125 B/weight) or int4 (0.5625)
     gpu_format: str = "model"  # GPU routed experts: the model dtype, or int8 (1.0625 B)
     hot_experts: str = ""  # split: router counts file; the GPU keeps the hottest experts
+    cpu_shard_cache: str = ""  # a directory keeping the CPU experts' shards between runs
     gpu_memory_gb: float | None = None  # GPU budget in GiB; None: the whole device (CuPy)
     prefill_chunk: int = 512  # the daemon's longest prefill segment (sizes the work space)
     max_drafts: int = 0  # draft tokens per slot and step (0: speculation off)
@@ -87,7 +88,7 @@ class WorkerConfig:
     heartbeat_s: float = HEARTBEAT_S  # a Heartbeat this often while idle
 
     def __post_init__(self) -> None:
-        for name in ("run_dir", "model", "name", "hot_experts"):
+        for name in ("run_dir", "model", "name", "hot_experts", "cpu_shard_cache"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string")
         if not self.run_dir or not self.model:

@@ -72,7 +72,8 @@ def stream_load(source: WeightSource, split: ExpertSplit | None, *, xp: Any, dty
     t0 = time.perf_counter()
     pool = loader.make_pool(pool_options or {})
     try:
-        total = loader.backend_bytes_to_read() + loader.cpu_bytes_to_read()
+        total = loader.backend_bytes_to_read() + (
+            loader.cpu_bytes_to_read() if pool is None or not pool.cached else 0)
         show = progress if progress is not None else total > PROGRESS_MIN_BYTES
         name = source.path.name if source.path is not None else "weights"
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {name}",
@@ -80,7 +81,7 @@ def stream_load(source: WeightSource, split: ExpertSplit | None, *, xp: Any, dty
             loader.bar = bar
             model = Model(source.config, loader.backend_tensors(), xp=xp, dtype=dtype,
                           exact=exact, routing=getattr(source, "routing", None))
-            if pool is not None:
+            if pool is not None and not pool.cached:
                 loader.fill_cpu(pool)
         experts = None
         if pool is not None:
@@ -172,9 +173,16 @@ class _Loader:
 
             shapes = {i: LayerShape(split.n_cpu[i], cfg.moe_intermediate_size, cfg.hidden_size)
                       for i in split.order}
+            cache = options.get("shard_cache")
+            if cache:  # the shards' bytes follow from the source and the CPU experts' ids
+                from gpu_worker.weights.fingerprint import source_facts  # noqa: PLC0415
+
+                cache = (cache, {"source": source_facts(self.source), "cpu_ids": {
+                    str(i): split.cpu_ids(i).tolist() for i in sorted(split.order)}})
             pool = CpuExpertPool(shapes, num_workers=options.get("num_workers") or None,
                                  cores=options.get("cores") or None, isa=options.get("isa"),
-                                 weight_format=options.get("weight_format", "int8"))
+                                 weight_format=options.get("weight_format", "int8"),
+                                 shard_cache=cache or None)
         n_cpu = sorted(set(split.n_cpu.values())) if split else [0]
         self.log("load plan", bytes=self.backend_bytes_to_read() + self.cpu_bytes_to_read(),
                  seconds=round(time.perf_counter() - t0, 3),
@@ -182,7 +190,8 @@ class _Loader:
                  experts_gpu_per_layer=[cfg.num_experts - n for n in n_cpu],
                  experts_cpu_per_layer=n_cpu,
                  cpu_bytes=pool.shard_bytes if pool is not None else 0,
-                 workers=pool.num_workers if pool is not None else 0)
+                 workers=pool.num_workers if pool is not None else 0,
+                 cpu_shards_cached=bool(pool is not None and pool.cached))
         return pool
 
     # -- phases ---------------------------------------------------------------------------

@@ -1,0 +1,139 @@
+"""CPU-expert shards kept between runs (``[experts] shard_cache``, docs/cpu_experts.md).
+
+Quantizing and tiling the CPU experts is most of a large model's load (70 GiB of int8 shards
+for the 80B at a 32 GiB GPU budget: about a minute on 16 cores). With a cache directory the
+shards are files there, named by a key of everything their bytes depend on (the weights'
+source, the placement's CPU expert ids per layer, the format, the workers' split, the code
+that lays out the tiles); a later load with the same key maps them instead of writing them,
+and a worker restart or a new server is ready that much sooner.
+
+An entry is ``<dir>/<key>/``: ``experts<w>.bin`` per worker, ``complete`` (written last, with
+the shard sizes: an entry without it is a load that did not finish, and is rebuilt), and two
+lock files. ``build.lock`` is held exclusively while an entry is checked or filled (a second
+server with the same key waits for the first to finish, then maps its shards); ``use.lock``
+is held shared by every process that uses the entry, for as long as it does. Making a new
+entry removes every other entry that no process uses, so the directory holds one model's
+shards unless two servers run at once. Put the directory on a memory file system
+(``/dev/shm/...``): the workers map the files, and a disk file would be read at start-up.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+# the modules whose code decides a shard's bytes (tiles, quantizers, formats): any change to
+# them gives new keys, so a cache never serves tiles an older layout wrote
+LAYOUT_MODULES = ("shard.py", "quant.py", "quant4.py", "formats.py", "tiles4.py")
+
+
+def layout_hash() -> str:
+    h = hashlib.sha256()
+    here = Path(__file__).resolve().parent
+    for name in LAYOUT_MODULES:
+        h.update(name.encode() + b"\0" + (here / name).read_bytes())
+    return h.hexdigest()
+
+
+def cache_key(facts: dict) -> str:
+    """The entry name of shards whose bytes follow from ``facts`` (JSON-able) and the tile
+    layout's code."""
+    text = json.dumps({"facts": facts, "layout": layout_hash()}, sort_keys=True,
+                      separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class CacheEntry:
+    """One key's directory, locked for use (and for building until :meth:`built`).
+    ``complete``: the shards are there, made by an earlier load; else the caller writes
+    ``path(w)`` for every worker (the stale ones are gone) and then calls :meth:`built`."""
+
+    def __init__(self, root: str | Path, key: str, sizes: list[int]) -> None:
+        self.root, self.dir, self.sizes = Path(root), Path(root) / key, list(sizes)
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.dir.mkdir(exist_ok=True, mode=0o700)
+        self._use = _lock(self.dir / "use.lock", fcntl.LOCK_SH)
+        self._build: int | None = _lock(self.dir / "build.lock", fcntl.LOCK_EX)
+        try:
+            self.complete = self._is_complete()
+            if self.complete:
+                self._unlock_build()
+            else:
+                evict(self.root, keep=key)
+                for f in self.dir.glob("experts*.bin"):
+                    f.unlink()
+                (self.dir / "complete").unlink(missing_ok=True)
+        except BaseException:
+            self.close()
+            raise
+
+    def path(self, w: int) -> str:
+        return str(self.dir / f"experts{w}.bin")
+
+    def _is_complete(self) -> bool:
+        try:
+            marker = json.loads((self.dir / "complete").read_text())
+        except (OSError, ValueError):
+            return False
+        if marker.get("sizes") != self.sizes:
+            return False
+        for w, size in enumerate(self.sizes):
+            try:
+                if os.path.getsize(self.path(w)) != max(size, 1):
+                    return False
+            except OSError:
+                return False
+        return True
+
+    def built(self) -> None:
+        """Every shard written: mark the entry complete and let other loads map it."""
+        tmp = self.dir / "complete.tmp"
+        tmp.write_text(json.dumps({"sizes": self.sizes}))
+        os.replace(tmp, self.dir / "complete")
+        self.complete = True
+        self._unlock_build()
+
+    def _unlock_build(self) -> None:
+        if self._build is not None:
+            os.close(self._build)
+            self._build = None
+
+    def close(self) -> None:
+        """Stop using the entry (its files stay for the next load)."""
+        self._unlock_build()
+        if self._use is not None:
+            os.close(self._use)
+            self._use = None
+
+
+def _lock(path: Path, how: int) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, how)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def evict(root: str | Path, keep: str) -> list[str]:
+    """Remove every entry of ``root`` but ``keep`` that no process uses; their names."""
+    gone = []
+    for entry in sorted(Path(root).iterdir()):
+        if entry.name == keep or not entry.is_dir() or not (entry / "use.lock").exists():
+            continue
+        fd = os.open(entry / "use.lock", os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a running server maps it
+        else:
+            shutil.rmtree(entry, ignore_errors=True)
+            gone.append(entry.name)
+        finally:
+            os.close(fd)
+    return gone
