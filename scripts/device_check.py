@@ -36,6 +36,9 @@ PY = "python3 -m"
 # the 80B's config with 64 experts per layer, every one on the GPU at the whole budget
 Q64 = ("python3 -c \"import json; c = json.load(open('configs/models/qwen3-next-80b-a3b.json'));"
        " c['num_experts'] = 64; json.dump(c, open('/tmp/q64.json', 'w'))\"")
+# the CPU experts' shards kept between a command's runs ([experts] shard_cache): each run is a
+# fresh server still, but only the first quantizes the 70 GiB of CPU experts
+SHARDS = "--set experts.shard_cache=/dev/shm/tbc-shards "
 PLANS: dict[str, list[Check]] = {
     # the kernels that stay off until they pass here (gpu_worker/kernels/enabled.py)
     "kernels": [
@@ -141,7 +144,8 @@ PLANS: dict[str, list[Check]] = {
     "concurrency": [
         Check("concurrency_32", "mount -o remount,size=110G /dev/shm; timeout -k 15 500 "
               f"{PY} scripts.bench_concurrency --model qwen3-next-80b-a3b --gpu-budget 32 "
-              "--proposer replay --replay-source mtp --arms off,narrow,wide --pairs 1 "
+              f"--proposer replay --replay-source mtp {SHARDS}"
+              "--arms off,narrow,wide --pairs 1 "
               "--workloads essay --essay-tokens 128 --time-budget 490 "
               "--out-dir $OUT/concurrency_h200/32 --work-dir /tmp/tbc-h200-32; rc=$?; "
               "tar czf $OUT/concurrency_h200_32_work.tar.gz --exclude='./model-*' "
@@ -154,7 +158,8 @@ PLANS: dict[str, list[Check]] = {
     "coding_32": [
         Check("coding_off_32", "mount -o remount,size=110G /dev/shm; timeout -k 15 560 "
               f"{PY} scripts.bench_concurrency --model qwen3-next-80b-a3b --gpu-budget 32 "
-              "--proposer replay --replay-source mtp --arms off --pairs 1 --workloads coding "
+              f"--proposer replay --replay-source mtp {SHARDS}"
+              "--arms off --pairs 1 --workloads coding "
               "--coding-turns 4 --coding-tokens 64 --time-budget 550 "
               "--out-dir $OUT/concurrency_h200/32 --work-dir /tmp/tbc-h200-32c; rc=$?; "
               "tar czf $OUT/coding_32_work.tar.gz --exclude='./model-*' "
@@ -169,7 +174,8 @@ PLANS: dict[str, list[Check]] = {
               " -k layouts", 180),
         Check("essay_32_warm", "mount -o remount,size=110G /dev/shm; timeout -k 15 480 "
               f"{PY} scripts.bench_concurrency --model qwen3-next-80b-a3b --gpu-budget 32 "
-              "--proposer replay --replay-source mtp --arms off,wide,adaptive --pairs 1 "
+              f"--proposer replay --replay-source mtp {SHARDS}"
+              "--arms off,wide,adaptive --pairs 1 "
               "--workloads essay --essay-tokens 128 --time-budget 470 "
               "--out-dir $OUT/concurrency/32 --work-dir /tmp/tbc-32w; rc=$?; "
               "grep -h '\"cuda graphs\"' /tmp/tbc-32w/*.log > $OUT/graph_lines.txt; "
