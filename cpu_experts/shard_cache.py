@@ -120,6 +120,48 @@ def _lock(path: Path, how: int) -> int:
     return fd
 
 
+def reclaimable_bytes(root: str | Path | None) -> int:
+    """Host memory a new load may count as free although MemAvailable does not: the shard
+    files of the entries no process uses, where ``root`` is on a memory file system (a load
+    maps such an entry or removes it before it writes its own). 0 elsewhere."""
+    if not root or not Path(root).is_dir() or not _in_memory(Path(root)):
+        return 0
+    total = 0
+    for entry in Path(root).iterdir():
+        lock = entry / "use.lock"
+        if not lock.exists():
+            continue
+        fd = os.open(lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue
+        else:
+            total += sum(f.stat().st_blocks * 512 for f in entry.glob("experts*.bin"))
+        finally:
+            os.close(fd)
+    return total
+
+
+def _in_memory(path: Path) -> bool:
+    """Whether ``path`` is on tmpfs or ramfs (its pages are host memory)."""
+    best, kind = "", ""
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mount = parts[1].replace("\\040", " ")
+                target = str(path.resolve())
+                if (target == mount or target.startswith(mount.rstrip("/") + "/")) and \
+                        len(mount) > len(best):
+                    best, kind = mount, parts[2]
+    except OSError:
+        return False
+    return kind in ("tmpfs", "ramfs")
+
+
 def evict(root: str | Path, keep: str) -> list[str]:
     """Remove every entry of ``root`` but ``keep`` that no process uses; their names."""
     gone = []

@@ -18,6 +18,7 @@ import numpy as np
 
 from cpu_experts.cores import numa_core_groups
 from cpu_experts.rings import Ring
+from cpu_experts.shard_cache import reclaimable_bytes
 from gpu_worker import memory_parts as mp
 from gpu_worker.kv_cache import block_bytes
 from gpu_worker.model_config import ModelConfig
@@ -244,6 +245,10 @@ def plan_for_worker(cfg: WorkerConfig, model: ModelConfig, *, backend: str,
     budget = cfg.gpu_budget_bytes
     if budget is None and backend == "cupy":
         budget = mp.device_memory_bytes()
+    if host_available_bytes == -1 and cfg.cpu_shard_cache:  # kept shards this load reuses
+        avail = mp.mem_available()                          # or replaces
+        host_available_bytes = None if avail is None else avail + reclaimable_bytes(
+            cfg.cpu_shard_cache)
     return plan_memory(
         model, dtype=cfg.dtype, backend=backend, gpu_budget_bytes=budget,
         max_slots=cfg.max_slots, max_context=cfg.max_context, kv_block_size=cfg.block_size,

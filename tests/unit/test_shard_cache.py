@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cpu_experts.shard_cache import CacheEntry, cache_key, evict
+from cpu_experts.shard_cache import CacheEntry, cache_key, evict, reclaimable_bytes
 from daemon.config import ConfigError, load_config
 from daemon.lifecycle import worker_config
 from gpu_worker.engine import load_model
@@ -110,3 +110,40 @@ def test_the_config_key_reaches_the_worker(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(ConfigError, match="shard_cache"):
         load_config(None, {"experts.shard_cache": str(tmp_path / "f")})
+
+
+def test_kept_shards_count_as_free_host_memory_for_the_next_plan(monkeypatch):
+    """On a memory file system the kept shards are not in MemAvailable; the plan of the
+    next start counts the entries no process uses (it maps one or removes them)."""
+    if not (Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK)):
+        pytest.skip("no /dev/shm here")
+    import tempfile  # noqa: PLC0415
+
+    from gpu_worker import memory_parts  # noqa: PLC0415
+    from gpu_worker.memory_plan import plan_for_worker  # noqa: PLC0415
+    from gpu_worker.model_config import ModelConfig  # noqa: PLC0415
+    from protocol.worker_config import WorkerConfig  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as root:
+        root = Path(root)
+        busy = _build(root, "busy", [1 << 20])  # a running server's
+        for f in root.glob("busy/experts*.bin"):  # its pages really held
+            f.write_bytes(b"\1" * (1 << 20))
+        idle = _build(root, "idle", [1 << 20])  # a stopped server's (busy stays)
+        for f in root.glob("idle/experts*.bin"):
+            f.write_bytes(b"\1" * (1 << 20))
+        idle.close()
+        assert reclaimable_bytes(root) == 1 << 20  # the idle entry only
+        busy.close()
+        assert reclaimable_bytes(root) == 2 << 20
+        monkeypatch.setattr(memory_parts, "mem_available", lambda: 8 << 30)
+        cfg = WorkerConfig(run_dir="/r", model="/m", cpu_shard_cache=str(root))
+        model = ModelConfig.from_dict({"model_type": "qwen3_moe", "vocab_size": 64,
+                                       "hidden_size": 32, "intermediate_size": 64,
+                                       "num_hidden_layers": 1, "num_attention_heads": 2,
+                                       "num_key_value_heads": 1, "head_dim": 16,
+                                       "num_experts": 4, "num_experts_per_tok": 2,
+                                       "moe_intermediate_size": 32})
+        plan = plan_for_worker(cfg, model, backend="numpy")
+        assert plan.host_available_bytes == (8 << 30) + (2 << 20)
+    assert reclaimable_bytes("/nonexistent/dir") == 0
