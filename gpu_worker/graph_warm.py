@@ -1,16 +1,15 @@
 """Start-up capture of the CUDA graphs a server replays (``Runner.warm_graphs``).
 
-A graph is kept per layout (step_graph.layout_key): with a pass's slots in
-``runner.layout_order``, that is the multiset of the slots' shapes, here each slot's drafts
-(rows = 1 + drafts; every decode row samples). :func:`layouts` lists the layouts the daemon's
-passes can have for the speculation settings; :func:`warm` runs each one twice on scratch
-slots (the first pass eager, which compiles its kernels; the second captured and replayed),
-so that serving never waits for a layout's first pass or its capture.
+A graph is kept per layout (step_graph.layout_key): a pass's rows and slots (and so its
+drafts in all), whatever the split of the rows among the slots. :func:`layouts` gives one
+pass of each layout the daemon's passes can have for the speculation settings, as each
+slot's drafts; :func:`warm` runs each twice on scratch slots (the first pass eager, which
+compiles its kernels; the second captured and replayed), so that serving never waits for
+a layout's first pass or its capture.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from typing import Any
 
@@ -32,17 +31,17 @@ MAX_WARM_LAYOUTS = 160  # verify layouts captured at start-up at most (uniform o
 
 def layouts(max_slots: int, max_drafts: int, mode: str, *,
             limit: int = MAX_WARM_LAYOUTS) -> list[tuple[int, ...]]:
-    """The layouts of a server's decode and verify passes, as each slot's drafts, more
-    first: the decode layouts (1 to ``max_slots`` slots without drafts), then
+    """One pass of each layout a server's decode and verify passes can have, as each slot's
+    drafts, more first: the decode layouts (1 to ``max_slots`` slots without drafts), then
 
-    * ``wide`` (or one slot): every multiset of 1 to ``max_slots`` slots of 0 to
-      ``max_drafts`` drafts with 1 to ``MAX_WIDE_SLOTS`` drafted slots and at most
-      ``WIDE_CAPACITIES[-1]`` rows (daemon/draft_plan.py fits every wide pass so);
+    * ``wide`` (or one slot): for 1 to ``max_slots`` slots every total of drafts that 1 to
+      ``MAX_WIDE_SLOTS`` drafted slots of at most ``max_drafts`` each can make within
+      ``WIDE_CAPACITIES[-1]`` rows (daemon/draft_plan.py fits every wide pass so), spread
+      evenly over the drafted slots;
     * ``narrow``: a drafted slot alone (its own pass; the other slots' pass is a decode
       layout);
 
-    at most ``limit`` verify layouts, those with fewer distinct draft counts first (the
-    fixed draft lengths' layouts), then more slots."""
+    at most ``limit`` verify layouts (fewer slots first)."""
     out = [(0,) * n for n in range(1, max_slots + 1)]
     if mode == "off" or max_drafts <= 0:
         return out
@@ -50,11 +49,10 @@ def layouts(max_slots: int, max_drafts: int, mode: str, *,
         return out + [(d,) for d in range(max_drafts, 0, -1)][:limit]
     verify = []
     for n in range(1, max_slots + 1):
-        for shape in itertools.combinations_with_replacement(range(max_drafts, -1, -1), n):
-            drafted = sum(1 for d in shape if d)
-            if 1 <= drafted <= MAX_WIDE_SLOTS and sum(shape) + n <= WIDE_CAPACITIES[-1]:
-                verify.append(shape)
-    verify.sort(key=lambda s: (len({d for d in s if d}), -len(s), -sum(s)))
+        k = min(n, MAX_WIDE_SLOTS)  # drafted slots at most
+        for total in range(1, min(k * max_drafts, WIDE_CAPACITIES[-1] - n) + 1):
+            base, extra = divmod(total, k)
+            verify.append(tuple([base + 1] * extra + [base] * (k - extra) + [0] * (n - k)))
     return out + verify[:limit]
 
 

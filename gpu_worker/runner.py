@@ -240,10 +240,10 @@ def _attach(results: list[SlotResult], drafts: dict[int, list[int]]) -> None:
 
 
 def layout_order(w: SlotWork) -> tuple:
-    """The order of a pass's slots: segments of one shape side by side, larger first. A
-    pass's layout (what a CUDA graph is kept for, step_graph.layout_key) then depends on the
-    multiset of its slots' shapes, not on which slot has which: 4 slots of 1-4 rows each
-    make 35 layouts instead of 256. Rows are batch-invariant, so no bits change."""
+    """The order of a pass's slots: larger segments first, a slot that samples before one
+    that does not. The pass's CUDA-graph key (step_graph.layout_key) names which slots
+    sample in pass order, so passes that differ only in which slot is which share a graph.
+    Rows are batch-invariant, so no bits change."""
     return (-w.num_rows, -len(w.draft_ids), not w.needs_logits, w.slot)
 
 

@@ -19,7 +19,15 @@ from gpu_worker.engine import Engine
 from gpu_worker.graph_warm import layouts
 from gpu_worker.runner import Runner
 from gpu_worker.step_graph import StepGraphs
-from protocol.messages import SamplingParams
+from protocol.messages import (
+    CacheOp,
+    CacheOpKind,
+    DraftSource,
+    SamplingParams,
+    SlotWork,
+    StepPlan,
+    WorkKind,
+)
 from scripts.tiny_model import make_tiny_model
 from tests.harness import InProcessWorker, drain
 from tests.unit.test_speculation import CONTEXT, PROMPTS, SLOTS
@@ -240,3 +248,50 @@ def test_verify_layouts_are_captured_before_serving(bf16_model):
     for k in ("graph_captures", "graph_first_runs", "graph_refused"):
         assert after[k] == before[k], k
     assert out == _drive(Runner(bf16_model, **kw), "wide", requests, **spec)[0]
+
+
+def _split_passes(model, graphs: bool, splits) -> tuple[list, list]:
+    """Three slots with a 3-token prompt each, then one decode pass per entry of ``splits``
+    (each slot's drafts, random ids, seeded sampling): every pass's (tokens, accepted) and
+    graph counters, and the KV and GDN state bytes at the end."""
+    runner = Runner(model, max_slots=3, max_context=64, block_size=4, extra_blocks=8,
+                    cuda_graphs=graphs)
+    params, rng = SamplingParams(temperature=0.8, seed=7), np.random.default_rng(1)
+    for s in range(3):
+        runner.execute(StepPlan(step_id=s + 1, cache_ops=[CacheOp(op=CacheOpKind.ALLOCATE,
+                                                                   slot=s)],
+                                slots=[SlotWork(slot=s, request_id=f"r{s}",
+                                                kind=WorkKind.PREFILL,
+                                                input_ids=np.array([3 + s, 5, 7], np.int32),
+                                                start_pos=0, num_tokens=3, prompt_len=3,
+                                                needs_logits=True, sampling=params)]))
+    out = []
+    for i, drafts in enumerate(splits):
+        res = runner.execute(StepPlan(step_id=10 + i, slots=[SlotWork(
+            slot=s, request_id=f"r{s}", kind=WorkKind.DECODE,
+            input_ids=np.array([9 + s], np.int32), start_pos=runner.lengths[s], num_tokens=1,
+            prompt_len=3, needs_logits=True, sampling=params,
+            draft_ids=rng.integers(0, 50, d).astype(np.int32),
+            draft_sources=np.full(d, DraftSource.MTP, np.uint8))
+            for s, d in enumerate(drafts)]))
+        out.append(([(r.token_ids, r.num_accepted) for r in res.slots],
+                    res.counters.get("graph_replays", 0)))
+    caches = runner.caches
+    pools = [a.get() for a in (caches.kv.k, caches.kv.v)]
+    if caches.states is not None:
+        pools += [caches.states.conv.get(), caches.states.rec.get()]
+    return out, pools
+
+
+def test_a_graph_replays_other_splits_of_its_rows_with_eager_bits(bf16_model):
+    """step_graph.layout_key keeps one graph per rows and slots: captured for drafts (2, 0)
+    it replays (1, 1) and (0, 2); captured for (3, 0, 1), it replays (2, 1, 1), (1, 2, 1)
+    and (0, 0, 4). Tokens, accepted drafts and every KV and GDN state byte equal eager."""
+    splits = [(2, 0), (2, 0), (1, 1), (0, 2), (3, 0, 1), (3, 0, 1), (2, 1, 1), (1, 2, 1),
+              (0, 0, 4)]
+    eager, pools_e = _split_passes(bf16_model, False, splits)
+    graphed, pools_g = _split_passes(bf16_model, True, splits)
+    assert [r for _, r in graphed] == [0, 1, 1, 1, 0, 1, 1, 1, 1]  # first runs, then replays
+    assert [t for t, _ in graphed] == [t for t, _ in eager]
+    for a, b in zip(pools_e, pools_g, strict=True):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))

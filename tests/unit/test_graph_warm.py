@@ -1,6 +1,7 @@
-"""The layouts captured at start-up (gpu_worker/graph_warm.py): exactly the multisets of slot
-shapes the daemon's decode and verify passes can have, checked against a brute-force
-enumeration of the planner's rules and against the passes the real scheduler plans."""
+"""The layouts captured at start-up (gpu_worker/graph_warm.py): one pass of each CUDA-graph
+layout (rows and slots, step_graph.layout_key) the daemon's decode and verify passes can
+have, checked against a brute-force enumeration of the planner's rules and against the
+passes the real scheduler plans."""
 
 from __future__ import annotations
 
@@ -11,22 +12,41 @@ import pytest
 
 from gpu_worker.engine import Engine
 from gpu_worker.graph_warm import MAX_WARM_LAYOUTS, layouts
-from gpu_worker.runner import layout_order
+from gpu_worker.model.batch import RaggedBatch
+from gpu_worker.runner import layout_order, logit_rows
+from gpu_worker.step_graph import layout_key
 from protocol.messages import DraftSource, SamplingParams, SlotWork, WorkKind
 from protocol.worker_config import MAX_WIDE_SLOTS, WIDE_CAPACITIES, WorkerConfig
 from scripts.tiny_model import make_tiny_model
 from tests.unit.spec_serve import oracle, serve
 
 
-def _brute(max_slots: int, max_drafts: int) -> set[tuple[int, ...]]:
-    """Every assignment of drafts to 1..max_slots slots that a wide pass may hold, sorted."""
+def _brute(max_slots: int, max_drafts: int) -> set[tuple[int, int]]:
+    """(slots, rows) of every assignment of drafts to 1..max_slots slots a wide pass may hold."""
     out = set()
     for n in range(1, max_slots + 1):
         for drafts in itertools.product(range(max_drafts + 1), repeat=n):
             drafted = sum(1 for d in drafts if d)
             if drafted <= MAX_WIDE_SLOTS and sum(drafts) + n <= WIDE_CAPACITIES[-1]:
-                out.add(tuple(sorted(drafts, reverse=True)))
+                out.add((n, n + sum(drafts)))
     return out
+
+
+def _work(drafts) -> list[SlotWork]:
+    return [SlotWork(slot=s, request_id=f"r{s}", kind=WorkKind.DECODE,
+                     input_ids=np.zeros(1, np.int32), start_pos=3, num_tokens=1, prompt_len=1,
+                     needs_logits=True, sampling=SamplingParams(seed=0),
+                     draft_ids=np.zeros(d, np.int32),
+                     draft_sources=np.full(d, DraftSource.MTP, np.uint8))
+            for s, d in enumerate(drafts)]
+
+
+def _key(work: list[SlotWork]) -> tuple:
+    work = sorted(work, key=layout_order)
+    batch = RaggedBatch.build([(w.slot, w.start_pos, np.concatenate(
+        [w.input_ids, w.draft_ids]).astype(np.int64)) for w in work])
+    rows, first = logit_rows(work, batch)
+    return layout_key(work, batch, rows, first)
 
 
 def test_off_and_no_drafts_warm_the_decode_layouts_only():
@@ -39,39 +59,29 @@ def test_narrow_warms_a_drafted_slot_alone():
 
 
 @pytest.mark.parametrize("max_slots,max_drafts", [(2, 1), (3, 2), (4, 4), (6, 3), (4, 7)])
-def test_wide_layouts_are_every_pass_the_planner_may_make(max_slots, max_drafts):
+def test_wide_layouts_are_one_pass_of_every_layout_the_planner_may_make(max_slots, max_drafts):
     got = layouts(max_slots, max_drafts, "wide", limit=10**6)
-    assert len(got) == len(set(got))
     assert got[:max_slots] == [(0,) * n for n in range(1, max_slots + 1)]
-    assert set(got) == _brute(max_slots, max_drafts)
-    assert all(list(s) == sorted(s, reverse=True) for s in got)
+    keys = [(len(s), len(s) + sum(s)) for s in got]
+    assert len(keys) == len(set(keys)) and set(keys) == _brute(max_slots, max_drafts)
+    for s in got:  # each a pass the planner may make
+        assert list(s) == sorted(s, reverse=True) and max(s) <= max_drafts
+        assert sum(1 for d in s if d) <= MAX_WIDE_SLOTS and len(s) + sum(s) <= 16
 
 
-def test_four_slots_of_four_drafts_make_114_verify_layouts_uniform_ones_first():
-    got = layouts(4, 4, "wide")
-    verify = got[4:]
-    assert len(verify) == 114 <= MAX_WARM_LAYOUTS
-    # the fixed draft lengths' layouts (every drafted slot alike) come before mixed ones
-    uniform = [s for s in verify if len({d for d in s if d}) == 1]
-    assert verify[:len(uniform)] == uniform
-    assert (4, 4, 4) in uniform and (3, 3, 3, 3) in uniform and (4, 4, 4, 4) not in verify
-    capped = layouts(8, 4, "wide", limit=50)
-    assert len(capped) == 8 + 50 and all(len({d for d in s if d}) == 1 for s in capped[8:20])
+def test_four_slots_of_four_drafts_make_36_verify_layouts():
+    assert len(layouts(4, 4, "wide")) == 4 + 36 <= 4 + MAX_WARM_LAYOUTS
+    assert len(layouts(8, 4, "wide", limit=50)) == 8 + 50
 
 
-def test_a_pass_in_layout_order_has_the_sorted_shape():
-    """runner.layout_order puts more drafts first, so any assignment of a layout's drafts to
-    slots reaches the graph as the layout's tuple."""
-    rng = np.random.default_rng(0)
-    for shape in layouts(4, 4, "wide"):
-        drafts = list(rng.permutation(shape))
-        work = [SlotWork(slot=s, request_id=f"r{s}", kind=WorkKind.DECODE,
-                         input_ids=np.zeros(1, np.int32), start_pos=3, num_tokens=1,
-                         prompt_len=1, needs_logits=True, sampling=SamplingParams(seed=0),
-                         draft_ids=np.zeros(d, np.int32),
-                         draft_sources=np.full(d, DraftSource.MTP, np.uint8))
-                for s, d in enumerate(drafts)]
-        assert tuple(len(w.draft_ids) for w in sorted(work, key=layout_order)) == shape
+def test_every_split_of_a_layouts_rows_has_its_graph_key():
+    """Any assignment of drafts to slots the planner may make has the key of the warmed pass
+    with its slots and rows (so the graph captured at start-up replays it)."""
+    warmed = {(len(s), len(s) + sum(s)): _key(_work(s)) for s in layouts(4, 4, "wide")}
+    for n in range(1, 5):
+        for drafts in itertools.product(range(5), repeat=n):
+            if len(drafts) + sum(drafts) <= 16:
+                assert _key(_work(drafts)) == warmed[(n, n + sum(drafts))], drafts
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +100,7 @@ def test_the_schedulers_passes_are_among_the_warmed_layouts(model, mode):
     lengths = lambda seq: (len(seq.generated) + int(seq.req.request_id[1:])) % 5  # noqa: E731
     _, worker, _ = serve(model, prompts, n=24, mode=mode, context=320,
                          drafts=oracle(plain, model.cfg.vocab_size, lengths), num_drafts=4)
-    warmed = set(layouts(4, 4, mode))
+    warmed = {_key(_work(s)) for s in layouts(4, 4, mode)}
     seen = set()
     for plan in worker.plans:
         if not plan.slots or any(w.kind != WorkKind.DECODE for w in plan.slots):
@@ -99,10 +109,10 @@ def test_the_schedulers_passes_are_among_the_warmed_layouts(model, mode):
         groups = ([plan.slots] if plan.wide or not drafted else
                   [[w for w in plan.slots if not len(w.draft_ids)]] + [[w] for w in drafted])
         for group in filter(None, groups):
-            shape = tuple(len(w.draft_ids) for w in sorted(group, key=layout_order))
-            assert shape in warmed, shape
-            seen.add(shape)
-    assert any(sum(s) for s in seen) and len(seen) > 4  # verify layouts, several of them
+            key = _key(group)
+            assert key in warmed, key
+            seen.add(key)
+    assert len(seen) > 4  # verify layouts, several of them
 
 
 def test_the_worker_config_carries_the_speculation_mode_and_warm_up():

@@ -1,8 +1,10 @@
-"""The order of a pass's slots (gpu_worker/runner.layout_order): a pass's CUDA-graph layout
-(step_graph.layout_key) depends on the shapes of its slots, not on which slot has which, so
-verify passes whose slots swap draft lengths replay one graph. That the order changes no
-token is what the speculation tests check (tests/unit/test_speculation.py: every pass of
-theirs goes through it, against plain decoding)."""
+"""The CUDA-graph key of a pass (step_graph.layout_key) and the order of its slots
+(gpu_worker/runner.layout_order): passes with the same rows, slots and drafts in all share one
+graph however the rows split among the slots or which slot has which; any other count is
+another graph. That the order changes no token is what the speculation tests check
+(tests/unit/test_speculation.py: every pass of theirs goes through it, against plain
+decoding); that a graph replays another split's pass with eager's bits is
+tests/gpu/test_step_graph_cupy.py."""
 
 import itertools
 
@@ -24,24 +26,26 @@ def _work(slot: int, drafts: int, needs_logits: bool = True) -> SlotWork:
 
 
 def _key(work: list[SlotWork]) -> tuple:
+    work = sorted(work, key=layout_order)
     batch = RaggedBatch.build([(w.slot, w.start_pos, np.concatenate(
         [w.input_ids, w.draft_ids]).astype(np.int64)) for w in work])
     rows, first = logit_rows(work, batch)
     return layout_key(work, batch, rows, first)
 
 
-def test_slots_that_swap_shapes_share_one_layout() -> None:
-    shapes = [3, 0, 1, 3]  # drafts per slot
-    unsorted, ordered = set(), set()
-    for perm in itertools.permutations(range(4)):
-        work = [_work(slot, shapes[i]) for slot, i in enumerate(perm)]
-        unsorted.add(_key(work))
-        ordered.add(_key(sorted(work, key=layout_order)))
-    assert len(unsorted) == 12 and len(ordered) == 1
+def test_passes_of_the_same_rows_and_slots_share_one_graph() -> None:
+    keys = set()
+    for shapes in ([3, 0, 1, 3], [2, 2, 2, 1], [0, 0, 0, 7], [4, 3, 0, 0]):
+        for perm in itertools.permutations(shapes):
+            keys.add(_key([_work(slot, d) for slot, d in enumerate(perm)]))
+    assert len(keys) == 1
+    others = {_key([_work(s, d) for s, d in enumerate(shapes)])
+              for shapes in ([3, 0, 1, 2], [3, 0, 1], [3, 0, 1, 3, 0], [0, 0, 0, 0])}
+    assert len(others) == 4 and not others & keys
 
 
 def test_a_slot_that_needs_no_logits_is_its_own_shape() -> None:
     a = [_work(0, 0, needs_logits=False), _work(1, 0)]
     b = [_work(0, 0), _work(1, 0, needs_logits=False)]
-    ka, kb = (_key(sorted(w, key=layout_order)) for w in (a, b))
-    assert ka == kb and ka[3] == (True, False)
+    ka, kb = _key(a), _key(b)
+    assert ka == kb and ka[-1] == (True, False)
