@@ -107,8 +107,9 @@ class Runner:
         if self.graphs is None or self.lengths:
             return {"graphs": 0, "refused": 0, "layouts": 0, "seconds": 0.0}
         drafts = self.max_drafts if self.graph_warm_up == "all" else 0
-        return graph_warm.warm(self, graph_warm.layouts(self.max_slots, drafts,
-                                                        self.speculation_mode))
+        shapes = graph_warm.layouts(self.max_slots, drafts, self.speculation_mode)
+        # a scratch slot holds one prompt token, then a pass's rows
+        return graph_warm.warm(self, [s for s in shapes if 2 + max(s) <= self.max_context])
 
     # ---- the step ------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
