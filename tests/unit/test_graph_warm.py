@@ -12,13 +12,11 @@ import pytest
 
 from gpu_worker.engine import Engine
 from gpu_worker.graph_warm import MAX_WARM_LAYOUTS, layouts
-from gpu_worker.model.batch import RaggedBatch
-from gpu_worker.runner import layout_order, logit_rows
-from gpu_worker.step_graph import layout_key
 from protocol.messages import DraftSource, SamplingParams, SlotWork, WorkKind
 from protocol.worker_config import MAX_WIDE_SLOTS, WIDE_CAPACITIES, WorkerConfig
 from scripts.tiny_model import make_tiny_model
 from tests.unit.spec_serve import oracle, serve
+from tests.unit.test_layout_order import _key  # a pass's graph key, as the Runner makes it
 
 
 def _brute(max_slots: int, max_drafts: int) -> set[tuple[int, int]]:
@@ -39,14 +37,6 @@ def _work(drafts) -> list[SlotWork]:
                      draft_ids=np.zeros(d, np.int32),
                      draft_sources=np.full(d, DraftSource.MTP, np.uint8))
             for s, d in enumerate(drafts)]
-
-
-def _key(work: list[SlotWork]) -> tuple:
-    work = sorted(work, key=layout_order)
-    batch = RaggedBatch.build([(w.slot, w.start_pos, np.concatenate(
-        [w.input_ids, w.draft_ids]).astype(np.int64)) for w in work])
-    rows, first = logit_rows(work, batch)
-    return layout_key(work, batch, rows, first)
 
 
 def test_off_and_no_drafts_warm_the_decode_layouts_only():
