@@ -190,6 +190,14 @@ PLANS: dict[str, list[Check]] = {
               "tests/unit/test_cpu_amx.py tests/unit/test_cpu_int4_rows.py "
               "tests/unit/test_cpu_kernels.py -k 'amx or AMX or tiles_equal'", 180),
     ],
+    # issue 17's 16-row ratio: does the machine's per-thread vector rate fall with threads
+    # busy (scripts/probe_cpu_scaling.py), and the VNNI kernel's own scaling beside it
+    "cpu_scaling": [
+        Check("probe", f"{PY} scripts.probe_cpu_scaling --threads 1,2,4,8,12,15,16 "
+              "--out $OUT/cpu_scaling.json", 120),
+        Check("vnni_threads", f"{PY} scripts.bench_amx_vnni --isa avx512vnni --rounds 3 "
+              "--threads 1,2,4,8,16 --out $OUT/vnni_threads.json", 240),
+    ],
     # CUDA graphs (gpu_worker/step_graph.py): bits equal eager, with and without CPU experts
     "graphs": [
         Check("graphs", f"{PY} pytest -q -p no:cacheprovider tests/gpu/test_topk_cupy.py "
