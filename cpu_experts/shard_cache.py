@@ -28,7 +28,8 @@ from pathlib import Path
 
 # the modules whose code decides a shard's bytes (tiles, quantizers, formats): any change to
 # them gives new keys, so a cache never serves tiles an older layout wrote
-LAYOUT_MODULES = ("shard.py", "quant.py", "quant4.py", "formats.py", "tiles4.py")
+LAYOUT_MODULES = ("shard.py", "quant.py", "quant_vec.py", "quant4.py", "formats.py", "tiles.py",
+                  "tiles4.py")
 
 
 def layout_hash() -> str:

@@ -147,3 +147,22 @@ def test_kept_shards_count_as_free_host_memory_for_the_next_plan(monkeypatch):
         plan = plan_for_worker(cfg, model, backend="numpy")
         assert plan.host_available_bytes == (8 << 30) + (2 << 20)
     assert reclaimable_bytes("/nonexistent/dir") == 0
+
+
+def test_a_q8_0_gguf_split_in_two_files_is_cached_too(tmp_path):
+    """A GGUF's identity is every part's name, size and time: the second load maps the first
+    one's shards, and the logits are those of an uncached load."""
+    from gguf import GGMLQuantizationType  # noqa: PLC0415
+
+    from tests.unit.gguf_tiny import experts_in, write_gguf  # noqa: PLC0415
+
+    model_dir = make_tiny_model(tmp_path / "m", "qwen3_moe", seed=7)
+    file = write_gguf(model_dir, tmp_path / "q.gguf", split_max_tensors=20,
+                      types=experts_in(GGMLQuantizationType.Q8_0))
+    assert file.name.endswith("-00001-of-" + file.name.split("-of-")[1])
+    plain, _ = _load(file, None)
+    first, lines = _load(file, tmp_path / "shards")
+    assert not lines["load plan"]["cpu_shards_cached"]
+    second, lines = _load(file, tmp_path / "shards")
+    assert lines["load plan"]["cpu_shards_cached"]
+    assert np.array_equal(first, plain) and np.array_equal(second, plain)
