@@ -26,7 +26,7 @@ from protocol.messages import (
 )
 from protocol.worker_config import MAX_WIDE_SLOTS, WIDE_CAPACITIES
 
-MAX_WARM_LAYOUTS = 160  # verify layouts captured at start-up at most (uniform ones first)
+MAX_WARM_LAYOUTS = 160  # verify layouts captured at start-up at most (fewer slots first)
 
 
 def layouts(max_slots: int, max_drafts: int, mode: str, *,
