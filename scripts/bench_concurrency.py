@@ -77,6 +77,7 @@ from scripts.bench_concurrency_serve import (
     replay_reference,
     run_config,
     serving,
+    start_facts,
     step_figures,
     write_toml,
 )
@@ -147,7 +148,7 @@ def one_run(args: argparse.Namespace, ctx: dict, name: str, arm: str, pair: int,
             # where the run's time went: the server's start (load), warm-up and workload,
             # its stop (every process ended)
             "server_start_s": round(start_s, 1), "run_s": round(t1 - t0 - start_s, 1),
-            "server_stop_s": round(time.monotonic() - t1, 1)}
+            "server_stop_s": round(time.monotonic() - t1, 1), "start": start_facts(log)}
 
 
 def record_replay(args: argparse.Namespace, run: dict, path: Path) -> None:

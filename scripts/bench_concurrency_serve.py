@@ -201,6 +201,27 @@ def serving(config: Path, port: int, log: Path, ready_timeout: float,
             drop_shared_files(tree)
 
 
+def start_facts(log: Path) -> dict[str, Any]:
+    """What a server's start did, from its GPU worker's JSON log lines: the CUDA graphs
+    captured before it was ready (layouts, graphs, seconds, the device's free GiB after) and
+    whether the CPU experts' shards came from the shard cache."""
+    out: dict[str, Any] = {}
+    for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
+        if not line.startswith("{"):
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("event") == "cuda graphs":
+            out["graph_warm_up"] = {k: rec[k] for k in ("active", "warm_up", "layouts",
+                                                        "graphs", "refused", "seconds",
+                                                        "device_free_gib") if k in rec}
+        elif rec.get("event") == "load plan" and "cpu_shards_cached" in rec:
+            out["cpu_shards_cached"] = rec["cpu_shards_cached"]
+    return out
+
+
 def drop_shared_files(pids: list[int]) -> None:
     """Unlink the shared-memory files (``tandem-<tag>-<pid>-<id>``, cpu_experts/rings.py)
     that these ended processes made: a server stopped before it was ready leaves its CPU

@@ -186,3 +186,21 @@ def test_a_stopped_servers_shared_files_are_removed_and_no_others():
     finally:
         mine.unlink(missing_ok=True)
         other.unlink(missing_ok=True)
+
+
+def test_a_runs_start_facts_come_from_the_workers_log_lines(tmp_path, capsys):
+    """The worker's own log lines (gpu_worker/server.py _log) among the daemon's: the CUDA
+    graphs captured at start-up and whether the CPU experts came from the shard cache."""
+    from gpu_worker.server import _log  # noqa: PLC0415
+    from scripts.bench_concurrency_serve import start_facts  # noqa: PLC0415
+
+    _log("load plan", bytes=10, cpu_shards_cached=True)
+    _log("cuda graphs", enabled=True, active=True, reason="decode and verify passes",
+         warm_up="all", graphs=40, refused=0, layouts=40, seconds=12.5, device_free_gib=9.1)
+    log = tmp_path / "run.log"
+    log.write_text("loading weights 40%\n" + capsys.readouterr().err
+                   + '{"event": "server ready", "logger": "tandem"}\n{broken\n')
+    assert start_facts(log) == {"cpu_shards_cached": True, "graph_warm_up": {
+        "active": True, "warm_up": "all", "layouts": 40, "graphs": 40, "refused": 0,
+        "seconds": 12.5, "device_free_gib": 9.1}}
+    assert start_facts(tmp_path / "missing.log") == {}
