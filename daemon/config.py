@@ -167,7 +167,8 @@ def summary(config: Config) -> list[str]:
               "the whole device" if m.backend != "numpy" else "no limit")
     return [
         f"model: {m.served_name} from {m.path} ({m.dtype}, {m.backend} backend"
-        + (", CUDA graphs)" if m.cuda_graphs and m.backend != "numpy" else ")"),
+        + (f", CUDA graphs, {m.cuda_graph_warm_up} layouts captured at start-up)"
+           if m.cuda_graphs and m.backend != "numpy" else ")"),
         f"http: http://{s.host}:{s.port} ({auth}), body <= {s.max_body_bytes} bytes",
         f"zmq: {s.zmq_endpoint}",
         f"scheduler: {sc.max_slots} slots x {sc.max_context} tokens, prefill chunk "
@@ -175,7 +176,9 @@ def summary(config: Config) -> list[str]:
         f"preemption {sc.preemption}, kv cache {sc.kv_cache_dtype}",
         f"limits: prompt <= {config.max_prompt_tokens}, max_tokens <= {config.max_tokens}, "
         f"queue <= {config.limits.max_queue}",
-        f"experts: {e.placement}{cpu}; GPU budget {budget}",
+        f"experts: {e.placement}{cpu}; GPU budget {budget}"
+        + (f"; CPU expert shards kept in {e.shard_cache}"
+           if e.shard_cache is not None and e.placement != "gpu" else ""),
         "speculation: off" if config.speculation.mode == "off" else
         f"speculation: {config.speculation.mode}, {config.speculation.num_drafts} "
         f"{config.speculation.proposer} drafts per slot"

@@ -376,3 +376,15 @@ def test_check_config_as_a_process(tmp_path):
                           capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     assert proc.returncode == 2
     assert "experts.cpu_experts_per_layer" in proc.stderr
+
+
+def test_the_summary_names_the_graph_warm_up_and_the_shard_cache(tmp_path):
+    config = load_config(_write(tmp_path, '[model]\nbackend = "cupy"\n'
+                                          'cuda_graph_warm_up = "decode"\n[experts]\n'
+                                          'placement = "split"\ncpu_experts_per_layer = 2\n'
+                                          f'shard_cache = "{tmp_path / "shards"}"\n'))
+    text = "\n".join(summary(config))
+    assert "CUDA graphs, decode layouts captured at start-up" in text
+    assert f"CPU expert shards kept in {tmp_path / 'shards'}" in text
+    with pytest.raises(ConfigError, match="cuda_graph_warm_up"):
+        load_config(_write(tmp_path, '[model]\ncuda_graph_warm_up = "some"\n'))
