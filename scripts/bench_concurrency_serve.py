@@ -85,7 +85,8 @@ def base_config(args: argparse.Namespace, work: Path) -> tuple[dict, dict]:
     facts = {"model": name or model.get("name") or Path(model.get("path", "")).name,
              "model_path": model.get("path"), "gpu_budget_gb": budget,
              "backend": model.get("backend"), "dtype": model.get("dtype"),
-             "placement": cfg.get("experts", {}).get("placement", "gpu")}
+             "placement": cfg.get("experts", {}).get("placement", "gpu"),
+             "prefix_cache_max_mb": cfg.get("scheduler", {}).get("prefix_cache_max_mb")}
     return cfg, facts
 
 
@@ -136,9 +137,12 @@ def synthetic_config(args: argparse.Namespace, work: Path) -> tuple[dict, float 
                      "backend": "cupy"},
            "limits": {"max_queue": 8, "request_timeout_s": 1800, "step_timeout_s": 300,
                       "worker_ready_timeout_s": 900},
+           # the daemon's default prefix cache: a checkpoint of the 80B holds a 75 MiB copy
+           # of its GDN states, so 256 MB (bench_load's) kept ~3 for four agents, and every
+           # coding turn read its whole conversation again
            "scheduler": {"max_slots": 4, "max_context": args.max_context,
                          "prefill_chunk": 512, "prefix_cache": True,
-                         "prefix_cache_max_mb": 256},
+                         "prefix_cache_max_mb": 1024},
            "experts": {"placement": "split", "gpu_memory_gb": gb},
            "logging": {"level": "info", "json": True}, "systemd": {"watchdog": False}}
     return cfg, (gb if budget == "whole" else float(budget))
