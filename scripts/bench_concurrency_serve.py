@@ -86,7 +86,8 @@ def base_config(args: argparse.Namespace, work: Path) -> tuple[dict, dict]:
              "model_path": model.get("path"), "gpu_budget_gb": budget,
              "backend": model.get("backend"), "dtype": model.get("dtype"),
              "placement": cfg.get("experts", {}).get("placement", "gpu"),
-             "prefix_cache_max_mb": cfg.get("scheduler", {}).get("prefix_cache_max_mb")}
+             "prefix_cache_max_mb": cfg.get("scheduler", {}).get("prefix_cache_max_mb"),
+             "checkpoint_interval": cfg.get("scheduler", {}).get("checkpoint_interval")}
     return cfg, facts
 
 
@@ -137,12 +138,14 @@ def synthetic_config(args: argparse.Namespace, work: Path) -> tuple[dict, float 
                      "backend": "cupy"},
            "limits": {"max_queue": 8, "request_timeout_s": 1800, "step_timeout_s": 300,
                       "worker_ready_timeout_s": 900},
-           # the daemon's default prefix cache: a checkpoint of the 80B holds a 75 MiB copy
-           # of its GDN states, so 256 MB (bench_load's) kept ~3 for four agents, and every
-           # coding turn read its whole conversation again
+           # the prefix cache of configs/qwen3-next-80b.toml: a checkpoint of the 80B holds
+           # a 75 MiB copy of its GDN states, so 256 MB (bench_load's) kept ~3 for four
+           # agents and every coding turn read its whole conversation again; 1024 MB keeps
+           # ~13, and a checkpoint every 1024 tokens (not 256) makes 2-3 a turn, so each
+           # agent's last one outlives the other three agents' turns
            "scheduler": {"max_slots": 4, "max_context": args.max_context,
                          "prefill_chunk": 512, "prefix_cache": True,
-                         "prefix_cache_max_mb": 1024},
+                         "prefix_cache_max_mb": 1024, "checkpoint_interval": 1024},
            "experts": {"placement": "split", "gpu_memory_gb": gb},
            "logging": {"level": "info", "json": True}, "systemd": {"watchdog": False}}
     return cfg, (gb if budget == "whole" else float(budget))
