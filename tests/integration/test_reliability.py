@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import aiohttp
 import msgpack
@@ -223,3 +224,40 @@ def test_sigterm_to_every_process_stops_cleanly(model, tmp_path):
     assert srv.stop() == 0
     log = srv.log.read_text()
     assert "never retrieved" not in log, log[-3000:]
+
+
+def _greedy(url: str) -> str:
+    body = json.dumps({"model": "tandem-test", "prompt": "shards", "max_tokens": 8,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["choices"][0]["text"]
+
+
+def _load_plans(srv: Server) -> list[dict]:
+    return [json.loads(line) for line in srv.log.read_text().splitlines()
+            if line.startswith("{") and '"load plan"' in line]
+
+
+def test_a_restarted_worker_maps_the_kept_cpu_expert_shards(model, tmp_path):
+    """[experts] shard_cache through the daemon: the first start writes the CPU experts'
+    shards; a GPU worker killed and restarted maps them (its load plan says so, and nothing
+    is quantized) and answers as before; the shards stay after the server stops."""
+    shards = tmp_path / "shards"
+    srv = Server(tmp_path, model, experts={
+        "placement": "split", "cpu_experts_per_layer": 3, "cpu_workers": 1,
+        "shard_cache": str(shards)}).start()
+    try:
+        before = _greedy(srv.url)
+        os.kill(srv.child_pid("gpu_worker.server"), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while len(_load_plans(srv)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        srv.wait_ready(60)
+        assert [p["cpu_shards_cached"] for p in _load_plans(srv)] == [False, True]
+        assert _greedy(srv.url) == before
+    finally:
+        assert srv.stop() == 0
+    [entry] = list(shards.iterdir())
+    assert (entry / "complete").is_file() and list(entry.glob("experts*.bin"))
