@@ -55,10 +55,15 @@ class CacheEntry:
 
     def __init__(self, root: str | Path, key: str, sizes: list[int]) -> None:
         self.root, self.dir, self.sizes = Path(root), Path(root) / key, list(sizes)
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.dir.mkdir(exist_ok=True, mode=0o700)
-        self._use = _lock(self.dir / "use.lock", fcntl.LOCK_SH)
-        self._build: int | None = _lock(self.dir / "build.lock", fcntl.LOCK_EX)
+        self._use = self._build = None
+        try:
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self.dir.mkdir(exist_ok=True, mode=0o700)
+            self._use = _lock(self.dir / "use.lock", fcntl.LOCK_SH)
+            self._build = _lock(self.dir / "build.lock", fcntl.LOCK_EX)
+        except OSError as exc:
+            self.close()
+            raise OSError(f"experts.shard_cache {root}: cannot use it ({exc})") from None
         try:
             self.complete = self._is_complete()
             if self.complete:

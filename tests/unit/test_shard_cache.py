@@ -166,3 +166,9 @@ def test_a_q8_0_gguf_split_in_two_files_is_cached_too(tmp_path):
     second, lines = _load(file, tmp_path / "shards")
     assert lines["load plan"]["cpu_shards_cached"]
     assert np.array_equal(first, plain) and np.array_equal(second, plain)
+
+
+def test_a_directory_it_cannot_use_is_named_in_the_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OSError, match=r"experts.shard_cache .*file.*cannot use it"):
+        CacheEntry(tmp_path / "file", "k", [1])
