@@ -182,6 +182,18 @@ PLANS: dict[str, list[Check]] = {
               "tar czf $OUT/essay_32_work.tar.gz --exclude='./model-*' -C /tmp/tbc-32w .; "
               "exit $rc", 575),
     ],
+    # the same at the whole GPU (issue 15's second budget; $OUT/concurrency/whole)
+    "warm_whole": [
+        Check("essay_whole_warm", "mount -o remount,size=110G /dev/shm; timeout -k 15 530 "
+              f"{PY} scripts.bench_concurrency --model qwen3-next-80b-a3b --gpu-budget whole "
+              f"--proposer replay --replay-source mtp {SHARDS}"
+              "--arms off,wide,adaptive --pairs 1 "
+              "--workloads essay --essay-tokens 128 --time-budget 520 "
+              "--out-dir $OUT/concurrency/whole --work-dir /tmp/tbc-whole; rc=$?; "
+              "grep -h '\"cuda graphs\"' /tmp/tbc-whole/*.log > $OUT/graph_lines.txt; "
+              "tar czf $OUT/essay_whole_work.tar.gz --exclude='./model-*' -C /tmp/tbc-whole .; "
+              "exit $rc", 575),
+    ],
     # AMX against VNNI on one int4 expert, alternately in one process, then the AMX tests
     "amx": [
         Check("amx_vnni", f"{PY} scripts.bench_amx_vnni --rounds 5 --threads 16,8 "
