@@ -54,7 +54,7 @@ def _synthetic(tmp_path, max_context: int) -> list[str]:
     (tmp_path / "config.json").write_text(json.dumps(raw))
     plan = plan_memory(ModelConfig.from_dict({**raw, "mtp_num_hidden_layers": 1}),
                        dtype="float64", backend="numpy", max_context=max_context,
-                       prefix_cache_mb=256, placement="split", cpu_workers=1,
+                       prefix_cache_mb=1024, placement="split", cpu_workers=1,
                        host_available_bytes=None)
     per_n = len(plan.moe_layers) * plan.gpu_bytes_per_expert
     budget = (plan.gpu_fixed_bytes + 6.5 * per_n) / 2**30  # 6 per layer with mode off
