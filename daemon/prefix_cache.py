@@ -1,4 +1,5 @@
-"""The daemon's index of prefix checkpoints held by the worker, LRU-bounded.
+"""The daemon's index of prefix checkpoints held by the worker, bounded, least recently used
+first among the entries that a longer entry extends, then among all.
 
 An entry is the worker's state after exactly ``n`` tokens of some sequence (KV blocks by
 reference plus the recurrent-state snapshot), so a later prompt that starts with those ``n``
@@ -12,6 +13,13 @@ one recurrent-state snapshot per entry (``state_bytes``: the GDN states of one s
 ``space``: entries are shared only within one space. A synthetic model's states depend on
 the routing key of the request that computed them (docs/synthetic.md), so the scheduler
 passes that key there; None (real models) is one space for everyone.
+
+Eviction: an entry whose tokens begin a longer entry of its space is *superseded*: a prompt
+that continues the longer one hits the longer one, so the shorter serves only prompts that
+leave it in between. Those go first (least recently used first), then the least recently
+used of all. A conversation checkpoints every ``checkpoint_interval`` tokens as it grows; with
+plain LRU, four agents' turns pushed each other's deepest checkpoint out of a small cache
+while their own shallower ones stayed (the 80B's 75 MiB states allow few entries).
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ class PrefixCache:
         self._by_tokens: OrderedDict[Key, int] = OrderedDict()  # LRU order
         self._blocks: dict[int, int] = {}  # entry id -> blocks it may pin
         self._lengths: dict[int, int] = {}  # length -> entries of that length
+        self._extends: dict[int, list[Key]] = {}  # entry id -> shorter entries it begins with
+        self._superseded: dict[Key, int] = {}  # key -> longer entries that begin with it
 
     @property
     def used_blocks(self) -> int:
@@ -73,14 +83,27 @@ class PrefixCache:
         """Record a new checkpoint in ``space``; returns the ids of entries evicted to make
         room."""
         blocks, nbytes = self._cost(len(tokens))
+        key = (space, tuple(tokens))
+        below = {k for n in self._lengths if n < len(tokens)  # the entries it will supersede
+                 for k in [(space, key[1][:n])] if k in self._by_tokens}
         evicted = []
         while self._by_tokens and self._over(blocks, nbytes):
-            evicted.append(self._pop_oldest())
+            evicted.append(self._pop(self._victim(below)))
         if not self.fits(len(tokens)):
             return evicted  # too big to keep at all; the caller must drop it
-        self._by_tokens[(space, tuple(tokens))] = entry_id
+        self._by_tokens[key] = entry_id
         self._blocks[entry_id] = blocks
         self._lengths[len(tokens)] = self._lengths.get(len(tokens), 0) + 1
+        self._extends[entry_id] = [k for k in below if k in self._by_tokens]
+        for k in self._extends[entry_id]:
+            self._superseded[k] = self._superseded.get(k, 0) + 1
+        n = len(tokens)  # longer entries kept before this one that begin with it
+        above = [e for k, e in self._by_tokens.items()
+                 if k[0] == space and len(k[1]) > n and k[1][:n] == key[1]]
+        for e in above:
+            self._extends[e].append(key)
+        if above:
+            self._superseded[key] = len(above)
         return evicted
 
     def fits(self, num_tokens: int) -> bool:
@@ -94,10 +117,26 @@ class PrefixCache:
                            block_bytes=self.block_bytes, state_bytes=self.state_bytes,
                            max_bytes=self.max_bytes)
 
-    def _pop_oldest(self) -> int:
-        (_, tokens), entry = self._by_tokens.popitem(last=False)
+    def _victim(self, below: set[Key]) -> Key:
+        """The least recently used superseded entry (``below``: those the entry being added
+        will supersede), else the least recently used one."""
+        for key in self._by_tokens:  # least recently used first
+            if key in self._superseded or key in below:
+                return key
+        return next(iter(self._by_tokens))
+
+    def _pop(self, key: Key) -> int:
+        entry = self._by_tokens.pop(key)
         del self._blocks[entry]
-        self._lengths[len(tokens)] -= 1
-        if not self._lengths[len(tokens)]:
-            del self._lengths[len(tokens)]
+        n = len(key[1])
+        self._lengths[n] -= 1
+        if not self._lengths[n]:
+            del self._lengths[n]
+        self._superseded.pop(key, None)
+        for k in self._extends.pop(entry, []):  # no longer superseded by this one
+            left = self._superseded.get(k, 0) - 1
+            if left > 0:
+                self._superseded[k] = left
+            else:
+                self._superseded.pop(k, None)
         return entry

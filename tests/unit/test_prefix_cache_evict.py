@@ -1,0 +1,72 @@
+"""Which prefix checkpoint goes when the cache is full (daemon/prefix_cache.py): a superseded
+entry (a longer entry of its space begins with it) before any other, least recently used
+first, so agents whose conversations grow keep each one's deepest checkpoint."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from daemon.prefix_cache import PrefixCache
+
+
+def _agent(a: int, n: int) -> list[int]:
+    """Agent ``a``'s conversation, its first ``n`` tokens."""
+    return [(a * 1000 + i) % 997 for i in range(n)]
+
+
+def test_growing_conversations_keep_each_agents_deepest_checkpoint():
+    """Three agents take turns; each turn reads its cached prefix, then checkpoints twice as
+    its conversation grows by 16 tokens. Six entries: with least-recently-used alone the
+    third agent's checkpoints were all gone by its second turn (the other two agents' new
+    ones pushed them out while their own shallow ones stayed)."""
+    cache, entry, hits = PrefixCache(max_blocks=10_000, block_size=4, max_entries=6), 0, []
+    for turn in range(1, 5):
+        for a in range(3):
+            prompt = _agent(a, 16 * turn + 1)
+            hit = cache.lookup(prompt)
+            hits.append(None if hit is None else hit[1])
+            for n in (16 * turn - 8, 16 * turn):
+                entry += 1
+                cache.add(_agent(a, n), entry)
+    assert hits == [None] * 3 + [16] * 3 + [32] * 3 + [48] * 3
+
+
+def _reference_victim(entries: list[tuple[tuple, int]], below: set) -> tuple:
+    """The slow rule over (key, id) in least-recently-used order."""
+    def superseded(key) -> bool:
+        return key in below or any(
+            k[0] == key[0] and len(k[1]) > len(key[1]) and k[1][:len(key[1])] == key[1]
+            for k, _ in entries)
+    return next((k for k, _ in entries if superseded(k)), entries[0][0])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_evictions_follow_the_slow_rule_over_random_traffic(seed):
+    rng = random.Random(seed)
+    cache = PrefixCache(max_blocks=10_000, block_size=4, max_entries=8)
+    order: list[tuple[tuple, int]] = []  # the reference's LRU list of (key, id)
+    for entry in range(1, 400):
+        space, agent = rng.randrange(2), rng.randrange(4)
+        tokens = _agent(agent, rng.choice([8, 16, 24, 32, 40]))
+        if rng.random() < 0.4:  # a lookup touches the longest cached prefix
+            hit = cache.lookup(tokens + [1], space)
+            if hit is not None:
+                key = (space, tuple(tokens[:hit[1]]))
+                order.append(order.pop(next(i for i, (k, _) in enumerate(order)
+                                            if k == key)))
+            continue
+        if cache.contains(tokens, space):
+            continue
+        key = (space, tuple(tokens))
+        below = {k for k, _ in order if k[0] == space and len(k[1]) < len(tokens)
+                 and key[1][:len(k[1])] == k[1]}
+        want = []
+        if len(order) >= 8:
+            victim = _reference_victim(order, below)
+            want = [dict(order)[victim]]
+            order = [(k, e) for k, e in order if k != victim]
+        assert cache.add(tokens, entry, space) == want
+        order.append((key, entry))
+        assert len(cache) == len(order)
