@@ -14,12 +14,16 @@ one recurrent-state snapshot per entry (``state_bytes``: the GDN states of one s
 the routing key of the request that computed them (docs/synthetic.md), so the scheduler
 passes that key there; None (real models) is one space for everyone.
 
-Eviction: an entry whose tokens begin a longer entry of its space is *superseded*: a prompt
-that continues the longer one hits the longer one, so the shorter serves only prompts that
-leave it in between. Those go first (least recently used first), then the least recently
-used of all. A conversation checkpoints every ``checkpoint_interval`` tokens as it grows; with
-plain LRU, four agents' turns pushed each other's deepest checkpoint out of a small cache
-while their own shallower ones stayed (the 80B's 75 MiB states allow few entries).
+Eviction: *weak* entries go first: the state at a finished request's end (its prompt and its
+answer), kept in case the conversation's next turn repeats that answer token for token (a
+client that sends back other text, e.g. with the reasoning split off, never hits it); a weak
+entry that a lookup hits becomes an ordinary one. Then an entry whose tokens begin a longer
+entry of its space is *superseded*: a prompt that continues the longer one hits the longer
+one, so the shorter serves only prompts that leave it in between. Those go next (least
+recently used first), then the least recently used of all. A conversation checkpoints
+every ``checkpoint_interval`` tokens as it grows; with plain LRU, four agents' turns pushed
+each other's deepest checkpoint out of a small cache while their own shallower ones stayed
+(the 80B's 75 MiB states allow few entries).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class PrefixCache:
         self._lengths: dict[int, int] = {}  # length -> entries of that length
         self._extends: dict[int, list[Key]] = {}  # entry id -> shorter entries it begins with
         self._superseded: dict[Key, int] = {}  # key -> longer entries that begin with it
+        self._weak: set[Key] = set()  # finished requests' ends not hit yet
 
     @property
     def used_blocks(self) -> int:
@@ -73,19 +78,22 @@ class PrefixCache:
                 key = (space, tuple(prompt[:n]))
                 if key in self._by_tokens:
                     self._by_tokens.move_to_end(key)
+                    self._weak.discard(key)  # it served a prompt: an ordinary entry now
                     return self._by_tokens[key], n
         return None
 
     def contains(self, tokens: list[int], space: Hashable = None) -> bool:
         return (space, tuple(tokens)) in self._by_tokens
 
-    def add(self, tokens: list[int], entry_id: int, space: Hashable = None) -> list[int]:
-        """Record a new checkpoint in ``space``; returns the ids of entries evicted to make
-        room."""
+    def add(self, tokens: list[int], entry_id: int, space: Hashable = None, *,
+            weak: bool = False) -> list[int]:
+        """Record a new checkpoint in ``space`` (``weak``: a finished request's end, see the
+        module's note); returns the ids of entries evicted to make room."""
         blocks, nbytes = self._cost(len(tokens))
         key = (space, tuple(tokens))
-        below = {k for n in self._lengths if n < len(tokens)  # the entries it will supersede
-                 for k in [(space, key[1][:n])] if k in self._by_tokens}
+        below = set() if weak else {  # the entries it will supersede
+            k for n in self._lengths if n < len(tokens)
+            for k in [(space, key[1][:n])] if k in self._by_tokens}
         evicted = []
         while self._by_tokens and self._over(blocks, nbytes):
             evicted.append(self._pop(self._victim(below)))
@@ -97,9 +105,11 @@ class PrefixCache:
         self._extends[entry_id] = [k for k in below if k in self._by_tokens]
         for k in self._extends[entry_id]:
             self._superseded[k] = self._superseded.get(k, 0) + 1
-        n = len(tokens)  # longer entries kept before this one that begin with it
-        above = [e for k, e in self._by_tokens.items()
-                 if k[0] == space and len(k[1]) > n and k[1][:n] == key[1]]
+        if weak:
+            self._weak.add(key)
+        n = len(tokens)  # longer (not weak) entries kept before this one that begin with it
+        above = [e for k, e in self._by_tokens.items() if k[0] == space and len(k[1]) > n
+                 and k not in self._weak and k[1][:n] == key[1]]
         for e in above:
             self._extends[e].append(key)
         if above:
@@ -118,11 +128,12 @@ class PrefixCache:
                            max_bytes=self.max_bytes)
 
     def _victim(self, below: set[Key]) -> Key:
-        """The least recently used superseded entry (``below``: those the entry being added
-        will supersede), else the least recently used one."""
-        for key in self._by_tokens:  # least recently used first
-            if key in self._superseded or key in below:
-                return key
+        """The least recently used weak entry, else superseded one (``below``: those the
+        entry being added will supersede), else the least recently used of all."""
+        for pick in (self._weak, self._superseded.keys() | below):
+            for key in self._by_tokens:  # least recently used first
+                if key in pick:
+                    return key
         return next(iter(self._by_tokens))
 
     def _pop(self, key: Key) -> int:
@@ -133,6 +144,7 @@ class PrefixCache:
         if not self._lengths[n]:
             del self._lengths[n]
         self._superseded.pop(key, None)
+        self._weak.discard(key)
         for k in self._extends.pop(entry, []):  # no longer superseded by this one
             left = self._superseded.get(k, 0) - 1
             if left > 0:

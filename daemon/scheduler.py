@@ -271,10 +271,8 @@ class Scheduler:
         if self.prefix is not None:  # chunks end on checkpoint boundaries
             boundary = (start // self.checkpoint_interval + 1) * self.checkpoint_interval
             end = min(end, boundary)
-            if (end % self.checkpoint_interval == 0 or end == target) and (
-                    not self.route_keyed or seq.user_key is not None or seq.state_slot == slot):
-                # NOTE: a synthetic model's request without a user, swapped back in to another
-                # slot, holds states of two slots' routing: no space is theirs to share
+            if (end % self.checkpoint_interval == 0 or end == target) and \
+                    self._shareable(slot, seq):
                 self._checkpoint(slot, seq.tokens(0, end), after, self._space(slot, seq))
         return SlotWork(kind=WorkKind.PREFILL, start_pos=start, num_tokens=end - start,
                         input_ids=token_array(seq.tokens(start, end)),
@@ -284,18 +282,23 @@ class Scheduler:
         """Draft tokens to verify after ``seq``'s next decode row (tests swap in an oracle)."""
         return self.draft_plan.propose(seq, self.max_context)
 
+    def _shareable(self, slot: int, seq: Sequence) -> bool:
+        # NOTE: a synthetic model's request without a user, swapped back in to another slot,
+        # holds states of two slots' routing: no space is theirs to share
+        return not self.route_keyed or seq.user_key is not None or seq.state_slot == slot
+
     def _space(self, slot: int, seq: Sequence) -> int | None:
         """The prefix cache's space of ``seq`` in ``slot`` (daemon/prefix_cache.py)."""
         return seq.route_key(slot) if self.route_keyed else None
 
     def _checkpoint(self, slot: int, tokens: list[int], after: list[CacheOp],
-                    space: int | None) -> None:
+                    space: int | None, weak: bool = False) -> None:
         if self.prefix.contains(tokens, space) or not self.prefix.fits(len(tokens)):
             return
         entry = self._new_entry()
         after.append(CacheOp(op=OP.CHECKPOINT, slot=slot, num_tokens=len(tokens),
                              entry_id=entry))
-        for dropped in self.prefix.add(tokens, entry, space):
+        for dropped in self.prefix.add(tokens, entry, space, weak=weak):
             self._ops.append(CacheOp(op=OP.DROP_CHECKPOINT, entry_id=dropped))
 
     def _admit(self) -> None:

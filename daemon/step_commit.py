@@ -48,7 +48,7 @@ def commit_step(sched: Any, plan: StepPlan, result: StepResult, seconds: float,
             seq.handle.push(event)
         if seq.finished:
             sched._done(seq)
-            sched._release(work.slot)
+            release_finished(sched, work.slot, seq)
     sched.draft_plan.observe(plan, result, seconds)  # the adaptive draft budget's estimates
     waiting = [entry[2] for entry in sched.queue]
     for seq in waiting:  # e.g. preempted by this plan: now queued
@@ -64,6 +64,23 @@ def commit_step(sched: Any, plan: StepPlan, result: StepResult, seconds: float,
         cpu_expert_seconds=result.timings_ms.get("cpu_experts", 0.0) / 1e3))
     sched.metrics.set_request_states(
         progress.counts([s for s in sched.slots if s is not None] + waiting))
+
+
+def release_finished(sched: Any, slot: int, seq: Sequence) -> None:
+    """Free a finished request's slot, first keeping its state after every token it fed (its
+    prompt and its answer but the last token) as a prefix checkpoint: a conversation's next
+    turn (this prompt, this answer, a new message) then prefills only what is new, if it
+    repeats the answer token for token; a weak entry, evicted first until a turn hits it
+    (daemon/prefix_cache.py). It runs before the slot is freed (both are the next step's
+    cache commands)."""
+    # NOTE: drafts accepted past the request's end (its stop or max_tokens) are in the
+    # worker's cache but not in ``generated``: then its state is after unknown tokens
+    known = len(seq.prompt) + len(seq.generated)
+    if (sched.prefix is not None and len(seq.prompt) < seq.processed < known
+            and sched._shareable(slot, seq)):
+        sched._checkpoint(slot, seq.tokens(0, seq.processed), sched._ops,
+                          sched._space(slot, seq), weak=True)
+    sched._release(slot)
 
 
 def observe_latency(metrics: Metrics | NullMetrics, seq: Sequence, now: float,

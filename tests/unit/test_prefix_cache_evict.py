@@ -70,3 +70,20 @@ def test_evictions_follow_the_slow_rule_over_random_traffic(seed):
         assert cache.add(tokens, entry, space) == want
         order.append((key, entry))
         assert len(cache) == len(order)
+
+
+def test_a_finished_requests_end_goes_first_until_a_turn_hits_it():
+    """The weak entry (a finished request's prompt and answer) neither pushes out the
+    prompt's own checkpoint it extends nor outlives it: a client that sends back other text
+    still finds the prompt's checkpoint. Hit once, it is an ordinary entry."""
+    cache = PrefixCache(max_blocks=10_000, block_size=4, max_entries=3)
+    prompt, answer = _agent(0, 16), _agent(0, 28)  # the answer extends the prompt
+    cache.add(prompt, 1)
+    cache.add(answer, 2, weak=True)
+    cache.add(_agent(1, 16), 3)
+    assert cache.add(_agent(2, 16), 4) == [2]  # the weak end goes, not the older prompt
+    assert cache.lookup(prompt + [5]) == (1, 16)  # other text after the prompt: still a hit
+    assert cache.add(answer, 5, weak=True) == [3]  # the least recently used goes
+    assert cache.lookup(answer + [7]) == (5, 28)  # the next turn repeats the answer
+    assert cache.add(_agent(3, 16), 6) == [4]  # now ordinary: it stays, weak it would go
+    assert cache.contains(answer) and cache.contains(prompt)

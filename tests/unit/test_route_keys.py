@@ -148,9 +148,10 @@ def test_no_checkpoint_of_states_that_mix_two_slots_routing(model, route_keyed):
     """A request without a user, swapped out mid-prompt and back in to another slot, holds
     states of two slots' routing on a synthetic model: its later chunks are not checkpointed
     (a real model's are)."""
-    runner = Runner(model, max_slots=2, max_context=128, block_size=4, extra_blocks=64)
+    # room for every checkpoint (the finished requests' too): nothing is evicted
+    runner = Runner(model, max_slots=2, max_context=128, block_size=4, extra_blocks=256)
     sched = Scheduler(max_slots=2, max_context=128, max_queue=8, prefill_chunk=16,
-                      block_size=4, checkpoint_interval=8, prefix_blocks=64)
+                      block_size=4, checkpoint_interval=8, prefix_blocks=256)
     sched.route_keyed = route_keyed
     worker = InProcessWorker(runner)
     sched.attach(worker)
