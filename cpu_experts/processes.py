@@ -152,7 +152,6 @@ class ShardFiles:
             key = shard_cache.cache_key({**cache[1], "format": fmt, "bounds": [
                 sorted((int(k), [int(x) for x in v]) for k, v in b.items()) for b in bounds]})
             self.entry = shard_cache.CacheEntry(cache[0], key, self.sizes)
-        if self.entry is not None:
             procs.entries.append(self.entry)
         self.cached = self.entry is not None and self.entry.complete
         _check_space(ring_size, rings.shm_dir())

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 # the modules whose code decides a shard's bytes (tiles, quantizers, formats): any change to
@@ -32,12 +33,17 @@ LAYOUT_MODULES = ("shard.py", "quant.py", "quant_vec.py", "quant4.py", "formats.
                   "tiles4.py")
 
 
-def layout_hash() -> str:
+def code_hash(*files: str | Path) -> str:
+    """A digest of these source files' names and bytes (a cache key's "the code")."""
     h = hashlib.sha256()
-    here = Path(__file__).resolve().parent
-    for name in LAYOUT_MODULES:
-        h.update(name.encode() + b"\0" + (here / name).read_bytes())
+    for f in files:
+        h.update(Path(f).name.encode() + b"\0" + Path(f).read_bytes())
     return h.hexdigest()
+
+
+def layout_hash() -> str:
+    here = Path(__file__).resolve().parent
+    return code_hash(*(here / name for name in LAYOUT_MODULES))
 
 
 def cache_key(facts: dict) -> str:
@@ -132,21 +138,27 @@ def reclaimable_bytes(root: str | Path | None) -> int:
     maps such an entry or removes it before it writes its own). 0 elsewhere."""
     if not root or not Path(root).is_dir() or not _in_memory(Path(root)):
         return 0
-    total = 0
-    for entry in Path(root).iterdir():
+    return sum(f.stat().st_blocks * 512 for entry in _idle_entries(root)
+               for f in entry.glob("experts*.bin"))
+
+
+def _idle_entries(root: str | Path, skip: str = "") -> Iterator[Path]:
+    """The entries of ``root`` (but ``skip``) that no process uses, each yielded while this
+    process holds its use lock exclusively."""
+    for entry in sorted(Path(root).iterdir()):
         lock = entry / "use.lock"
-        if not lock.exists():
+        if entry.name == skip or not entry.is_dir() or not lock.exists():
             continue
         fd = os.open(lock, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            continue
-        else:
-            total += sum(f.stat().st_blocks * 512 for f in entry.glob("experts*.bin"))
+            os.close(fd)
+            continue  # a running server maps it
+        try:
+            yield entry
         finally:
             os.close(fd)
-    return total
 
 
 def _in_memory(path: Path) -> bool:
@@ -171,17 +183,7 @@ def _in_memory(path: Path) -> bool:
 def evict(root: str | Path, keep: str) -> list[str]:
     """Remove every entry of ``root`` but ``keep`` that no process uses; their names."""
     gone = []
-    for entry in sorted(Path(root).iterdir()):
-        if entry.name == keep or not entry.is_dir() or not (entry / "use.lock").exists():
-            continue
-        fd = os.open(entry / "use.lock", os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # a running server maps it
-        else:
-            shutil.rmtree(entry, ignore_errors=True)
-            gone.append(entry.name)
-        finally:
-            os.close(fd)
+    for entry in _idle_entries(root, skip=keep):
+        shutil.rmtree(entry, ignore_errors=True)
+        gone.append(entry.name)
     return gone

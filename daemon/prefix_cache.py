@@ -28,7 +28,6 @@ each other's deepest checkpoint out of a small cache while their own shallower o
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Hashable
 
 Key = tuple[Hashable, tuple[int, ...]]  # (space, tokens)
@@ -42,12 +41,16 @@ class PrefixCache:
         self.block_size = block_size
         self.max_entries = max_entries
         self.block_bytes, self.state_bytes, self.max_bytes = block_bytes, state_bytes, max_bytes
-        self._by_tokens: OrderedDict[Key, int] = OrderedDict()  # LRU order
+        # least recently used first (a plain dict: an OrderedDict's iteration hashes every
+        # key again, and a key is a prompt's worth of tokens)
+        self._by_tokens: dict[Key, int] = {}
         self._blocks: dict[int, int] = {}  # entry id -> blocks it may pin
         self._lengths: dict[int, int] = {}  # length -> entries of that length
-        self._extends: dict[int, list[Key]] = {}  # entry id -> shorter entries it begins with
-        self._superseded: dict[Key, int] = {}  # key -> longer entries that begin with it
-        self._weak: set[Key] = set()  # finished requests' ends not hit yet
+        # by entry id (a key's hash walks all its tokens): the shorter entries each begins
+        # with, how many longer entries begin with each, finished requests' ends not hit yet
+        self._extends: dict[int, list[int]] = {}
+        self._superseded: dict[int, int] = {}
+        self._weak: set[int] = set()
 
     @property
     def used_blocks(self) -> int:
@@ -77,9 +80,9 @@ class PrefixCache:
             if n < len(prompt):
                 key = (space, tuple(prompt[:n]))
                 if key in self._by_tokens:
-                    self._by_tokens.move_to_end(key)
-                    self._weak.discard(key)  # it served a prompt: an ordinary entry now
-                    return self._by_tokens[key], n
+                    entry = self._by_tokens[key] = self._by_tokens.pop(key)  # most recent
+                    self._weak.discard(entry)  # it served a prompt: an ordinary entry now
+                    return entry, n
         return None
 
     def contains(self, tokens: list[int], space: Hashable = None) -> bool:
@@ -90,30 +93,34 @@ class PrefixCache:
         """Record a new checkpoint in ``space`` (``weak``: a finished request's end, see the
         module's note); returns the ids of entries evicted to make room."""
         blocks, nbytes = self._cost(len(tokens))
-        key = (space, tuple(tokens))
-        below = set() if weak else {  # the entries it will supersede
-            k for n in self._lengths if n < len(tokens)
-            for k in [(space, key[1][:n])] if k in self._by_tokens}
+        key, n = (space, tuple(tokens)), len(tokens)
+        below, above = set(), []  # ids: the entries it begins with, the longer ones that
+        # begin with it
+        for k, e in self._by_tokens.items():  # one pass: no tuple is built for a non-match
+            if k[0] != space:
+                continue
+            if len(k[1]) < n and not weak and _begins(key[1], k[1]):
+                below.add(e)
+            elif len(k[1]) > n and e not in self._weak and _begins(k[1], key[1]):
+                above.append(e)
         evicted = []
         while self._by_tokens and self._over(blocks, nbytes):
             evicted.append(self._pop(self._victim(below)))
-        if not self.fits(len(tokens)):
+        if not self.fits(n):
             return evicted  # too big to keep at all; the caller must drop it
         self._by_tokens[key] = entry_id
         self._blocks[entry_id] = blocks
-        self._lengths[len(tokens)] = self._lengths.get(len(tokens), 0) + 1
-        self._extends[entry_id] = [k for k in below if k in self._by_tokens]
-        for k in self._extends[entry_id]:
-            self._superseded[k] = self._superseded.get(k, 0) + 1
+        self._lengths[n] = self._lengths.get(n, 0) + 1
+        self._extends[entry_id] = [e for e in below if e in self._blocks]  # not evicted now
+        for e in self._extends[entry_id]:
+            self._superseded[e] = self._superseded.get(e, 0) + 1
         if weak:
-            self._weak.add(key)
-        n = len(tokens)  # longer (not weak) entries kept before this one that begin with it
-        above = [e for k, e in self._by_tokens.items() if k[0] == space and len(k[1]) > n
-                 and k not in self._weak and k[1][:n] == key[1]]
+            self._weak.add(entry_id)
+        above = [e for e in above if e in self._blocks]
         for e in above:
-            self._extends[e].append(key)
+            self._extends[e].append(entry_id)
         if above:
-            self._superseded[key] = len(above)
+            self._superseded[entry_id] = len(above)
         return evicted
 
     def fits(self, num_tokens: int) -> bool:
@@ -127,12 +134,12 @@ class PrefixCache:
                            block_bytes=self.block_bytes, state_bytes=self.state_bytes,
                            max_bytes=self.max_bytes)
 
-    def _victim(self, below: set[Key]) -> Key:
+    def _victim(self, below: set[int]) -> Key:
         """The least recently used weak entry, else superseded one (``below``: those the
         entry being added will supersede), else the least recently used of all."""
-        for pick in (self._weak, self._superseded.keys() | below):
-            for key in self._by_tokens:  # least recently used first
-                if key in pick:
+        for superseded in (False, True):
+            for key, e in self._by_tokens.items():  # least recently used first
+                if (e in self._superseded or e in below) if superseded else e in self._weak:
                     return key
         return next(iter(self._by_tokens))
 
@@ -143,12 +150,20 @@ class PrefixCache:
         self._lengths[n] -= 1
         if not self._lengths[n]:
             del self._lengths[n]
-        self._superseded.pop(key, None)
-        self._weak.discard(key)
-        for k in self._extends.pop(entry, []):  # no longer superseded by this one
-            left = self._superseded.get(k, 0) - 1
+        self._superseded.pop(entry, None)
+        self._weak.discard(entry)
+        for e in self._extends.pop(entry, []):  # no longer superseded by this one
+            left = self._superseded.get(e, 0) - 1
             if left > 0:
-                self._superseded[k] = left
+                self._superseded[e] = left
             else:
-                self._superseded.pop(k, None)
+                self._superseded.pop(e, None)
         return entry
+
+
+def _begins(longer: tuple, shorter: tuple) -> bool:
+    """Whether ``longer`` begins with ``shorter`` (non-empty); two tokens are looked at
+    before any slice is made, which rejects almost every other entry."""
+    m = len(shorter)
+    return (longer[m - 1] == shorter[-1] and longer[m // 2] == shorter[m // 2]
+            and longer[:m] == shorter)

@@ -8,11 +8,11 @@ seed and the generator's code (its values follow from them alone, docs/synthetic
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
+from cpu_experts.shard_cache import code_hash
 from gpu_worker.weights import gguf_quants, gguf_source, synthetic
 from gpu_worker.weights.gguf_source import split_files
 from gpu_worker.weights.source import WeightSource
@@ -25,19 +25,13 @@ def source_facts(source: WeightSource) -> dict[str, Any]:
     path = source.path
     if path is None:
         return facts | {"seed": getattr(source, "seed", None),
-                        "generator": _code_hash(synthetic.__file__)}
+                        "generator": code_hash(synthetic.__file__)}
     path = Path(path)
     files = split_files(path) if path.is_file() else sorted(
         p for p in path.iterdir() if p.is_file())
     stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     facts |= {"path": str(path.resolve()), "files": stats}
     if path.is_file():  # a GGUF: its blocks are dequantized or converted by this code
-        facts["reader"] = _code_hash(gguf_quants.__file__, gguf_source.__file__)
+        facts["reader"] = code_hash(gguf_quants.__file__, gguf_source.__file__)
     return facts
 
-
-def _code_hash(*files: str) -> str:
-    h = hashlib.sha256()
-    for f in files:
-        h.update(Path(f).read_bytes())
-    return h.hexdigest()
