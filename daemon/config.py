@@ -167,7 +167,8 @@ def summary(config: Config) -> list[str]:
               "the whole device" if m.backend != "numpy" else "no limit")
     return [
         f"model: {m.served_name} from {m.path} ({m.dtype}, {m.backend} backend"
-        + (f", CUDA graphs, {m.cuda_graph_warm_up} layouts captured at start-up)"
+        + (f", CUDA graphs{' in capacity buckets' if m.cuda_graph_buckets else ''}, "
+           f"{m.cuda_graph_warm_up} layouts captured at start-up)"
            if m.cuda_graphs and m.backend != "numpy" else ")"),
         f"http: http://{s.host}:{s.port} ({auth}), body <= {s.max_body_bytes} bytes",
         f"zmq: {s.zmq_endpoint}",

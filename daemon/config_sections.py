@@ -72,6 +72,9 @@ class ModelSection:
     # captured before the server is ready: "all" (decode and every verify layout the
     # speculation settings can make) or "decode" (verify layouts as they come: a shorter start)
     cuda_graph_warm_up: str = "all"
+    # a pass whose rows fall between the capacity buckets (1, 2, 4, 8, 12, 16) is padded up
+    # to the larger one, so one graph serves them all (false: a graph per rows and slots)
+    cuda_graph_buckets: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype == "":
@@ -85,6 +88,7 @@ class ModelSection:
         check_str("model.dtype", self.dtype, DTYPES)
         check_str("model.backend", self.backend, BACKENDS)
         check_bool("model.cuda_graphs", self.cuda_graphs)
+        check_bool("model.cuda_graph_buckets", self.cuda_graph_buckets)
         check_str("model.cuda_graph_warm_up", self.cuda_graph_warm_up, GRAPH_WARM_UPS)
 
     @property

@@ -53,7 +53,8 @@ def worker_config(config: Config) -> WorkerConfig:
                         and config.speculation.draft_overlap,
                         speculation_mode=config.speculation.mode,
                         cuda_graphs=config.model.cuda_graphs,
-                        graph_warm_up=config.model.cuda_graph_warm_up)
+                        graph_warm_up=config.model.cuda_graph_warm_up,
+                        graph_buckets=config.model.cuda_graph_buckets)
 
 
 def serve(config: Config) -> int:

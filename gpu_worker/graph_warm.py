@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from gpu_worker.graph_buckets import shape_key
 from protocol.messages import (
     CacheOp,
     CacheOpKind,
@@ -54,6 +55,18 @@ def layouts(max_slots: int, max_drafts: int, mode: str, *,
             base, extra = divmod(total, k)
             verify.append(tuple([base + 1] * extra + [base] * (k - extra) + [0] * (n - k)))
     return out + verify[:limit]
+
+
+def one_per_bucket(shapes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The first of ``shapes`` (:func:`layouts`) of each graph with capacity buckets
+    (graph_buckets.shape_key: a bucket's passes share one)."""
+    seen, out = set(), []
+    for shape in shapes:
+        key = shape_key(len(shape) + sum(shape), len(shape))
+        if key not in seen:
+            seen.add(key)
+            out.append(shape)
+    return out
 
 
 def warm(runner: Any, shapes: list[tuple[int, ...]]) -> dict[str, float]:

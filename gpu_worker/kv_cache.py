@@ -45,10 +45,16 @@ class BlockAllocator:
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, *, last: bool = False) -> list[int]:
+        """``n`` free blocks: the lowest ids free (``last``: the highest, for blocks held for
+        good, so that the others are handed out as without them)."""
         if not self.can_allocate(n):
             raise CacheFull(f"need {n} KV blocks, {len(self._free)} free")
-        ids = [self._free.pop() for _ in range(n)]
+        if last:
+            self._free.sort(reverse=True)  # the highest first
+            ids, self._free[:n] = self._free[:n], []
+        else:
+            ids = [self._free.pop() for _ in range(n)]
         for i in ids:
             self._refs[i] = 1
         return ids
@@ -120,12 +126,13 @@ class KVCache:
         have = len(self.tables.get(slot, ()))
         return self.allocator.can_allocate(max(0, self.blocks_for(length) - have))
 
-    def ensure(self, slot: int, length: int) -> None:
-        """Make the slot's table cover positions [0, length)."""
+    def ensure(self, slot: int, length: int, *, last: bool = False) -> None:
+        """Make the slot's table cover positions [0, length) (``last``: with the highest free
+        block ids, BlockAllocator.allocate)."""
         table = self.tables.setdefault(slot, [])
         need = self.blocks_for(length) - len(table)
         if need > 0:
-            table.extend(self.allocator.allocate(need))
+            table.extend(self.allocator.allocate(need, last=last))
             self._changed(slot)
 
     def share(self, dst: int, src_blocks: list[int]) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 from cpu_experts.formats import bytes_per_weight
 from cpu_experts.tiles import BLOCK_BYTES, TU
 from gpu_worker.expert_stats import hot_order
+from gpu_worker.graph_buckets import padded_rows
 from gpu_worker.kernels.paged_attention_ref import PARTITION
 from gpu_worker.model.moe import GROUPED_MAX_ROWS
 from gpu_worker.model_config import ModelConfig
@@ -111,12 +112,23 @@ def work_parts(config: ModelConfig, shapes: Shapes, dtype: str, *, max_slots: in
             ("expert scratch", experts), ("bf16 widening", widen))
 
 
-def graph_bytes(config: ModelConfig, *, max_slots: int, max_drafts: int) -> int:
+def graph_output_rows(max_slots: int, max_drafts: int, buckets: bool) -> int:
+    """Rows of the logits and hidden states every graph shares: the largest decode or verify
+    pass's, padded up to its capacity bucket with ``buckets`` (gpu_worker/graph_buckets.py)."""
+    rows = max_slots * max(1 + max_drafts, GRAPH_OUTPUT_ROWS_PER_SLOT)
+    return padded_rows(rows) if buckets else rows
+
+
+def graph_bytes(config: ModelConfig, *, max_slots: int, max_drafts: int,
+                buckets: bool = False, scratch_bytes: int = 0) -> int:
     """What CUDA graphs add on the GPU: the pool's reserve (every graph's temporaries come
     from it) and the shared float32 logits and hidden rows of the largest decode or verify
-    pass. Each graph keeps only its inputs and sampled tokens besides (a few KiB)."""
-    rows = max_slots * max(1 + max_drafts, GRAPH_OUTPUT_ROWS_PER_SLOT)
-    return GRAPH_POOL_RESERVE + rows * (config.vocab_size + config.hidden_size) * 4
+    pass; with capacity buckets also ``scratch_bytes``, the padding rows' scratch slot (its
+    KV block and GDN state). Each graph keeps only its inputs and sampled tokens besides (a
+    few KiB)."""
+    rows = graph_output_rows(max_slots, max_drafts, buckets)
+    return (GRAPH_POOL_RESERVE + rows * (config.vocab_size + config.hidden_size) * 4
+            + (scratch_bytes if buckets else 0))
 
 
 def expert_order(moe_layers: tuple[int, ...], num_experts: int,

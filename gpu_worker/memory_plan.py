@@ -20,6 +20,7 @@ from cpu_experts.cores import numa_core_groups
 from cpu_experts.rings import Ring
 from cpu_experts.shard_cache import reclaimable_bytes
 from gpu_worker import memory_parts as mp
+from gpu_worker.graph_buckets import MAX_PAD
 from gpu_worker.kv_cache import block_bytes
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.weights_spec import expected_tensors
@@ -149,7 +150,8 @@ def plan_memory(config: ModelConfig, *, dtype: str = "bfloat16", backend: str = 
                 hot_counts: Mapping[int, np.ndarray] | None = None, cpu_workers: int = 1,
                 include_mtp: bool = True,
                 host_available_bytes: int | None = -1, cpu_format: str = "int8",
-                cuda_graphs: bool = False, gpu_format: str = "model") -> MemoryPlan:
+                cuda_graphs: bool = False, gpu_format: str = "model",
+                graph_buckets: bool = False) -> MemoryPlan:
     """The plan for ``config`` served with these settings, or :class:`PlanError`.
 
     ``gpu_budget_bytes`` None: no GPU limit (pass the device's size for "the whole device").
@@ -198,8 +200,9 @@ def plan_memory(config: ModelConfig, *, dtype: str = "bfloat16", backend: str = 
         work_parts=mp.work_parts(config, shapes, dtype, max_slots=max_slots,
                                  max_context=max_context, prefill_chunk=prefill_chunk,
                                  max_drafts=max_drafts)
-        + ((("CUDA graphs", mp.graph_bytes(config, max_slots=max_slots,
-                                            max_drafts=max_drafts)),)
+        + ((("CUDA graphs", mp.graph_bytes(
+            config, max_slots=max_slots, max_drafts=max_drafts, buckets=graph_buckets,
+            scratch_bytes=gdn_slot + kv_block * -(-MAX_PAD // kv_block_size))),)
            if cuda_graphs and backend == "cupy" else ()),
         moe_layers=moe_layers, num_experts=E,
         gpu_bytes_per_expert=(weights * 17 // 16 if gpu_format == "int8"  # + fp16 per 32
@@ -258,7 +261,8 @@ def plan_for_worker(cfg: WorkerConfig, model: ModelConfig, *, backend: str,
         cpu_experts_per_layer=cfg.cpu_experts_per_layer, hot_counts=hot_counts,
         cpu_workers=cfg.cpu_workers or len(cfg.cpu_cores) or len(numa_core_groups()),
         include_mtp=include_mtp, host_available_bytes=host_available_bytes,
-        cpu_format=cfg.cpu_format, cuda_graphs=cfg.cuda_graphs, gpu_format=cfg.gpu_format)
+        cpu_format=cfg.cpu_format, cuda_graphs=cfg.cuda_graphs, gpu_format=cfg.gpu_format,
+        graph_buckets=cfg.graph_buckets)
 
 
 def _experts_that_fit(plan: MemoryPlan, placement: str, cpu_per_layer: int) -> int:

@@ -20,6 +20,7 @@ import numpy as np
 from gpu_worker import graph_warm
 from gpu_worker.cache_ops import CacheOps, PlanError
 from gpu_worker.draft_overlap import DraftOverlap, overlap_status
+from gpu_worker.graph_buckets import MAX_PAD
 from gpu_worker.graph_warm import MAX_WARM_LAYOUTS
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model.batch import RaggedBatch
@@ -58,7 +59,8 @@ class Runner:
                  extra_blocks: int = 0, kv_int8: bool = False,
                  experts: RoutedExperts | None = None, slot_routing: bool = False,
                  draft_overlap: bool = False, cuda_graphs: bool = False, max_drafts: int = 0,
-                 speculation_mode: str = "off", graph_warm_up: str = "all") -> None:
+                 speculation_mode: str = "off", graph_warm_up: str = "all",
+                 graph_buckets: bool = True) -> None:
         self.model = model
         self.slot_routing = slot_routing and experts is not None
         self.max_slots = max_slots
@@ -67,21 +69,27 @@ class Runner:
         self.speculation_mode = speculation_mode
         self.graph_warm_up = graph_warm_up
         self.experts = experts
-        # extra_blocks: room for prefix checkpoints beyond every slot's own blocks
-        caches = model.new_caches(max_slots, max_context, block_size, extra_blocks,
-                                  kv_int8=kv_int8)
-        self.drafter = MtpDrafter(model, caches, max_context)
-        self.cache_ops = CacheOps(caches, max_slots, on_release=self.drafter.forget)
-        self.num_passes = 0  # forward passes run so far (tests count them)
-        active, self.overlap_reason = overlap_status(draft_overlap, model, experts)
-        self.overlap = DraftOverlap(experts, model.xp) if active else None
+        overlap, self.overlap_reason = overlap_status(draft_overlap, model, experts)
+        self.overlap = DraftOverlap(experts, model.xp) if overlap else None
         active, self.graphs_reason = graphs_status(cuda_graphs, model, experts)
         if active and self.overlap is not None:
             active, self.graphs_reason = False, "draft overlap keeps the passes eager"
+        # capacity buckets: the padding rows' scratch slot, after the daemon's (its KV
+        # blocks and its state one more of each: gpu_worker/graph_buckets.py)
+        scratch = max_slots if active and graph_buckets else None
+        # extra_blocks: room for prefix checkpoints beyond every slot's own blocks
+        caches = model.new_caches(
+            max_slots, max_context, block_size,
+            extra_blocks + (0 if scratch is None else -(-MAX_PAD // block_size)),
+            kv_int8=kv_int8, extra_state_slots=0 if scratch is None else 1)
+        self.drafter = MtpDrafter(model, caches, max_context)
+        self.cache_ops = CacheOps(caches, max_slots, on_release=self.drafter.forget)
+        self.num_passes = 0  # forward passes run so far (tests count them)
         self.graphs = (StepGraphs(model, self.caches, max_slots=max_slots,
                                   max_context=max_context, experts=experts,
                                   max_drafts=max_drafts, wide=speculation_mode != "narrow",
-                                  max_graphs=max(MAX_GRAPHS, max_slots + MAX_WARM_LAYOUTS))
+                                  max_graphs=max(MAX_GRAPHS, max_slots + MAX_WARM_LAYOUTS),
+                                  scratch=scratch)
                        if active else None)
 
     @property
@@ -108,6 +116,8 @@ class Runner:
             return {"graphs": 0, "refused": 0, "layouts": 0, "seconds": 0.0}
         drafts = self.max_drafts if self.graph_warm_up == "all" else 0
         shapes = graph_warm.layouts(self.max_slots, drafts, self.speculation_mode)
+        if self.graphs.scratch is not None:  # one pass of each capacity bucket
+            shapes = graph_warm.one_per_bucket(shapes)
         # a scratch slot holds one prompt token, then a pass's rows
         return graph_warm.warm(self, [s for s in shapes if 2 + max(s) <= self.max_context])
 

@@ -106,11 +106,13 @@ def build_runner(cfg: WorkerConfig) -> tuple[Runner, object, ModelInfo]:
                     experts=pool if pool else None, slot_routing=cfg.slot_routing,
                     draft_overlap=cfg.draft_overlap, cuda_graphs=cfg.cuda_graphs,
                     max_drafts=cfg.max_drafts, speculation_mode=cfg.speculation_mode,
-                    graph_warm_up=cfg.graph_warm_up)
+                    graph_warm_up=cfg.graph_warm_up, graph_buckets=cfg.graph_buckets)
     _log("draft overlap", enabled=cfg.draft_overlap, active=runner.overlap is not None,
          reason=runner.overlap_reason)
     _log("cuda graphs", enabled=cfg.cuda_graphs, active=runner.graphs is not None,
-         reason=runner.graphs_reason, warm_up=cfg.graph_warm_up, **runner.warm_graphs(),
+         reason=runner.graphs_reason, warm_up=cfg.graph_warm_up,
+         buckets=runner.graphs is not None and runner.graphs.scratch is not None,
+         **runner.warm_graphs(),
          **_device_free(model.xp))
     kv, states = runner.caches.kv, runner.caches.states
     layout = KvLayout(block_size=kv.block_size, block_bytes=kv.nbytes // max(kv.num_blocks, 1),

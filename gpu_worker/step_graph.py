@@ -34,9 +34,14 @@ import time
 
 import numpy as np
 
+from gpu_worker import graph_buckets
 from gpu_worker.kernels import sampler
 from gpu_worker.kernels.enabled import enabled
-from gpu_worker.memory_parts import GRAPH_OUTPUT_ROWS_PER_SLOT, GRAPH_POOL_RESERVE
+from gpu_worker.memory_parts import (
+    GRAPH_OUTPUT_ROWS_PER_SLOT,
+    GRAPH_POOL_RESERVE,
+    graph_output_rows,
+)
 from gpu_worker.model.attention import PAGED_MAX_ROWS
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.model import Caches, ForwardOut, Model
@@ -46,7 +51,8 @@ from protocol.messages import SlotWork, WorkKind
 from protocol.worker_config import MAX_WIDE_SLOTS, WIDE_CAPACITIES
 
 MAX_GRAPHS = 48  # layouts kept; the least recently used one goes first
-MODEL_INPUTS = ("tokens", "positions", "logit_rows", "attn", "gdn", "routing", "row_keys")
+MODEL_INPUTS = ("tokens", "positions", "logit_rows", "attn", "gdn", "routing", "row_keys",
+                "live")
 
 
 def graphs_status(wanted: bool, model: Model, experts) -> tuple[bool, str]:
@@ -79,6 +85,15 @@ def layout_key(work: list[SlotWork], batch: RaggedBatch, rows, first: dict[int, 
     rows, 40 layouts instead of the 118 multisets of slot shapes)."""
     return (batch.num_rows, len(batch.segments), len(rows),
             sum(len(w.draft_ids) for w in work), tuple(w.slot in first for w in work))
+
+
+def pass_key(work: list[SlotWork], batch: RaggedBatch, rows, first: dict[int, int],
+             buckets: bool) -> tuple:
+    """A pass's graph key: with ``buckets``, its capacity bucket's where the pass is padded
+    up to one (gpu_worker/graph_buckets.py), else :func:`layout_key`."""
+    if buckets and graph_buckets.padding(batch, rows):
+        return graph_buckets.key(batch.num_rows, len(batch.segments))
+    return layout_key(work, batch, rows, first)
 
 
 def takes(work: list[SlotWork], batch: RaggedBatch) -> bool:
@@ -139,7 +154,7 @@ class StepGraphs:
 
     def __init__(self, model: Model, caches: Caches, *, max_slots: int, max_context: int,
                  experts=None, max_graphs: int = MAX_GRAPHS, max_drafts: int = 0,
-                 wide: bool = True) -> None:
+                 wide: bool = True, scratch: int | None = None) -> None:
         import cupy as cp  # noqa: PLC0415
 
         self.cp, self.model, self.caches = cp, model, caches
@@ -151,7 +166,13 @@ class StepGraphs:
         self.pool = cp.cuda.MemoryPool()
         with cp.cuda.using_allocator(self.pool.malloc):
             cp.empty(GRAPH_POOL_RESERVE, cp.uint8)  # freed at once: the pool keeps it
-        caches.kv.device_tables(min_rows=max_slots)  # fixed rows: the address never moves
+        # the capacity buckets' padding rows (graph_buckets.py): this slot's, never the
+        # daemon's; its KV blocks for them taken now, its state one more of the caches'
+        self.scratch = scratch
+        if scratch is not None:
+            caches.kv.ensure(scratch, graph_buckets.MAX_PAD, last=True)
+        # fixed rows: the address never moves
+        caches.kv.device_tables(min_rows=max_slots if scratch is None else scratch + 1)
         self.graphs: collections.OrderedDict[tuple, _Graph] = collections.OrderedDict()
         self.seen: set[tuple] = set()
         self.refused: dict[tuple, str] = {}
@@ -169,7 +190,7 @@ class StepGraphs:
         self.on_launch = None  # called right after each graph launch (benchmarks' host time)
         # both made as big as the daemon's passes can need (the memory plan counts them):
         # growing them later would drop every graph, the ones captured at start-up too
-        self._make_outputs(max_slots * max(1 + max_drafts, GRAPH_OUTPUT_ROWS_PER_SLOT))
+        self._make_outputs(graph_output_rows(max_slots, max_drafts, scratch is not None))
         states = caches.states
         if max_drafts and states is not None and states.num_layers:
             tracked = 1 + max_drafts  # narrow: a drafted slot alone
@@ -191,20 +212,32 @@ class StepGraphs:
             first: dict[int, int]) -> tuple[ForwardOut, list[tuple[list[int], int]]] | None:
         """The pass (forward, sampling, draft matching) through its layout's graph, captured
         now if the layout ran before; None: run it eagerly (nothing was done)."""
-        key = layout_key(work, batch, rows, first)
+        key = pass_key(work, batch, rows, first, self.scratch is not None)
+        n_pad = 0 if self.scratch is None else graph_buckets.padding(batch, rows)
+        if n_pad:  # the bucket's graph, the padding on the scratch slot
+            batch, rows, live = graph_buckets.pad(batch, rows, self.scratch, n_pad)
         if key in self.refused:
             return None
         g = self.graphs.get(key)
-        if g is None and key not in self.seen:
+        first_run = g is None and key not in self.seen
+        if first_run:
             self.seen.add(key)  # eager this once: compiles what the layout needs
             self.totals["graph_first_runs"] += 1
-            return None
+            if not n_pad:
+                return None
         cp, model, caches = self.cp, self.model, self.caches
         main = cp.cuda.get_current_stream()
         if self._grow_shared(batch):
             g = None  # dropped with the others: captured again below
         host = host_inputs(model, caches, batch, rows, self.track)
         host.update(sampling_inputs(work, len(rows), first))
+        if n_pad:
+            host["live"] = live
+            graph_buckets.pad_drafts(host, batch.num_rows)
+            if self.experts is not None:  # the padding rows: no slot's
+                self.experts.track_padding(batch.num_rows)
+        if first_run:  # a padded pass's first run: eager, padded, as its graph will run
+            return self._eager(work, batch, rows, first, host)
         caches.kv.device_tables()  # table rows that changed: before the graph reads them
         if g is None:
             g = self._capture(key, host, batch)

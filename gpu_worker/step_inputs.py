@@ -42,6 +42,9 @@ class StepInputs:
     logit_rows: Array  # int64 [n]: rows whose logits the pass returns
     meta: StepMeta | None  # the paged-attention kernels' metadata (CuPy, kernel on)
     routing: DeviceRouting | KernelRouting | None  # synthetic models: each row's experts
+    # bool [R]: False on a padded pass's padding rows, which pick no routed expert
+    # (gpu_worker/graph_buckets.py); None: every row is live
+    live: Array | None = None
 
 
 def host_inputs(model, caches, batch: RaggedBatch, logit_rows: np.ndarray,
@@ -87,7 +90,8 @@ def step_inputs(model, caches, batch: RaggedBatch, dev: dict[str, Array],
                                  for i, index in enumerate(_moe_layers(model))})
     elif "row_keys" in dev:
         routing = KernelRouting(_routing_tables(model), dev["row_keys"], dev["positions"])
-    return StepInputs(dev["tokens"], dev["positions"], dev["logit_rows"], meta, routing)
+    return StepInputs(dev["tokens"], dev["positions"], dev["logit_rows"], meta, routing,
+                      dev.get("live"))
 
 
 def _moe_layers(model) -> list[int]:

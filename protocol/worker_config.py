@@ -85,6 +85,7 @@ class WorkerConfig:
     draft_overlap: bool = False  # a pass's MTP drafter under the next pass's CPU experts
     cuda_graphs: bool = True  # decode/verify passes as CUDA graphs where they can be
     graph_warm_up: str = "all"  # captured before READY: decode layouts, or verify ones too
+    graph_buckets: bool = True  # passes padded up to the capacity buckets' graphs
     heartbeat_s: float = HEARTBEAT_S  # a Heartbeat this often while idle
 
     def __post_init__(self) -> None:
@@ -106,7 +107,8 @@ class WorkerConfig:
                          ("prefix_cache_max_mb", 0), ("cpu_experts_per_layer", 0),
                          ("cpu_workers", 0), ("prefill_chunk", 1), ("max_drafts", 0)):
             _count(name, getattr(self, name), lo)
-        for name in ("prefix_cache", "slot_routing", "draft_overlap", "cuda_graphs"):
+        for name in ("prefix_cache", "slot_routing", "draft_overlap", "cuda_graphs",
+                     "graph_buckets"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not all(isinstance(g, tuple) and g and all(type(c) is int and c >= 0 for c in g)

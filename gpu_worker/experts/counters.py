@@ -40,6 +40,12 @@ class ExpertCounters:
         """Record the coming pass's CPU picks per slot: ``row_slot`` [R] (None: stop)."""
         self._row_slot = row_slot
 
+    def pad_rows(self, rows: int) -> None:
+        """The coming pass's rows past the tracked ones, up to ``rows``, are no slot's."""
+        have = self._row_slot
+        if have is not None and have.size < rows:
+            self._row_slot = np.concatenate([have, np.full(rows - have.size, -1, have.dtype)])
+
     @property
     def tracking(self) -> bool:
         return self._row_slot is not None

@@ -52,6 +52,7 @@ class LaunchedPath:
         out = xp.zeros_like(x)  # [R, H] float32
         if first_cpu:  # the GPU's experts run while the CPU workers do theirs
             mlp = self.model.layers[layer].mlp
+            # (an id -1, no expert: on_cpu[-1] wraps, and -1 stays -1 either way)
             out = experts_local(self.model.ops, *expert_stacks(mlp), x,
                                 xp.where(on_cpu[ids], -1, ids), weights)
         parts = []

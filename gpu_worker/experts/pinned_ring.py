@@ -148,9 +148,10 @@ class PinnedRing:
         ``d16 [R, H/32]`` fp16 (or its uint16 bits), ``ids [R, k]`` integer expert ids,
         ``weights [R, k]``, all CuPy, ``R <= pool.max_rows``. ``on_cpu``: the layer's bool
         mask over expert ids (None: every id is the pool's); ring ids become
-        ``id - first_cpu`` where ``on_cpu[id]``, else -1 (and -2, which the workers refuse,
-        outside the mask). The ``ring_launch`` kernel writes the inputs, then (if any pair is
-        the workers') the header and every worker's ``SEQ_IN``. Then enqueue the GPU's own
+        ``id - first_cpu`` where ``on_cpu[id]``, else -1 (an id of -1 too: no expert, a padded
+        pass's padding row; -2, which the workers refuse, for other ids outside the mask).
+        The ``ring_launch`` kernel writes the inputs, then (if any pair is the workers') the
+        header and every worker's ``SEQ_IN``. Then enqueue the GPU's own
         work, then :meth:`gather`. Also counts the distinct experts (:meth:`take_distinct`);
         ``same_layer``: this load continues the last one's layer (more rows than the ring
         holds), its experts count with it. ``times``: an optional uint64 CuPy array of 2,

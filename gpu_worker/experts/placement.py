@@ -146,6 +146,11 @@ class ExpertPlacement:
         """Record the coming pass's CPU experts per slot (ExpertCounters.track_rows)."""
         self.counters.track_rows(row_slot)
 
+    def track_padding(self, rows: int) -> None:
+        """The coming pass has ``rows`` rows, the ones past the tracked rows a padded pass's
+        padding (gpu_worker/graph_buckets.py): no slot's."""
+        self.counters.pad_rows(rows)
+
     def take_slot_experts(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Per tracked slot: its CPU experts and rows per expert since the last call."""
         return self.counters.take_slot_experts()

@@ -51,6 +51,8 @@ __device__ int stage_body(
         if (gids) gids[i] = (int)e;
         if (!on_cpu)          // pool-local ids already: the workers check them
             rid = (int)e;
+        else if (e == -1)     // no expert: a padded pass's padding row picks none
+            rid = -1;
         else if (e < 0 || e >= n_mask)  // not an expert id: -2 makes the workers refuse it
             rid = -2;
         else

@@ -112,14 +112,19 @@ class Model:
 
     # ---- caches ------------------------------------------------------------------------
     def new_caches(self, max_slots: int, max_tokens_per_slot: int, block_size: int = 16,
-                   extra_blocks: int = 0, kv_int8: bool = False) -> Caches:
+                   extra_blocks: int = 0, kv_int8: bool = False,
+                   extra_state_slots: int = 0) -> Caches:
+        """KV blocks for ``max_slots`` slots of ``max_tokens_per_slot`` tokens and
+        ``extra_blocks`` more; Gated DeltaNet states for the slots and ``extra_state_slots``
+        more (slots the daemon does not see: gpu_worker/graph_buckets.py)."""
         cfg, xp, dt = self.cfg, self.xp, self.ops.dtype
         blocks = max_slots * -(-max_tokens_per_slot // block_size) + extra_blocks
         kv = KVCache(xp, len(cfg.full_attention_layers) + (self.mtp is not None), blocks,
                      block_size, cfg.num_key_value_heads, cfg.head_dim, dt, quant=kv_int8)
         states = None
         if cfg.linear_attention_layers:
-            states = RecurrentStates(xp, len(cfg.linear_attention_layers), max_slots,
+            states = RecurrentStates(xp, len(cfg.linear_attention_layers),
+                                     max_slots + extra_state_slots,
                                      cfg.linear_conv_dim, cfg.linear_conv_kernel_dim,
                                      cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                      cfg.linear_value_head_dim, np.promote_types(dt, np.float32))
@@ -145,7 +150,7 @@ class Model:
         delta = None  # a layer's MLP output, added to x by the next norm (one launch)
         for layer in self.layers:
             x, delta = self._layer(layer, x, delta, batch, cos, sin, caches.kv, caches.states,
-                                   experts, routing, inputs.meta)
+                                   experts, routing, inputs.meta, inputs.live)
         _, hidden = ops.add_rms_norm(x, delta, self.final_norm, cfg.rms_norm_eps,
                                      zero_centered=cfg.zero_centered_norms)  # [R, H]
         logits = ops.linear(hidden[inputs.logit_rows], self.lm_head)  # [n, V]
@@ -154,7 +159,8 @@ class Model:
     def _layer(self, layer: _Layer, x: Array, delta: Array | None, batch: RaggedBatch,
                cos: Array, sin: Array, kv: KVCache, states: RecurrentStates | None,
                experts: RoutedExperts | None, routing: RowRouting | None = None,
-               meta: StepMeta | None = None) -> tuple[Array, Array]:
+               meta: StepMeta | None = None, live: Array | None = None
+               ) -> tuple[Array, Array]:
         """One decoder layer over the residual stream ``x + delta`` (``delta``: the previous
         layer's MLP output, or None) -> ``(x', delta')``: the stream after attention and this
         layer's MLP output, which the next norm adds (each add fused into the norm after it)."""
@@ -170,10 +176,11 @@ class Model:
             x = x + a
             # [R, H], and (q [R, H] int8, d16 [R, H/32]) where the norm quantizes, else None
             h, quant = experts.moe_norm(x, layer.post_norm, eps, zc)
-            return x, sparse_moe(ops, cfg, layer.mlp, h, experts, layer.index, quant, routing)
+            return x, sparse_moe(ops, cfg, layer.mlp, h, experts, layer.index, quant, routing,
+                                 live)
         x, h = ops.add_rms_norm(x, a, layer.post_norm, eps, zero_centered=zc)
         if layer.sparse:
-            return x, sparse_moe(ops, cfg, layer.mlp, h, None, layer.index, None, routing)
+            return x, sparse_moe(ops, cfg, layer.mlp, h, None, layer.index, None, routing, live)
         return x, dense_mlp(ops, layer.mlp, h)
 
     def mtp_forward(self, batch: RaggedBatch, hidden: Array, caches: Caches,

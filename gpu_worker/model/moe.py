@@ -111,17 +111,22 @@ def _expert(ops: Ops, stack: Array, e: int) -> Array:
 
 def sparse_moe(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
                experts: RoutedExperts | None = None, layer: int = -1,
-               quant: Quantized | None = None, routing: RowRouting | None = None) -> Array:
+               quant: Quantized | None = None, routing: RowRouting | None = None,
+               live: Array | None = None) -> Array:
     """Qwen3 sparse MoE block of layer ``layer``; Qwen3-Next adds the sigmoid-gated shared
     expert. ``experts`` computes the routed part (``quant``: ``x`` quantized by its
     ``moe_norm``); None runs all experts here. ``routing`` (synthetic models) picks the
-    experts of every row instead of the router's top-k."""
+    experts of every row instead of the router's top-k. ``live`` (bool [R]): rows where it
+    is False pick no routed expert (id -1: a padded pass's padding, gpu_worker/
+    graph_buckets.py), so they read no expert weights on the GPU or the CPU."""
     chosen = None if routing is None else routing.ids(layer)
     has_shared = "shared_expert.gate_proj.weight" in p
     logits = None
     if has_shared:  # router, shared gate, shared up, shared sigmoid gate (one launch stacked)
         logits, s_gate, s_up, s_sigmoid = ops.linear_parts(x, p, IN_STACK_PARTS, IN_STACK)
     ids, weights = route(ops, cfg, p["gate.weight"], x, chosen, logits)  # [R, k], [R, k]
+    if live is not None:
+        ids = ops.xp.where(live[:, None], ids, -1)
     if experts is None:
         out = experts_local(ops, *expert_stacks(p), x, ids, weights)
     else:

@@ -16,7 +16,7 @@ from daemon.config import SpeculationSection
 from daemon.request import GenerationRequest
 from daemon.scheduler import Scheduler
 from gpu_worker.engine import Engine
-from gpu_worker.graph_warm import layouts
+from gpu_worker.graph_warm import layouts, one_per_bucket
 from gpu_worker.runner import Runner
 from gpu_worker.step_graph import StepGraphs
 from protocol.messages import (
@@ -74,6 +74,19 @@ def _graphs_on_the_emulator(monkeypatch):
 
 
 
+def _daemons_caches(runner: Runner) -> list[np.ndarray]:
+    """The KV pools and GDN states of the daemon's slots, on the host: without the capacity
+    buckets' scratch slot (its state, and its KV blocks: the highest ids)."""
+    caches, graphs = runner.caches, runner.graphs
+    scratch = None if graphs is None else graphs.scratch
+    blocks = caches.kv.num_blocks - (0 if scratch is None else len(caches.kv.tables[scratch]))
+    pools = [a[:, :blocks].get() for a in (caches.kv.k, caches.kv.v)]
+    if caches.states is not None:
+        pools += [a[:, :runner.max_slots].get() for a in (caches.states.conv,
+                                                          caches.states.rec)]
+    return pools
+
+
 def _drive(runner: Runner, mode: str, requests, **spec) -> tuple[list, InProcessWorker]:
     """The scheduler over ``runner``, speculation ``mode`` (suffix drafts unless ``spec``
     says otherwise), serving ``requests`` ((prompt, SamplingParams, max tokens) each) to the
@@ -95,10 +108,7 @@ def _serve(model, graphs: bool, mode: str, temperature: float, n: int = 40):
     out, worker = _drive(runner, mode, [
         (p, SamplingParams(temperature=temperature, seed=11 + i), n - 3 * i)
         for i, p in enumerate(PROMPTS)])
-    caches = runner.caches
-    pools = [a.get() for a in (caches.kv.k, caches.kv.v)]
-    if caches.states is not None:
-        pools += [caches.states.conv.get(), caches.states.rec.get()]
+    pools = _daemons_caches(runner)
     replays = sum(res.counters.get("graph_replays", 0) for res in worker.results)
     accepted = [r.num_accepted for res in worker.results for r in res.slots]
     refused = runner.graphs.refused if runner.graphs is not None else {}
@@ -234,7 +244,8 @@ def test_verify_layouts_are_captured_before_serving(bf16_model):
     runner = Runner(bf16_model, cuda_graphs=True, **kw)
     free = runner.kv.allocator.num_free
     warm = runner.warm_graphs()
-    assert warm["layouts"] == len(layouts(SLOTS, drafts, "wide")) > SLOTS
+    # one pass per graph: a capacity bucket's passes share one (graph_warm.one_per_bucket)
+    assert warm["layouts"] == len(one_per_bucket(layouts(SLOTS, drafts, "wide"))) > SLOTS
     assert warm["graphs"] == warm["layouts"] and warm["refused"] == 0
     assert not runner.lengths and runner.kv.allocator.num_free == free
     before = dict(runner.graphs.totals)
@@ -250,12 +261,12 @@ def test_verify_layouts_are_captured_before_serving(bf16_model):
     assert out == _drive(Runner(bf16_model, **kw), "wide", requests, **spec)[0]
 
 
-def _split_passes(model, graphs: bool, splits) -> tuple[list, list]:
+def _split_passes(model, graphs: bool, splits, buckets: bool = True) -> tuple[list, list]:
     """Three slots with a 3-token prompt each, then one decode pass per entry of ``splits``
     (each slot's drafts, random ids, seeded sampling): every pass's (tokens, accepted) and
-    graph counters, and the KV and GDN state bytes at the end."""
+    graph replays, and the daemon's KV and GDN state bytes at the end."""
     runner = Runner(model, max_slots=3, max_context=64, block_size=4, extra_blocks=8,
-                    cuda_graphs=graphs)
+                    cuda_graphs=graphs, graph_buckets=buckets)
     params, rng = SamplingParams(temperature=0.8, seed=7), np.random.default_rng(1)
     for s in range(3):
         runner.execute(StepPlan(step_id=s + 1, cache_ops=[CacheOp(op=CacheOpKind.ALLOCATE,
@@ -276,11 +287,7 @@ def _split_passes(model, graphs: bool, splits) -> tuple[list, list]:
             for s, d in enumerate(drafts)]))
         out.append(([(r.token_ids, r.num_accepted) for r in res.slots],
                     res.counters.get("graph_replays", 0)))
-    caches = runner.caches
-    pools = [a.get() for a in (caches.kv.k, caches.kv.v)]
-    if caches.states is not None:
-        pools += [caches.states.conv.get(), caches.states.rec.get()]
-    return out, pools
+    return out, _daemons_caches(runner)
 
 
 def test_a_graph_replays_other_splits_of_its_rows_with_eager_bits(bf16_model):
@@ -290,8 +297,22 @@ def test_a_graph_replays_other_splits_of_its_rows_with_eager_bits(bf16_model):
     splits = [(2, 0), (2, 0), (1, 1), (0, 2), (3, 0, 1), (3, 0, 1), (2, 1, 1), (1, 2, 1),
               (0, 0, 4)]
     eager, pools_e = _split_passes(bf16_model, False, splits)
-    graphed, pools_g = _split_passes(bf16_model, True, splits)
+    graphed, pools_g = _split_passes(bf16_model, True, splits, buckets=False)
     assert [r for _, r in graphed] == [0, 1, 1, 1, 0, 1, 1, 1, 1]  # first runs, then replays
+    assert [t for t, _ in graphed] == [t for t, _ in eager]
+    for a, b in zip(pools_e, pools_g, strict=True):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_a_buckets_graph_serves_its_rows_padded_with_eager_bits(bf16_model):
+    """Capacity buckets (gpu_worker/graph_buckets.py): three slots' passes of 5, 6 and 7 rows
+    are padded to 8 on the scratch slot and share one graph (its first pass eager, padded
+    as the graph runs it); 8 rows is a graph of its own. Tokens, accepted drafts and the
+    daemon's KV and GDN state bytes equal unpadded eager passes'."""
+    splits = [(2, 0, 0), (1, 1, 1), (3, 1, 0), (0, 0, 2), (2, 2, 1), (2, 2, 1)]
+    eager, pools_e = _split_passes(bf16_model, False, splits)
+    graphed, pools_g = _split_passes(bf16_model, True, splits)
+    assert [r for _, r in graphed] == [0, 1, 1, 1, 0, 1]
     assert [t for t, _ in graphed] == [t for t, _ in eager]
     for a, b in zip(pools_e, pools_g, strict=True):
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8))

@@ -384,7 +384,12 @@ def test_the_summary_names_the_graph_warm_up_and_the_shard_cache(tmp_path):
                                           'placement = "split"\ncpu_experts_per_layer = 2\n'
                                           f'shard_cache = "{tmp_path / "shards"}"\n'))
     text = "\n".join(summary(config))
-    assert "CUDA graphs, decode layouts captured at start-up" in text
+    assert "CUDA graphs in capacity buckets, decode layouts captured at start-up" in text
     assert f"CPU expert shards kept in {tmp_path / 'shards'}" in text
     with pytest.raises(ConfigError, match="cuda_graph_warm_up"):
         load_config(_write(tmp_path, '[model]\ncuda_graph_warm_up = "some"\n'))
+    with pytest.raises(ConfigError, match="cuda_graph_buckets"):
+        load_config(_write(tmp_path, '[model]\ncuda_graph_buckets = "yes"\n'))
+    exact = load_config(_write(tmp_path, '[model]\nbackend = "cupy"\n'
+                                         'cuda_graph_buckets = false\n'))
+    assert "CUDA graphs, all layouts" in "\n".join(summary(exact))

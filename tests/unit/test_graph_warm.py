@@ -107,8 +107,9 @@ def test_the_schedulers_passes_are_among_the_warmed_layouts(model, mode):
 
 def test_the_worker_config_carries_the_speculation_mode_and_warm_up():
     cfg = WorkerConfig(run_dir="/tmp/x", model="/tmp/m", max_drafts=4,
-                       speculation_mode="narrow", graph_warm_up="decode")
-    assert WorkerConfig.from_json(cfg.to_json()) == cfg
-    for bad in ({"speculation_mode": "fast"}, {"graph_warm_up": "some"}):
+                       speculation_mode="narrow", graph_warm_up="decode", graph_buckets=False)
+    assert WorkerConfig.from_json(cfg.to_json()) == cfg and not cfg.graph_buckets
+    for bad in ({"speculation_mode": "fast"}, {"graph_warm_up": "some"},
+                {"graph_buckets": 1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             WorkerConfig(run_dir="/tmp/x", model="/tmp/m", **bad)
