@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from gpu_worker.graph_buckets import padded_rows
 from protocol.messages import (
     CacheOp,
     CacheOpKind,
@@ -80,7 +81,8 @@ def worker_config(args: argparse.Namespace, spec: str) -> WorkerConfig:
         placement="split", cpu_experts_per_layer=args.cpu_experts_per_layer,
         cpu_workers=args.cpu_workers, cpu_format=args.cpu_format, gpu_format=args.gpu_format,
         gpu_memory_gb=args.gpu_budget, prefill_chunk=512,
-        max_drafts=max(4, max(r for _, r in args.layouts) - 1), cuda_graphs=args.graphs)
+        max_drafts=max(4, max(r for _, r in args.layouts) - 1), cuda_graphs=args.graphs,
+        graph_buckets=not args.no_graph_buckets)
 
 
 class Bench:
@@ -281,6 +283,11 @@ def measure(bench: Bench, slots: int, rows: int, args: argparse.Namespace) -> di
     return {
         "model": args.model, "gpu_budget_gb": args.gpu_budget,
         "graphs": bench.runner.graphs is not None,
+        # capacity buckets: the rows the pass ran with (its own, or padded up to its bucket)
+        "graph_buckets": bench.runner.graphs is not None and bench.runner.graphs.scratch
+        is not None,
+        "rows_run": padded_rows(slots * rows) if bench.runner.graphs is not None
+        and bench.runner.graphs.scratch is not None else slots * rows,
         "slots": slots, "rows_per_slot": rows, "step_ms": step, **floor,
         "ratio": step / floor["floor_ms"], "host_ms": host, "host_exact": exact,
         "distinct_experts_gpu": sum(g for g, _ in per_layer.values()) / n,
@@ -313,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the GPU's routed experts: the model dtype or int8 blocks of 32")
     p.add_argument("--graphs", action="store_true",
                    help="decode/verify passes as CUDA graphs where the runner can (cupy)")
+    p.add_argument("--no-graph-buckets", action="store_true",
+                   help="with --graphs: one graph per rows and slots, no padding to the "
+                        "capacity buckets")
     p.add_argument("--cpu-experts-per-layer", type=int, default=0,
                    help="fix the split instead of letting the memory plan choose (0: plan)")
     p.add_argument("--cpu-workers", type=int, default=0, help="0: one per NUMA node")
