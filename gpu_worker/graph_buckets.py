@@ -2,8 +2,8 @@
 pass whose rows fall between two buckets is padded up to the larger, so one graph serves
 every pass of that many slots and rows up to the bucket.
 
-The padding rows are one more segment, on a scratch slot the daemon never sees (its own KV
-blocks and Gated DeltaNet state, the slot after the daemon's: ``StepGraphs(scratch=...)``),
+The padding rows are one more segment, on a scratch slot the daemon never sees (the slot
+after the daemon's, ``StepGraphs(scratch=...)``, with KV blocks of its own, the highest ids),
 at positions 0, 1, ... of it. Every kernel of a step computes a row from that row's own
 inputs (batch invariance), so the real rows' bits are what they are without the padding;
 what keeps the padding cheap and harmless is that
@@ -14,7 +14,9 @@ what keeps the padding cheap and harmless is that
   ``sparse_moe``);
 * they sample nothing that is read: their sampling parameters are greedy, no slot's first
   logits row or drafts point at them, and only the real slots' tokens come back;
-* they write only the scratch slot's KV blocks and state.
+* they write only the scratch slot's KV blocks; it has no Gated DeltaNet state: its
+  segment starts from a zero state and keeps nothing (``RecurrentStates.has_state``), so
+  the padding reads and writes no state memory (one slot's is 75 MiB for the 80B).
 
 Only passes where every row is a logits row are padded (decode and verify rows: every
 slot samples, a verifying slot's every row), so a bucket's graph has one input shape.

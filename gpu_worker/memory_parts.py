@@ -124,7 +124,7 @@ def graph_bytes(config: ModelConfig, *, max_slots: int, max_drafts: int,
     """What CUDA graphs add on the GPU: the pool's reserve (every graph's temporaries come
     from it) and the shared float32 logits and hidden rows of the largest decode or verify
     pass; with capacity buckets also ``scratch_bytes``, the padding rows' scratch slot (its
-    KV block and GDN state). Each graph keeps only its inputs and sampled tokens besides (a
+    KV blocks; it has no GDN state). Each graph keeps only its inputs and sampled tokens besides (a
     few KiB)."""
     rows = graph_output_rows(max_slots, max_drafts, buckets)
     return (GRAPH_POOL_RESERVE + rows * (config.vocab_size + config.hidden_size) * 4

@@ -202,7 +202,7 @@ def plan_memory(config: ModelConfig, *, dtype: str = "bfloat16", backend: str = 
                                  max_drafts=max_drafts)
         + ((("CUDA graphs", mp.graph_bytes(
             config, max_slots=max_slots, max_drafts=max_drafts, buckets=graph_buckets,
-            scratch_bytes=gdn_slot + kv_block * -(-MAX_PAD // kv_block_size))),)
+            scratch_bytes=kv_block * -(-MAX_PAD // kv_block_size))),)
            if cuda_graphs and backend == "cupy" else ()),
         moe_layers=moe_layers, num_experts=E,
         gpu_bytes_per_expert=(weights * 17 // 16 if gpu_format == "int8"  # + fp16 per 32

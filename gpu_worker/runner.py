@@ -74,14 +74,14 @@ class Runner:
         active, self.graphs_reason = graphs_status(cuda_graphs, model, experts)
         if active and self.overlap is not None:
             active, self.graphs_reason = False, "draft overlap keeps the passes eager"
-        # capacity buckets: the padding rows' scratch slot, after the daemon's (its KV
-        # blocks and its state one more of each: gpu_worker/graph_buckets.py)
+        # capacity buckets: the padding rows' scratch slot, after the daemon's (KV blocks
+        # of its own, no GDN state: gpu_worker/graph_buckets.py)
         scratch = max_slots if active and graph_buckets else None
         # extra_blocks: room for prefix checkpoints beyond every slot's own blocks
         caches = model.new_caches(
             max_slots, max_context, block_size,
             extra_blocks + (0 if scratch is None else -(-MAX_PAD // block_size)),
-            kv_int8=kv_int8, extra_state_slots=0 if scratch is None else 1)
+            kv_int8=kv_int8)
         self.drafter = MtpDrafter(model, caches, max_context)
         self.cache_ops = CacheOps(caches, max_slots, on_release=self.drafter.forget)
         self.num_passes = 0  # forward passes run so far (tests count them)

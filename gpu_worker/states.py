@@ -80,8 +80,15 @@ class RecurrentStates:
                                            self.dtype)
                 self.track_rec = xp.empty((L, total, self.value_heads, self.key_dim,
                                            self.value_dim), self.dtype)
-        return np.array([(s.slot, s.row0, s.num, rows.get(s.slot, (-1, 0))[0])
+        return np.array([(s.slot if self.has_state(s.slot) else -1, s.row0, s.num,
+                           rows.get(s.slot, (-1, 0))[0])
                          for s in segments], dtype=np.int32).reshape(-1, 4)
+
+    def has_state(self, slot: int) -> bool:
+        """Whether ``slot`` has a state here. A slot past them (the capacity buckets' scratch
+        slot, gpu_worker/graph_buckets.py) starts each segment from a zero state and keeps
+        nothing: the kernels read and write no state memory for it (table slot -1)."""
+        return slot < self.max_slots
 
     def install_table(self, segments: Sequence, table: object) -> object:
         """Make ``table`` (:meth:`table_host` on the backend) the one every layer of the

@@ -20,6 +20,10 @@
    that some lanes skip deadlocks the block; tests/unit/test_gdn_reference.py checks the
    source for barriers under a condition).
 
+A segment whose slot in the table is -1 has no state: its conv window and delta-rule state
+start at zero and nothing of them is stored (a padded pass's padding rows,
+gpu_worker/graph_buckets.py: they read and write no state memory).
+
 Every value of a row depends only on its own segment (its slot's state and earlier rows), in an
 order fixed by the shapes: a row's output and the states are the same bits alone or in any
 layout of slots. The arithmetic is + - * / and sqrt only, compiled with ``--fmad=false``, so
@@ -140,18 +144,22 @@ extern "C" __global__ void gdn_gates(const T* ba, const T* a_log, const T* dt_bi
 """
 
 _CONV = r"""
-// grid (segments, ceil(C / blockDim.x)); seg[4 s..]: slot, row0, rows, first T-row or -1
+// grid (segments, ceil(C / blockDim.x)); seg[4 s..]: slot (-1: none, a zero window that is
+// not kept), row0, rows, first T-row or -1
 extern "C" __global__ void gdn_conv(const T* x, const T* w, T* win, T* win_track, T* y,
                                     const int* seg, int C) {
     int s = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= C) return;
     int slot = seg[4 * s], row0 = seg[4 * s + 1], n = seg[4 * s + 2], track = seg[4 * s + 3];
+    bool keep = slot >= 0;
     T wc[KW], h[KW];  // h: the window (oldest first), then the current row's input
 #pragma unroll
     for (int j = 0; j < KW; ++j) wc[j] = w[(long long)c * KW + j];
-    T* ws = win + (long long)slot * (KW - 1) * C + c;
+    T* ws = win + (long long)(keep ? slot : 0) * (KW - 1) * C + c;
 #pragma unroll
     for (int j = 0; j < KW - 1; ++j) h[j] = ws[(long long)j * C];
+#pragma unroll
+    for (int j = 0; j < KW - 1; ++j) h[j] = keep ? h[j] : (T)0;
     for (int t = 0; t < n; ++t) {
         long long row = row0 + t;
         h[KW - 1] = x[row * C + c];
@@ -167,8 +175,10 @@ extern "C" __global__ void gdn_conv(const T* x, const T* w, T* win, T* win_track
             for (int j = 0; j < KW - 1; ++j) wt[(long long)j * C] = h[j];
         }
     }
+    if (keep) {
 #pragma unroll
-    for (int j = 0; j < KW - 1; ++j) ws[(long long)j * C] = h[j];
+        for (int j = 0; j < KW - 1; ++j) ws[(long long)j * C] = h[j];
+    }
 }
 """
 
@@ -185,15 +195,16 @@ extern "C" __global__ void gdn_recurrent(const T* y, const T* decay, const T* be
     // __syncwarp() waits for the lanes that went on to __syncthreads(): the block deadlocks)
     bool on = j < Dv;
     int slot = seg[4 * s], row0 = seg[4 * s + 1], n = seg[4 * s + 2], track = seg[4 * s + 3];
+    bool keep = slot >= 0;  // -1: no slot, a zero state that is not kept
     int hk = hv / (Hv / Hk);
     T S[DK];
-    T* st = state + ((long long)slot * Hv + hv) * DK * Dv + (on ? j : 0);
+    T* st = state + ((long long)(keep ? slot : 0) * Hv + hv) * DK * Dv + (on ? j : 0);
     // NOTE: loads unconditional (st points into the state when on is false too), so the DK
     // loads are issued together; a load under a condition is a branch, one load at a time
 #pragma unroll
     for (int i = 0; i < DK; ++i) S[i] = st[(long long)i * Dv];
 #pragma unroll
-    for (int i = 0; i < DK; ++i) S[i] = on ? S[i] : (T)0;
+    for (int i = 0; i < DK; ++i) S[i] = on && keep ? S[i] : (T)0;
     for (int t = 0; t < n; ++t) {
         long long row = row0 + t;
         const T* qr = y + row * C + (long long)hk * DK;
@@ -245,7 +256,7 @@ extern "C" __global__ void gdn_recurrent(const T* y, const T* decay, const T* be
         }
         __syncthreads();  // qs / ks / sq / sk are the next row's
     }
-    if (on) {
+    if (on && keep) {
 #pragma unroll
         for (int i = 0; i < DK; ++i) st[(long long)i * Dv] = S[i];
     }
@@ -318,8 +329,9 @@ def gates(ba, a_log, dt_bias, *, key_heads: int):
 def conv_silu(x, weight, window, table, track=None):
     """``silu(causal depthwise conv)`` of every segment's rows: x [R, C] raw conv inputs,
     weight [C, K], window [slots, K-1, C] (the layer's conv state: C-contiguous, updated in
-    place), table [segments, 4] int32 (RecurrentStates.segment_table), track [T, K-1, C] or
-    None (the window after every tracked row) -> y [R, C]. One launch, no sync."""
+    place), table [segments, 4] int32 (RecurrentStates.segment_table: slot -1 a zero window
+    that is not kept), track [T, K-1, C] or None (the window after every tracked row) ->
+    y [R, C]. One launch, no sync."""
     import cupy as cp  # noqa: PLC0415 (only on the GPU backend)
 
     R, C = x.shape

@@ -5,6 +5,7 @@ on the same dtype, so on a GPU the kernels' outputs and states equal these bits 
 Arguments and in-place updates are those of ``gates``, ``conv_silu`` and ``recurrence``
 there, on NumPy
 arrays; ``table`` [segments, 4] int32: slot, row0, rows, first T-row of ``track`` or -1.
+A slot of -1: the segment starts from a zero window and state, and neither is kept.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def conv_silu(x, weight, window, table, track=None) -> np.ndarray:
     y = np.empty_like(x)
     K = weight.shape[1]
     for slot, row0, n, first in np.asarray(table).tolist():
-        h = [window[slot, j].copy() for j in range(K - 1)]  # oldest first, [C] each
+        h = [window[slot, j].copy() if slot >= 0 else np.zeros_like(window[0, j])
+             for j in range(K - 1)]  # oldest first, [C] each
         for t in range(n):
             h.append(x[row0 + t])
             acc = np.zeros(x.shape[1], x.dtype)
@@ -84,7 +86,8 @@ def conv_silu(x, weight, window, table, track=None) -> np.ndarray:
             h = h[1:]
             if first >= 0:
                 track[first + t] = np.stack(h)
-        window[slot] = np.stack(h)
+        if slot >= 0:
+            window[slot] = np.stack(h)
     return y
 
 
@@ -97,7 +100,7 @@ def recurrence(y, decay, beta, state, table, *, key_heads: int, scale: float,
     Hk, dt = key_heads, y.dtype.type
     out = np.empty((R, Hv, Dv), y.dtype)
     for slot, row0, n, first in np.asarray(table).tolist():
-        S = state[slot].copy()  # [Hv, Dk, Dv]
+        S = state[slot].copy() if slot >= 0 else np.zeros_like(state[0])  # [Hv, Dk, Dv]
         for t in range(n):
             row = row0 + t
             q = _l2norm(y[row, :Hk * Dk].reshape(Hk, Dk)) * dt(scale)
@@ -111,7 +114,8 @@ def recurrence(y, decay, beta, state, table, *, key_heads: int, scale: float,
             out[row] = _dot4(q[:, :, None] * S)
             if first >= 0:
                 track[first + t] = S
-        state[slot] = S
+        if slot >= 0:
+            state[slot] = S
     return out
 
 

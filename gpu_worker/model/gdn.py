@@ -103,9 +103,13 @@ def _token_loop(ops: Ops, cfg: ModelConfig, mixed: Array, conv_w: Array, beta: A
     out = xp.empty((mixed.shape[0], Hv, Dv), dtype=ops.dtype)
     for seg in batch.segments:
         rows = seg.rows
-        window = xp.concatenate([states.conv[layer, seg.slot], mixed[rows]], axis=0)  # [K-1+n, C]
+        keep = states.has_state(seg.slot)  # else a zero state, not kept (a scratch slot)
+        old = (states.conv[layer, seg.slot] if keep else
+               xp.zeros(states.conv.shape[2:], states.conv.dtype))
+        window = xp.concatenate([old, mixed[rows]], axis=0)  # [K-1+n, C]
         conv = sum(window[j:j + seg.num] * conv_w[:, j] for j in range(K))  # [n, C]
-        states.conv[layer, seg.slot] = window[seg.num:]
+        if keep:
+            states.conv[layer, seg.slot] = window[seg.num:]
         conv = ops.silu(conv)
         qc = conv[:, :Hk * Dk].reshape(seg.num, Hk, Dk)
         kc = conv[:, Hk * Dk:2 * Hk * Dk].reshape(seg.num, Hk, Dk)
@@ -116,7 +120,8 @@ def _token_loop(ops: Ops, cfg: ModelConfig, mixed: Array, conv_w: Array, beta: A
             qc, kc = xp.repeat(qc, r, axis=1), xp.repeat(kc, r, axis=1)  # [n, Hv, Dk]
         decay = xp.exp(g[rows])  # [n, Hv]
         bt = beta[rows]
-        S = states.rec[layer, seg.slot]  # [Hv, Dk, Dv]
+        S = (states.rec[layer, seg.slot] if keep else
+             xp.zeros(states.rec.shape[2:], states.rec.dtype))  # [Hv, Dk, Dv]
         first = states.track_row(seg.slot)  # T-row of the state after each row (drafts)
         for t in range(seg.num):
             S = S * decay[t][:, None, None]
@@ -127,7 +132,8 @@ def _token_loop(ops: Ops, cfg: ModelConfig, mixed: Array, conv_w: Array, beta: A
             if first is not None:
                 states.track_conv[layer, first + t] = window[t + 1:t + K]
                 states.track_rec[layer, first + t] = S
-        states.rec[layer, seg.slot] = S
+        if keep:
+            states.rec[layer, seg.slot] = S
     return out
 
 

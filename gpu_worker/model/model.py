@@ -112,19 +112,16 @@ class Model:
 
     # ---- caches ------------------------------------------------------------------------
     def new_caches(self, max_slots: int, max_tokens_per_slot: int, block_size: int = 16,
-                   extra_blocks: int = 0, kv_int8: bool = False,
-                   extra_state_slots: int = 0) -> Caches:
+                   extra_blocks: int = 0, kv_int8: bool = False) -> Caches:
         """KV blocks for ``max_slots`` slots of ``max_tokens_per_slot`` tokens and
-        ``extra_blocks`` more; Gated DeltaNet states for the slots and ``extra_state_slots``
-        more (slots the daemon does not see: gpu_worker/graph_buckets.py)."""
+        ``extra_blocks`` more; Gated DeltaNet states for the slots."""
         cfg, xp, dt = self.cfg, self.xp, self.ops.dtype
         blocks = max_slots * -(-max_tokens_per_slot // block_size) + extra_blocks
         kv = KVCache(xp, len(cfg.full_attention_layers) + (self.mtp is not None), blocks,
                      block_size, cfg.num_key_value_heads, cfg.head_dim, dt, quant=kv_int8)
         states = None
         if cfg.linear_attention_layers:
-            states = RecurrentStates(xp, len(cfg.linear_attention_layers),
-                                     max_slots + extra_state_slots,
+            states = RecurrentStates(xp, len(cfg.linear_attention_layers), max_slots,
                                      cfg.linear_conv_dim, cfg.linear_conv_kernel_dim,
                                      cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                      cfg.linear_value_head_dim, np.promote_types(dt, np.float32))

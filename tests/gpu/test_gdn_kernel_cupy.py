@@ -96,6 +96,27 @@ def test_kernels_give_the_bits_of_the_numpy_twin(dtype, name):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_segment_without_a_slot_starts_from_zeros_and_keeps_nothing(dtype):
+    """Table slot -1 (the capacity buckets' padding, gpu_worker/graph_buckets.py): the
+    segment's outputs are those of a slot whose window and state are zero, no slot's window
+    or state changes, and the other segments' bits are as without it."""
+    shape = SHAPES["real"]
+    a = _inputs(np.random.default_rng(3), dtype, shape, 3, 10)
+    table, tracked = _table([(2, 3, True), (0, 4, False), (-1, 3, False)])
+    got, want = _run(cupy, a, table, tracked, shape), _run(np, a, table, tracked, shape)
+    for k in NAMES:
+        _same_bits(got[k], want[k], f"slot -1 {k}")
+    zero = dict(a, window=np.concatenate([a["window"], np.zeros_like(a["window"][:1])]),
+                state=np.concatenate([a["state"], np.zeros_like(a["state"][:1])]))
+    as_zero = _run(cupy, zero, _table([(2, 3, True), (0, 4, False), (3, 3, False)])[0],
+                   tracked, shape)
+    for k in ("y", "out", "track_conv", "track_rec"):
+        _same_bits(got[k], as_zero[k], f"slot -1 against a zero slot: {k}")
+    for k in ("window", "state"):  # slots 0-2 as with a zero slot 3 (its loads read slot 0)
+        _same_bits(got[k], as_zero[k][:3], f"slot -1 keeps no {k}")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_gates_give_the_bits_of_the_numpy_twin(dtype):
     Hk, r, R = 2, 3, 700
     rng = np.random.default_rng(4)

@@ -76,14 +76,13 @@ def _graphs_on_the_emulator(monkeypatch):
 
 def _daemons_caches(runner: Runner) -> list[np.ndarray]:
     """The KV pools and GDN states of the daemon's slots, on the host: without the capacity
-    buckets' scratch slot (its state, and its KV blocks: the highest ids)."""
+    buckets' scratch slot's KV blocks (the highest ids; it has no state)."""
     caches, graphs = runner.caches, runner.graphs
     scratch = None if graphs is None else graphs.scratch
     blocks = caches.kv.num_blocks - (0 if scratch is None else len(caches.kv.tables[scratch]))
     pools = [a[:, :blocks].get() for a in (caches.kv.k, caches.kv.v)]
     if caches.states is not None:
-        pools += [a[:, :runner.max_slots].get() for a in (caches.states.conv,
-                                                          caches.states.rec)]
+        pools += [caches.states.conv.get(), caches.states.rec.get()]
     return pools
 
 

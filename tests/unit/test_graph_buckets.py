@@ -99,8 +99,7 @@ def test_the_memory_plan_counts_the_scratch_slot_and_the_bucket_rows():
     buckets = dict(plan.work_parts)["CUDA graphs"]
     row = (cfg.vocab_size + cfg.hidden_size) * 4
     assert exact == GRAPH_POOL_RESERVE + 15 * row  # 3 slots of 5 rows
-    assert buckets == GRAPH_POOL_RESERVE + 16 * row + plan.gdn_state_bytes_per_slot + (
-        plan.kv_block_bytes)
+    assert buckets == GRAPH_POOL_RESERVE + 16 * row + plan.kv_block_bytes
 
 
 def test_a_padded_pass_tracks_no_slot_on_its_padding_rows():
@@ -135,3 +134,26 @@ def test_padding_rows_pick_no_routed_expert(moe_layer):
         p[name] = np.zeros_like(p[name])
     shared = sparse_moe(model.ops, model.cfg, p, x, None, layer.index)
     assert np.array_equal(out[3:], shared[3:]) and not np.array_equal(out[:3], shared[:3])
+
+
+def test_a_slot_past_the_states_starts_from_zero_and_keeps_nothing(moe_layer):
+    """The token loop (NumPy, and CuPy without the GDN kernels) treats the scratch slot as
+    the kernels do (table slot -1): a zero conv window and state, nothing stored; its rows
+    give what a fresh slot's give and the other slots' states are untouched."""
+    model = moe_layer[0]
+    logits = []
+    for scratch in (2, 1):  # past the 2 slots' states; a fresh slot of them
+        caches = model.new_caches(2, 64, 4, extra_blocks=4)
+        batch = RaggedBatch.build([(0, 0, [5, 6, 7]), (scratch, 0, [0, 0])])
+        out = model.forward(batch, caches, np.arange(5))
+        logits.append(out.logits)
+        assert caches.states.has_state(scratch) == (scratch == 1)
+        if scratch == 2:
+            kept = [a[:, 1].copy() for a in (caches.states.conv, caches.states.rec)]
+        else:
+            fresh = model.new_caches(2, 64, 4, extra_blocks=4).states
+            assert not any(np.array_equal(a[:, 1], b[:, 1]) for a, b in
+                           zip((caches.states.conv, caches.states.rec),
+                               (fresh.conv, fresh.rec), strict=True))
+    assert all(not a.any() for a in kept)  # slot 1 untouched by the scratch rows
+    assert np.array_equal(logits[0], logits[1])
