@@ -86,6 +86,16 @@ PLANS: dict[str, list[Check]] = {
         Check("step_whole", f"{PY} scripts.bench_step --model qwen3-next-80b-a3b --gpu-budget "
               "whole --graphs --steps 5 --append --out $OUT/step_graphs_h200.json", 300),
     ],
+    # what the capacity buckets' padding costs: the padded layouts at the whole GPU (where
+    # the GPU's side of a step weighs most), padded and with one graph per rows (exact)
+    "buckets": [
+        Check("buckets_whole", f"{PY} scripts.bench_step --model qwen3-next-80b-a3b "
+              "--gpu-budget whole --graphs --steps 5 --layouts 1x3,1x5,2x3,3x1,3x3,3x5 "
+              "--out $OUT/step_buckets_whole.json", 240),
+        Check("exact_whole", f"{PY} scripts.bench_step --model qwen3-next-80b-a3b "
+              "--gpu-budget whole --graphs --no-graph-buckets --steps 5 "
+              "--layouts 1x3,1x5,2x3,3x1,3x3,3x5 --out $OUT/step_exact_whole.json", 240),
+    ],
     # the GPU alone: the 80B's widths with 64 experts per layer (all on the GPU), its step
     # with graphs, then one eager step per layout under Nsight Compute (docs/benchmarks.md)
     "gpu_only": [
@@ -210,8 +220,10 @@ PLANS: dict[str, list[Check]] = {
         Check("vnni_threads", f"{PY} scripts.bench_amx_vnni --isa avx512vnni --rounds 3 "
               "--threads 1,2,4,8,16 --out $OUT/vnni_threads.json", 240),
     ],
-    # CUDA graphs (gpu_worker/step_graph.py): bits equal eager, with and without CPU experts
+    # CUDA graphs (gpu_worker/step_graph.py): bits equal eager, with and without CPU experts,
+    # capacity buckets included (their scratch slot's GDN segments: table slot -1)
     "graphs": [
+        Check("gdn", f"{PY} pytest -q -p no:cacheprovider tests/gpu/test_gdn_kernel_cupy.py", 90),
         Check("graphs", f"{PY} pytest -q -p no:cacheprovider tests/gpu/test_topk_cupy.py "
               "tests/gpu/test_synthetic_routing_cupy.py tests/gpu/test_synthetic_cupy.py "
               "tests/gpu/test_step_graph_cupy.py", 300),
