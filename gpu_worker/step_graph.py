@@ -2,8 +2,10 @@
 pass replayed as one launch instead of thousands from Python.
 
 A graph is captured per *layout* (rows of each segment, logits rows, drafts per slot: what
-fixes every launch's shape) the second time the layout runs; the first run is eager and
-compiles whatever kernel the layout needs (the decode layouts run both before serving:
+fixes every launch's shape; with capacity buckets, a pass between two buckets is padded up
+to the larger one and keyed by it, gpu_worker/graph_buckets.py) the second time the layout
+runs; the first run is eager (padded where the graph will be) and compiles whatever kernel
+the layout needs (the decode layouts run both before serving:
 ``Runner.warm_graphs``). What varies between steps of one layout (token ids, positions,
 slots, block tables, sampling parameters, drafts, a synthetic model's rows) lives in static
 device buffers filled from :mod:`gpu_worker.step_inputs`'s host arrays before each replay;
@@ -167,7 +169,7 @@ class StepGraphs:
         with cp.cuda.using_allocator(self.pool.malloc):
             cp.empty(GRAPH_POOL_RESERVE, cp.uint8)  # freed at once: the pool keeps it
         # the capacity buckets' padding rows (graph_buckets.py): this slot's, never the
-        # daemon's; its KV blocks for them taken now, its state one more of the caches'
+        # daemon's; its KV blocks taken now (the highest ids), no GDN state
         self.scratch = scratch
         if scratch is not None:
             caches.kv.ensure(scratch, graph_buckets.MAX_PAD, last=True)

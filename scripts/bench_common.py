@@ -201,3 +201,14 @@ def greedy_ms_per_token(engine: Any, tokens: int, warmup_tokens: int = 8
     t0 = time.perf_counter()
     out = engine.generate(PROMPT, params=greedy, max_tokens=tokens)
     return (time.perf_counter() - t0) / tokens * 1e3, out
+
+
+# a CUDA kernel that keeps one thread busy for ns nanoseconds: launches queued behind it show
+# the host's own time per step (scripts/bench_step.py)
+SPIN_KERNEL = r"""
+extern "C" __global__ void spin(unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}
+"""

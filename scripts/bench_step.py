@@ -42,7 +42,7 @@ from protocol.messages import (
     WorkKind,
 )
 from protocol.worker_config import CPU_FORMATS, GPU_FORMATS, KV_CACHE_DTYPES, WorkerConfig
-from scripts.bench_common import command_line, machine
+from scripts.bench_common import SPIN_KERNEL, command_line, machine
 from scripts.bench_load import parse_budget
 from scripts.step_floor import (
     ALL_LAYOUTS,
@@ -61,13 +61,6 @@ from scripts.step_floor import (
 )
 
 GREEDY = SamplingParams(temperature=0.0, seed=0)
-SPIN = r"""
-extern "C" __global__ void spin(unsigned long long ns) {  // one thread busy for ns nanoseconds
-    unsigned long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
-}
-"""
 
 
 def worker_config(args: argparse.Namespace, spec: str) -> WorkerConfig:
@@ -96,7 +89,7 @@ class Bench:
         self.load_seconds = time.perf_counter() - t0
         self.model, self.context, self.xp = self.runner.model, context, self.runner.model.xp
         self.rng, self.cupy = np.random.default_rng(seed), self.xp.__name__ == "cupy"
-        self.spin = self.xp.RawKernel(SPIN, "spin") if self.cupy else None
+        self.spin = self.xp.RawKernel(SPIN_KERNEL, "spin") if self.cupy else None
         self.snaps: dict[int, Any] = {}  # slot -> its GDN states after the prefill
         self.steps = 0
         try:
@@ -280,14 +273,12 @@ def measure(bench: Bench, slots: int, rows: int, args: argparse.Namespace) -> di
     c = res.counters if res is not None else {}  # the placement's, of the last timed step
     from_counters = [c["gpu_experts"] / c["moe_layers"], c["cpu_experts"] / c["moe_layers"]] \
         if c.get("moe_layers") else None
+    buckets = getattr(bench.runner.graphs, "scratch", None) is not None
     return {
         "model": args.model, "gpu_budget_gb": args.gpu_budget,
-        "graphs": bench.runner.graphs is not None,
-        # capacity buckets: the rows the pass ran with (its own, or padded up to its bucket)
-        "graph_buckets": bench.runner.graphs is not None and bench.runner.graphs.scratch
-        is not None,
-        "rows_run": padded_rows(slots * rows) if bench.runner.graphs is not None
-        and bench.runner.graphs.scratch is not None else slots * rows,
+        "graphs": bench.runner.graphs is not None, "graph_buckets": buckets,
+        # the rows the pass ran with: its own, or padded up to its capacity bucket
+        "rows_run": padded_rows(slots * rows) if buckets else slots * rows,
         "slots": slots, "rows_per_slot": rows, "step_ms": step, **floor,
         "ratio": step / floor["floor_ms"], "host_ms": host, "host_exact": exact,
         "distinct_experts_gpu": sum(g for g, _ in per_layer.values()) / n,
@@ -321,8 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--graphs", action="store_true",
                    help="decode/verify passes as CUDA graphs where the runner can (cupy)")
     p.add_argument("--no-graph-buckets", action="store_true",
-                   help="with --graphs: one graph per rows and slots, no padding to the "
-                        "capacity buckets")
+                   help="with --graphs: a graph per rows and slots, no capacity buckets")
     p.add_argument("--cpu-experts-per-layer", type=int, default=0,
                    help="fix the split instead of letting the memory plan choose (0: plan)")
     p.add_argument("--cpu-workers", type=int, default=0, help="0: one per NUMA node")
