@@ -131,6 +131,10 @@ class Metrics:
         self._cpu_expert_time = Histogram(f"{p}_cpu_experts_seconds_per_layer",
                                           "CPU expert wall time per MoE layer of a step",
                                           buckets=CPU_LAYER_BUCKETS, registry=r)
+        self._cpu_expert_s = Counter(f"{p}_cpu_experts_seconds",
+                                     "CPU expert time of all steps, summed over their MoE "
+                                     "layers (launched path: the slowest worker's kernels; "
+                                     "host path: the dispatches' wall time)", registry=r)
         self._cpu_expert_bytes = Counter(f"{p}_cpu_expert_weight_bytes",
                                          "Bytes of CPU expert weights read (each distinct "
                                          "expert once per layer per step)", registry=r)
@@ -234,6 +238,7 @@ class Metrics:
         self._experts.labels(device="cpu").set(cpu_distinct)
         if moe_layers:
             self._cpu_expert_time.observe(cpu_seconds / moe_layers)
+        self._cpu_expert_s.inc(max(cpu_seconds, 0.0))
         self._cpu_expert_bytes.inc(cpu_bytes)
         self._cpu_dram.value = (cpu_bytes / cpu_seconds / 1e9 if cpu_bytes and cpu_seconds > 0
                                 else None)

@@ -10,7 +10,8 @@ import statistics
 from pathlib import Path
 
 RATIO_KEYS = ("four_stream_decode_tps", "whole_run_tps")
-STEP_KEYS = ("step_ms", "cpu_floor_ms", "step_over_cpu_floor", "cpu_experts_per_step")
+STEP_KEYS = ("step_ms", "cpu_floor_ms", "step_over_cpu_floor", "cpu_experts_per_step",
+             "cpu_kernel_ms")
 
 
 def _median(values: list) -> float | None:

@@ -270,7 +270,10 @@ def step_figures(after: Samples, before: Samples, per_expert: float | None,
         "cpu_bytes_per_expert": per_expert, "dram_gbs": dram_gbs,
         "cpu_experts_per_step": (cpu_bytes * steps / moe_steps / per_expert
                                  if per_expert and moe_steps else None),
-        "cpu_floor_ms": cpu_bytes / (dram_gbs * 1e9) * 1e3}
+        "cpu_floor_ms": cpu_bytes / (dram_gbs * 1e9) * 1e3,
+        # the CPU workers' kernel time per step (the slowest worker's, summed over layers):
+        # step_ms minus it is the round trips, the GPU's work and the host's
+        "cpu_kernel_ms": delta(after, before, "tandem_cpu_experts_seconds_total") / steps * 1e3}
     floor = out["cpu_floor_ms"]
     out["step_over_cpu_floor"] = step_ms / floor if floor else None
     out["cuda_graph_passes"] = {  # how the run's decode/verify passes ran (graphs or eager)

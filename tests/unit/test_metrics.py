@@ -101,6 +101,7 @@ def test_record_step_updates_every_figure_of_a_step():
     assert _value(m, "tandem_steady_decode_seconds_total", slots="4") == 0.6
     assert _value(m, "tandem_distinct_experts_per_step", device="cpu") == 6
     assert _value(m, "tandem_cpu_experts_seconds_per_layer_sum") == 0.001
+    assert _value(m, "tandem_cpu_experts_seconds_total") == 0.002
     assert _value(m, "tandem_cpu_expert_weight_bytes_total") == 4096
     assert _value(m, "tandem_prompt_throughput_tokens_per_second") is None
     m.record_step(_step(prompt_tokens=100, steady_seconds=None, counters={}))

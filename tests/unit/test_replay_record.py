@@ -121,13 +121,16 @@ def test_arms_overrides_and_run_configs(tmp_path):
 
 
 def test_step_figures_from_metrics_deltas():
-    def samples(steps, secs, cpu_bytes, moe):
+    def samples(steps, secs, cpu_bytes, moe, cpu_s=0.0):
         return {("tandem_step_seconds_count", ()): steps, ("tandem_step_seconds_sum", ()): secs,
                 ("tandem_cpu_expert_weight_bytes_total", ()): cpu_bytes,
-                ("tandem_cpu_experts_seconds_per_layer_count", ()): moe}
+                ("tandem_cpu_experts_seconds_per_layer_count", ()): moe,
+                ("tandem_cpu_experts_seconds_total", ()): cpu_s}
 
-    f = step_figures(samples(110, 3.0, 5e9, 108), samples(10, 1.0, 1e9, 8), 1e6, 100.0)
+    f = step_figures(samples(110, 3.0, 5e9, 108, 1.5), samples(10, 1.0, 1e9, 8, 0.3), 1e6,
+                     100.0)
     assert f["steps"] == 100 and f["step_ms"] == pytest.approx(20.0)
+    assert f["cpu_kernel_ms"] == pytest.approx(12.0)
     assert f["cpu_experts_per_step"] == pytest.approx(4e9 / 1e6 / 100)  # 40 a step
     assert f["cpu_floor_ms"] == pytest.approx(4e7 / 100e9 * 1e3)  # 0.4 ms
     assert f["step_over_cpu_floor"] == pytest.approx(50.0)
