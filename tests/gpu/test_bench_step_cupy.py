@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from scripts import bench_step
-from scripts.bench_common import tiny_checkpoint
+from scripts.bench_common import SPIN_KERNEL, tiny_checkpoint
 
 cupy = pytest.importorskip("cupy")
 
 
 def test_the_spin_kernel_keeps_the_device_busy():
-    spin = cupy.RawKernel(bench_step.SPIN, "spin")
+    spin = cupy.RawKernel(SPIN_KERNEL, "spin")
     start, after = cupy.cuda.Event(), cupy.cuda.Event()
     cupy.cuda.Device().synchronize()
     start.record()
