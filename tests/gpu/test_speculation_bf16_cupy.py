@@ -3,7 +3,9 @@ both architectures on CuPy with every batch-invariant kernel on, three concurren
 through the scheduler and the real Runner. Narrow and wide verification with oracle drafts
 (the plain run's continuation, one token in two of three steps made wrong) and suffix drafts,
 greedy and seeded sampling, each give plain decoding's tokens: over 2,000 compared tokens per
-architecture. tests/gpu/test_speculation_cupy.py does the same in float64."""
+architecture. The speculative runs replay CUDA graphs in capacity buckets, as a server does
+(gpu_worker/step_graph.py, graph_buckets.py; the plain reference runs eagerly).
+tests/gpu/test_speculation_cupy.py does the same in float64."""
 
 from __future__ import annotations
 
@@ -18,18 +20,21 @@ MAX_TOKENS = 24 if EMULATED else 120  # per request (less 3 per later request)
 
 
 
-def test_speculation_in_bf16_gives_the_tokens_of_plain_decoding(bf16_model):
+def test_speculation_in_bf16_gives_the_tokens_of_plain_decoding(bf16_model, graph_stand_in):
     model = bf16_model
     compared = 0
     for temperature in (0.0, 0.9):
         plain, _ = _serve(model, "off", temperature, n=MAX_TOKENS)
         tokens = sum(len(ids) for ids, _ in plain)
         for mode in ("narrow", "wide"):
-            got, worker = _serve(model, mode, temperature, n=MAX_TOKENS, oracle=plain)
+            got, worker = _serve(model, mode, temperature, n=MAX_TOKENS, oracle=plain,
+                                 cuda_graphs=True)
             assert got == plain, ("oracle", mode, temperature)
             proposed, accepted = _drafts(worker)
             assert 0 < accepted < proposed
-            got, _ = _serve(model, mode, temperature, n=MAX_TOKENS, min_match=1)
+            assert sum(r.counters.get("graph_replays", 0) for r in worker.results) > 0
+            got, _ = _serve(model, mode, temperature, n=MAX_TOKENS, min_match=1,
+                            cuda_graphs=True)
             assert got == plain, ("suffix", mode, temperature)
             compared += 2 * tokens
     assert EMULATED or compared >= 2000, compared

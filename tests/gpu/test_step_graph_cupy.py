@@ -18,7 +18,6 @@ from daemon.scheduler import Scheduler
 from gpu_worker.engine import Engine
 from gpu_worker.graph_warm import layouts, one_per_bucket
 from gpu_worker.runner import Runner
-from gpu_worker.step_graph import StepGraphs
 from protocol.messages import (
     CacheOp,
     CacheOpKind,
@@ -34,44 +33,14 @@ from tests.unit.test_speculation import CONTEXT, PROMPTS, SLOTS
 
 cupy = pytest.importorskip("cupy")
 # the CPU emulator (scripts/cuda_emu) has no CUDA graphs: a stand-in replays by running the
-# captured function again, so the host side (layouts, static inputs, shared buffers, counts)
-# is checked there too; real capture and addresses only on a GPU
+# captured function again (conftest.graph_stand_in), so the host side (layouts, static
+# inputs, shared buffers, counts) is checked there too; real capture only on a GPU
 EMULATED = not hasattr(cupy.cuda.Stream, "begin_capture")
 
 
-class _ReRun:
-    """A captured graph's stand-in: a launch runs the captured function again and copies its
-    outputs into the ones the capture returned (a graph writes the same buffers each time)."""
-
-    def __init__(self, body, outs) -> None:
-        self.body, self.outs = body, outs
-
-    def launch(self, stream=None) -> None:
-        for dst, src in zip(self.outs, self.body(), strict=True):
-            if dst is not src:
-                dst[...] = src
-
-
-def _emulated_record(self, body):
-    """StepGraphs._record on the emulator: run ``body`` (its static inputs hold this step),
-    keep its outputs, then put the caches back as they were (capture runs nothing)."""
-    caches = self.caches
-    kept = [a for a in (caches.kv.k, caches.kv.v) if a is not None]
-    if caches.states is not None:
-        kept += [caches.states.conv, caches.states.rec]
-    saved = [a.copy() for a in kept]
-    outs = body()
-    for a, old in zip(kept, saved, strict=True):
-        a[...] = old
-    return _ReRun(body, outs), outs
-
-
 @pytest.fixture(autouse=True)
-def _graphs_on_the_emulator(monkeypatch):
-    if EMULATED:
-        monkeypatch.setattr(StepGraphs, "_record", _emulated_record)
-
-
+def _graphs_on_the_emulator(graph_stand_in):
+    """Every test here: on the emulator, graphs replay through the stand-in (conftest)."""
 
 
 def _daemons_caches(runner: Runner) -> list[np.ndarray]:

@@ -66,12 +66,14 @@ PROMPTS = [[5, 6, 7, 8] * 6, list(range(20, 44)) + list(range(20, 30)), [3, 1, 4
 
 
 def _serve(model, mode: str, temperature: float, n: int = 40, eos_ids=(), oracle=None,
-           prompts=PROMPTS, metrics=None, kv_int8=False, **spec):
+           prompts=PROMPTS, metrics=None, kv_int8=False, cuda_graphs=False, **spec):
     """Three concurrent requests through the scheduler and the Runner. ``oracle``: the
     plain run's outputs; drafts are then its true continuation with one token in two of
-    every three steps made wrong (so verification meets long hits and misses)."""
+    every three steps made wrong (so verification meets long hits and misses).
+    ``cuda_graphs``: the Runner's (CuPy; with capacity buckets, as a server runs)."""
     runner = Runner(model, max_slots=SLOTS, max_context=CONTEXT, block_size=4, extra_blocks=32,
-                    kv_int8=kv_int8)
+                    kv_int8=kv_int8, cuda_graphs=cuda_graphs, max_drafts=4,
+                    speculation_mode=mode)
     sched = Scheduler(max_slots=SLOTS, max_context=CONTEXT, max_queue=4, prefill_chunk=16,
                       block_size=4, checkpoint_interval=8, prefix_blocks=32, eos_ids=eos_ids,
                       speculation=SpeculationSection(mode=mode, **spec), metrics=metrics)
