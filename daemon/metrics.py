@@ -73,6 +73,7 @@ class _StaleAbsentGauge(Collector):
 # (gpu_worker/step_graph.py)
 GRAPH_OUTCOMES = {"replayed": "graph_replays", "captured": "graph_captures",
                   "first_run": "graph_first_runs", "capture_failed": "graph_refused"}
+MTP_GRAPH_OUTCOMES = {o: f"mtp_{key}" for o, key in GRAPH_OUTCOMES.items()}
 
 
 class Metrics:
@@ -155,6 +156,10 @@ class Metrics:
                                      "replayed (captured before), captured (then replayed), "
                                      "first_run (a layout's first pass, eager), "
                                      "capture_failed (eager)", ["outcome"], registry=r)
+        self._mtp_graphs = Counter(f"{p}_mtp_graph_drafts",
+                                   "A pass's MTP drafting (the head's passes) by how CUDA "
+                                   "graphs served it, as cuda_graph_passes", ["outcome"],
+                                   registry=r)
         self._restarts = Counter(f"{p}_worker_restarts", "Child processes restarted, by component",
                                  ["component"], registry=r)
         self._prompt_work_s = Counter(f"{p}_prompt_work_seconds",
@@ -261,9 +266,11 @@ class Metrics:
                           c.get("kv_total_blocks", 0))
         if step.steady_seconds is not None:
             self.observe_steady_decode(step.steady_slots, step.steady_seconds, step.emitted)
-        for outcome, key in GRAPH_OUTCOMES.items():
-            if c.get(key):
-                self._graph_passes.labels(outcome=outcome).inc(c[key])
+        for counter, outcomes in ((self._graph_passes, GRAPH_OUTCOMES),
+                                  (self._mtp_graphs, MTP_GRAPH_OUTCOMES)):
+            for outcome, key in outcomes.items():
+                if c.get(key):
+                    counter.labels(outcome=outcome).inc(c[key])
         if c.get("moe_layers"):  # a step that ran MoE layers (not cache ops alone)
             self.observe_experts(c["gpu_experts"], c["cpu_experts"], c["moe_layers"],
                                  step.cpu_expert_seconds, c["cpu_expert_bytes"])

@@ -14,6 +14,7 @@ Either way the same head passes run on the same rows in the same order.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Generator
 
 import numpy as np
@@ -29,6 +30,22 @@ Committed = dict[int, tuple[int, list[int]]]
 Drafts = dict[int, list[int]]  # slot -> its argmax drafts
 # a drafter's work: yields after issuing each head pass, returns the drafts
 DraftSteps = Generator[None, None, Drafts]
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadWork:
+    """One pass's drafting, prepared (:meth:`MtpDrafter.prepare`): the head's first pass over
+    every committed row (``batch``, ``hidden``), logits at ``last_rows``, one per slot of
+    ``want`` (the slots that draft, in ``batch`` order); then each of those slots chains
+    drafts up to its ``limit`` from the position after ``last_pos``."""
+
+    batch: RaggedBatch
+    hidden: Array  # [R, H]: the main model's final hidden state of each row
+    last_rows: np.ndarray  # int64 [len(want)]
+    want: list[int]
+    limit: dict[int, int]
+    last_pos: dict[int, int]
+    keys: dict[int, int | None]  # slot -> a synthetic model's routing key
 
 
 def run_all(steps: DraftSteps) -> Drafts:
@@ -65,24 +82,39 @@ class MtpDrafter:
         over every committed row, then one per chained draft) and returns the drafts. It
         reads only this pass's ``hidden`` and ``committed`` and the head's KV rows of these
         slots, so it may run while the step's next pass runs (other slots)."""
+        head = self.prepare(work, batch, hidden, committed)
+        if head is None:
+            return {}
+        return (yield from self.run(head))
+
+    def prepare(self, work: list[SlotWork], batch: RaggedBatch, hidden: Array,
+                committed: Committed) -> HeadWork | None:
+        """What the head runs after the pass over ``batch`` (None: nothing); takes each
+        slot's pending row, so one of :meth:`run` or a CUDA graph of it
+        (gpu_worker/mtp_graph.py) must follow."""
         xp = self.model.xp
         parts, rows_h, last_pos = self._head_rows(work, batch, hidden, committed)
         if not parts:
-            return {}
+            return None
         keys = {w.slot: w.route_key for w in work}  # a synthetic model routes by them
         mbatch = RaggedBatch.build(parts, keys)
         ends = {seg.slot: seg.row0 + seg.num - 1 for seg in mbatch.segments}
         want = [s for s, _, _ in parts if s in last_pos]
-        last_rows = np.asarray([ends[s] for s in want], dtype=np.int64)
-        out = self.model.mtp_forward(mbatch, xp.concatenate(rows_h, axis=0), self.caches,
-                                     last_rows)
-        yield
-        if not want:  # prompt chunks only: the head's KV is written, nothing to propose
-            return {}
         k_of = {w.slot: w.mtp_drafts for w in work}
-        limit = {s: min(k_of[s], self.max_context - 1 - last_pos[s]) for s in want}
-        return (yield from self._chain(want, limit, last_pos, out.logits,
-                                       out.hidden[xp.asarray(last_rows)], keys))
+        return HeadWork(mbatch, xp.concatenate(rows_h, axis=0),
+                        np.asarray([ends[s] for s in want], dtype=np.int64), want,
+                        {s: min(k_of[s], self.max_context - 1 - last_pos[s]) for s in want},
+                        last_pos, keys)
+
+    def run(self, head: HeadWork) -> DraftSteps:
+        """The head's passes of ``head`` (a yield after each), eagerly; the drafts."""
+        xp = self.model.xp
+        out = self.model.mtp_forward(head.batch, head.hidden, self.caches, head.last_rows)
+        yield
+        if not head.want:  # prompt chunks only: the head's KV is written, nothing to propose
+            return {}
+        return (yield from self._chain(head.want, head.limit, head.last_pos, out.logits,
+                                       out.hidden[xp.asarray(head.last_rows)], head.keys))
 
     def _head_rows(self, work: list[SlotWork], batch: RaggedBatch, hidden: Array,
                    committed: Committed

@@ -237,10 +237,15 @@ class Runner:
                     states.adopt(w.slot, w.num_tokens + accepted)
                 results.append(_result(w, tokens, accepted))
         if self.model.mtp is not None and any(w.mtp_drafts for w in work):
-            steps = self.drafter.steps(work, batch, out.hidden, committed)
             if self.overlap is None:
-                _attach(results, run_all(steps))
+                head = self.drafter.prepare(work, batch, out.hidden, committed)
+                drafts = None if head is None or self.graphs is None else \
+                    self.graphs.mtp.run(head)  # one CUDA graph (gpu_worker/mtp_graph.py)
+                if drafts is None:
+                    drafts = {} if head is None else run_all(self.drafter.run(head))
+                _attach(results, drafts)
             else:  # under the next pass's CPU experts, or at the end of the step
+                steps = self.drafter.steps(work, batch, out.hidden, committed)
                 self.overlap.defer(steps, functools.partial(_attach, results))
         return results
 

@@ -25,7 +25,8 @@ draft budget) the routes a capture copies stay the graph's buffers, read after e
 
 Not taken (eager, the reason logged once at start or counted per pass): CPU experts on the
 host path, draft overlap, prompt rows, segments over the paged kernel's 16 rows, the kernels
-switched off, vocabularies the device sampler does not take, the MTP drafter's passes.
+switched off, vocabularies the device sampler does not take. The MTP head's drafting after a
+pass has graphs of its own (gpu_worker/mtp_graph.py, ``StepGraphs.mtp``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ from gpu_worker.memory_parts import (
 from gpu_worker.model.attention import PAGED_MAX_ROWS
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.model import Caches, ForwardOut, Model
-from gpu_worker.step_inputs import host_inputs, step_inputs, upload
+from gpu_worker.mtp_graph import MtpGraphs
+from gpu_worker.step_inputs import StaticInputs, host_inputs, step_inputs, upload
 from gpu_worker.verify import picks, sampling_inputs
 from protocol.messages import SlotWork, WorkKind
 from protocol.worker_config import MAX_WIDE_SLOTS, WIDE_CAPACITIES
@@ -104,42 +106,6 @@ def takes(work: list[SlotWork], batch: RaggedBatch) -> bool:
         s.num <= PAGED_MAX_ROWS for s in batch.segments)
 
 
-class StaticInputs:
-    """A graph's input buffers as views into one device buffer, refilled from one pinned
-    staging buffer by one copy per replay (instead of one small copy per input)."""
-
-    ALIGN = 16
-
-    def __init__(self, cp, host: dict[str, np.ndarray]) -> None:
-        self.layout, size = {}, 0
-        for name, a in host.items():
-            self.layout[name] = (size, a.shape, a.dtype)
-            size += -(-a.nbytes // self.ALIGN) * self.ALIGN
-        size = max(size, self.ALIGN)
-        self.device = cp.empty(size, cp.uint8)
-        self.staging = np.frombuffer(cp.cuda.alloc_pinned_memory(size), np.uint8, size)
-        self.arrays = {name: self._view(self.device, name) for name in self.layout}
-
-    def _view(self, buf, name: str):
-        off, shape, dtype = self.layout[name]
-        n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        return buf[off:off + n].view(dtype).reshape(shape)
-
-    def fill(self, host: dict[str, np.ndarray], stream) -> None:
-        """``host`` (the names, shapes and dtypes the buffers were made for) into the
-        device buffer, one copy on ``stream``. The staging buffer is reused only after the
-        replay that read it (each replay ends with a wait for its outputs)."""
-        if host.keys() != self.layout.keys():
-            raise ValueError(f"inputs {sorted(host)} do not match {sorted(self.layout)}")
-        for name, a in host.items():
-            dst = self._view(self.staging, name)
-            if dst.shape != a.shape or dst.dtype != a.dtype:
-                raise ValueError(f"input {name}: {a.dtype} {a.shape} into {dst.dtype} "
-                                 f"{dst.shape}")
-            dst[...] = a
-        self.device.set(self.staging, stream=stream)
-
-
 @dataclasses.dataclass
 class _Graph:
     graph: object  # cupy.cuda.Graph
@@ -180,7 +146,9 @@ class StepGraphs:
         self.refused: dict[tuple, str] = {}
         # since start (benchmarks diff them); take_counts gives the part since its last call
         self.totals = {"graph_captures": 0, "graph_replays": 0, "graph_refused": 0,
-                       "graph_first_runs": 0, "graph_capture_ms": 0.0}
+                       "graph_first_runs": 0, "graph_capture_ms": 0.0,
+                       "mtp_graph_captures": 0, "mtp_graph_replays": 0,
+                       "mtp_graph_refused": 0, "mtp_graph_first_runs": 0}
         self._taken = dict(self.totals)
         # the GDN per-row buffers of verifying passes, one pair for every graph (a verify
         # step's rows x 75 MiB each for the 80B: a pair per graph would not fit); when a
@@ -190,6 +158,7 @@ class StepGraphs:
         # copies its outputs there; read before the next pass runs); grown like track
         self.outputs: tuple | None = None
         self.on_launch = None  # called right after each graph launch (benchmarks' host time)
+        self.mtp = MtpGraphs(self)  # the MTP head's drafting (gpu_worker/mtp_graph.py)
         # both made as big as the daemon's passes can need (the memory plan counts them):
         # growing them later would drop every graph, the ones captured at start-up too
         self._make_outputs(graph_output_rows(max_slots, max_drafts, scratch is not None))

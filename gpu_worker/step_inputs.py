@@ -6,7 +6,8 @@ gpu_worker/step_graph.py; docs/gpu_step.md "What stood between the step and a CU
 KV blocks reserved and copied on write, the GDN per-row buffers allocated); :func:`upload`
 puts them on the backend (a graph copies them into its static buffers instead);
 :func:`step_inputs` wraps the device arrays for ``Model.forward``. Eager and graph passes run
-the same host and wrapping code.
+the same host and wrapping code. :class:`StaticInputs` holds a graph's copies (step_graph.py,
+mtp_graph.py).
 """
 
 from __future__ import annotations
@@ -124,3 +125,39 @@ class KernelRouting:
         if self._ids is None:
             self._ids = self.tables.choose(self.keys, self.positions)  # [L, R, k]
         return self._ids[self.tables.index[layer]]
+
+
+class StaticInputs:
+    """A graph's input buffers as views into one device buffer, refilled from one pinned
+    staging buffer by one copy per replay (instead of one small copy per input)."""
+
+    ALIGN = 16
+
+    def __init__(self, cp, host: dict[str, np.ndarray]) -> None:
+        self.layout, size = {}, 0
+        for name, a in host.items():
+            self.layout[name] = (size, a.shape, a.dtype)
+            size += -(-a.nbytes // self.ALIGN) * self.ALIGN
+        size = max(size, self.ALIGN)
+        self.device = cp.empty(size, cp.uint8)
+        self.staging = np.frombuffer(cp.cuda.alloc_pinned_memory(size), np.uint8, size)
+        self.arrays = {name: self._view(self.device, name) for name in self.layout}
+
+    def _view(self, buf, name: str):
+        off, shape, dtype = self.layout[name]
+        n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        return buf[off:off + n].view(dtype).reshape(shape)
+
+    def fill(self, host: dict[str, np.ndarray], stream) -> None:
+        """``host`` (the names, shapes and dtypes the buffers were made for) into the
+        device buffer, one copy on ``stream``. The staging buffer is reused only after the
+        replay that read it (each replay ends with a wait for its outputs)."""
+        if host.keys() != self.layout.keys():
+            raise ValueError(f"inputs {sorted(host)} do not match {sorted(self.layout)}")
+        for name, a in host.items():
+            dst = self._view(self.staging, name)
+            if dst.shape != a.shape or dst.dtype != a.dtype:
+                raise ValueError(f"input {name}: {a.dtype} {a.shape} into {dst.dtype} "
+                                 f"{dst.shape}")
+            dst[...] = a
+        self.device.set(self.staging, stream=stream)

@@ -181,26 +181,37 @@ class Model:
         return x, dense_mlp(ops, layer.mlp, h)
 
     def mtp_forward(self, batch: RaggedBatch, hidden: Array, caches: Caches,
-                    logit_rows=None) -> ForwardOut:
+                    logit_rows=None, inputs: StepInputs | None = None) -> ForwardOut:
         """The MTP head: row r holds token_{t+1} at position t and ``hidden[r]`` = h_t.
 
         Returns logits (predicting token t+2) for ``logit_rows`` (default all rows) and the
         head's own normed output for every row (the hidden input of a chained draft).
+        ``inputs``: the tokens, positions, logits rows, attention metadata (and live rows)
+        already on the backend, as a CUDA graph's static buffers hold them (the tokens may be
+        an earlier head pass's argmax, never on the host: gpu_worker/mtp_graph.py); the
+        model's routing then comes from ``inputs`` too (None: the router's).
         """
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP head")
         cfg, ops, xp, m = self.cfg, self.ops, self.xp, self.mtp
         zc, eps = cfg.zero_centered_norms, cfg.rms_norm_eps
-        e = ops.rms_norm(ops.embed(self.embed, batch.tokens), m["pre_fc_norm_embedding.weight"],
+        if inputs is None:
+            tokens, positions = batch.tokens, xp.asarray(batch.positions)
+            meta, routing, live = None, self._routing(batch), None
+            rows = xp.asarray(np.arange(batch.num_rows) if logit_rows is None
+                              else np.asarray(logit_rows))
+        else:
+            tokens, positions, rows = inputs.tokens, inputs.positions, inputs.logit_rows
+            meta, routing, live = inputs.meta, inputs.routing, inputs.live
+        e = ops.rms_norm(ops.embed(self.embed, tokens), m["pre_fc_norm_embedding.weight"],
                          eps, zero_centered=zc)
         h = ops.rms_norm(hidden, m["pre_fc_norm_hidden.weight"], eps, zero_centered=zc)
         x = ops.linear(xp.concatenate([e, h], axis=-1), m["fc.weight"])  # [R, H]
-        cos, sin = ops.rope_tables(xp.asarray(batch.positions), cfg.rotary_dim, cfg.rope_theta)
+        cos, sin = ops.rope_tables(positions, cfg.rotary_dim, cfg.rope_theta)
         x, delta = self._layer(self.mtp_layer, x, None, batch, cos, sin, caches.kv, None, None,
-                               self._routing(batch))
+                               routing, meta, live)
         _, out = ops.add_rms_norm(x, delta, m["norm.weight"], eps, zero_centered=zc)  # [R, H]
-        rows = np.arange(batch.num_rows) if logit_rows is None else np.asarray(logit_rows)
-        return ForwardOut(ops.linear(out[xp.asarray(rows)], self.lm_head), out)
+        return ForwardOut(ops.linear(out[rows], self.lm_head), out)
 
     def _routing(self, batch: RaggedBatch) -> RowRouting | None:
         return None if self.routing is None else self.routing.bind_batch(batch)

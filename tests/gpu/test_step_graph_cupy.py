@@ -183,8 +183,12 @@ def test_decode_layouts_are_captured_before_serving(bf16_model):
     assert out == _drive(eager, "off", requests)[0]
 
 
-def test_mtp_drafts_with_graphs_give_the_tokens_of_eager_passes(bf16_model):
-    """The MTP head drafts from the hidden rows a replayed graph wrote (eager head passes)."""
+@pytest.mark.parametrize("buckets", [True, False], ids=["buckets", "exact"])
+def test_mtp_drafts_with_graphs_give_the_tokens_of_eager_passes(bf16_model, buckets):
+    """The MTP head drafts from the hidden rows a replayed graph wrote, its passes as one
+    graph of their own (gpu_worker/mtp_graph.py: the head over the committed rows, then each
+    chained draft on the device's argmax): every step's drafts, the tokens and the KV bytes
+    equal eager passes'."""
     if bf16_model.mtp is None:
         pytest.skip("this tiny architecture has no MTP head")
     requests = [(p, SamplingParams(temperature=0.8, seed=5 + i), 14 if EMULATED else 40)
@@ -192,13 +196,17 @@ def test_mtp_drafts_with_graphs_give_the_tokens_of_eager_passes(bf16_model):
     out = []
     for graphs in (False, True):
         runner = Runner(bf16_model, max_slots=SLOTS, max_context=CONTEXT, block_size=4,
-                        extra_blocks=32, cuda_graphs=graphs)
+                        extra_blocks=32, cuda_graphs=graphs, graph_buckets=buckets)
         got, worker = _drive(runner, "wide", requests, proposer="mtp", num_drafts=3)
         drafted = sum(len(w.draft_ids) for p in worker.plans for w in p.slots)
         replays = sum(r.counters.get("graph_replays", 0) for r in worker.results)
-        assert drafted > 0 and (replays > 0) == graphs
-        out.append(got)
-    assert out[1] == out[0]
+        mtp = sum(r.counters.get("mtp_graph_replays", 0) for r in worker.results)
+        assert drafted > 0 and (replays > 0) == graphs and (mtp > 0) == graphs
+        drafts = [[(r.slot, list(r.drafts)) for r in res.slots] for res in worker.results]
+        out.append((got, drafts, _daemons_caches(runner)[:2]))
+    assert out[1][0] == out[0][0] and out[1][1] == out[0][1]
+    for a, b in zip(out[0][2], out[1][2], strict=True):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
 def test_verify_layouts_are_captured_before_serving(bf16_model):

@@ -121,6 +121,10 @@ def test_cuda_graph_passes_are_counted_by_outcome():
     got = {o: _value(m, "tandem_cuda_graph_passes_total", outcome=o)
            for o in ("replayed", "captured", "first_run", "capture_failed")}
     assert got == {"replayed": 8, "captured": 1, "first_run": 2, "capture_failed": 1}
+    m.record_step(_step(counters={"mtp_graph_replays": 2, "mtp_graph_first_runs": 1}))
+    assert _value(m, "tandem_mtp_graph_drafts_total", outcome="replayed") == 2
+    assert _value(m, "tandem_mtp_graph_drafts_total", outcome="first_run") == 1
+    assert _value(m, "tandem_cuda_graph_passes_total", outcome="replayed") == 8
 
 
 def test_null_metrics_take_the_schedulers_calls():

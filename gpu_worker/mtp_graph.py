@@ -1,0 +1,171 @@
+"""The MTP head's drafting as one CUDA graph (CuPy): the head's pass over a step's committed
+rows and every chained draft pass after it, with the argmax between them on the device, so a
+step's k drafts cost one launch and one copy of k x slots ids instead of k eager passes of
+Python-launched kernels and k waits for the host (gpu_worker/mtp_drafter.py is the eager
+drafter; its bits are these).
+
+A graph is kept per (first pass's rows, slots, drafts per slot); with capacity buckets the
+first pass is padded up to its bucket on the scratch slot (gpu_worker/graph_buckets.py: rows
+that pick no routed expert and write only the scratch slot's KV blocks), so its rows are the
+bucket's. Every input the host knows (positions, the paged-attention metadata of each pass,
+with its KV blocks reserved, the tokens of the first pass and its logits rows) is packed into
+static buffers and copied in one go before the replay; the first pass's hidden rows are
+copied on the device; the chained passes' tokens are the previous pass's argmax, never on the
+host. A layout runs eagerly the first time (that compiles its kernels) and is captured the
+second. Not taken (eager): a synthetic model's routing (its head routes on the host), slots
+whose draft counts differ or are 0, a slot that drafts nothing after its rows (a prompt
+chunk), a first pass past the largest bucket (with buckets), draft overlap.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import numpy as np
+
+from gpu_worker import graph_buckets
+from gpu_worker.model.attention import step_meta, step_meta_host
+from gpu_worker.model.batch import RaggedBatch
+from gpu_worker.mtp_drafter import Drafts, HeadWork
+from gpu_worker.step_inputs import StaticInputs, StepInputs
+
+MAX_MTP_GRAPHS = 32  # layouts kept; the least recently used one goes first
+
+
+@dataclasses.dataclass
+class _MtpGraph:
+    graph: object  # cupy.cuda.Graph
+    inputs: object  # step_graph.StaticInputs
+    hidden: object  # [rows, H]: the first pass's hidden rows, copied in before each replay
+    drafts: object  # int64 [slots, k]
+
+
+class MtpGraphs:
+    """The MTP graphs of one :class:`gpu_worker.step_graph.StepGraphs` (its memory pool,
+    stream, scratch slot and counters)."""
+
+    def __init__(self, owner) -> None:
+        self.owner = owner
+        self.graphs: collections.OrderedDict[tuple, _MtpGraph] = collections.OrderedDict()
+        self.seen: set[tuple] = set()
+        self.refused: dict[tuple, str] = {}
+
+    def run(self, head: HeadWork) -> Drafts | None:
+        """The drafts of ``head`` through its layout's graph (captured now if the layout
+        ran before); None: run it eagerly (nothing was done)."""
+        owner = self.owner
+        layout = self._layout(head)
+        if layout is None:
+            return None
+        key, batch, live, k = layout
+        if key in self.refused:
+            return None
+        g = self.graphs.get(key)
+        if g is None and key not in self.seen:
+            self.seen.add(key)  # eager this once: compiles what the layout needs
+            owner.totals["mtp_graph_first_runs"] += 1
+            return None
+        host, chain = self._host(head, batch, live, k)
+        owner.caches.kv.device_tables()  # table rows that changed: before the graph reads them
+        if g is None:
+            g = self._capture(key, host, batch, chain, k, head.hidden.shape[1])
+            if g is None:
+                return None
+        else:
+            self.graphs.move_to_end(key)
+        cp = owner.cp
+        ready = cp.cuda.Event(disable_timing=True)
+        ready.record(cp.cuda.get_current_stream())  # the pass's hidden rows, table rows
+        owner.stream.wait_event(ready)
+        g.inputs.fill(host, owner.stream)
+        with owner.stream:
+            g.hidden[:head.hidden.shape[0]] = head.hidden
+        g.graph.launch(stream=owner.stream)
+        drafts = g.drafts.get(stream=owner.stream)  # waits for the graph
+        owner.totals["mtp_graph_replays"] += 1
+        return {s: [int(t) for t in drafts[i]] for i, s in enumerate(head.want)}
+
+    def _layout(self, head: HeadWork) -> tuple | None:
+        """(key, the first pass's batch as the graph runs it, its live mask or None, drafts
+        per slot), or None where the graph does not take ``head``."""
+        owner = self.owner
+        batch = head.batch
+        limits = set(head.limit.values())
+        if (owner.model.routing is not None or len(limits) != 1 or min(limits) < 1
+                or head.want != [seg.slot for seg in batch.segments]):
+            return None
+        k, R, S = limits.pop(), batch.num_rows, len(batch.segments)
+        b = graph_buckets.bucket(R)  # at most the largest bucket's rows, padded or not
+        if b is None:
+            return None
+        live = None
+        if owner.scratch is not None and b > R:
+            batch, _, live = graph_buckets.pad(batch, np.arange(R), owner.scratch, b - R)
+        return ("mtp", batch.num_rows, S, k), batch, live, k
+
+    def _host(self, head: HeadWork, batch: RaggedBatch, live, k: int
+              ) -> tuple[dict[str, np.ndarray], list[RaggedBatch]]:
+        """The graph's host inputs (reserving the passes' KV blocks, as eager passes do) and
+        the chained passes' batches (their tokens are the graph's, not these zeros)."""
+        kv = self.owner.caches.kv
+        host = {"tokens": np.ascontiguousarray(batch.tokens, np.int64),
+                "positions": np.ascontiguousarray(batch.positions, np.int64),
+                "logit_rows": np.ascontiguousarray(head.last_rows, np.int64),
+                "attn": step_meta_host(kv, batch),
+                "chain_rows": np.arange(len(head.want), dtype=np.int64)}
+        if live is not None:
+            host["live"] = live
+        chain = []
+        for j in range(1, k):
+            step = RaggedBatch.build([(s, head.last_pos[s] + j, [0]) for s in head.want],
+                                     head.keys)
+            host[f"positions{j}"] = np.ascontiguousarray(step.positions, np.int64)
+            host[f"attn{j}"] = step_meta_host(kv, step)
+            chain.append(step)
+        return host, chain
+
+    def _capture(self, key: tuple, host: dict[str, np.ndarray], batch: RaggedBatch,
+                 chain: list[RaggedBatch], k: int, width: int) -> _MtpGraph | None:
+        owner = self.owner
+        cp, model, caches = owner.cp, owner.model, owner.caches
+        kv, top = caches.kv, owner.max_position
+        t0 = time.perf_counter()
+        try:
+            with cp.cuda.using_allocator(owner.pool.malloc):
+                packed = StaticInputs(cp, host)
+                a = packed.arrays
+                hidden = cp.zeros((batch.num_rows, width), cp.float32)
+                drafts = cp.empty((host["logit_rows"].size, k), cp.int64)
+                packed.fill(host, owner.stream)  # this step's: see StepGraphs._record
+
+                def body() -> tuple:
+                    first = StepInputs(a["tokens"], a["positions"], a["logit_rows"],
+                                       step_meta(kv, batch, a["attn"], top), None,
+                                       a.get("live"))
+                    out = model.mtp_forward(batch, hidden, caches, inputs=first)
+                    tokens = out.logits.argmax(axis=-1)
+                    drafts[:, 0] = tokens
+                    h = out.hidden[a["logit_rows"]]
+                    for j, step in enumerate(chain, start=1):
+                        inputs = StepInputs(tokens, a[f"positions{j}"], a["chain_rows"],
+                                            step_meta(kv, step, a[f"attn{j}"], top), None)
+                        out = model.mtp_forward(step, h, caches, inputs=inputs)
+                        tokens = out.logits.argmax(axis=-1)
+                        drafts[:, j] = tokens
+                        h = out.hidden
+                    return (drafts,)
+
+                graph, _ = owner._record(body)
+        except Exception as e:  # noqa: BLE001 -- any failure: this layout stays eager
+            self.refused[key] = f"{type(e).__name__}: {e}"
+            owner.totals["mtp_graph_refused"] += 1
+            return None
+        g = _MtpGraph(graph, packed, hidden, drafts)
+        self.graphs[key] = g
+        while len(self.graphs) > MAX_MTP_GRAPHS:
+            self.graphs.popitem(last=False)
+        owner.totals["mtp_graph_captures"] += 1
+        owner.totals["graph_capture_ms"] += (time.perf_counter() - t0) * 1e3
+        return g
