@@ -11,10 +11,11 @@ bucket's. Every input the host knows (positions, the paged-attention metadata of
 with its KV blocks reserved, the tokens of the first pass and its logits rows) is packed into
 static buffers and copied in one go before the replay; the first pass's hidden rows are
 copied on the device; the chained passes' tokens are the previous pass's argmax, never on the
-host. A layout runs eagerly the first time (that compiles its kernels) and is captured the
-second. Not taken (eager): a synthetic model's routing (its head routes on the host), slots
-whose draft counts differ or are 0, a slot that drafts nothing after its rows (a prompt
-chunk), a first pass past the largest bucket (with buckets), draft overlap.
+host. A synthetic model's head routes by the routing kernel (the host's routing model, bit for
+bit: gpu_worker/kernels/synthetic_routing.py) from each row's key and position. A layout runs
+eagerly the first time (that compiles its kernels) and is captured the second. Not taken
+(eager): slots whose draft counts differ or are 0, a slot that drafts nothing after its rows
+(a prompt chunk), a first pass past the largest bucket, draft overlap.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+import weakref
 
 import numpy as np
 
@@ -29,9 +31,23 @@ from gpu_worker import graph_buckets
 from gpu_worker.model.attention import step_meta, step_meta_host
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.mtp_drafter import Drafts, HeadWork
-from gpu_worker.step_inputs import StaticInputs, StepInputs
+from gpu_worker.step_inputs import KernelRouting, StaticInputs, StepInputs
 
 MAX_MTP_GRAPHS = 32  # layouts kept; the least recently used one goes first
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _routing_tables(model):
+    """A synthetic model's routing tables of its MTP layer on the device (None: the model
+    routes by its routers)."""
+    if model.routing is None:
+        return None
+    tables = _TABLES.get(model)
+    if tables is None:
+        from gpu_worker.kernels.synthetic_routing import DeviceRoutingTables  # noqa: PLC0415
+
+        tables = _TABLES[model] = DeviceRoutingTables(model.routing, [model.mtp_layer.index])
+    return tables
 
 
 @dataclasses.dataclass
@@ -93,7 +109,7 @@ class MtpGraphs:
         owner = self.owner
         batch = head.batch
         limits = set(head.limit.values())
-        if (owner.model.routing is not None or len(limits) != 1 or min(limits) < 1
+        if (len(limits) != 1 or min(limits) < 1
                 or head.want != [seg.slot for seg in batch.segments]):
             return None
         k, R, S = limits.pop(), batch.num_rows, len(batch.segments)
@@ -109,7 +125,7 @@ class MtpGraphs:
               ) -> tuple[dict[str, np.ndarray], list[RaggedBatch]]:
         """The graph's host inputs (reserving the passes' KV blocks, as eager passes do) and
         the chained passes' batches (their tokens are the graph's, not these zeros)."""
-        kv = self.owner.caches.kv
+        kv, routing = self.owner.caches.kv, self.owner.model.routing
         host = {"tokens": np.ascontiguousarray(batch.tokens, np.int64),
                 "positions": np.ascontiguousarray(batch.positions, np.int64),
                 "logit_rows": np.ascontiguousarray(head.last_rows, np.int64),
@@ -117,12 +133,16 @@ class MtpGraphs:
                 "chain_rows": np.arange(len(head.want), dtype=np.int64)}
         if live is not None:
             host["live"] = live
+        if routing is not None:  # each row's routing key (its segment's)
+            host["row_keys"] = routing.bind_batch(batch).keys
         chain = []
         for j in range(1, k):
             step = RaggedBatch.build([(s, head.last_pos[s] + j, [0]) for s in head.want],
                                      head.keys)
             host[f"positions{j}"] = np.ascontiguousarray(step.positions, np.int64)
             host[f"attn{j}"] = step_meta_host(kv, step)
+            if routing is not None:
+                host[f"row_keys{j}"] = routing.bind_batch(step).keys
             chain.append(step)
         return host, chain
 
@@ -131,6 +151,7 @@ class MtpGraphs:
         owner = self.owner
         cp, model, caches = owner.cp, owner.model, owner.caches
         kv, top = caches.kv, owner.max_position
+        tables = _routing_tables(model)
         t0 = time.perf_counter()
         try:
             with cp.cuda.using_allocator(owner.pool.malloc):
@@ -140,17 +161,22 @@ class MtpGraphs:
                 drafts = cp.empty((host["logit_rows"].size, k), cp.int64)
                 packed.fill(host, owner.stream)  # this step's: see StepGraphs._record
 
+                def routing(keys: str, positions: str):
+                    return (None if tables is None else
+                            KernelRouting(tables, a[keys], a[positions]))
+
                 def body() -> tuple:
                     first = StepInputs(a["tokens"], a["positions"], a["logit_rows"],
-                                       step_meta(kv, batch, a["attn"], top), None,
-                                       a.get("live"))
+                                       step_meta(kv, batch, a["attn"], top),
+                                       routing("row_keys", "positions"), a.get("live"))
                     out = model.mtp_forward(batch, hidden, caches, inputs=first)
                     tokens = out.logits.argmax(axis=-1)
                     drafts[:, 0] = tokens
                     h = out.hidden[a["logit_rows"]]
                     for j, step in enumerate(chain, start=1):
                         inputs = StepInputs(tokens, a[f"positions{j}"], a["chain_rows"],
-                                            step_meta(kv, step, a[f"attn{j}"], top), None)
+                                            step_meta(kv, step, a[f"attn{j}"], top),
+                                            routing(f"row_keys{j}", f"positions{j}"))
                         out = model.mtp_forward(step, h, caches, inputs=inputs)
                         tokens = out.logits.argmax(axis=-1)
                         drafts[:, j] = tokens

@@ -17,7 +17,10 @@ from daemon.request import GenerationRequest
 from daemon.scheduler import Scheduler
 from gpu_worker.engine import Engine
 from gpu_worker.graph_warm import layouts, one_per_bucket
+from gpu_worker.model_config import ModelConfig
 from gpu_worker.runner import Runner
+from gpu_worker.weights.routing import RoutingParams
+from gpu_worker.weights.synthetic import SyntheticSource
 from protocol.messages import (
     CacheOp,
     CacheOpKind,
@@ -27,7 +30,7 @@ from protocol.messages import (
     StepPlan,
     WorkKind,
 )
-from scripts.tiny_model import make_tiny_model
+from scripts.tiny_model import DEFAULT_SIZES, build_config, make_tiny_model
 from tests.harness import InProcessWorker, drain
 from tests.unit.test_speculation import CONTEXT, PROMPTS, SLOTS
 
@@ -191,11 +194,26 @@ def test_mtp_drafts_with_graphs_give_the_tokens_of_eager_passes(bf16_model, buck
     equal eager passes'."""
     if bf16_model.mtp is None:
         pytest.skip("this tiny architecture has no MTP head")
+    _mtp_graphs_equal_eager(bf16_model, buckets)
+
+
+def test_mtp_graphs_route_a_synthetic_model_as_its_eager_head():
+    """A synthetic model's head routes by the routing kernel inside the graph (the host's
+    routing model when eager): the same drafts, tokens and KV bytes."""
+    cfg = ModelConfig.from_dict(build_config("qwen3_next", DEFAULT_SIZES, "bfloat16", [0]))
+    src = SyntheticSource(cfg, seed=5, routing=RoutingParams(0.7, 0.4))
+    model = Engine.from_dir(src, dtype="bfloat16", backend="cupy", max_slots=SLOTS,
+                            max_len=CONTEXT).model
+    assert model.mtp is not None and model.routing is not None
+    _mtp_graphs_equal_eager(model, True)
+
+
+def _mtp_graphs_equal_eager(model, buckets: bool) -> None:
     requests = [(p, SamplingParams(temperature=0.8, seed=5 + i), 14 if EMULATED else 40)
                 for i, p in enumerate(PROMPTS)]
     out = []
     for graphs in (False, True):
-        runner = Runner(bf16_model, max_slots=SLOTS, max_context=CONTEXT, block_size=4,
+        runner = Runner(model, max_slots=SLOTS, max_context=CONTEXT, block_size=4,
                         extra_blocks=32, cuda_graphs=graphs, graph_buckets=buckets)
         got, worker = _drive(runner, "wide", requests, proposer="mtp", num_drafts=3)
         drafted = sum(len(w.draft_ids) for p in worker.plans for w in p.slots)
