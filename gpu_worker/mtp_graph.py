@@ -67,12 +67,13 @@ class MtpGraphs:
         self.graphs: collections.OrderedDict[tuple, _MtpGraph] = collections.OrderedDict()
         self.seen: set[tuple] = set()
         self.refused: dict[tuple, str] = {}
+        self.enabled = True  # False: every drafting eager (benchmarks compare the two)
 
     def run(self, head: HeadWork) -> Drafts | None:
         """The drafts of ``head`` through its layout's graph (captured now if the layout
         ran before); None: run it eagerly (nothing was done)."""
         owner = self.owner
-        layout = self._layout(head)
+        layout = self._layout(head) if self.enabled else None
         if layout is None:
             return None
         key, batch, live, k = layout

@@ -96,6 +96,15 @@ PLANS: dict[str, list[Check]] = {
               "--gpu-budget whole --graphs --no-graph-buckets --steps 5 "
               "--layouts 1x3,1x5,2x3,3x1,3x3,3x5 --out $OUT/step_exact_whole.json", 240),
     ],
+    # what MTP drafting adds to a decode step, eager and as one CUDA graph (gpu_worker/
+    # mtp_graph.py): the synthetic 80B given an MTP head, whole GPU, 1-4 slots x 3 drafts
+    "mtp": [
+        Check("mtp_whole", "mount -o remount,size=110G /dev/shm; "
+              f"{PY} scripts.bench_mtp --model qwen3-next-80b-a3b --gpu-budget whole "
+              "--drafts 3 --out $OUT/mtp_whole.json", 300),
+        Check("mtp_tests", f"{PY} pytest -q -p no:cacheprovider tests/gpu/test_bench_mtp_cupy.py "
+              "tests/gpu/test_step_graph_cupy.py -k mtp", 180),
+    ],
     # the GPU alone: the 80B's widths with 64 experts per layer (all on the GPU), its step
     # with graphs, then one eager step per layout under Nsight Compute (docs/benchmarks.md)
     "gpu_only": [
