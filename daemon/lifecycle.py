@@ -54,7 +54,10 @@ def worker_config(config: Config) -> WorkerConfig:
                         speculation_mode=config.speculation.mode,
                         cuda_graphs=config.model.cuda_graphs,
                         graph_warm_up=config.model.cuda_graph_warm_up,
-                        graph_buckets=config.model.cuda_graph_buckets)
+                        graph_buckets=config.model.cuda_graph_buckets,
+                        mtp_drafts=config.speculation.num_drafts
+                        if config.speculation.mode != "off"
+                        and config.speculation.proposer == "mtp" else 0)
 
 
 def serve(config: Config) -> int:

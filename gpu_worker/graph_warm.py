@@ -118,3 +118,70 @@ def warm(runner: Any, shapes: list[tuple[int, ...]]) -> dict[str, float]:
     return {"graphs": after["graph_captures"] - before["graph_captures"],
             "refused": after["graph_refused"] - before["graph_refused"],
             "layouts": len(shapes), "seconds": time.perf_counter() - t0}
+
+
+def mtp_layouts(max_slots: int, drafts: int, mode: str, buckets: bool
+                ) -> list[tuple[int, ...]]:
+    """One head pass of each MTP drafting graph (gpu_worker/mtp_graph.py) the daemon's steps
+    can make, as each slot's committed rows: a pass's slots commit 1 + its accepted drafts
+    each; ``wide``: 1 to ``max_slots`` slots, every total of rows up to the largest bucket;
+    ``narrow``: a drafted slot alone (1 to 1 + ``drafts`` rows) and the undrafted slots of
+    one row each. With ``buckets`` one per capacity bucket (the first pass is padded to it)."""
+    from gpu_worker.graph_buckets import GRAPH_BUCKETS, bucket  # noqa: PLC0415 (one use)
+
+    if drafts <= 0:
+        return []
+    top = GRAPH_BUCKETS[-1]
+    wanted = [(n,) * 1 for n in range(1, min(drafts + 1, top) + 1)] + [
+        (1,) * n for n in range(2, max_slots + 1)]
+    if mode != "narrow":
+        wanted += [_spread(total, n) for n in range(2, max_slots + 1)
+                   for total in range(n + 1, min(n * (1 + drafts), top) + 1)]
+    seen, out = set(), []
+    for rows in wanted:
+        key = (bucket(sum(rows)) if buckets else sum(rows), len(rows))
+        if key not in seen:
+            seen.add(key)
+            out.append(rows)
+    return out
+
+
+def _spread(total: int, n: int) -> tuple[int, ...]:
+    base, extra = divmod(total, n)
+    return tuple([base + 1] * extra + [base] * (n - extra))
+
+
+def warm_mtp(runner: Any, drafts: int) -> dict[str, float]:
+    """Capture the MTP drafting graphs of :func:`mtp_layouts`: each head pass runs eagerly
+    once (it compiles its kernels), then through its graph, on scratch slots 0..n-1 (their
+    KV blocks freed after) from zero hidden rows. Returns what :func:`warm` returns."""
+    from gpu_worker.model.batch import RaggedBatch  # noqa: PLC0415
+    from gpu_worker.mtp_drafter import HeadWork, run_all  # noqa: PLC0415
+
+    graphs, t0 = runner.graphs, time.perf_counter()
+    before = dict(graphs.totals)
+    shapes = mtp_layouts(runner.max_slots, drafts, runner.speculation_mode,
+                         graphs.scratch is not None)
+    shapes = [s for s in shapes if 1 + max(s) + drafts < runner.max_context]
+    xp, width = runner.model.xp, runner.model.cfg.hidden_size
+    try:
+        for rows in shapes:
+            for s in range(len(rows)):
+                runner.cache_ops.apply(CacheOp(op=CacheOpKind.ALLOCATE, slot=s))
+            batch = RaggedBatch.build([(s, 1, np.zeros(r, np.int64)) for s, r in
+                                       enumerate(rows)])
+            last = {seg.slot: seg.row0 + seg.num - 1 for seg in batch.segments}
+            head = HeadWork(batch, xp.zeros((batch.num_rows, width), np.float32),
+                            np.array([last[s] for s in range(len(rows))], np.int64),
+                            list(range(len(rows))), {s: drafts for s in range(len(rows))},
+                            {s: r for s, r in enumerate(rows)}, {s: s for s in range(len(rows))})
+            for _ in range(2):  # the first eager (seen), the second captured and replayed
+                if graphs.mtp.run(head) is None:
+                    run_all(runner.drafter.run(head))
+    finally:
+        for s in list(runner.lengths):
+            runner.cache_ops.apply(CacheOp(op=CacheOpKind.FREE, slot=s))
+    after = graphs.totals
+    return {"graphs": after["mtp_graph_captures"] - before["mtp_graph_captures"],
+            "refused": after["mtp_graph_refused"] - before["mtp_graph_refused"],
+            "layouts": len(shapes), "seconds": time.perf_counter() - t0}

@@ -60,7 +60,7 @@ class Runner:
                  experts: RoutedExperts | None = None, slot_routing: bool = False,
                  draft_overlap: bool = False, cuda_graphs: bool = False, max_drafts: int = 0,
                  speculation_mode: str = "off", graph_warm_up: str = "all",
-                 graph_buckets: bool = True) -> None:
+                 graph_buckets: bool = True, mtp_drafts: int = 0) -> None:
         self.model = model
         self.slot_routing = slot_routing and experts is not None
         self.max_slots = max_slots
@@ -68,6 +68,7 @@ class Runner:
         self.max_drafts = max_drafts
         self.speculation_mode = speculation_mode
         self.graph_warm_up = graph_warm_up
+        self.mtp_drafts = mtp_drafts  # the daemon's MTP drafts per slot (0: none asked)
         self.experts = experts
         overlap, self.overlap_reason = overlap_status(draft_overlap, model, experts)
         self.overlap = DraftOverlap(experts, model.xp) if overlap else None
@@ -110,8 +111,9 @@ class Runner:
         (graph_warm.layouts: the decode layouts, 1 to ``max_slots`` slots of one row, and with
         ``graph_warm_up = "all"`` every verify layout of the speculation settings), so that
         serving never runs a layout's eager first pass or its capture while requests wait.
-        Each layout runs twice on scratch slots, freed after. Returns the graphs captured,
-        the layouts refused and tried, and the seconds it took."""
+        Each layout runs twice on scratch slots, freed after; with ``mtp_drafts`` (and
+        "all") also the MTP drafting graphs (graph_warm.warm_mtp). Returns the graphs
+        captured, the layouts refused and tried, and the seconds it took."""
         if self.graphs is None or self.lengths:
             return {"graphs": 0, "refused": 0, "layouts": 0, "seconds": 0.0}
         drafts = self.max_drafts if self.graph_warm_up == "all" else 0
@@ -119,7 +121,11 @@ class Runner:
         if self.graphs.scratch is not None:  # one pass of each capacity bucket
             shapes = graph_warm.one_per_bucket(shapes)
         # a scratch slot holds one prompt token, then a pass's rows
-        return graph_warm.warm(self, [s for s in shapes if 2 + max(s) <= self.max_context])
+        out = graph_warm.warm(self, [s for s in shapes if 2 + max(s) <= self.max_context])
+        if drafts and self.mtp_drafts and self.model.mtp is not None:
+            more = graph_warm.warm_mtp(self, self.mtp_drafts)
+            out = {k: out[k] + more[k] for k in out}
+        return out
 
     # ---- the step ------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:

@@ -106,7 +106,8 @@ def build_runner(cfg: WorkerConfig) -> tuple[Runner, object, ModelInfo]:
                     experts=pool if pool else None, slot_routing=cfg.slot_routing,
                     draft_overlap=cfg.draft_overlap, cuda_graphs=cfg.cuda_graphs,
                     max_drafts=cfg.max_drafts, speculation_mode=cfg.speculation_mode,
-                    graph_warm_up=cfg.graph_warm_up, graph_buckets=cfg.graph_buckets)
+                    graph_warm_up=cfg.graph_warm_up, graph_buckets=cfg.graph_buckets,
+                    mtp_drafts=cfg.mtp_drafts)
     _log("draft overlap", enabled=cfg.draft_overlap, active=runner.overlap is not None,
          reason=runner.overlap_reason)
     _log("cuda graphs", enabled=cfg.cuda_graphs, active=runner.graphs is not None,

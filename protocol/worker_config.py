@@ -86,6 +86,7 @@ class WorkerConfig:
     cuda_graphs: bool = True  # decode/verify passes as CUDA graphs where they can be
     graph_warm_up: str = "all"  # captured before READY: decode layouts, or verify ones too
     graph_buckets: bool = True  # passes padded up to the capacity buckets' graphs
+    mtp_drafts: int = 0  # MTP drafts per slot the daemon asks for: their graphs warmed too
     heartbeat_s: float = HEARTBEAT_S  # a Heartbeat this often while idle
 
     def __post_init__(self) -> None:
@@ -105,7 +106,8 @@ class WorkerConfig:
         _choice("graph_warm_up", self.graph_warm_up, GRAPH_WARM_UPS)
         for name, lo in (("max_slots", 1), ("max_context", 1), ("block_size", 1),
                          ("prefix_cache_max_mb", 0), ("cpu_experts_per_layer", 0),
-                         ("cpu_workers", 0), ("prefill_chunk", 1), ("max_drafts", 0)):
+                         ("cpu_workers", 0), ("prefill_chunk", 1), ("max_drafts", 0),
+                         ("mtp_drafts", 0)):
             _count(name, getattr(self, name), lo)
         for name in ("prefix_cache", "slot_routing", "draft_overlap", "cuda_graphs",
                      "graph_buckets"):

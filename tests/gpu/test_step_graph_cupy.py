@@ -16,7 +16,7 @@ from daemon.config import SpeculationSection
 from daemon.request import GenerationRequest
 from daemon.scheduler import Scheduler
 from gpu_worker.engine import Engine
-from gpu_worker.graph_warm import layouts, one_per_bucket
+from gpu_worker.graph_warm import layouts, mtp_layouts, one_per_bucket
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.runner import Runner
 from gpu_worker.weights.routing import RoutingParams
@@ -310,3 +310,31 @@ def test_a_buckets_graph_serves_its_rows_padded_with_eager_bits(bf16_model):
     assert [t for t, _ in graphed] == [t for t, _ in eager]
     for a, b in zip(pools_e, pools_g, strict=True):
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_mtp_drafting_graphs_are_captured_before_serving(bf16_model):
+    """With MTP drafts asked (WorkerConfig.mtp_drafts), warm_graphs also captures the MTP
+    drafting graph of every head-pass layout (graph_warm.mtp_layouts); MTP serving then
+    captures nothing and runs no drafting eagerly, with the tokens of an eager runner."""
+    if bf16_model.mtp is None:
+        pytest.skip("this tiny architecture has no MTP head")
+    drafts = 1 if EMULATED else 3
+    kw = dict(max_slots=SLOTS, max_context=CONTEXT, block_size=4, extra_blocks=32,
+              max_drafts=drafts, speculation_mode="wide")
+    runner = Runner(bf16_model, cuda_graphs=True, mtp_drafts=drafts, **kw)
+    free = runner.kv.allocator.num_free
+    warm = runner.warm_graphs()
+    want = len(mtp_layouts(SLOTS, drafts, "wide", True))
+    assert runner.graphs.totals["mtp_graph_captures"] == want > SLOTS
+    assert warm["refused"] == 0 and not runner.lengths
+    assert runner.kv.allocator.num_free == free
+    before = dict(runner.graphs.totals)
+    requests = [(p, SamplingParams(temperature=0.7, seed=3 + i), 10 if EMULATED else 40)
+                for i, p in enumerate(PROMPTS)]
+    spec = {"proposer": "mtp", "num_drafts": drafts}
+    out, worker = _drive(runner, "wide", requests, **spec)
+    after = runner.graphs.totals
+    assert after["mtp_graph_replays"] > before["mtp_graph_replays"]
+    for k in ("mtp_graph_captures", "mtp_graph_first_runs", "mtp_graph_refused"):
+        assert after[k] == before[k], k
+    assert out == _drive(Runner(bf16_model, **kw), "wide", requests, **spec)[0]

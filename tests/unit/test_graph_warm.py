@@ -107,9 +107,33 @@ def test_the_schedulers_passes_are_among_the_warmed_layouts(model, mode):
 
 def test_the_worker_config_carries_the_speculation_mode_and_warm_up():
     cfg = WorkerConfig(run_dir="/tmp/x", model="/tmp/m", max_drafts=4,
-                       speculation_mode="narrow", graph_warm_up="decode", graph_buckets=False)
+                       speculation_mode="narrow", graph_warm_up="decode", graph_buckets=False,
+                       mtp_drafts=4)
     assert WorkerConfig.from_json(cfg.to_json()) == cfg and not cfg.graph_buckets
+    assert cfg.mtp_drafts == 4
     for bad in ({"speculation_mode": "fast"}, {"graph_warm_up": "some"},
-                {"graph_buckets": 1}):
+                {"graph_buckets": 1}, {"mtp_drafts": -1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             WorkerConfig(run_dir="/tmp/x", model="/tmp/m", **bad)
+
+
+@pytest.mark.parametrize("mode", ["wide", "narrow"])
+@pytest.mark.parametrize("buckets", [True, False])
+def test_the_mtp_layouts_cover_every_head_pass_the_scheduler_makes(mode, buckets):
+    """Every head pass a step can make (each slot of a pass committing 1 + its accepted
+    drafts; wide: the pass's slots together, at most 16 rows; narrow: a drafted slot alone,
+    the undrafted slots of one row together) has a warmed layout's graph key."""
+    from gpu_worker.graph_buckets import bucket  # noqa: PLC0415
+    from gpu_worker.graph_warm import mtp_layouts  # noqa: PLC0415
+
+    def key(rows):
+        return (bucket(sum(rows)) if buckets else sum(rows), len(rows))
+
+    warmed = {key(r) for r in mtp_layouts(4, 4, mode, buckets)}
+    assert len(warmed) == len(mtp_layouts(4, 4, mode, buckets))
+    for n in range(1, 5):
+        for committed in itertools.product(range(1, 6), repeat=n):
+            if mode == "narrow" and n > 1 and max(committed) > 1:
+                continue  # narrow: drafted slots pass alone
+            if sum(committed) <= 16:
+                assert key(committed) in warmed, committed
