@@ -75,6 +75,8 @@ class ModelSection:
     # a pass whose rows fall between the capacity buckets (1, 2, 4, 8, 12, 16) is padded up
     # to the larger one, so one graph serves them all (false: a graph per rows and slots)
     cuda_graph_buckets: bool = True
+    # the MTP head's drafting after a pass as one graph (false: its passes eager)
+    cuda_graph_mtp: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype == "":
@@ -89,6 +91,7 @@ class ModelSection:
         check_str("model.backend", self.backend, BACKENDS)
         check_bool("model.cuda_graphs", self.cuda_graphs)
         check_bool("model.cuda_graph_buckets", self.cuda_graph_buckets)
+        check_bool("model.cuda_graph_mtp", self.cuda_graph_mtp)
         check_str("model.cuda_graph_warm_up", self.cuda_graph_warm_up, GRAPH_WARM_UPS)
 
     @property

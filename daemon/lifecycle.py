@@ -55,6 +55,7 @@ def worker_config(config: Config) -> WorkerConfig:
                         cuda_graphs=config.model.cuda_graphs,
                         graph_warm_up=config.model.cuda_graph_warm_up,
                         graph_buckets=config.model.cuda_graph_buckets,
+                        graph_mtp=config.model.cuda_graph_mtp,
                         mtp_drafts=config.speculation.num_drafts
                         if config.speculation.mode != "off"
                         and config.speculation.proposer == "mtp" else 0)

@@ -60,7 +60,8 @@ class Runner:
                  experts: RoutedExperts | None = None, slot_routing: bool = False,
                  draft_overlap: bool = False, cuda_graphs: bool = False, max_drafts: int = 0,
                  speculation_mode: str = "off", graph_warm_up: str = "all",
-                 graph_buckets: bool = True, mtp_drafts: int = 0) -> None:
+                 graph_buckets: bool = True, mtp_drafts: int = 0,
+                 graph_mtp: bool = True) -> None:
         self.model = model
         self.slot_routing = slot_routing and experts is not None
         self.max_slots = max_slots
@@ -92,6 +93,8 @@ class Runner:
                                   max_graphs=max(MAX_GRAPHS, max_slots + MAX_WARM_LAYOUTS),
                                   scratch=scratch)
                        if active else None)
+        if self.graphs is not None:  # the MTP head's drafting as one graph (mtp_graph.py)
+            self.graphs.mtp.enabled = graph_mtp
 
     @property
     def caches(self) -> Caches:
@@ -122,7 +125,7 @@ class Runner:
             shapes = graph_warm.one_per_bucket(shapes)
         # a scratch slot holds one prompt token, then a pass's rows
         out = graph_warm.warm(self, [s for s in shapes if 2 + max(s) <= self.max_context])
-        if drafts and self.mtp_drafts and self.model.mtp is not None:
+        if drafts and self.mtp_drafts and self.model.mtp is not None and self.graphs.mtp.enabled:
             more = graph_warm.warm_mtp(self, self.mtp_drafts)
             out = {k: out[k] + more[k] for k in out}
         return out

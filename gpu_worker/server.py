@@ -107,7 +107,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[Runner, object, ModelInfo]:
                     draft_overlap=cfg.draft_overlap, cuda_graphs=cfg.cuda_graphs,
                     max_drafts=cfg.max_drafts, speculation_mode=cfg.speculation_mode,
                     graph_warm_up=cfg.graph_warm_up, graph_buckets=cfg.graph_buckets,
-                    mtp_drafts=cfg.mtp_drafts)
+                    mtp_drafts=cfg.mtp_drafts, graph_mtp=cfg.graph_mtp)
     _log("draft overlap", enabled=cfg.draft_overlap, active=runner.overlap is not None,
          reason=runner.overlap_reason)
     _log("cuda graphs", enabled=cfg.cuda_graphs, active=runner.graphs is not None,

@@ -87,6 +87,7 @@ class WorkerConfig:
     graph_warm_up: str = "all"  # captured before READY: decode layouts, or verify ones too
     graph_buckets: bool = True  # passes padded up to the capacity buckets' graphs
     mtp_drafts: int = 0  # MTP drafts per slot the daemon asks for: their graphs warmed too
+    graph_mtp: bool = True  # the MTP head's drafting as one CUDA graph per pass
     heartbeat_s: float = HEARTBEAT_S  # a Heartbeat this often while idle
 
     def __post_init__(self) -> None:
@@ -110,7 +111,7 @@ class WorkerConfig:
                          ("mtp_drafts", 0)):
             _count(name, getattr(self, name), lo)
         for name in ("prefix_cache", "slot_routing", "draft_overlap", "cuda_graphs",
-                     "graph_buckets"):
+                     "graph_buckets", "graph_mtp"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not all(isinstance(g, tuple) and g and all(type(c) is int and c >= 0 for c in g)

@@ -209,22 +209,25 @@ def test_mtp_graphs_route_a_synthetic_model_as_its_eager_head():
 
 
 def _mtp_graphs_equal_eager(model, buckets: bool) -> None:
+    """Eager, graphs with eager drafting (``graph_mtp`` False), graphs with MTP graphs."""
     requests = [(p, SamplingParams(temperature=0.8, seed=5 + i), 14 if EMULATED else 40)
                 for i, p in enumerate(PROMPTS)]
     out = []
-    for graphs in (False, True):
+    for graphs, mtp_graph in ((False, False), (True, False), (True, True)):
         runner = Runner(model, max_slots=SLOTS, max_context=CONTEXT, block_size=4,
-                        extra_blocks=32, cuda_graphs=graphs, graph_buckets=buckets)
+                        extra_blocks=32, cuda_graphs=graphs, graph_buckets=buckets,
+                        graph_mtp=mtp_graph)
         got, worker = _drive(runner, "wide", requests, proposer="mtp", num_drafts=3)
         drafted = sum(len(w.draft_ids) for p in worker.plans for w in p.slots)
         replays = sum(r.counters.get("graph_replays", 0) for r in worker.results)
         mtp = sum(r.counters.get("mtp_graph_replays", 0) for r in worker.results)
-        assert drafted > 0 and (replays > 0) == graphs and (mtp > 0) == graphs
+        assert drafted > 0 and (replays > 0) == graphs and (mtp > 0) == mtp_graph
         drafts = [[(r.slot, list(r.drafts)) for r in res.slots] for res in worker.results]
         out.append((got, drafts, _daemons_caches(runner)[:2]))
-    assert out[1][0] == out[0][0] and out[1][1] == out[0][1]
-    for a, b in zip(out[0][2], out[1][2], strict=True):
-        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    for other in out[1:]:
+        assert other[0] == out[0][0] and other[1] == out[0][1]
+        for a, b in zip(out[0][2], other[2], strict=True):
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
 def test_verify_layouts_are_captured_before_serving(bf16_model):

@@ -390,6 +390,8 @@ def test_the_summary_names_the_graph_warm_up_and_the_shard_cache(tmp_path):
         load_config(_write(tmp_path, '[model]\ncuda_graph_warm_up = "some"\n'))
     with pytest.raises(ConfigError, match="cuda_graph_buckets"):
         load_config(_write(tmp_path, '[model]\ncuda_graph_buckets = "yes"\n'))
+    with pytest.raises(ConfigError, match="cuda_graph_mtp"):
+        load_config(_write(tmp_path, '[model]\ncuda_graph_mtp = 1\n'))
     exact = load_config(_write(tmp_path, '[model]\nbackend = "cupy"\n'
                                          'cuda_graph_buckets = false\n'))
     assert "CUDA graphs, all layouts" in "\n".join(summary(exact))

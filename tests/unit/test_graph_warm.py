@@ -108,11 +108,11 @@ def test_the_schedulers_passes_are_among_the_warmed_layouts(model, mode):
 def test_the_worker_config_carries_the_speculation_mode_and_warm_up():
     cfg = WorkerConfig(run_dir="/tmp/x", model="/tmp/m", max_drafts=4,
                        speculation_mode="narrow", graph_warm_up="decode", graph_buckets=False,
-                       mtp_drafts=4)
+                       mtp_drafts=4, graph_mtp=False)
     assert WorkerConfig.from_json(cfg.to_json()) == cfg and not cfg.graph_buckets
-    assert cfg.mtp_drafts == 4
+    assert cfg.mtp_drafts == 4 and not cfg.graph_mtp
     for bad in ({"speculation_mode": "fast"}, {"graph_warm_up": "some"},
-                {"graph_buckets": 1}, {"mtp_drafts": -1}):
+                {"graph_buckets": 1}, {"mtp_drafts": -1}, {"graph_mtp": "no"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             WorkerConfig(run_dir="/tmp/x", model="/tmp/m", **bad)
 
