@@ -112,12 +112,23 @@ def warm(runner: Any, shapes: list[tuple[int, ...]]) -> dict[str, float]:
                         start(s)
                 run([work(s, d) for s, d in enumerate(shape)])
     finally:
-        for s in list(runner.lengths):
-            runner.cache_ops.apply(CacheOp(op=CacheOpKind.FREE, slot=s))
-    after = graphs.totals
-    return {"graphs": after["graph_captures"] - before["graph_captures"],
-            "refused": after["graph_refused"] - before["graph_refused"],
-            "layouts": len(shapes), "seconds": time.perf_counter() - t0}
+        _free_all(runner)
+    return _counts(graphs.totals, before, "graph_", len(shapes), t0)
+
+
+def _free_all(runner: Any) -> None:
+    """Every slot the warm-up took, free again (its KV blocks back)."""
+    for s in list(runner.lengths):
+        runner.cache_ops.apply(CacheOp(op=CacheOpKind.FREE, slot=s))
+
+
+def _counts(after: dict, before: dict, prefix: str, layouts: int, t0: float
+            ) -> dict[str, float]:
+    """A warm-up's result: graphs captured and layouts refused (``prefix``'s counters since
+    ``before``), layouts tried, seconds since ``t0``."""
+    return {"graphs": after[f"{prefix}captures"] - before[f"{prefix}captures"],
+            "refused": after[f"{prefix}refused"] - before[f"{prefix}refused"],
+            "layouts": layouts, "seconds": time.perf_counter() - t0}
 
 
 def mtp_layouts(max_slots: int, drafts: int, mode: str, buckets: bool
@@ -179,9 +190,5 @@ def warm_mtp(runner: Any, drafts: int) -> dict[str, float]:
                 if graphs.mtp.run(head) is None:
                     run_all(runner.drafter.run(head))
     finally:
-        for s in list(runner.lengths):
-            runner.cache_ops.apply(CacheOp(op=CacheOpKind.FREE, slot=s))
-    after = graphs.totals
-    return {"graphs": after["mtp_graph_captures"] - before["mtp_graph_captures"],
-            "refused": after["mtp_graph_refused"] - before["mtp_graph_refused"],
-            "layouts": len(shapes), "seconds": time.perf_counter() - t0}
+        _free_all(runner)
+    return _counts(graphs.totals, before, "mtp_graph_", len(shapes), t0)
