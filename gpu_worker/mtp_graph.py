@@ -33,7 +33,7 @@ from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.mtp_drafter import Drafts, HeadWork
 from gpu_worker.step_inputs import KernelRouting, StaticInputs, StepInputs
 
-MAX_MTP_GRAPHS = 32  # layouts kept; the least recently used one goes first
+MAX_MTP_GRAPHS = 64  # layouts kept (the warm-up makes <= 40); the least recently used goes first
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
