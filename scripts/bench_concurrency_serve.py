@@ -221,9 +221,10 @@ def start_facts(log: Path) -> dict[str, Any]:
         except ValueError:
             continue
         if rec.get("event") == "cuda graphs":
-            out["graph_warm_up"] = {k: rec[k] for k in ("active", "warm_up", "layouts",
-                                                        "graphs", "refused", "seconds",
-                                                        "device_free_gib") if k in rec}
+            out["graph_warm_up"] = {k: rec[k] for k in ("active", "warm_up", "buckets",
+                                                        "layouts", "graphs", "refused",
+                                                        "seconds", "device_free_gib")
+                                    if k in rec}
         elif rec.get("event") == "load plan" and "cpu_shards_cached" in rec:
             out["cpu_shards_cached"] = rec["cpu_shards_cached"]
     return out

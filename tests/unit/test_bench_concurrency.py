@@ -196,11 +196,12 @@ def test_a_runs_start_facts_come_from_the_workers_log_lines(tmp_path, capsys):
 
     _log("load plan", bytes=10, cpu_shards_cached=True)
     _log("cuda graphs", enabled=True, active=True, reason="decode and verify passes",
-         warm_up="all", graphs=40, refused=0, layouts=40, seconds=12.5, device_free_gib=9.1)
+         warm_up="all", buckets=True, graphs=25, refused=0, layouts=25, seconds=12.5,
+         device_free_gib=9.1)
     log = tmp_path / "run.log"
     log.write_text("loading weights 40%\n" + capsys.readouterr().err
                    + '{"event": "server ready", "logger": "tandem"}\n{broken\n')
     assert start_facts(log) == {"cpu_shards_cached": True, "graph_warm_up": {
-        "active": True, "warm_up": "all", "layouts": 40, "graphs": 40, "refused": 0,
-        "seconds": 12.5, "device_free_gib": 9.1}}
+        "active": True, "warm_up": "all", "buckets": True, "layouts": 25, "graphs": 25,
+        "refused": 0, "seconds": 12.5, "device_free_gib": 9.1}}
     assert start_facts(tmp_path / "missing.log") == {}
