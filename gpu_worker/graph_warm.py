@@ -15,7 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from gpu_worker.graph_buckets import shape_key
+from gpu_worker.graph_buckets import GRAPH_BUCKETS, bucket, shape_key
+from gpu_worker.model.batch import RaggedBatch
+from gpu_worker.mtp_drafter import HeadWork, run_all
 from protocol.messages import (
     CacheOp,
     CacheOpKind,
@@ -52,8 +54,7 @@ def layouts(max_slots: int, max_drafts: int, mode: str, *,
     for n in range(1, max_slots + 1):
         k = min(n, MAX_WIDE_SLOTS)  # drafted slots at most
         for total in range(1, min(k * max_drafts, WIDE_CAPACITIES[-1] - n) + 1):
-            base, extra = divmod(total, k)
-            verify.append(tuple([base + 1] * extra + [base] * (k - extra) + [0] * (n - k)))
+            verify.append(_spread(total, k) + (0,) * (n - k))
     return out + verify[:limit]
 
 
@@ -138,12 +139,10 @@ def mtp_layouts(max_slots: int, drafts: int, mode: str, buckets: bool
     each; ``wide``: 1 to ``max_slots`` slots, every total of rows up to the largest bucket;
     ``narrow``: a drafted slot alone (1 to 1 + ``drafts`` rows) and the undrafted slots of
     one row each. With ``buckets`` one per capacity bucket (the first pass is padded to it)."""
-    from gpu_worker.graph_buckets import GRAPH_BUCKETS, bucket  # noqa: PLC0415 (one use)
-
     if drafts <= 0:
         return []
     top = GRAPH_BUCKETS[-1]
-    wanted = [(n,) * 1 for n in range(1, min(drafts + 1, top) + 1)] + [
+    wanted = [(n,) for n in range(1, min(drafts + 1, top) + 1)] + [
         (1,) * n for n in range(2, max_slots + 1)]
     if mode != "narrow":
         wanted += [_spread(total, n) for n in range(2, max_slots + 1)
@@ -158,6 +157,7 @@ def mtp_layouts(max_slots: int, drafts: int, mode: str, buckets: bool
 
 
 def _spread(total: int, n: int) -> tuple[int, ...]:
+    """``total`` spread as evenly as it goes over ``n`` slots, the larger parts first."""
     base, extra = divmod(total, n)
     return tuple([base + 1] * extra + [base] * (n - extra))
 
@@ -166,9 +166,6 @@ def warm_mtp(runner: Any, drafts: int) -> dict[str, float]:
     """Capture the MTP drafting graphs of :func:`mtp_layouts`: each head pass runs eagerly
     once (it compiles its kernels), then through its graph, on scratch slots 0..n-1 (their
     KV blocks freed after) from zero hidden rows. Returns what :func:`warm` returns."""
-    from gpu_worker.model.batch import RaggedBatch  # noqa: PLC0415
-    from gpu_worker.mtp_drafter import HeadWork, run_all  # noqa: PLC0415
-
     graphs, t0 = runner.graphs, time.perf_counter()
     before = dict(graphs.totals)
     shapes = mtp_layouts(runner.max_slots, drafts, runner.speculation_mode,

@@ -20,7 +20,6 @@ eagerly the first time (that compiles its kernels) and is captured the second. N
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 import weakref
@@ -28,6 +27,7 @@ import weakref
 import numpy as np
 
 from gpu_worker import graph_buckets
+from gpu_worker.graph_table import FIRST, REFUSED, GraphTable
 from gpu_worker.model.attention import step_meta, step_meta_host
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.mtp_drafter import Drafts, HeadWork
@@ -64,9 +64,7 @@ class MtpGraphs:
 
     def __init__(self, owner) -> None:
         self.owner = owner
-        self.graphs: collections.OrderedDict[tuple, _MtpGraph] = collections.OrderedDict()
-        self.seen: set[tuple] = set()
-        self.refused: dict[tuple, str] = {}
+        self.table = GraphTable(owner.totals, "mtp_graph_", MAX_MTP_GRAPHS)
         self.enabled = True  # False: every drafting eager (benchmarks compare the two)
 
     def run(self, head: HeadWork) -> Drafts | None:
@@ -77,25 +75,16 @@ class MtpGraphs:
         if layout is None:
             return None
         key, batch, live, k = layout
-        if key in self.refused:
-            return None
-        g = self.graphs.get(key)
-        if g is None and key not in self.seen:
-            self.seen.add(key)  # eager this once: compiles what the layout needs
-            owner.totals["mtp_graph_first_runs"] += 1
-            return None
+        state, g = self.table.lookup(key)
+        if state in (REFUSED, FIRST):
+            return None  # eager; a first run compiles what the layout needs
         host, chain = self._host(head, batch, live, k)
         owner.caches.kv.device_tables()  # table rows that changed: before the graph reads them
         if g is None:
             g = self._capture(key, host, batch, chain, k, head.hidden.shape[1])
             if g is None:
                 return None
-        else:
-            self.graphs.move_to_end(key)
-        cp = owner.cp
-        ready = cp.cuda.Event(disable_timing=True)
-        ready.record(cp.cuda.get_current_stream())  # the pass's hidden rows, table rows
-        owner.stream.wait_event(ready)
+        owner.follow_main()  # the pass's hidden rows, table rows
         g.inputs.fill(host, owner.stream)
         with owner.stream:
             g.hidden[:head.hidden.shape[0]] = head.hidden
@@ -186,13 +175,6 @@ class MtpGraphs:
 
                 graph, _ = owner._record(body)
         except Exception as e:  # noqa: BLE001 -- any failure: this layout stays eager
-            self.refused[key] = f"{type(e).__name__}: {e}"
-            owner.totals["mtp_graph_refused"] += 1
+            self.table.refuse(key, e)
             return None
-        g = _MtpGraph(graph, packed, hidden, drafts)
-        self.graphs[key] = g
-        while len(self.graphs) > MAX_MTP_GRAPHS:
-            self.graphs.popitem(last=False)
-        owner.totals["mtp_graph_captures"] += 1
-        owner.totals["graph_capture_ms"] += (time.perf_counter() - t0) * 1e3
-        return g
+        return self.table.keep(key, _MtpGraph(graph, packed, hidden, drafts), t0)

@@ -248,10 +248,11 @@ class Runner:
         if self.model.mtp is not None and any(w.mtp_drafts for w in work):
             if self.overlap is None:
                 head = self.drafter.prepare(work, batch, out.hidden, committed)
-                drafts = None if head is None or self.graphs is None else \
-                    self.graphs.mtp.run(head)  # one CUDA graph (gpu_worker/mtp_graph.py)
-                if drafts is None:
-                    drafts = {} if head is None else run_all(self.drafter.run(head))
+                drafts = {}
+                if head is not None:  # one CUDA graph (gpu_worker/mtp_graph.py), or eager
+                    drafts = self.graphs.mtp.run(head) if self.graphs is not None else None
+                    if drafts is None:
+                        drafts = run_all(self.drafter.run(head))
                 _attach(results, drafts)
             else:  # under the next pass's CPU experts, or at the end of the step
                 steps = self.drafter.steps(work, batch, out.hidden, committed)

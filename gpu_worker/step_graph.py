@@ -31,13 +31,13 @@ pass has graphs of its own (gpu_worker/mtp_graph.py, ``StepGraphs.mtp``).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 
 import numpy as np
 
 from gpu_worker import graph_buckets
+from gpu_worker.graph_table import FIRST, REFUSED, GraphTable
 from gpu_worker.kernels import sampler
 from gpu_worker.kernels.enabled import enabled
 from gpu_worker.memory_parts import (
@@ -129,7 +129,6 @@ class StepGraphs:
         self.experts = experts  # an ExpertPlacement on the launched path, or None
         self.max_position = max_context - 1
         self.max_slots = max_slots
-        self.max_graphs = max_graphs
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.pool = cp.cuda.MemoryPool()
         with cp.cuda.using_allocator(self.pool.malloc):
@@ -141,15 +140,14 @@ class StepGraphs:
             caches.kv.ensure(scratch, graph_buckets.MAX_PAD, last=True)
         # fixed rows: the address never moves
         caches.kv.device_tables(min_rows=max_slots if scratch is None else scratch + 1)
-        self.graphs: collections.OrderedDict[tuple, _Graph] = collections.OrderedDict()
-        self.seen: set[tuple] = set()
-        self.refused: dict[tuple, str] = {}
         # since start (benchmarks diff them); take_counts gives the part since its last call
         self.totals = {"graph_captures": 0, "graph_replays": 0, "graph_refused": 0,
                        "graph_first_runs": 0, "graph_capture_ms": 0.0,
                        "mtp_graph_captures": 0, "mtp_graph_replays": 0,
                        "mtp_graph_refused": 0, "mtp_graph_first_runs": 0}
         self._taken = dict(self.totals)
+        self.table = GraphTable(self.totals, "graph_", max_graphs)
+        self.graphs, self.refused = self.table.graphs, self.table.refused
         # the GDN per-row buffers of verifying passes, one pair for every graph (a verify
         # step's rows x 75 MiB each for the 80B: a pair per graph would not fit); when a
         # pass needs more rows they grow and the graphs that hold the old ones are dropped
@@ -184,43 +182,33 @@ class StepGraphs:
         """The pass (forward, sampling, draft matching) through its layout's graph, captured
         now if the layout ran before; None: run it eagerly (nothing was done)."""
         key = pass_key(work, batch, rows, first, self.scratch is not None)
-        n_pad = 0 if self.scratch is None else graph_buckets.padding(batch, rows)
-        if n_pad:  # the bucket's graph, the padding on the scratch slot
-            batch, rows, live = graph_buckets.pad(batch, rows, self.scratch, n_pad)
-        if key in self.refused:
-            return None
-        g = self.graphs.get(key)
-        first_run = g is None and key not in self.seen
-        if first_run:
-            self.seen.add(key)  # eager this once: compiles what the layout needs
-            self.totals["graph_first_runs"] += 1
-            if not n_pad:
-                return None
-        cp, model, caches = self.cp, self.model, self.caches
-        main = cp.cuda.get_current_stream()
+        padded = key[0] == "bucket"
+        if padded:  # the bucket's graph, the padding on the scratch slot
+            batch, rows, live = graph_buckets.pad(batch, rows, self.scratch,
+                                                  key[1] - batch.num_rows)
+        state, g = self.table.lookup(key)
+        if state == REFUSED or (state == FIRST and not padded):
+            return None  # eager; a first run compiles what the layout needs
+        model, caches = self.model, self.caches
         if self._grow_shared(batch):
             g = None  # dropped with the others: captured again below
         host = host_inputs(model, caches, batch, rows, self.track)
         host.update(sampling_inputs(work, len(rows), first))
-        if n_pad:
+        if padded:
             host["live"] = live
             graph_buckets.pad_drafts(host, batch.num_rows)
             if self.experts is not None:  # the padding rows: no slot's
                 self.experts.track_padding(batch.num_rows)
-        if first_run:  # a padded pass's first run: eager, padded, as its graph will run
+        if state == FIRST:  # a padded pass's first run: eager, padded, as its graph will run
             return self._eager(work, batch, rows, first, host)
         caches.kv.device_tables()  # table rows that changed: before the graph reads them
         if g is None:
             g = self._capture(key, host, batch)
             if g is None:  # refused: this pass eagerly, from the inputs made above
                 return self._eager(work, batch, rows, first, host)
-        else:
-            self.graphs.move_to_end(key)
         if self.experts is not None:  # the ring's session and this replay's bases
             self.experts.before_replay(g.experts, self.stream)
-        ready = cp.cuda.Event(disable_timing=True)
-        ready.record(main)  # the main stream's work so far (cache commands, table rows)
-        self.stream.wait_event(ready)
+        self.follow_main()
         g.inputs.fill(host, self.stream)
         step_inputs(model, caches, batch, _model_part(g.inputs.arrays), self.max_position)
         try:
@@ -233,6 +221,13 @@ class StepGraphs:
                 self.experts.end_step()
         self.totals["graph_replays"] += 1
         return ForwardOut(g.logits, g.hidden), picks(work, first, out, len(rows))
+
+    def follow_main(self) -> None:
+        """The graph stream waits for the main stream's work so far (cache commands, table
+        rows, the pass a drafting graph reads)."""
+        ready = self.cp.cuda.Event(disable_timing=True)
+        ready.record(self.cp.cuda.get_current_stream())
+        self.stream.wait_event(ready)
 
     def _grow_shared(self, batch: RaggedBatch) -> bool:
         """Make the shared buffers big enough for ``batch`` (outputs for its rows, GDN
@@ -291,19 +286,12 @@ class StepGraphs:
 
                 graph, (logits, hidden, _) = self._record(body)
         except Exception as e:  # noqa: BLE001 -- any failure: this layout stays eager
-            self.refused[key] = f"{type(e).__name__}: {e}"
-            self.totals["graph_refused"] += 1
+            self.table.refuse(key, e)
             return None
         finally:
             if experts is not None:  # nothing ran: close the capture's ring session
                 token = experts.end_capture()
-        g = _Graph(graph, packed, out, logits, hidden, token)
-        self.graphs[key] = g
-        while len(self.graphs) > self.max_graphs:
-            self.graphs.popitem(last=False)
-        self.totals["graph_captures"] += 1
-        self.totals["graph_capture_ms"] += (time.perf_counter() - t0) * 1e3
-        return g
+        return self.table.keep(key, _Graph(graph, packed, out, logits, hidden, token), t0)
 
     def _record(self, body):
         """``body()`` captured on the graph stream: (the graph, what body returned). Nothing
