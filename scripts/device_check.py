@@ -229,6 +229,11 @@ PLANS: dict[str, list[Check]] = {
         Check("vnni_threads", f"{PY} scripts.bench_amx_vnni --isa avx512vnni --rounds 3 "
               "--threads 1,2,4,8,16 --out $OUT/vnni_threads.json", 240),
     ],
+    # the probe alone (seconds), with the machine's own account of its cores beside it
+    "probe": [
+        Check("probe", f"lscpu; {PY} scripts.probe_cpu_scaling --threads 1,2,4,8,12,15,16 "
+              "--out $OUT/cpu_scaling.json", 120),
+    ],
     # CUDA graphs (gpu_worker/step_graph.py): bits equal eager, with and without CPU experts,
     # capacity buckets included (their scratch slot's GDN segments: table slot -1)
     "graphs": [
