@@ -39,6 +39,23 @@ Q64 = ("python3 -c \"import json; c = json.load(open('configs/models/qwen3-next-
 # the CPU experts' shards kept between a command's runs ([experts] shard_cache): each run is a
 # fresh server still, but only the first quantizes the 70 GiB of CPU experts
 SHARDS = "--set experts.shard_cache=/dev/shm/tbc-shards "
+def essay_warm(budget: str, seconds: int) -> Check:
+    """bench_concurrency's essays at GPU budget ``budget`` (32 or whole) with the arms off, wide
+    and adaptive in ``seconds``: runs to ``$OUT/concurrency/<budget>``, the work folder (logs,
+    replay file) packed beside them, the worker's "cuda graphs" lines in graph_lines.txt."""
+    work = f"/tmp/tbc-{budget}w"
+    return Check(f"essay_{budget}_warm", "mount -o remount,size=110G /dev/shm; "
+                 f"timeout -k 15 {seconds} {PY} scripts.bench_concurrency "
+                 f"--model qwen3-next-80b-a3b --gpu-budget {budget} "
+                 f"--proposer replay --replay-source mtp {SHARDS}"
+                 "--arms off,wide,adaptive --pairs 1 --workloads essay --essay-tokens 128 "
+                 f"--time-budget {seconds - 10} --out-dir $OUT/concurrency/{budget} "
+                 f"--work-dir {work}; rc=$?; "
+                 f"grep -h '\"cuda graphs\"' {work}/*.log > $OUT/graph_lines.txt; "
+                 f"tar czf $OUT/essay_{budget}_work.tar.gz --exclude='./model-*' -C {work} .; "
+                 "exit $rc", seconds + 45)
+
+
 PLANS: dict[str, list[Check]] = {
     # the kernels that stay off until they pass here (gpu_worker/kernels/enabled.py)
     "kernels": [
@@ -190,29 +207,9 @@ PLANS: dict[str, list[Check]] = {
     # each run file); the worker's "cuda graphs" log lines go to $OUT/graph_lines.txt.
     # Pass --budget 580; a later command adds narrow with --arms off,narrow --resume and the
     # out and work folders carried back
-    "warm_32": [
-        Check("essay_32_warm", "mount -o remount,size=110G /dev/shm; timeout -k 15 530 "
-              f"{PY} scripts.bench_concurrency --model qwen3-next-80b-a3b --gpu-budget 32 "
-              f"--proposer replay --replay-source mtp {SHARDS}"
-              "--arms off,wide,adaptive --pairs 1 "
-              "--workloads essay --essay-tokens 128 --time-budget 520 "
-              "--out-dir $OUT/concurrency/32 --work-dir /tmp/tbc-32w; rc=$?; "
-              "grep -h '\"cuda graphs\"' /tmp/tbc-32w/*.log > $OUT/graph_lines.txt; "
-              "tar czf $OUT/essay_32_work.tar.gz --exclude='./model-*' -C /tmp/tbc-32w .; "
-              "exit $rc", 575),
-    ],
+    "warm_32": [essay_warm("32", 530)],
     # the same at the whole GPU (issue 15's second budget; $OUT/concurrency/whole)
-    "warm_whole": [
-        Check("essay_whole_warm", "mount -o remount,size=110G /dev/shm; timeout -k 15 530 "
-              f"{PY} scripts.bench_concurrency --model qwen3-next-80b-a3b --gpu-budget whole "
-              f"--proposer replay --replay-source mtp {SHARDS}"
-              "--arms off,wide,adaptive --pairs 1 "
-              "--workloads essay --essay-tokens 128 --time-budget 520 "
-              "--out-dir $OUT/concurrency/whole --work-dir /tmp/tbc-whole; rc=$?; "
-              "grep -h '\"cuda graphs\"' /tmp/tbc-whole/*.log > $OUT/graph_lines.txt; "
-              "tar czf $OUT/essay_whole_work.tar.gz --exclude='./model-*' -C /tmp/tbc-whole .; "
-              "exit $rc", 575),
-    ],
+    "warm_whole": [essay_warm("whole", 530)],
     # AMX against VNNI on one int4 expert, alternately in one process, then the AMX tests
     "amx": [
         Check("amx_vnni", f"{PY} scripts.bench_amx_vnni --rounds 5 --threads 16,8 "
@@ -233,6 +230,15 @@ PLANS: dict[str, list[Check]] = {
     "probe": [
         Check("probe", f"lscpu; {PY} scripts.probe_cpu_scaling --threads 1,2,4,8,12,15,16 "
               "--out $OUT/cpu_scaling.json", 120),
+    ],
+    # one call when the device is scarce (--budget 565): the probe, the graph tests (buckets
+    # and MTP graphs included), then essays at 32 GiB in what is left (off, wide, adaptive)
+    "first": [
+        Check("probe_first", f"lscpu; {PY} scripts.probe_cpu_scaling --threads 1,2,4,8,12,15,16 "
+              "--out $OUT/cpu_scaling.json", 40),
+        Check("step_graphs", f"{PY} pytest -q -p no:cacheprovider "
+              "tests/gpu/test_step_graph_cupy.py", 150),
+        essay_warm("32", 340),
     ],
     # CUDA graphs (gpu_worker/step_graph.py): bits equal eager, with and without CPU experts,
     # capacity buckets included (their scratch slot's GDN segments: table slot -1)
