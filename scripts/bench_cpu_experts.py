@@ -5,10 +5,12 @@ workers' thread count), then for H=2048, I in {512, 768}, E in {128, 512}, top-k
 rows in {1, 4, 8, 12, 16}, routing random and skewed, times ``dispatch_quantized`` (the QFUSE
 path: activations arrive quantized) and reports per layer: distinct experts, weight bytes
 read, wall time, worker kernel time, effective GB/s and dispatch overhead (wall - kernel).
-Extra records: ``one_expert`` (every row on one expert: the cost of rows) and ``none`` (no
-pair on the CPU: pure dispatch overhead). Weights are random, in each ``--format`` (int8 and
-int4 by default: a record's ``format``; weight bytes are the format's stored bytes) with
-small fp16 scales; enough layers are cycled that the working set is several times the L3.
+Extra records: ``one_expert`` (every row on one expert: the cost of rows), ``shared`` (every
+row on the same top-k experts, only with ``--kinds shared``: the cost of rows per expert with
+every thread busy) and ``none`` (no pair on the CPU: pure dispatch overhead). Weights are
+random, in each ``--format`` (int8 and int4 by default: a record's ``format``; weight bytes
+are the format's stored bytes) with small fp16 scales; enough layers are cycled that the
+working set is several times the L3.
 
     python -m scripts.bench_cpu_experts --out docs/bench/cpu_experts_h200.json
     python -m scripts.bench_cpu_experts --quick   # small sizes, for a smoke run
@@ -243,8 +245,8 @@ def main() -> None:
             print(f"# isa={info['isa']} weights {info['weights_mib']} MiB", flush=True)
             print(f"# {fmt} I={I} E={E}: {n_layers} layers, pool up in "
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
-            cases = [(k, r, kind) for k in topks for kind in ("random", "skewed") for r in rows_run
-                     if kind in kinds]
+            cases = [(k, r, kind) for k in topks for kind in ("random", "skewed", "shared")
+                     for r in rows_run if kind in kinds]
             cases += [(1, r, "one_expert") for r in rows_run if "one_expert" in kinds]
             cases += [(8, 16, "none")] if "none" in kinds else []
             for topk, rows, kind in cases:

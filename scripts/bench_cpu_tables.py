@@ -7,8 +7,9 @@ from scripts.bench_cpu_workload import ROWS
 
 
 def markdown_tables(records: list[dict]) -> str:
-    """The tables of docs/cpu_experts.md: layers at top-k 8, the cost of rows on one expert,
-    and the dispatch overhead with no CPU work."""
+    """The tables of docs/cpu_experts.md: layers at top-k 8, the cost of rows per expert (one
+    expert; top-k experts every row shares: us per layer / k), and the dispatch overhead with
+    no CPU work."""
     gpu = [r for r in records if "path" in r]
     records = [r for r in records if "path" not in r]
     lines = ["| format | I | E | routing | rows | distinct experts | weight MB | us/layer | "
@@ -24,17 +25,18 @@ def markdown_tables(records: list[dict]) -> str:
                 f"{r['dispatch_us']:.0f} ({r.get('wake_us', 0):.0f} / "
                 f"{r.get('notice_us', 0):.0f} / {r.get('client_us', 0):.0f} / "
                 f"{r.get('pre_us', 0):.0f}) |")
-    lines += ["", "| format | I | E | " + " | ".join(f"{n} row{'s' * (n > 1)}" for n in ROWS)
-              + " | 16 / 1 |", "|" + "---|" * (len(ROWS) + 4)]
-    one: dict[tuple[str, int, int], dict[int, float]] = {}
-    for r in records:
-        if r["routing"] == "one_expert":
-            one.setdefault((r.get("format", "int8"), r["I"], r["E"]), {})[r["rows"]] = \
-                r["us_per_layer"]
-    for (f, i, e), by_rows in one.items():
+    lines += ["", "| format | I | E | routing | " +
+              " | ".join(f"{n} row{'s' * (n > 1)}" for n in ROWS) + " | 16 / 1 |",
+              "|" + "---|" * (len(ROWS) + 5)]
+    one: dict[tuple[str, int, int, str], dict[int, float]] = {}
+    for r in records:  # us per layer; shared: per expert of the layer's top-k
+        if r["routing"] in ("one_expert", "shared"):
+            key = (r.get("format", "int8"), r["I"], r["E"], f"{r['routing']} (k={r['topk']})")
+            one.setdefault(key, {})[r["rows"]] = r["us_per_layer"] / r["topk"]
+    for (f, i, e, kind), by_rows in one.items():
         cells = " | ".join(f"{by_rows.get(n, float('nan')):.0f}" for n in ROWS)
         ratio = by_rows.get(16, float("nan")) / by_rows.get(1, float("nan"))
-        lines.append(f"| {f} | {i} | {e} | {cells} | {ratio:.2f} |")
+        lines.append(f"| {f} | {i} | {e} | {kind} | {cells} | {ratio:.2f} |")
     lines += ["", "| format | I | E | no CPU pair, 16 rows: us/layer | kernel us | dispatch us |",
               "|---|---|---|---|---|---|"]
     for r in records:

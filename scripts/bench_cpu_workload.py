@@ -1,5 +1,5 @@
 """The CPU-expert benchmarks' workload: random int8 or int4 layers of Qwen3-Next's width and
-their routings (random, skewed, one expert, none)."""
+their routings (random, skewed, one expert, shared, none)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ def routings(kind: str, E: int, topk: int, rows: int, n: int, seed: int) -> list
         return [np.full((rows, topk), -1, np.int32) for _ in range(n)]
     if kind == "one_expert":
         return [np.full((rows, 1), rng.integers(E), np.int32) for _ in range(n)]
+    if kind == "shared":  # every row on the same top-k experts (a fresh set per layer)
+        return [np.tile(rng.choice(E, topk, replace=False), (rows, 1)).astype(np.int32)
+                for _ in range(n)]
     p = None
     if kind == "skewed":  # Zipf-like popularity, a fresh ranking per layer
         p = 1.0 / np.arange(1, E + 1) ** 1.2

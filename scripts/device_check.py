@@ -56,6 +56,11 @@ def essay_warm(budget: str, seconds: int) -> Check:
                  "exit $rc", seconds + 45)
 
 
+# issue 17's 16-row ratio: one int4 expert, and the top-10 experts every row shares (per
+# expert, every thread busy), at 1 and 16 rows
+INT4_RATIO = Check("int4_ratio", f"{PY} scripts.bench_cpu_experts --format int4 "
+                   "--combos 512:512 --topks 10 --rows 1,16 --kinds one_expert,shared "
+                   "--out $OUT/cpu_experts_int4_ratio.json", 90)
 PLANS: dict[str, list[Check]] = {
     # the kernels that stay off until they pass here (gpu_worker/kernels/enabled.py)
     "kernels": [
@@ -223,6 +228,7 @@ PLANS: dict[str, list[Check]] = {
     "cpu_scaling": [
         Check("probe", f"{PY} scripts.probe_cpu_scaling --threads 1,2,4,8,12,15,16 "
               "--out $OUT/cpu_scaling.json", 120),
+        INT4_RATIO,
         Check("vnni_threads", f"{PY} scripts.bench_amx_vnni --isa avx512vnni --rounds 3 "
               "--threads 1,2,4,8,16 --out $OUT/vnni_threads.json", 240),
     ],
@@ -236,9 +242,10 @@ PLANS: dict[str, list[Check]] = {
     "first": [
         Check("probe_first", f"lscpu; {PY} scripts.probe_cpu_scaling --threads 1,2,4,8,12,15,16 "
               "--out $OUT/cpu_scaling.json", 40),
+        INT4_RATIO,
         Check("step_graphs", f"{PY} pytest -q -p no:cacheprovider "
               "tests/gpu/test_step_graph_cupy.py", 150),
-        essay_warm("32", 340),
+        essay_warm("32", 300),
     ],
     # CUDA graphs (gpu_worker/step_graph.py): bits equal eager, with and without CPU experts,
     # capacity buckets included (their scratch slot's GDN segments: table slot -1)
