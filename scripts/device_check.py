@@ -61,6 +61,11 @@ def essay_warm(budget: str, seconds: int) -> Check:
 INT4_RATIO = Check("int4_ratio", f"{PY} scripts.bench_cpu_experts --format int4 "
                    "--combos 512:512 --topks 10 --rows 1,16 --kinds one_expert,shared "
                    "--out $OUT/cpu_experts_int4_ratio.json", 90)
+PROBE_FIRST = Check("probe_first", f"lscpu; {PY} scripts.probe_cpu_scaling "
+                    "--threads 1,2,4,8,12,15,16 --out $OUT/cpu_scaling.json", 40)
+# the graph tests: eager bits, capacity buckets, MTP drafting graphs, CPU experts' counts
+STEP_GRAPHS = Check("step_graphs", f"{PY} pytest -q -p no:cacheprovider "
+                    "tests/gpu/test_step_graph_cupy.py", 150)
 PLANS: dict[str, list[Check]] = {
     # the kernels that stay off until they pass here (gpu_worker/kernels/enabled.py)
     "kernels": [
@@ -240,12 +245,20 @@ PLANS: dict[str, list[Check]] = {
     # one call when the device is scarce (--budget 565): the probe, the graph tests (buckets
     # and MTP graphs included), then essays at 32 GiB in what is left (off, wide, adaptive)
     "first": [
-        Check("probe_first", f"lscpu; {PY} scripts.probe_cpu_scaling --threads 1,2,4,8,12,15,16 "
-              "--out $OUT/cpu_scaling.json", 40),
+        PROBE_FIRST,
         INT4_RATIO,
-        Check("step_graphs", f"{PY} pytest -q -p no:cacheprovider "
-              "tests/gpu/test_step_graph_cupy.py", 150),
+        STEP_GRAPHS,
         essay_warm("32", 300),
+    ],
+    # the same in a shorter call (--budget 450), the 32 GiB step (buckets on, the default)
+    # in place of the essays: comparable with step_int8_32gib_h200_2c96ead.json
+    "second": [
+        PROBE_FIRST,
+        INT4_RATIO,
+        STEP_GRAPHS,
+        Check("step_32_int8", "mount -o remount,size=110G /dev/shm; "
+              f"{PY} scripts.bench_step --model qwen3-next-80b-a3b --gpu-budget 32 "
+              "--gpu-format int8 --graphs --steps 5 --out $OUT/step_int8_32gib.json", 280),
     ],
     # CUDA graphs (gpu_worker/step_graph.py): bits equal eager, with and without CPU experts,
     # capacity buckets included (their scratch slot's GDN segments: table slot -1)
