@@ -260,6 +260,8 @@ PLANS: dict[str, list[Check]] = {
               f"{PY} scripts.bench_step --model qwen3-next-80b-a3b --gpu-budget 32 "
               "--gpu-format int8 --graphs --steps 5 --out $OUT/step_int8_32gib.json", 280),
     ],
+    # the shortest (--budget 250): the probe, the int4 ratio and the graph tests alone
+    "third": [PROBE_FIRST, INT4_RATIO, STEP_GRAPHS],
     # CUDA graphs (gpu_worker/step_graph.py): bits equal eager, with and without CPU experts,
     # capacity buckets included (their scratch slot's GDN segments: table slot -1)
     "graphs": [
