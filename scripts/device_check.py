@@ -39,6 +39,8 @@ Q64 = ("python3 -c \"import json; c = json.load(open('configs/models/qwen3-next-
 # the CPU experts' shards kept between a command's runs ([experts] shard_cache): each run is a
 # fresh server still, but only the first quantizes the 70 GiB of CPU experts
 SHARDS = "--set experts.shard_cache=/dev/shm/tbc-shards "
+
+
 def essay_warm(budget: str, seconds: int) -> Check:
     """bench_concurrency's essays at GPU budget ``budget`` (32 or whole) with the arms off, wide
     and adaptive in ``seconds``: runs to ``$OUT/concurrency/<budget>``, the work folder (logs,
@@ -61,11 +63,15 @@ def essay_warm(budget: str, seconds: int) -> Check:
 INT4_RATIO = Check("int4_ratio", f"{PY} scripts.bench_cpu_experts --format int4 "
                    "--combos 512:512 --topks 10 --rows 1,16 --kinds one_expert,shared "
                    "--out $OUT/cpu_experts_int4_ratio.json", 90)
-PROBE_FIRST = Check("probe_first", f"lscpu; {PY} scripts.probe_cpu_scaling "
-                    "--threads 1,2,4,8,12,15,16 --out $OUT/cpu_scaling.json", 40)
+# issue 17: does the machine's per-thread vector rate fall as threads are added (seconds),
+# with the machine's own account of its cores beside it
+PROBE = Check("probe", f"lscpu; {PY} scripts.probe_cpu_scaling --threads 1,2,4,8,12,15,16 "
+              "--out $OUT/cpu_scaling.json", 60)
 # the graph tests: eager bits, capacity buckets, MTP drafting graphs, CPU experts' counts
 STEP_GRAPHS = Check("step_graphs", f"{PY} pytest -q -p no:cacheprovider "
                     "tests/gpu/test_step_graph_cupy.py", 150)
+# the start of every plan for a scarce device (first, second, third)
+SCARCE = [PROBE, INT4_RATIO, STEP_GRAPHS]
 PLANS: dict[str, list[Check]] = {
     # the kernels that stay off until they pass here (gpu_worker/kernels/enabled.py)
     "kernels": [
@@ -231,37 +237,26 @@ PLANS: dict[str, list[Check]] = {
     # issue 17's 16-row ratio: does the machine's per-thread vector rate fall with threads
     # busy (scripts/probe_cpu_scaling.py), and the VNNI kernel's own scaling beside it
     "cpu_scaling": [
-        Check("probe", f"{PY} scripts.probe_cpu_scaling --threads 1,2,4,8,12,15,16 "
-              "--out $OUT/cpu_scaling.json", 120),
+        PROBE,
         INT4_RATIO,
         Check("vnni_threads", f"{PY} scripts.bench_amx_vnni --isa avx512vnni --rounds 3 "
               "--threads 1,2,4,8,16 --out $OUT/vnni_threads.json", 240),
     ],
-    # the probe alone (seconds), with the machine's own account of its cores beside it
-    "probe": [
-        Check("probe", f"lscpu; {PY} scripts.probe_cpu_scaling --threads 1,2,4,8,12,15,16 "
-              "--out $OUT/cpu_scaling.json", 120),
-    ],
-    # one call when the device is scarce (--budget 565): the probe, the graph tests (buckets
-    # and MTP graphs included), then essays at 32 GiB in what is left (off, wide, adaptive)
-    "first": [
-        PROBE_FIRST,
-        INT4_RATIO,
-        STEP_GRAPHS,
-        essay_warm("32", 300),
-    ],
+    "probe": [PROBE],
+    # one call when the device is scarce (--budget 575): the probe, the int4 ratio, the graph
+    # tests (buckets and MTP graphs included), then essays at 32 GiB in what is left (off,
+    # wide, adaptive)
+    "first": [*SCARCE, essay_warm("32", 300)],
     # the same in a shorter call (--budget 450), the 32 GiB step (buckets on, the default)
     # in place of the essays: comparable with step_int8_32gib_h200_2c96ead.json
     "second": [
-        PROBE_FIRST,
-        INT4_RATIO,
-        STEP_GRAPHS,
+        *SCARCE,
         Check("step_32_int8", "mount -o remount,size=110G /dev/shm; "
               f"{PY} scripts.bench_step --model qwen3-next-80b-a3b --gpu-budget 32 "
               "--gpu-format int8 --graphs --steps 5 --out $OUT/step_int8_32gib.json", 280),
     ],
     # the shortest (--budget 250): the probe, the int4 ratio and the graph tests alone
-    "third": [PROBE_FIRST, INT4_RATIO, STEP_GRAPHS],
+    "third": SCARCE,
     # CUDA graphs (gpu_worker/step_graph.py): bits equal eager, with and without CPU experts,
     # capacity buckets included (their scratch slot's GDN segments: table slot -1)
     "graphs": [
