@@ -50,7 +50,9 @@ class ElementwiseKernel:
     def _call(self, args: tuple):
         cp = self.xp
         n_in = len(self.ins)
-        ins = [a if isinstance(a, cp.ndarray) else cp.asarray(a) for a in args[:n_in]]
+        # a scalar argument travels by value (no host-to-device copy, frozen in a graph)
+        ins = [a if isinstance(a, cp.ndarray) else cp.ndarray._of(np.asarray(a))
+               for a in args[:n_in]]
         generic = ins[0].dtype if ins else np.dtype(np.float32)
         shape = next((a.shape for a in ins if a.ndim), ())
         ins = [cp.ascontiguousarray(cp.broadcast_to(a, shape), dtype=self._dtype(t, generic))

@@ -1,5 +1,6 @@
 """``cupy.cuda`` of the fake CuPy: one device, streams and events that do nothing (every
-emulated launch has finished when it returns), pinned memory as host buffers."""
+emulated launch has finished when it returns), pinned memory as host buffers; stream capture
+makes a graph whose launch runs the captured launches again (scripts/cuda_emu/graph.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import ctypes
 import time
 import types
 
+from scripts.cuda_emu import graph
 from scripts.cuda_emu.audit import active
 from scripts.cuda_emu.module import Unsupported
 
 
 def _synchronize(what: str):
     def synchronize(*_args) -> None:
+        if graph.capturing() is not None:
+            graph.capturing().refuse(what)
         if active() is not None:
             active().sync(what)
 
@@ -50,6 +54,15 @@ class Stream:
 
     def done(self) -> bool:
         return True
+
+    def begin_capture(self, mode=None) -> None:
+        graph.begin()
+
+    def end_capture(self) -> graph.Graph:
+        return graph.end()
+
+    def is_capturing(self) -> bool:
+        return graph.capturing() is not None
 
 
 Stream.null = Stream(null=True)
@@ -115,6 +128,9 @@ runtime = types.SimpleNamespace(
     runtimeGetVersion=lambda: 13000,
     driverGetVersion=lambda: 13000,
     CUDARuntimeError=RuntimeError,
+    streamCaptureModeGlobal=0,
+    streamCaptureModeThreadLocal=1,
+    streamCaptureModeRelaxed=2,
 )
 
 
@@ -126,6 +142,36 @@ class MemoryPool:
 
     def free_all_blocks(self, stream=None) -> None:
         pass
+
+
+class _Pool:
+    """``cupy.get_default_memory_pool()`` and the pinned one: nothing is ever pooled."""
+
+    def used_bytes(self) -> int:
+        return 0
+
+    def total_bytes(self) -> int:
+        return 0
+
+    def free_all_blocks(self, stream=None) -> None:
+        pass
+
+    def set_limit(self, size=None, fraction=None) -> None:
+        pass
+
+    def get_limit(self) -> int:
+        return 0
+
+
+def get_default_memory_pool() -> _Pool:
+    return _POOL
+
+
+def get_default_pinned_memory_pool() -> _Pool:
+    return _POOL
+
+
+_POOL = _Pool()
 
 
 @contextlib.contextmanager
@@ -145,7 +191,7 @@ cuda = types.SimpleNamespace(
     alloc_pinned_memory=_pinned,
     driver=types.SimpleNamespace(launchKernel=_no_driver),
     is_available=lambda: True,
-    Graph=None,  # no CUDA graphs: Stream has no begin_capture
+    Graph=graph.Graph,
     MemoryPool=MemoryPool,
     using_allocator=using_allocator,
 )

@@ -3,12 +3,13 @@
 a ``numpy.ndarray`` (so ``isinstance(a, np.ndarray)`` and implicit conversion behave as with
 CuPy: ``np.asarray(device_array)`` raises, ``.get()`` copies), every ``cupy.X`` function is
 NumPy's on the unwrapped arrays, and ``RawModule`` / ``RawKernel`` / ``ElementwiseKernel``
-compile their CUDA source for the CPU (scripts/cuda_emu/module.py).
+compile their CUDA source for the CPU (scripts/cuda_emu/module.py). Stream capture records
+every operation for a graph's replays (scripts/cuda_emu/graph.py: :func:`_do` and the raw
+kernels' launches), and refuses what a real capture refuses (waits, host-to-device copies).
 
 Not modelled: streams and events (no-ops; every launch has finished when it returns), memory
 pools (nothing to free; ``cuda.MemoryPool`` and ``cuda.using_allocator`` exist and do
-nothing), the driver API, CUDA graphs (tests/gpu/test_step_graph_cupy.py stands in for
-capture by running the captured function again), cuBLAS-backed speed."""
+nothing), the driver API, cuBLAS-backed speed."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ import numpy as np
 
 from scripts.cuda_emu.audit import active
 from scripts.cuda_emu.elementwise import ElementwiseKernel
+from scripts.cuda_emu.graph import capturing, record
 from scripts.cuda_emu.module import RawKernel, RawModule
 
 __all__ = ["ElementwiseKernel", "RawKernel", "RawModule", "asarray", "asnumpy", "cuda",
-           "ndarray"]
+           "get_default_memory_pool", "get_default_pinned_memory_pool", "ndarray"]
 __version__ = "14.0.0-cpu-emulator"
 _NO_IMPLICIT = ("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to "
                 "construct a NumPy array explicitly.")
@@ -51,6 +53,19 @@ def _dev(v):
     if isinstance(v, list):
         return [_dev(x) for x in v]
     return v
+
+
+def _do(name: str, compute, ins=(), always: bool = False, writes=()):
+    """``compute()`` (device arrays in and out), recorded while a stream captures
+    (scripts/cuda_emu/graph.py: a replay computes it again into the same result arrays;
+    ``writes``: the arrays it changes in place, put back after the capture); audited as
+    :func:`_launched`."""
+    cap = capturing()
+    if cap is not None and writes:
+        cap.save(writes)
+    res = compute()
+    record(compute, res)
+    return _launched(name, res, ins, always)
 
 
 def _launched(name: str, res, ins=(), always: bool = False):
@@ -83,20 +98,24 @@ def _alloc(a: np.ndarray) -> np.ndarray:
 
 
 def _sync(what: str) -> None:
+    if capturing() is not None:
+        capturing().refuse(f"wait for the device ({what})")
     if active() is not None:
         active().sync(what)
 
 
 def _uploads(name: str, args) -> None:
-    """Record (auditing) the host arrays among ``args`` as uploads of ``name``."""
-    a = active()
-    if a is None:
-        return
+    """Record (auditing) the host arrays among ``args`` as uploads of ``name``; a stream
+    capture refuses them (a copy from pageable host memory)."""
     for v in args:
         if isinstance(v, (list, tuple)):
             _uploads(name, v)
         elif isinstance(v, np.ndarray) and v.ndim:
-            a.upload(f"{name}(host {v.dtype}{list(v.shape)})", v.nbytes)
+            what = f"{name}(host {v.dtype}{list(v.shape)})"
+            if capturing() is not None:
+                capturing().refuse(f"host-to-device copy {what}")
+            if active() is not None:
+                active().upload(what, v.nbytes)
 
 
 def _ins(*vals) -> tuple:
@@ -150,35 +169,42 @@ class ndarray:  # noqa: N801 (CuPy's name)
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         if "out" in kwargs:
             kwargs["out"] = tuple(_host(o, True) for o in kwargs["out"])
-        res = getattr(ufunc, method)(*(_host(x, True) for x in inputs), **kwargs)
-        return _launched(f"{ufunc.__name__}.{method}" if method != "__call__" else ufunc.__name__,
-                   _dev(res), _ins(*inputs), "out" in kwargs)
+        args = tuple(_host(x, True) for x in inputs)
+        return _do(f"{ufunc.__name__}.{method}" if method != "__call__" else ufunc.__name__,
+                   lambda: _dev(getattr(ufunc, method)(*args, **kwargs)), _ins(*inputs),
+                   "out" in kwargs, kwargs.get("out", ()))
 
     def __array_function__(self, func, types_, args, kwargs):
-        res = func(*_host(args, True), **{k: _host(v, True) for k, v in kwargs.items()})
-        return _launched(func.__name__, _dev(res), _ins(*args))
+        a, k = _host(args, True), {n: _host(v, True) for n, v in kwargs.items()}
+        return _do(func.__name__, lambda: _dev(func(*a, **k)), _ins(*args))
 
     def __getattr__(self, name):
         if name.startswith("__"):  # no __array_interface__ etc.: no implicit host copies
             raise AttributeError(name)
         attr = getattr(self._a, name)
-        if name in ("item", "tolist", "tobytes"):
+        if name in ("item", "tolist", "tobytes", *_SIZED):
             _sync(f"{name}() {self._a.dtype}{list(self._a.shape)}")
-            return attr
+            if name not in _SIZED:
+                return attr
         if callable(attr):
-            return lambda *a, **k: _launched(name, _dev(attr(
+            inplace = name in ("fill", "sort", "put")
+            return lambda *a, **k: _do(name, lambda: _dev(attr(
                 *_host(a, True), **{n: _host(v, True) for n, v in k.items()})), (self._a,),
-                name in ("fill", "sort", "put"))
+                inplace, (self._a,) if inplace else ())
         return _dev(attr) if isinstance(attr, np.ndarray) else attr
 
     def __getitem__(self, key):
-        _uploads("index", key if isinstance(key, tuple) else (key,))
-        return _launched("getitem (gather)", _dev(self._a[_host(key, False)]), (self._a,))
+        keys = key if isinstance(key, tuple) else (key,)
+        _uploads("index", keys)
+        if any(isinstance(x, ndarray) and x._a.dtype == bool for x in keys):
+            _sync("a boolean mask index's size")  # CuPy reads the count to size the result
+        k = _host(key, False)
+        return _do("getitem (gather)", lambda: _dev(self._a[k]), (self._a,))
 
     def __setitem__(self, key, value) -> None:
         _uploads("index", key if isinstance(key, tuple) else (key,))
-        self._a[_host(key, False)] = _host(value, True)
-        _launched("setitem", None, always=True)
+        k, v = _host(key, False), _host(value, True)
+        _do("setitem", lambda: self._a.__setitem__(k, v), always=True, writes=(self._a,))
 
     def __len__(self) -> int:
         return len(self._a)
@@ -210,24 +236,25 @@ class ndarray:  # noqa: N801 (CuPy's name)
         return operator.index(self._a.item())
 
     def __copy__(self):
-        return _launched("copy", _dev(self._a.copy()))
+        return _do("copy", lambda: _dev(self._a.copy()))
 
     def __neg__(self):
-        return _launched("negative", _dev(-self._a))
+        return _do("negative", lambda: _dev(-self._a))
 
     def __pos__(self):
-        return _launched("positive", _dev(+self._a))
+        return _do("positive", lambda: _dev(+self._a))
 
     def __abs__(self):
-        return _launched("absolute", _dev(abs(self._a)))
+        return _do("absolute", lambda: _dev(abs(self._a)))
 
     def __invert__(self):
-        return _launched("invert", _dev(~self._a))
+        return _do("invert", lambda: _dev(~self._a))
 
 
 def _binary(name: str):
     def f(self, other):
-        return _launched(name.strip("_"), _dev(getattr(self._a, name)(_host(other, True))))
+        o = _host(other, True)
+        return _do(name.strip("_"), lambda: _dev(getattr(self._a, name)(o)))
 
     f.__name__ = name
     return f
@@ -242,8 +269,9 @@ for _op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or
 
 def _inplace_keeps_identity(name: str):
     def f(self, other):
-        getattr(self._a, name)(_host(other, True))
-        return _launched(name.strip("_"), self, always=True)
+        o = _host(other, True)
+        _do(name.strip("_"), lambda: getattr(self._a, name)(o), always=True, writes=(self._a,))
+        return self
 
     return f
 
@@ -266,25 +294,33 @@ def asarray(a, dtype=None, order=None, *, blocking=False) -> ndarray:
     """Device array of ``a``: the same memory for a device array of the dtype, else a copy
     (host memory is never shared with the device)."""
     if isinstance(a, ndarray):
-        return _launched("astype", _dev(np.asarray(a._a, dtype=dtype, order=order)), (a._a,))
-    host = np.array(a, dtype=dtype, order=order or "K", copy=True)
-    if active() is not None:
-        active().upload(f"asarray(host {host.dtype}{list(host.shape)})", host.nbytes)
-    return _dev(_alloc(host))
+        return _do("astype", lambda: _dev(np.asarray(a._a, dtype=dtype, order=order)),
+                   (a._a,))
+    return _host_copy("asarray", np.array(a, dtype=dtype, order=order or "K", copy=True))
 
 
 def array(a, dtype=None, copy=True, order="K", ndmin=0, **_kw) -> ndarray:
-    if not isinstance(a, ndarray) and active() is not None:
-        host = np.asarray(_host(a, False))
-        active().upload(f"array(host {host.dtype}{list(host.shape)})", host.nbytes)
-    return _dev(_alloc(np.array(_host(a, False), dtype=dtype, copy=True, order=order,
-                                ndmin=ndmin)))
+    if isinstance(a, ndarray):
+        return _do("array", lambda: _dev(np.array(a._a, dtype=dtype, copy=True, order=order,
+                                                  ndmin=ndmin)), (a._a,))
+    return _host_copy("array", np.array(_host(a, False), dtype=dtype, copy=True, order=order,
+                                        ndmin=ndmin))
+
+
+def _host_copy(name: str, host: np.ndarray) -> ndarray:
+    """A host value copied to the device: audited as an upload, refused while capturing."""
+    what = f"{name}(host {host.dtype}{list(host.shape)})"
+    if capturing() is not None:
+        capturing().refuse(f"host-to-device copy {what}")
+    if active() is not None:
+        active().upload(what, host.nbytes)
+    return _dev(_alloc(host))
 
 
 def ascontiguousarray(a, dtype=None) -> ndarray:
     dev = asarray(a)
-    res = _dev(np.ascontiguousarray(dev._a, dtype=dtype))
-    return _launched("ascontiguousarray", res, (dev._a,))
+    return _do("ascontiguousarray", lambda: _dev(np.ascontiguousarray(dev._a, dtype=dtype)),
+               (dev._a,))
 
 
 def asnumpy(a, stream=None, order="C", out=None, *, blocking=True) -> np.ndarray:
@@ -311,36 +347,12 @@ def get_array_module(*args):
     return sys.modules[__name__] if any(isinstance(a, ndarray) for a in args) else np
 
 
-class _Pool:
-    def used_bytes(self) -> int:
-        return 0
-
-    def total_bytes(self) -> int:
-        return 0
-
-    def free_all_blocks(self, stream=None) -> None:
-        pass
-
-    def set_limit(self, size=None, fraction=None) -> None:
-        pass
-
-    def get_limit(self) -> int:
-        return 0
-
-
-def get_default_memory_pool() -> _Pool:
-    return _POOL
-
-
-def get_default_pinned_memory_pool() -> _Pool:
-    return _POOL
-
-
-_POOL = _Pool()
-
-
 def fuse(*args, **kwargs):
     return args[0] if args and callable(args[0]) else (lambda f: f)
+
+
+# functions whose result's size depends on values: CuPy reads it from the device
+_SIZED = ("nonzero", "flatnonzero", "argwhere", "unique", "extract", "compress")
 
 
 def __getattr__(name: str):
@@ -351,14 +363,27 @@ def __getattr__(name: str):
 
     def f(*a, **k):
         _uploads(name, (*a, *k.values()))
-        res = _dev(obj(*_host(a, False), **{n: _host(v, False) for n, v in k.items()}))
-        return _launched(name, res, _ins(*a, *(x for v in a if isinstance(v, (list, tuple))
-                                          for x in v)))
+        if name in _SIZED:
+            _sync(f"{name}'s result size")
+        ha, hk = _host(a, False), {n: _host(v, False) for n, v in k.items()}
+        return _do(name, lambda: _dev(obj(*ha, **hk)),
+                   _ins(*a, *(x for v in a if isinstance(v, (list, tuple)) for x in v)),
+                   writes=_outs(hk))
 
     f.__name__ = name
     return f
 
 
-from scripts.cuda_emu.fake_cuda import cuda  # noqa: E402  (the cupy.cuda namespace)
+def _outs(kwargs: dict) -> tuple:
+    """The arrays a NumPy function writes through ``out=``."""
+    out = kwargs.get("out")
+    return tuple(out) if isinstance(out, tuple) else (out,) if out is not None else ()
+
+
+from scripts.cuda_emu.fake_cuda import (  # noqa: E402  (the cupy.cuda namespace, pools)
+    cuda,
+    get_default_memory_pool,
+    get_default_pinned_memory_pool,
+)
 
 ElementwiseKernel.xp = sys.modules[__name__]

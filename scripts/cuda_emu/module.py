@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from scripts.cuda_emu.audit import active
+from scripts.cuda_emu.graph import capturing, record_launch
 from scripts.cuda_emu.ptx import translate_asm
 
 HERE = Path(__file__).resolve().parent
@@ -174,6 +175,11 @@ class Function:
             keep.append(ctypes.create_string_buffer(raw, max(len(raw), 8)))
         ptrs = (ctypes.c_void_p * max(1, len(keep)))(*[ctypes.addressof(b) for b in keep])
         dims = (ctypes.c_uint * 6)(*grid, *block)
+        cap = capturing()
+        if cap is not None:  # a graph node: these argument bytes at every replay
+            cap.save([a._a for a in args if device_pointer(a) is not None])
+            record_launch(lambda: self.module.run(self, dims, ptrs, shared_mem, where),
+                          (args, keep))
         self.module.run(self, dims, ptrs, shared_mem, where)
 
 

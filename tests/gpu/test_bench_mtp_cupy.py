@@ -13,7 +13,7 @@ from scripts.tiny_model import make_tiny_model
 cupy = pytest.importorskip("cupy")
 
 
-def test_a_tiny_model_drafts_by_graph(tmp_path, graph_stand_in):
+def test_a_tiny_model_drafts_by_graph(tmp_path):
     path = make_tiny_model(tmp_path / "m", "qwen3_next", seed=1, tokenizer=False)
     out = tmp_path / "mtp.json"
     assert bench_mtp.main(["--model", str(path), "--slots", "1,3", "--drafts", "3",
