@@ -40,9 +40,12 @@ class RouterCounter:
     def moe_norm(self, x, weight, eps: float, zero_centered: bool):
         return self.model.ops.rms_norm(x, weight, eps, zero_centered=zero_centered), None
 
-    def __call__(self, layer: int, x, ids, weights, quant):
+    def __call__(self, layer: int, x, ids, weights, quant, during=None):
         from gpu_worker.backend import to_numpy  # noqa: PLC0415
         from gpu_worker.model.moe import expert_stacks, experts_local  # noqa: PLC0415
+
+        if during is not None:
+            during()
 
         host_ids = to_numpy(ids)
         self.counts[layer] += np.bincount(host_ids.reshape(-1),

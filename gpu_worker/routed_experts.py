@@ -34,8 +34,11 @@ class RoutedExperts(Protocol):
         ...
 
     def __call__(self, layer: int, x: Array, ids: Array, weights: Array,
-                 quant: Quantized | None) -> Array:
-        """sum_k weights[r, k] * expert_{ids[r, k]}(x[r]) for every row: [R, H]."""
+                 quant: Quantized | None, during: Callable[[], None] | None = None) -> Array:
+        """sum_k weights[r, k] * expert_{ids[r, k]}(x[r]) for every row: [R, H].
+        ``during``: the caller's own backend work, enqueued while the CPU experts run (after
+        the workers are rung, before the wait for them) so that it is off the step's
+        critical path; called exactly once, before this returns."""
         ...
 
     def run_step(self, forward: Callable[[], T]) -> T:

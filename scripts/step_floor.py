@@ -137,13 +137,16 @@ class StepRouting:
             return self.inner.moe_norm(x, weight, eps, zero_centered)
         return self.model.ops.rms_norm(x, weight, eps, zero_centered=zero_centered), None
 
-    def __call__(self, layer: int, x, ids, weights, quant):
+    def __call__(self, layer: int, x, ids, weights, quant, during=None):
         from gpu_worker.backend import to_numpy  # noqa: PLC0415
 
         self.ids[layer] = np.array(to_numpy(ids))
         if self.inner is not None:
-            return self.inner(layer, x, ids, weights, quant)
+            return self.inner(layer, x, ids, weights, quant, during)
         from gpu_worker.model.moe import expert_stacks, experts_local  # noqa: PLC0415
+
+        if during is not None:
+            during()
 
         return experts_local(self.model.ops, *expert_stacks(self.model.layers[layer].mlp), x,
                              ids, weights)

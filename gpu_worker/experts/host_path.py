@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -24,7 +25,7 @@ class HostPath:
         self.model, self.pool, self.on_cpu, self.counters = model, pool, on_cpu, counters
 
     def __call__(self, layer: int, x: Array, ids: Array, weights: Array,
-                 quant: Quantized | None) -> Array:
+                 quant: Quantized | None, during: Callable[[], None] | None = None) -> Array:
         xp, ops = self.model.xp, self.model.ops
         mask = self.on_cpu[layer]
         ids_host = to_numpy(ids)
@@ -38,6 +39,8 @@ class HostPath:
             mlp = self.model.layers[layer].mlp
             out = experts_local(ops, *expert_stacks(mlp), x,
                                 xp.asarray(np.where(cpu, -1, ids_host)), weights)
+        if during is not None:  # enqueued before the host waits for the workers
+            during()
         if cpu.any():
             t0 = time.perf_counter()
             if quant is not None:  # activations already quantized on the GPU (QFUSE)

@@ -3,6 +3,8 @@ enqueued on the stream through the pinned ring and the host never waits per laye
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from gpu_worker.experts.counters import ExpertCounters
@@ -14,7 +16,8 @@ from gpu_worker.routed_experts import Array, Quantized
 
 class LaunchedPath:
     """Per layer: one kernel puts the quantized inputs into the pinned ring and rings the
-    workers, the GPU computes its own experts meanwhile, then one kernel waits for the
+    workers, the GPU computes its own experts and the caller's ``during`` work (the shared
+expert) meanwhile, then one kernel waits for the
     workers and one adds their partials to the GPU's output (gpu_worker/experts/
     pinned_ring.py). Rows beyond the ring's capacity (``pool.max_rows``) go in several
     loads, each summed onto its rows as the host path does. :meth:`end_step` ends the step."""
@@ -28,7 +31,7 @@ class LaunchedPath:
         self._mask_dev = {layer: model.xp.asarray(m) for layer, m in on_cpu.items()}
 
     def __call__(self, layer: int, x: Array, ids: Array, weights: Array,
-                 quant: Quantized | None) -> Array:
+                 quant: Quantized | None, during: Callable[[], None] | None = None) -> Array:
         if quant is None:
             raise ValueError("the launched path takes activations quantized on the GPU")
         xp = self.model.xp
@@ -41,6 +44,8 @@ class LaunchedPath:
         if self.counters.tracking:  # slot_routing: to the host once the step is over
             self.counters.add_routes(layer, mask.size, ids.copy(), on_cpu[ids])
         if not R:
+            if during is not None:
+                during()
             return xp.zeros_like(x)
         chunks = [(r0, min(R, r0 + step)) for r0 in range(0, R, step)]
 
@@ -49,6 +54,8 @@ class LaunchedPath:
                              first_cpu, same_layer=r0 > 0)
 
         launch(*chunks[0])
+        if during is not None:  # the caller's GPU work, while the workers run
+            during()
         out = xp.zeros_like(x)  # [R, H] float32
         if first_cpu:  # the GPU's experts run while the CPU workers do theirs
             mlp = self.model.layers[layer].mlp

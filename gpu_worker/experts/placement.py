@@ -90,9 +90,10 @@ class ExpertPlacement:
         return self.model.ops.rms_norm(x, weight, eps, zero_centered=zero_centered), None
 
     def __call__(self, layer: int, x: Array, ids: Array, weights: Array,
-                 quant: Quantized | None) -> Array:
-        """sum_k w * expert_k(x) per row: backend experts here, CPU experts in the pool."""
-        return self.path(layer, x, ids, weights, quant)
+                 quant: Quantized | None, during: Callable[[], None] | None = None) -> Array:
+        """sum_k w * expert_k(x) per row: backend experts here, CPU experts in the pool;
+        ``during`` as RoutedExperts.__call__."""
+        return self.path(layer, x, ids, weights, quant, during)
 
     def run_step(self, forward: Callable[[], T]) -> T:
         """``forward()`` (one model forward over this placement), then :meth:`end_step`; an

@@ -127,13 +127,20 @@ def sparse_moe(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
     ids, weights = route(ops, cfg, p["gate.weight"], x, chosen, logits)  # [R, k], [R, k]
     if live is not None:
         ids = ops.xp.where(live[:, None], ids, -1)
+    shared = []
+
+    def shared_expert() -> None:  # swiglu of the products made above
+        shared.append(ops.linear(ops.silu_mul(s_gate, s_up),
+                                 p["shared_expert.down_proj.weight"]))
+
     if experts is None:
         out = experts_local(ops, *expert_stacks(p), x, ids, weights)
-    else:
-        out = experts(layer, x, ids, weights, quant)  # [R, H]
-    if has_shared:  # swiglu's products, made above
-        shared = ops.linear(ops.silu_mul(s_gate, s_up), p["shared_expert.down_proj.weight"])
-        out = ops.sigmoid_mul_add(s_sigmoid, shared, out)  # out + sigmoid(g) * shared
+        if has_shared:
+            shared_expert()
+    else:  # the shared expert runs on the GPU while the CPU experts do
+        out = experts(layer, x, ids, weights, quant, shared_expert if has_shared else None)
+    if has_shared:
+        out = ops.sigmoid_mul_add(s_sigmoid, shared[0], out)  # out + sigmoid(g) * shared
     return out
 
 
