@@ -11,7 +11,7 @@ import types
 
 from scripts.cuda_emu import graph
 from scripts.cuda_emu.audit import active
-from scripts.cuda_emu.module import Unsupported
+from scripts.cuda_emu.module import Unsupported, launch_driver
 
 
 def _synchronize(what: str):
@@ -180,16 +180,12 @@ def using_allocator(allocator=None):
     yield
 
 
-def _no_driver(*args, **kwargs):
-    raise Unsupported("the CUDA emulator has no driver API (cuLaunchKernel)")
-
-
 cuda = types.SimpleNamespace(
     Stream=Stream, Event=Event, Device=Device, runtime=runtime,
     get_current_stream=lambda device=None: Stream.null,
     get_elapsed_time=get_elapsed_time,
     alloc_pinned_memory=_pinned,
-    driver=types.SimpleNamespace(launchKernel=_no_driver),
+    driver=types.SimpleNamespace(launchKernel=launch_driver),
     is_available=lambda: True,
     Graph=graph.Graph,
     MemoryPool=MemoryPool,

@@ -17,6 +17,9 @@ mistake. Here:
 * Memory a recorded operation writes in place (a kernel's array arguments, ``a[...] = b``,
   ``out=``) is copied before the first write and put back by ``end_capture``: after a
   capture the device holds what it held before, as after a real one.
+* A driver-API launch (``cupy.cuda.driver.launchKernel``: the pinned ring's kernels, which
+  ring the CPU workers) is recorded and not run, as on a GPU: its raw pointers name no array
+  whose memory the capture could put back (module.Function.launch_params).
 * What a real capture refuses raises :class:`CaptureError`: a device-to-host copy or any
   other wait for the device, and a host-to-device copy (pageable host memory).
 * :meth:`Graph.launch` runs the record in order.

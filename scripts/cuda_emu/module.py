@@ -182,6 +182,45 @@ class Function:
                           (args, keep))
         self.module.run(self, dims, ptrs, shared_mem, where)
 
+    @property
+    def ptr(self) -> int:
+        """The handle ``cupy.cuda.driver.launchKernel`` takes (:func:`launch_driver`)."""
+        _BY_HANDLE[id(self)] = self
+        return id(self)
+
+    def launch_params(self, grid, block, shared_mem: int, params: int) -> None:
+        """``cuLaunchKernel``'s launch: ``params`` the address of an array of pointers to the
+        arguments' values, each read now (its size from the kernel's signature), as the
+        driver copies them. While a stream captures, the launch is recorded and *not* run,
+        as on a GPU (raw pointers name no array whose memory the capture could put back;
+        the pinned ring's kernels would ring the CPU workers): what the capture computes
+        after it reads the output's memory as it was."""
+        audit = active()
+        if audit is not None:
+            audit.launch(self.name)
+        grid, block = _dims(grid), _dims(block)
+        where = f"kernel {self.name} grid {grid} block {block} (driver API)"
+        table = ctypes.cast(ctypes.c_void_p(params), ctypes.POINTER(ctypes.c_void_p))
+        keep = [ctypes.create_string_buffer(ctypes.string_at(table[i], size), max(size, 8))
+                for i, (size, _) in enumerate(self.params)]
+        ptrs = (ctypes.c_void_p * max(1, len(keep)))(*[ctypes.addressof(b) for b in keep])
+        dims = (ctypes.c_uint * 6)(*grid, *block)
+        if capturing() is not None:
+            record_launch(lambda: self.module.run(self, dims, ptrs, shared_mem, where), keep)
+            return
+        self.module.run(self, dims, ptrs, shared_mem, where)
+
+
+_BY_HANDLE: dict[int, Function] = {}
+
+
+def launch_driver(f: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int,
+                  shared_mem: int, stream: int, params: int, extra: int) -> None:
+    """``cupy.cuda.driver.launchKernel`` of the fake CuPy, for a :attr:`Function.ptr`."""
+    if f not in _BY_HANDLE or extra:
+        raise Unsupported(f"launchKernel of handle {f} (extra {extra}): not an emulated kernel")
+    _BY_HANDLE[f].launch_params((gx, gy, gz), (bx, by, bz), shared_mem, params)
+
 
 def _dims(d) -> tuple[int, int, int]:
     d = (d,) if isinstance(d, (int, np.integer)) else tuple(d)

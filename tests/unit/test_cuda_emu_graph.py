@@ -107,3 +107,26 @@ def test_array_operations_replay_into_the_arrays_the_capture_returned(cp):
     a[...] = cp.asarray(np.full(4, 7, np.int64))
     graph.launch()
     np.testing.assert_array_equal(out.get(), [7, 8])
+
+
+def test_a_driver_launch_copies_its_arguments_and_a_capture_only_records_it(cp):
+    """``cupy.cuda.driver.launchKernel`` (the pinned ring's launches): the argument values are
+    read at the launch, as the driver copies them; captured, it does not run (as on a GPU)
+    and a replay runs it with the values of its launch, whatever the buffer holds later."""
+    fn = cp.RawModule(code=_SCALE, options=("--fmad=false",)).get_function("scale_add")
+    x = cp.asarray(np.arange(4, dtype=np.float32))
+    y = cp.zeros(4, cp.float32)
+    vals = np.zeros(4, np.int64)  # each argument 8 bytes; float and int read the low bytes
+    params = np.arange(4, dtype=np.uint64) * 8 + np.uint64(vals.ctypes.data)
+
+    def launch(a: float) -> None:
+        vals[:] = (x.data.ptr, y.data.ptr, np.float32(a).view(np.int32), 4)
+        cp.cuda.driver.launchKernel(fn.ptr, 1, 1, 1, 4, 1, 1, 0, 0, int(params.ctypes.data), 0)
+
+    launch(1.0)
+    np.testing.assert_array_equal(y.get(), [0, 1, 2, 3])
+    graph, _ = _capture(cp, lambda: launch(10.0))
+    np.testing.assert_array_equal(y.get(), [0, 1, 2, 3])  # not run
+    launch(100.0)  # the buffer now holds 100
+    graph.launch()
+    np.testing.assert_array_equal(y.get(), [0, 111, 222, 333])
