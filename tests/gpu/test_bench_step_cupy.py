@@ -15,6 +15,8 @@ cupy = pytest.importorskip("cupy")
 
 
 def test_the_spin_kernel_keeps_the_device_busy():
+    if "cpu-emulator" in cupy.__version__:
+        pytest.skip("the emulator runs each launch to its end before returning (no queue)")
     spin = cupy.RawKernel(SPIN_KERNEL, "spin")
     start, after = cupy.cuda.Event(), cupy.cuda.Event()
     cupy.cuda.Device().synchronize()
