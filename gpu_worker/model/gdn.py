@@ -7,10 +7,10 @@ state and leaves the updated state behind. For a slot tracked by ``states.verify
 token plus drafts) the state after every row is kept too (states.track_conv / track_rec), so
 the runner can adopt the one of the last accepted row.
 
-On CuPy (float32 / float64, Dk <= 256) the gates, the conv and the recurrence of every
-segment, decode, verify and prefill alike, are three kernel launches
-(gpu_worker/kernels/gdn_recurrent.py); on NumPy (and for shapes those kernels do not take)
-a token loop per segment.
+On CuPy (float32 / float64, Dk <= 256) the conv and the recurrence of every segment, decode,
+verify and prefill alike, are two kernel launches (gpu_worker/kernels/gdn_recurrent.py; the
+recurrence computes beta and decay from ``ba`` itself); on NumPy (and for shapes those kernels
+do not take) a token loop per segment.
 """
 
 from __future__ import annotations
@@ -73,12 +73,12 @@ def gated_deltanet(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
     if (xp is not np and enabled("gdn") and states.conv.dtype == ops.dtype
             and gdn_recurrent.supports(ops.dtype, Dk, conv_w.shape[1])):
         tracked = states.track_conv is not None
-        # beta = sigmoid(b), decay = exp(g) in one launch (the kernels' exp and log1p)
-        beta, decay = gdn_recurrent.gates(ba, p["A_log"], p["dt_bias"], key_heads=Hk)
         conv = gdn_recurrent.conv_silu(mixed, conv_w, states.conv[layer], table,
                                        states.track_conv[layer] if tracked else None)
-        out = gdn_recurrent.recurrence(conv, decay, beta, states.rec[layer], table,
-                                       key_heads=Hk, scale=float(ops.dtype.type(Dk ** -0.5)),
+        # beta = sigmoid(b), decay = exp(g) inside (the kernels' exp and log1p)
+        out = gdn_recurrent.recurrence(conv, ba, p["A_log"], p["dt_bias"], states.rec[layer],
+                                       table, key_heads=Hk,
+                                       scale=float(ops.dtype.type(Dk ** -0.5)),
                                        track=states.track_rec[layer] if tracked else None)
     else:
         ba = ba.reshape(R, Hk, 2 * r)
