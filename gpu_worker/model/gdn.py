@@ -10,7 +10,9 @@ the runner can adopt the one of the last accepted row.
 On CuPy (float32 / float64, Dk <= 256) the conv and the recurrence of every segment, decode,
 verify and prefill alike, are two kernel launches (gpu_worker/kernels/gdn_recurrent.py; the
 recurrence computes beta and decay from ``ba`` itself); on NumPy (and for shapes those kernels
-do not take) a token loop per segment.
+do not take) a token loop per segment. On CuPy float32 with every kernel on a layer is five
+launches: the stacked input product, the conv, the recurrence, the gated RMSNorm
+``silu(z) * rms_norm(o)`` (Ops.gated_rms_norm) and out_proj.
 """
 
 from __future__ import annotations
@@ -87,9 +89,14 @@ def gated_deltanet(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
         g = -xp.exp(p["A_log"]) * ops.softplus(a + p["dt_bias"])  # [R, Hv]
         out = _token_loop(ops, cfg, mixed, conv_w, beta, g, batch, states, layer)
 
-    o = ops.rms_norm(out, p["norm.weight"], cfg.rms_norm_eps, zero_centered=False)
-    # silu(z) * o in one launch with fused_sigmoid (the product commutes: the same bits)
-    o = ops.silu_mul(z, o) if enabled("fused_sigmoid") else o * ops.silu(z)
+    # out [R, Hv, Dv]: each value head's Dv outputs normed, times silu(z). With fused_sigmoid
+    # silu(z) * o through silu_mul (the product commutes: the same bits as o * silu(z)), the
+    # norm and it one launch where both take their kernels (Ops.gated_rms_norm)
+    if enabled("fused_sigmoid"):
+        o = ops.gated_rms_norm(out, z, p["norm.weight"], cfg.rms_norm_eps, zero_centered=False)
+    else:
+        o = ops.rms_norm(out, p["norm.weight"], cfg.rms_norm_eps, zero_centered=False)
+        o = o * ops.silu(z)
     return ops.linear(o.reshape(R, Hv * Dv), p["out_proj.weight"])
 
 
