@@ -16,7 +16,9 @@ DeltaNet one segment at a time), kept to compare against.
   (model/ops.py, the shared expert and dense MLP of model/moe.py)
 * ``fused_sigmoid``: sigmoid(gate) * x in one launch (fused_silu.py's ``sigmoid_mul``): the
   output gates of attention and of the shared expert; with it Gated DeltaNet's
-  ``o * silu(z)`` takes ``silu_mul`` too (about 700 fewer launches per step of the 80B)
+  ``o * silu(z)`` takes ``silu_mul`` too (about 700 fewer launches per step of the 80B), and
+  with ``fused_norm`` and ``fused_silu`` also on, the norm before it and it are one launch
+  (fused_norm.py's ``gated_rms_norm_rows``, the same bits)
 * ``fused_router``: the router's softmax, top-k and weights in one launch,
   gpu_worker/kernels/router.py (model/moe.py ``route``; about eight fewer launches per MoE
   layer)

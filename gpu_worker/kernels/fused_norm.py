@@ -23,6 +23,11 @@ issued before any use; past 8192 a lane takes ``BATCH`` at a time. A row of 2048
 turns ``+ * / sqrtf`` into flushing forms; so every operation is PTX ``add/mul/div/sqrt.rn.f32``
 without ``.ftz`` (as in rowtile.py), which no compile flag alters, and NumPy's float32
 arithmetic is the reference.
+
+**Gated** (:func:`gated_rms_norm_rows`, Gated DeltaNet's output norm per value head, rows of
+up to 256): ``silu(z[k]) * out[k]``, ``out[k]`` the value above still in a register, by
+fused_silu.py's code (its IEEE struct ``F``, its order, its -ftz argument): the bits of
+:func:`rms_norm_rows` then ``fused_silu.silu_mul(z, .)``, in one launch instead of two.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import functools
 import numpy as np
 
 from gpu_worker.kernels import raw_module
+from gpu_worker.kernels.fused_silu import helpers_source, silu_mul_reference
 
 WARPS = 4  # rows (warps) per block of 128 threads
 LANES = 32
@@ -85,19 +91,24 @@ __device__ __forceinline__ float load_segment(
     return s;
 }
 
-// The segment's outputs (x / d) * w (w + 1 zero-centered), w's loads issued together
+// The segment's outputs (x / d) * w (w + 1 zero-centered), w's loads issued together; with
+// a gate row zr (else nullptr) silu(z) * that, in F arithmetic (fused_silu.py's silu_mul)
 template <int REGS>
 __device__ __forceinline__ void write_segment(
-        const float (&a)[REGS], const float* __restrict__ w, float* __restrict__ orow, int H,
-        int k0, int k1, int lane, float d, int zero_centered) {
-    float q[REGS];
+        const float (&a)[REGS], const float* __restrict__ w, const float* __restrict__ zr,
+        float* __restrict__ orow, int H, int k0, int k1, int lane, float d, int zero_centered) {
+    float q[REGS], g[REGS];
 #pragma unroll
     for (int i = 0; i < REGS; ++i) q[i] = w[min(k0 + lane + 32 * i, H - 1)];
+#pragma unroll
+    for (int i = 0; i < REGS; ++i)
+        g[i] = zr != nullptr ? zr[min(k0 + lane + 32 * i, H - 1)] : 0.0f;
 #pragma unroll
     for (int i = 0; i < REGS; ++i) {
         const int k = k0 + lane + 32 * i;
         const float wk = zero_centered ? add_rn(1.0f, q[i]) : q[i];
-        if (k < k1) orow[k] = mul_rn(div_rn(a[i], d), wk);
+        const float y = mul_rn(div_rn(a[i], d), wk);
+        if (k < k1) orow[k] = zr != nullptr ? (silu(F(g[i])) * F(y)).v : y;
     }
 }
 
@@ -119,7 +130,7 @@ extern "C" __global__ void rms_norm_rows(
         float a[8];
         const float s = load_segment<8>(xr, rr, sr, H, 0, H, lane, a);
         const float d = sqrt_rn(add_rn(div_rn(s, (float)H), eps));
-        write_segment<8>(a, w, orow, H, 0, H, lane, d, zero_centered);
+        write_segment<8>(a, w, nullptr, orow, H, 0, H, lane, d, zero_centered);
         return;
     }
     // a lane reads its elements k = k0 + lane + 32 i (i < BATCH) of a batch into registers
@@ -189,7 +200,24 @@ __device__ __forceinline__ void norm_wide(
     float t = part[0];
     for (int u = 1; u < W; ++u) t = add_rn(t, part[u]);
     const float d = sqrt_rn(add_rn(div_rn(t, (float)H), eps));
-    write_segment<REGS>(a, w, out + row * (long long)H, H, k0, k1, lane, d, zero_centered);
+    write_segment<REGS>(a, w, nullptr, out + row * (long long)H, H, k0, k1, lane, d,
+                        zero_centered);
+}
+
+// grid ceil(rows / WARPS), block WARPS * 32, H <= 256: rms_norm_rows' one-warp path (add 0),
+// then out = silu(z) * normed; z and out [rows, H] contiguous, x's rows at stride
+extern "C" __global__ void gated_rms_norm_rows(
+        const float* __restrict__ x, const float* __restrict__ z, const float* __restrict__ w,
+        float* __restrict__ out, long long rows, int H, long long stride, float eps,
+        int zero_centered) {
+    const int lane = threadIdx.x & 31;
+    const long long row = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;  // a whole warp, as rms_norm_rows
+    float a[8];
+    const float s = load_segment<8>(x + row * stride, nullptr, nullptr, H, 0, H, lane, a);
+    const float d = sqrt_rn(add_rn(div_rn(s, (float)H), eps));
+    write_segment<8>(a, w, z + row * (long long)H, out + row * (long long)H, H, 0, H, lane, d,
+                     zero_centered);
 }
 
 // grid rows, block W * 32: one row per block (norm_wide); REGS >= S / 32
@@ -210,8 +238,9 @@ extern "C" __global__ void rms_norm_wide32(
 
 @functools.cache
 def _function(name: str = "rms_norm_rows"):
+    # NOTE: fused_silu's F and silu (gdn_recurrent's exp) first, for the gated kernel
     src = _SOURCE.replace("__WARPS__", str(WARPS)).replace("__BATCH__", str(BATCH))
-    return raw_module(src, "fused RMSNorm kernel").get_function(name)
+    return raw_module(helpers_source() + src, "fused RMSNorm kernel").get_function(name)
 
 
 MAX_WIDE_WARPS = 8  # warps of a wide row's block
@@ -254,6 +283,34 @@ def add_rms_norm_rows(x, r, w, eps: float, *, zero_centered: bool):
     """``s = x + r`` (float32, IEEE) and the RMSNorm of ``s`` as :func:`rms_norm_rows`, in one
     launch -> ``(s, norm(s))``, new arrays of ``x``'s shape (``r``: the same shape)."""
     return _launch(x, r, w, eps, zero_centered)
+
+
+def gated_rms_norm_rows(x, z, w, eps: float, *, zero_centered: bool):
+    """``silu(z) * rms_norm(x)`` of float32 CuPy ``x [..., H]`` (H <= ONE_WARP_MAX) and ``z``
+    of its shape, ``w [H]`` -> a new float32 array of that shape: the bits of
+    :func:`rms_norm_rows`, then ``fused_silu.silu_mul(z, .)``, in one launch (a copy first
+    only for a ``z`` not contiguous or an ``x`` whose rows do not sit at one stride)."""
+    import cupy as cp  # noqa: PLC0415 (only on the GPU backend)
+
+    if x.dtype != np.float32 or z.dtype != np.float32 or w.dtype != np.float32:
+        raise TypeError(f"gated_rms_norm_rows: float32 x, z and w, not {x.dtype}, {z.dtype}, "
+                        f"{w.dtype}")
+    H = x.shape[-1] if x.ndim else 0
+    if x.ndim < 1 or w.shape != (H,) or z.shape != x.shape or H > ONE_WARP_MAX:
+        raise ValueError(f"gated_rms_norm_rows: x {x.shape}, z {z.shape} and w {w.shape} do "
+                         f"not fit (rows of at most {ONE_WARP_MAX})")
+    out = cp.empty(x.shape, np.float32)
+    rows = x.size // H if H else 0
+    if rows == 0:
+        return out
+    stride = _row_stride(x)
+    if stride is None:
+        x, stride = cp.ascontiguousarray(x), H
+    _function("gated_rms_norm_rows")(
+        (-(-rows // WARPS),), (WARPS * LANES,),
+        (x, cp.ascontiguousarray(z), cp.ascontiguousarray(w), out, np.int64(rows), np.int32(H),
+         np.int64(stride), np.float32(eps), np.int32(bool(zero_centered))))
+    return out
 
 
 def _launch(x, r, w, eps: float, zero_centered: bool):
@@ -316,6 +373,13 @@ def rms_norm_reference(x: np.ndarray, w: np.ndarray, eps: float, *,
         wk = np.float32(1.0) + w if zero_centered else w
         out = (rows / d[:, None]) * wk
     return out.astype(np.float32, copy=False).reshape(x.shape)
+
+
+def gated_rms_norm_reference(x: np.ndarray, z: np.ndarray, w: np.ndarray, eps: float, *,
+                             zero_centered: bool) -> np.ndarray:
+    """NumPy formula of :func:`gated_rms_norm_rows`, bit for bit: :func:`rms_norm_reference`,
+    then ``fused_silu.silu_mul_reference(z, .)``."""
+    return silu_mul_reference(z, rms_norm_reference(x, w, eps, zero_centered=zero_centered))
 
 
 def _warp_sum_of_squares(seg: np.ndarray) -> np.ndarray:

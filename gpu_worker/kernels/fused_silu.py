@@ -94,7 +94,8 @@ extern "C" __global__ void sigmoid_mul_add(const float* __restrict__ gate,
 def helpers_source() -> str:
     """gdn_recurrent's float32 defines and ``_HELPERS`` (``exp_neg``, ``sigmoid``, ``silu``)
     with ``T`` the struct ``F`` above: IEEE float32 arithmetic whatever ``-ftz`` says (the
-    router and RoPE kernels, router.py and fused_rope.py, build on it too)."""
+    router and RoPE kernels, router.py and fused_rope.py, and fused_norm.py's gated norm
+    build on it too)."""
     full = source(np.float32, conv_kernel=2)
     head = full[: full.index(_HELPERS) + len(_HELPERS)]
     if "typedef float T;\n" not in head or "#define RINT rintf\n" not in head:

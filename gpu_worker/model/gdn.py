@@ -7,10 +7,12 @@ state and leaves the updated state behind. For a slot tracked by ``states.verify
 token plus drafts) the state after every row is kept too (states.track_conv / track_rec), so
 the runner can adopt the one of the last accepted row.
 
-On CuPy (float32 / float64, Dk <= 256) the gates, the conv and the recurrence of every
-segment, decode, verify and prefill alike, are three kernel launches
-(gpu_worker/kernels/gdn_recurrent.py); on NumPy (and for shapes those kernels do not take)
-a token loop per segment.
+On CuPy (float32 / float64, Dk <= 256) the conv and the recurrence of every segment, decode,
+verify and prefill alike, are two kernel launches (gpu_worker/kernels/gdn_recurrent.py; the
+recurrence computes beta and decay from ``ba`` itself); on NumPy (and for shapes those kernels
+do not take) a token loop per segment. On CuPy float32 with every kernel on a layer is five
+launches: the stacked input product, the conv, the recurrence, the gated RMSNorm
+``silu(z) * rms_norm(o)`` (Ops.gated_rms_norm) and out_proj.
 """
 
 from __future__ import annotations
@@ -73,12 +75,12 @@ def gated_deltanet(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
     if (xp is not np and enabled("gdn") and states.conv.dtype == ops.dtype
             and gdn_recurrent.supports(ops.dtype, Dk, conv_w.shape[1])):
         tracked = states.track_conv is not None
-        # beta = sigmoid(b), decay = exp(g) in one launch (the kernels' exp and log1p)
-        beta, decay = gdn_recurrent.gates(ba, p["A_log"], p["dt_bias"], key_heads=Hk)
         conv = gdn_recurrent.conv_silu(mixed, conv_w, states.conv[layer], table,
                                        states.track_conv[layer] if tracked else None)
-        out = gdn_recurrent.recurrence(conv, decay, beta, states.rec[layer], table,
-                                       key_heads=Hk, scale=float(ops.dtype.type(Dk ** -0.5)),
+        # beta = sigmoid(b), decay = exp(g) inside (the kernels' exp and log1p)
+        out = gdn_recurrent.recurrence(conv, ba, p["A_log"], p["dt_bias"], states.rec[layer],
+                                       table, key_heads=Hk,
+                                       scale=float(ops.dtype.type(Dk ** -0.5)),
                                        track=states.track_rec[layer] if tracked else None)
     else:
         ba = ba.reshape(R, Hk, 2 * r)
@@ -87,9 +89,14 @@ def gated_deltanet(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
         g = -xp.exp(p["A_log"]) * ops.softplus(a + p["dt_bias"])  # [R, Hv]
         out = _token_loop(ops, cfg, mixed, conv_w, beta, g, batch, states, layer)
 
-    o = ops.rms_norm(out, p["norm.weight"], cfg.rms_norm_eps, zero_centered=False)
-    # silu(z) * o in one launch with fused_sigmoid (the product commutes: the same bits)
-    o = ops.silu_mul(z, o) if enabled("fused_sigmoid") else o * ops.silu(z)
+    # out [R, Hv, Dv]: each value head's Dv outputs normed, times silu(z). With fused_sigmoid
+    # silu(z) * o through silu_mul (the product commutes: the same bits as o * silu(z)), the
+    # norm and it one launch where both take their kernels (Ops.gated_rms_norm)
+    if enabled("fused_sigmoid"):
+        o = ops.gated_rms_norm(out, z, p["norm.weight"], cfg.rms_norm_eps, zero_centered=False)
+    else:
+        o = ops.rms_norm(out, p["norm.weight"], cfg.rms_norm_eps, zero_centered=False)
+        o = o * ops.silu(z)
     return ops.linear(o.reshape(R, Hv * Dv), p["out_proj.weight"])
 
 

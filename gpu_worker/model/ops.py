@@ -8,7 +8,12 @@ import numpy as np
 
 from gpu_worker.kernels.bf16 import BF16, BITS, to_bf16, widen
 from gpu_worker.kernels.enabled import enabled
-from gpu_worker.kernels.fused_norm import add_rms_norm_rows, rms_norm_rows
+from gpu_worker.kernels.fused_norm import (
+    ONE_WARP_MAX,
+    add_rms_norm_rows,
+    gated_rms_norm_rows,
+    rms_norm_rows,
+)
 from gpu_worker.kernels.fused_rope import rope
 from gpu_worker.kernels.fused_silu import sigmoid_mul, sigmoid_mul_add, silu_mul
 from gpu_worker.kernels.int8_stack import Int8Stack
@@ -139,6 +144,17 @@ class Ops:
             return add_rms_norm_rows(x, delta, w, eps, zero_centered=zero_centered)
         s = x + delta
         return s, self.rms_norm(s, w, eps, zero_centered=zero_centered)
+
+    def gated_rms_norm(self, x: Array, gate: Array, w: Array, eps: float, *,
+                       zero_centered: bool) -> Array:
+        """``silu(gate) * rms_norm(x)`` (Gated DeltaNet's output norm, per value head), ``gate``
+        of ``x``'s shape: the bits of :meth:`rms_norm`, then :meth:`silu_mul`. One launch
+        where both would take their kernels (CuPy float32, switches ``fused_norm`` and
+        ``fused_silu``) and a row fits one warp (fused_norm.gated_rms_norm_rows)."""
+        if (x.shape == gate.shape and 0 < x.shape[-1] <= ONE_WARP_MAX
+                and self._kernel("fused_norm", x, gate, w) and enabled("fused_silu")):
+            return gated_rms_norm_rows(x, gate, w, eps, zero_centered=zero_centered)
+        return self.silu_mul(gate, self.rms_norm(x, w, eps, zero_centered=zero_centered))
 
     def silu(self, x: Array) -> Array:
         return x * self.sigmoid(x)

@@ -130,6 +130,7 @@ class Probe:
     def __enter__(self) -> Probe:
         targets = [(model_module, name, name) for name in BLOCKS]
         targets += [(Ops, "linear", "linear"), (Ops, "rms_norm", "rms_norm"),
+                    (Ops, "gated_rms_norm", "gated rms_norm"),
                     (attention, "_paged", "paged attention"),
                     (gdn_recurrent, "conv_silu", "GDN conv"),
                     (gdn_recurrent, "recurrence", "GDN recurrence"),

@@ -1,14 +1,23 @@
 """The fused RMSNorm kernel (gpu_worker/kernels/fused_norm.py) on the device: bits equal to its
 NumPy formula for several row lengths and both weightings, a row's bits the same alone and in
 batches of 1-64 rows, within a float64 bound of the formula, strided rows (a slice of heads)
-read in place, and Ops.rms_norm on it. A failure says in one line what differs."""
+read in place, and Ops.rms_norm on it. The gated variant (Gated DeltaNet's silu(z) * norm):
+the bits of the two kernels it replaces and of their formulas, and Ops.gated_rms_norm under
+every switch. A failure says in one line what differs."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from gpu_worker.kernels.fused_norm import rms_norm_reference, rms_norm_rows
+from gpu_worker.kernels.fused_norm import (
+    gated_rms_norm_reference,
+    gated_rms_norm_rows,
+    rms_norm_reference,
+    rms_norm_rows,
+)
+from gpu_worker.kernels.fused_silu import silu_mul
+from gpu_worker.model import ops as ops_module
 from gpu_worker.model.ops import Ops
 from tests.gpu.bits import assert_same_bits as _same
 
@@ -127,3 +136,75 @@ def test_the_fused_residual_add_gives_the_sum_and_its_norm(H):
     s0, n0 = ops.add_rms_norm(cupy.asarray(x), None, cupy.asarray(w), EPS, zero_centered=True)
     _same(cupy.asnumpy(s0), x, "no delta")
     _same(cupy.asnumpy(n0), rms_norm_reference(x, w, EPS, zero_centered=True), "no delta norm")
+
+
+def _gates(rng, shape: tuple[int, ...]) -> np.ndarray:
+    """Gate values z with silu's special cases first: signed zeros, subnormals, exp_neg's
+    cut-off at -87, huge values."""
+    z = (rng.standard_normal(shape) * 4).astype(np.float32)
+    sp = np.array([0.0, -0.0, 1e-45, -3e-40, 1e-30, -1e-30, 20.0, -20.0, -87.0, -87.5, 88.0,
+                   -100.0, 3e38, -3e38, 0.5, -0.5], np.float32)
+    flat = z.reshape(-1)
+    flat[:min(flat.size, sp.size)] = sp[:flat.size]
+    return z
+
+
+@pytest.mark.parametrize("zc", [False, True], ids=["plain", "zero_centered"])
+@pytest.mark.parametrize("H", (1, 31, 100, 128, 256))
+def test_gated_norm_gives_the_bits_of_the_two_kernels_and_the_formula(H, zc):
+    """gated_rms_norm_rows: the bits of rms_norm_rows then fused_silu.silu_mul (the two
+    launches it replaces) and of their NumPy formulas, [R, H] and [R, heads, H] rows, the
+    latter read in place from a slice at a stride, a non-contiguous z copied."""
+    rng = np.random.default_rng(H + 2 * zc)
+    w = _weights(rng, H) - (1.0 if zc else 0.0)
+    x, z = _x(rng, 37, H), _gates(rng, (37, H))
+    wg, xg, zg = cupy.asarray(w), cupy.asarray(x), cupy.asarray(z)
+    got = cupy.asnumpy(gated_rms_norm_rows(xg, zg, wg, EPS, zero_centered=zc))
+    two = silu_mul(zg, rms_norm_rows(xg, wg, EPS, zero_centered=zc))
+    _same(got, cupy.asnumpy(two), f"gated H {H} zc {zc} against the two kernels")
+    _same(got, gated_rms_norm_reference(x, z, w, EPS, zero_centered=zc), f"gated H {H} formula")
+    assert (np.isfinite(got) & (got != 0)).mean() > 0.5  # z = +-3e38 may give +-inf
+    full = rng.standard_normal((5, 3, 2 * H)).astype(np.float32)
+    zt = _gates(rng, (3, 5, H)).transpose(1, 0, 2)  # [5, 3, H], not contiguous
+    got = gated_rms_norm_rows(cupy.asarray(full)[..., :H], cupy.asarray(zt), wg, EPS,
+                              zero_centered=zc)
+    want = gated_rms_norm_reference(full[..., :H], zt, w, EPS, zero_centered=zc)
+    _same(cupy.asnumpy(got), want, f"gated H {H}: heads, a slice of x, a transposed z")
+
+
+def test_a_gated_row_is_the_same_alone_and_in_every_batch():
+    rng = np.random.default_rng(8)
+    H = 128
+    w = cupy.asarray(_weights(rng, H))
+    xg, zg = cupy.asarray(_x(rng, 40, H)), cupy.asarray(_gates(rng, (40, H)))
+    alone = [cupy.asnumpy(gated_rms_norm_rows(xg[r:r + 1], zg[r:r + 1], w, EPS,
+                                              zero_centered=False))[0] for r in range(40)]
+    for R in (2, 3, 5, 8, 33, 40):
+        rows = cupy.asarray(rng.permutation(40)[:R])
+        got = cupy.asnumpy(gated_rms_norm_rows(xg[rows], zg[rows], w, EPS, zero_centered=False))
+        for pos, r in enumerate(cupy.asnumpy(rows).tolist()):
+            _same(got[pos], alone[r], f"R {R}: row {r} at position {pos}")
+
+
+@pytest.mark.parametrize("kernels", ["all", "rowtile,fused_norm", "rowtile,fused_silu"])
+def test_ops_gated_rms_norm_is_the_norm_then_silu_mul(kernels, monkeypatch):
+    """Ops.gated_rms_norm: one launch of the gated kernel where fused_norm and fused_silu are
+    both on (CuPy float32, H <= 256), else the two steps; the bits of rms_norm then silu_mul
+    under every switch, for rows too wide for one warp, in float64 and on NumPy."""
+    monkeypatch.setenv("TANDEM_GPU_KERNELS", kernels)
+    launches = []
+    monkeypatch.setattr(ops_module, "gated_rms_norm_rows",
+                        lambda *a, **k: launches.append(1) or gated_rms_norm_rows(*a, **k))
+    rng = np.random.default_rng(3)
+    for xp, dt in ((cupy, np.float32), (cupy, np.float64), (np, np.float32)):
+        ops = Ops(xp, dt)
+        for H in (64, 300):
+            x, z = _x(rng, 6, H).reshape(3, 2, H), _gates(rng, (3, 2, H))
+            xd, zd, wd = (xp.asarray(a, dtype=dt) for a in (x, z, _weights(rng, H)))
+            n = len(launches)
+            with np.errstate(over="ignore"):  # NumPy: silu(+-3e38) * normed
+                got = ops.gated_rms_norm(xd, zd, wd, EPS, zero_centered=False)
+                want = ops.silu_mul(zd, ops.rms_norm(xd, wd, EPS, zero_centered=False))
+            assert got.tobytes() == want.tobytes(), (kernels, xp.__name__, dt, H)
+            fused = kernels == "all" and xp is cupy and dt == np.float32 and H <= 256
+            assert len(launches) - n == fused, (kernels, xp.__name__, dt, H)

@@ -1,6 +1,7 @@
 """The step audit (scripts/step_audit.py) on the CPU emulator's fake CuPy: the recorder sees
 the launches of a real Runner step and the one device->host copy the step needs (the sampled
-tokens, gpu_worker/verify.py), with its worker line; off, it records nothing."""
+tokens, gpu_worker/verify.py), with its worker line; off, it records nothing. A Gated
+DeltaNet layer is five launches (a regression would be a launch back in the 80B's 36 layers)."""
 
 from __future__ import annotations
 
@@ -60,17 +61,23 @@ print(json.dumps({name: {
     "report": report(name, a, rows, layers), "rows": rows, "launches": a.num_launches,
     "kinds": sorted(a.launches_by_kind()), "kernels": sorted({n for _, n in a.launches}),
     "syncs": [[w, s, n] for (w, s), n in a.syncs.items()],
-    "uploads": [s for _, s in a.uploads], "allocs": a.num_allocs, "bytes": a.alloc_bytes}
+    "uploads": [s for _, s in a.uploads], "allocs": a.num_allocs, "bytes": a.alloc_bytes,
+    "gdn": sorted(n for (k, n), c in a.launches.items() if k == "gdn" for _ in range(c)),
+    "gdn_layers": layers["gdn"]}
     for name, (a, rows) in steps.items()}))
 """
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
-def test_a_runner_step_has_launches_and_the_sampled_tokens_copy(arch):
+def _probe(arch: str) -> dict:
     res = subprocess.run([sys.executable, "-c", PROBE, arch], capture_output=True, text=True,
                          cwd=ROOT, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    steps = json.loads(res.stdout.strip().splitlines()[-1])
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
+def test_a_runner_step_has_launches_and_the_sampled_tokens_copy(arch):
+    steps = _probe(arch)
     for st in steps.values():
         text = st["report"]
         assert st["launches"] > 0, text
@@ -83,3 +90,16 @@ def test_a_runner_step_has_launches_and_the_sampled_tokens_copy(arch):
         assert any("sampler.py" in s for s in st["uploads"]), text
         assert st["allocs"] > 0 and st["bytes"] > 0, text
     assert steps["verify"]["rows"] == 2 * 3 and steps["decode"]["rows"] == 2
+
+
+def test_a_gated_deltanet_layer_is_five_launches():
+    """Decode and verify (drafts: tracked per-row states): the stacked input product, the conv,
+    the recurrence with its gates, the gated RMSNorm and out_proj; no gates kernel, no
+    separate norm or silu_mul."""
+    for name, st in _probe("qwen3_next").items():
+        gdn, layers = st["gdn"], st["gdn_layers"]
+        assert layers >= 1 and len(gdn) == 5 * layers, (name, gdn, st["report"])
+        products = [k for k in gdn if k.startswith("rowtile_")]
+        assert sorted(set(gdn) - set(products)) == ["gated_rms_norm_rows", "gdn_conv",
+                                                    "gdn_recurrent"], (name, gdn)
+        assert len(products) == 2 * layers, (name, gdn)
