@@ -3,18 +3,17 @@
 1. ``gdn_conv``, one thread per (segment, channel), the segment's rows in order: the causal
    depthwise conv over [the slot's conv window | the segment's rows], then SiLU; the thread
    keeps the last K-1 inputs in registers and writes them back as the slot's new window (and,
-   for a tracked segment, the window after every row).
+   for a tracked segment, the window after every row). The first block of each segment also
+   computes its rows' gates, a thread per value head: beta = sigmoid(b) and decay =
+   exp(-exp(A_log) * softplus(a + dt_bias)), softplus(x) = x above 20, else
+   max(x, 0) + log1p(exp(-|x|)), its log1p ``log1p01``: 2 atanh(y / (2 + y)) by a fixed odd
+   series (7 terms in float32, 16 in float64; within 3 ulps of log1p on [0, 1], softplus
+   within 4 ulps of log(1 + e^x)). They were a launch of their own (``gdn_gates``) with the
+   same code and options, so the same bits; the recurrence, which took them first, spilled
+   (nvcc 13, sm_90: 216 bytes at 254 registers, none without them).
 2. ``gdn_recurrent``, one block of ``TILE`` threads per (segment, value head, Dv tile), thread
-   j holding the state column S[:, j] (Dk values) in registers, rows in order. First the
-   gates of the row's value head from in_proj_ba's output: beta = sigmoid(b) and decay =
-   exp(-exp(A_log) * softplus(a + dt_bias)), softplus(x) = x above 20, else max(x, 0) +
-   log1p(exp(-|x|)), its log1p ``log1p01``: 2 atanh(y / (2 + y)) by a fixed odd series (7
-   terms in float32, 16 in float64; within 3 ulps of log1p on [0, 1], softplus within 4 ulps
-   of log(1 + e^x)); thread i of the block computes those of row t + i of each chunk of
-   ``TILE`` rows (t a multiple of TILE) into shared memory, read after the row's first
-   barrier (they were a launch of their own, ``gdn_gates``, until the recurrence took them:
-   one launch fewer per GDN layer, the same bits). Then q and k of the row's key head
-   l2-normalised (sum of squares by a fixed halving tree), then
+   j holding the state column S[:, j] (Dk values) in registers, rows in order: q and k of the
+   row's key head l2-normalised (sum of squares by a fixed halving tree), then
    ``S <- decay S; m = k^T S; S <- S + k (beta (v - m))^T; o = q^T S``, each dot product over
    Dk as four interleaved sequential partial sums ``((a0 + a1) + (a2 + a3))``. The final state
    goes back to the slot; a tracked segment's state after every row goes to a T-row buffer
@@ -35,9 +34,8 @@ the gates is ``exp_neg``: Cody-Waite reduction and a Taylor polynomial (degree 7
 float64, within ~1 ulp of exp), 0 below -87 (float32) / -708 (float64); the same formula
 holds for u > 0 up to 88 / 709 (exp(A_log) in the gates).
 
-Registers (ptxas, sm_90): float32 with Dk 128 used 188 per thread, no spill, before the gates
-moved in (not measured since: scripts/ptxas_report.py on a device); float64 (the exact test
-dtype) and Dk 256 spill to local memory, correct but slower. The segment table is uploaded
+Registers (ptxas, sm_90): float32 with Dk 128 uses 188 per thread, no spill; float64 (the exact
+test dtype) and Dk 256 spill to local memory, correct but slower. The segment table is uploaded
 once per forward (RecurrentStates.segment_table); a CUDA graph will need it in a static buffer.
 """
 
@@ -129,33 +127,39 @@ __device__ __forceinline__ T softplus(T x) {  // Ops.softplus as max(x, 0) + log
     return m + log1p01(exp_neg(-fabs(x)));
 }
 
-// beta = sigmoid(b) and decay = exp(-exp(A_log) * softplus(a + dt_bias)) of one (row, value
-// head): bar points at the row's b of that head (its a is r values on), once per block
+// beta and decay of one (row, value head); bar: the row's b of the head (its a is r values on)
 // NOTE: -ftz=true cannot change a bit here. exp_neg's results are normal or 0 (its cutoff),
 // so are sigmoid's and log1p01's (a tiny y is returned as is); the one product that can be
 // subnormal, A * softplus, only feeds exp_neg, which gives exactly 1 for |u| < 2^-25 either
 // way. A subnormal input is absorbed the same way: sigmoid's and exp_neg's argument, or an
-// addend of a + dt_bias far below the other's ulp (or softplus(~0) = ln 2 + ~0 = ln 2). The
-// two values go through shared memory (a copy) to the recurrence's S <- decay S and
-// beta (v - m): the bits of the gdn_gates kernel this replaced, which stored them to global
-// memory, compiled with the same options.
+// addend of a + dt_bias far below the other's ulp (or softplus(~0) = ln 2 + ~0 = ln 2).
 __device__ __forceinline__ void gates(const T* bar, int r, T a_log, T dt_bias, T* beta,
                                       T* decay) {
     *beta = sigmoid(bar[0]);
     T A = exp_neg(a_log);  // exp(A_log): exp_neg's formula holds up to 88 / 709
     *decay = exp_neg(-(A * softplus(bar[r] + dt_bias)));
 }
-
 """
 
 _CONV = r"""
 // grid (segments, ceil(C / blockDim.x)); seg[4 s..]: slot (-1: none, a zero window that is
-// not kept), row0, rows, first T-row or -1
+// not kept), row0, rows, first T-row or -1; ba [R, Hk, 2r]: a key head's r b-values, then its
+// r a-values -> beta, decay [R, Hv] (Hv 0: no gates)
 extern "C" __global__ void gdn_conv(const T* x, const T* w, T* win, T* win_track, T* y,
-                                    const int* seg, int C) {
+                                    const int* seg, int C, const T* ba, const T* a_log,
+                                    const T* dt_bias, T* beta, T* decay, int Hv, int r) {
     int s = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
-    if (c >= C) return;
     int slot = seg[4 * s], row0 = seg[4 * s + 1], n = seg[4 * s + 2], track = seg[4 * s + 3];
+    if (blockIdx.y == 0) {  // the segment's gates, a thread per value head
+        for (int hv = threadIdx.x; hv < Hv; hv += blockDim.x) {
+            for (int t = 0; t < n; ++t) {
+                long long row = row0 + t;
+                gates(ba + row * 2 * Hv + (long long)(hv / r) * 2 * r + hv % r, r, a_log[hv],
+                      dt_bias[hv], beta + row * Hv + hv, decay + row * Hv + hv);
+            }
+        }
+    }
+    if (c >= C) return;
     bool keep = slot >= 0;
     T wc[KW], h[KW];  // h: the window (oldest first), then the current row's input
 #pragma unroll
@@ -188,13 +192,11 @@ extern "C" __global__ void gdn_conv(const T* x, const T* w, T* win, T* win_track
 """
 
 _RECURRENT = r"""
-// grid (segments, Hv, ceil(Dv / blockDim.x)); y [R, C]: q (Hk*DK) | k (Hk*DK) | v (Hv*Dv);
-// ba [R, Hk, 2r]: a key head's r b-values, then its r a-values; a_log, dt_bias [Hv]
-extern "C" __global__ void gdn_recurrent(const T* y, const T* ba, const T* a_log,
-                                         const T* dt_bias, T* state, T* state_track, T* out,
-                                         const int* seg, int C, int Hk, int Hv, int Dv,
-                                         T scale) {
-    __shared__ T qs[DKP], ks[DKP], sq[DKP], sk[DKP], gb[GATE_ROWS], gd[GATE_ROWS];
+// grid (segments, Hv, ceil(Dv / blockDim.x)); y [R, C]: q (Hk*DK) | k (Hk*DK) | v (Hv*Dv)
+extern "C" __global__ void gdn_recurrent(const T* y, const T* decay, const T* beta,
+                                         T* state, T* state_track, T* out, const int* seg,
+                                         int C, int Hk, int Hv, int Dv, T scale) {
+    __shared__ T qs[DKP], ks[DKP], sq[DKP], sk[DKP];
     int s = blockIdx.x, hv = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
     int j = blockIdx.z * nt + tid;
     // NOTE: the threads of a partial Dv tile past Dv (on = false) run every row's arithmetic
@@ -212,17 +214,8 @@ extern "C" __global__ void gdn_recurrent(const T* y, const T* ba, const T* a_log
     for (int i = 0; i < DK; ++i) S[i] = st[(long long)i * Dv];
 #pragma unroll
     for (int i = 0; i < DK; ++i) S[i] = on && keep ? S[i] : (T)0;
-    const int r = Hv / Hk;
-    const T* bah = ba + (long long)hk * 2 * r + hv % r;  // row 0's b of this value head
     for (int t = 0; t < n; ++t) {
         long long row = row0 + t;
-        int c = t % GATE_ROWS;  // the row's gates: gb[c], gd[c]
-        // the gates of the next GATE_ROWS rows, thread i those of row t + i: one thread per
-        // row in parallel, not one after another (a prefill segment), read after a barrier
-        if (c == 0) {
-            for (int i = tid; i < GATE_ROWS && i < n - t; i += nt)
-                gates(bah + (row + i) * 2 * Hv, r, a_log[hv], dt_bias[hv], &gb[i], &gd[i]);
-        }
         const T* qr = y + row * C + (long long)hk * DK;
         const T* kr = qr + (long long)Hk * DK;
         for (int i = tid; i < DKP; i += nt) {
@@ -243,7 +236,7 @@ extern "C" __global__ void gdn_recurrent(const T* y, const T* ba, const T* a_log
             ks[i] = ks[i] / nk;
         }
         __syncthreads();
-        T dec = gd[c], b = gb[c];  // written before the barriers above
+        T dec = decay[row * Hv + hv], b = beta[row * Hv + hv];
         T v = y[row * C + 2LL * Hk * DK + (long long)hv * Dv + (on ? j : 0)];
         v = on ? v : (T)0;
         T a[4] = {(T)0, (T)0, (T)0, (T)0};
@@ -270,7 +263,7 @@ extern "C" __global__ void gdn_recurrent(const T* y, const T* ba, const T* a_log
                 for (int i = 0; i < DK; ++i) tr[(long long)i * Dv] = S[i];
             }
         }
-        __syncthreads();  // qs / ks / sq / sk (and gb / gd past a chunk) are the next row's
+        __syncthreads();  // qs / ks / sq / sk are the next row's
     }
     if (on && keep) {
 #pragma unroll
@@ -281,8 +274,8 @@ extern "C" __global__ void gdn_recurrent(const T* y, const T* ba, const T* a_log
 
 
 def source(dtype, *, conv_kernel: int | None = None, key_dim: int | None = None) -> str:
-    """The CUDA source of ``gdn_conv`` for a K-tap conv (``conv_kernel``) or of
-    ``gdn_recurrent`` (its gates included) for Dk = ``key_dim``, in ``dtype`` (float32 or
+    """The CUDA source of ``gdn_conv`` (the gates included) for a K-tap conv
+    (``conv_kernel``) or of ``gdn_recurrent`` for Dk = ``key_dim``, in ``dtype`` (float32 or
     float64)."""
     real = "float" if np.dtype(dtype) == np.float32 else "double"
     c, lc = exp_constants(dtype), log1p_constants(dtype)
@@ -295,14 +288,13 @@ def source(dtype, *, conv_kernel: int | None = None, key_dim: int | None = None)
         "EPS": _literal(np.dtype(dtype).type(L2_EPS), real),
         "SQRT": "sqrtf" if real == "float" else "sqrt"}
     if conv_kernel is not None:
-        defines["KW"] = str(conv_kernel)
-    if key_dim is not None:
-        defines.update(DK=str(key_dim), DKP=str(1 << (key_dim - 1).bit_length()),
-                       GATE_ROWS=str(TILE), LOG1P_TINY=_literal(lc["tiny"], real),
+        defines.update(KW=str(conv_kernel), LOG1P_TINY=_literal(lc["tiny"], real),
                        LOG1P_HORNER=_horner(lc["coeffs"], "s2", real))
+    if key_dim is not None:
+        defines.update(DK=str(key_dim), DKP=str(1 << (key_dim - 1).bit_length()))
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     head += f"typedef {real} T;\n__device__ __forceinline__ T POW2(int k) {{ return {pow2}; }}\n"
-    body = _CONV if conv_kernel is not None else _GATE_HELPERS + _RECURRENT
+    body = _GATE_HELPERS + _CONV if conv_kernel is not None else _RECURRENT
     return head + _HELPERS + body
 
 
@@ -318,58 +310,70 @@ def _function(name: str, dtype, **shape: int):
     return raw_module(source(dtype, **shape), "Gated DeltaNet kernels").get_function(name)
 
 
-def conv_silu(x, weight, window, table, track=None):
+def conv_silu(x, weight, window, table, track=None, gates=None):
     """``silu(causal depthwise conv)`` of every segment's rows: x [R, C] raw conv inputs,
     weight [C, K], window [slots, K-1, C] (the layer's conv state: C-contiguous, updated in
     place), table [segments, 4] int32 (RecurrentStates.segment_table: slot -1 a zero window
     that is not kept), track [T, K-1, C] or None (the window after every tracked row) ->
-    y [R, C]. One launch, no sync."""
+    y [R, C]. ``gates``: ``(ba, a_log, dt_bias, key_heads)``, ba [R, Hk * 2r] (in_proj_ba's
+    output: per key head its r b-values, then its r a-values), a_log and dt_bias [Hv]; then
+    ``(y, beta, decay)``, beta = sigmoid(b) and decay = exp(-exp(A_log) * softplus(a +
+    dt_bias)) [R, Hv] of the segments' rows, as gpu_worker/model/gdn.py's token loop but with
+    this module's exp and log1p (gdn_reference.gates: the same bits). One launch, no sync."""
     import cupy as cp  # noqa: PLC0415 (only on the GPU backend)
 
     R, C = x.shape
     K = weight.shape[1]
-    _check(window, (window.shape[0], K - 1, C), x.dtype, "window")
+    dt = x.dtype
+    _check(window, (window.shape[0], K - 1, C), dt, "window")
     if track is not None:
-        _check(track, (track.shape[0], K - 1, C), x.dtype, "track")
-    y = cp.empty((R, C), x.dtype)
+        _check(track, (track.shape[0], K - 1, C), dt, "track")
+    y = cp.empty((R, C), dt)
+    Hv, r, extra = 0, 1, (y, y, y, y, y)  # no gates: Hv 0 (the pointers are never read)
+    if gates is not None:
+        ba, a_log, dt_bias, key_heads = gates
+        Hv = a_log.shape[0]
+        if ba.shape != (R, 2 * Hv) or Hv % key_heads or dt_bias.shape != (Hv,):
+            raise ValueError(f"ba {ba.shape}, A_log {a_log.shape}, dt_bias {dt_bias.shape}, "
+                             f"key heads {key_heads} do not fit")
+        r = Hv // key_heads
+        beta, decay = cp.empty((R, Hv), dt), cp.empty((R, Hv), dt)
+        extra = (*(cp.ascontiguousarray(a, dtype=dt) for a in (ba, a_log, dt_bias)), beta,
+                 decay)
     if R and table.shape[0]:
         x = cp.ascontiguousarray(x)
-        weight = cp.ascontiguousarray(weight, dtype=x.dtype)
-        fn = _function("gdn_conv", np.dtype(x.dtype), conv_kernel=K)
+        weight = cp.ascontiguousarray(weight, dtype=dt)
+        fn = _function("gdn_conv", np.dtype(dt), conv_kernel=K)
         fn((table.shape[0], -(-C // CONV_THREADS)), (CONV_THREADS,),
-           (x, weight, window, window if track is None else track, y, table, np.int32(C)))
-    return y
+           (x, weight, window, window if track is None else track, y, table, np.int32(C),
+            *extra, np.int32(Hv), np.int32(r)))
+    return y if gates is None else (y, extra[3], extra[4])
 
 
-def recurrence(y, ba, a_log, dt_bias, state, table, *, key_heads: int, scale: float,
-               track=None):
-    """The delta rule over every segment's rows: y [R, C] (``conv_silu``'s output), ba
-    [R, Hk * 2r] (in_proj_ba's output: per key head its r b-values, then its r a-values),
-    a_log and dt_bias [Hv] (the gates: beta = sigmoid(b), decay = exp(-exp(A_log) *
-    softplus(a + dt_bias)), computed in the kernel), state [slots, Hv, Dk, Dv] (the layer's
-    delta-rule state: C-contiguous, updated in place), table as ``conv_silu``, track
-    [T, Hv, Dk, Dv] or None (the state after every tracked row) -> out [R, Hv, Dv].
-    ``scale``: q's factor after the l2norm (Dk^-0.5). One launch, no sync."""
+def recurrence(y, decay, beta, state, table, *, key_heads: int, scale: float, track=None):
+    """The delta rule over every segment's rows: y [R, C] (``conv_silu``'s output), decay and
+    beta [R, Hv], state [slots, Hv, Dk, Dv] (the layer's delta-rule state: C-contiguous,
+    updated in place), table as ``conv_silu``, track [T, Hv, Dk, Dv] or None (the state after
+    every tracked row) -> out [R, Hv, Dv]. ``scale``: q's factor after the l2norm (Dk^-0.5).
+    One launch, no sync."""
     import cupy as cp  # noqa: PLC0415 (only on the GPU backend)
 
     R, C = y.shape
     _, Hv, Dk, Dv = state.shape
     dt = y.dtype
-    if C != 2 * key_heads * Dk + Hv * Dv or Hv % key_heads or ba.shape != (R, 2 * Hv) \
-            or a_log.shape != (Hv,) or dt_bias.shape != (Hv,):
-        raise ValueError(f"y {y.shape}, ba {ba.shape}, A_log {a_log.shape}, dt_bias "
-                         f"{dt_bias.shape}, state {state.shape}, key heads {key_heads} do "
-                         f"not fit")
+    if C != 2 * key_heads * Dk + Hv * Dv or Hv % key_heads or decay.shape != (R, Hv) \
+            or beta.shape != (R, Hv):
+        raise ValueError(f"y {y.shape}, decay {decay.shape}, beta {beta.shape}, state "
+                         f"{state.shape}, key heads {key_heads} do not fit")
     _check(state, state.shape, dt, "state")
     if track is not None:
         _check(track, (track.shape[0], Hv, Dk, Dv), dt, "track")
     out = cp.empty((R, Hv, Dv), dt)
     if R and table.shape[0]:
-        y, ba, a_log, dt_bias = (cp.ascontiguousarray(a, dtype=dt)
-                                 for a in (y, ba, a_log, dt_bias))
+        y, decay, beta = (cp.ascontiguousarray(a, dtype=dt) for a in (y, decay, beta))
         fn = _function("gdn_recurrent", np.dtype(dt), key_dim=Dk)
         fn((table.shape[0], Hv, -(-Dv // TILE)), (TILE,),
-           (y, ba, a_log, dt_bias, state, state if track is None else track, out, table,
+           (y, decay, beta, state, state if track is None else track, out, table,
             np.int32(C), np.int32(key_heads), np.int32(Hv), np.int32(Dv), dt.type(scale)))
     return out
 

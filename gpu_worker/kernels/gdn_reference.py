@@ -2,11 +2,10 @@
 on the same dtype, so on a GPU the kernels' outputs and states equal these bits exactly
 (tests/gpu/test_gdn_kernel_cupy.py). Slow (Python loops over segments, rows and Dk); for tests.
 
-Arguments and in-place updates are those of ``conv_silu`` and ``recurrence`` there, on NumPy
+Arguments and in-place updates are those of ``gates``, ``conv_silu`` and ``recurrence``
+there, on NumPy
 arrays; ``table`` [segments, 4] int32: slot, row0, rows, first T-row of ``track`` or -1.
 A slot of -1: the segment starts from a zero window and state, and neither is kept.
-:func:`gates` is the recurrence kernel's gates (beta, decay) of every row at once: they
-depend on the row and the value head alone, so computing them first changes no bit.
 """
 
 from __future__ import annotations
@@ -92,11 +91,10 @@ def conv_silu(x, weight, window, table, track=None) -> np.ndarray:
     return y
 
 
-def recurrence(y, ba, a_log, dt_bias, state, table, *, key_heads: int, scale: float,
+def recurrence(y, decay, beta, state, table, *, key_heads: int, scale: float,
                track=None) -> np.ndarray:
-    """y [R, C], ba [R, Hk * 2r], a_log / dt_bias [Hv] (:func:`gates`), state
-    [slots, Hv, Dk, Dv] (updated), track [T, Hv, Dk, Dv] -> out [R, Hv, Dv]."""
-    beta, decay = gates(ba, a_log, dt_bias, key_heads=key_heads)  # [R, Hv] each
+    """y [R, C], decay/beta [R, Hv], state [slots, Hv, Dk, Dv] (updated), track
+    [T, Hv, Dk, Dv] -> out [R, Hv, Dv]."""
     R = y.shape[0]
     _, Hv, Dk, Dv = state.shape
     Hk, dt = key_heads, y.dtype.type

@@ -7,12 +7,12 @@ state and leaves the updated state behind. For a slot tracked by ``states.verify
 token plus drafts) the state after every row is kept too (states.track_conv / track_rec), so
 the runner can adopt the one of the last accepted row.
 
-On CuPy (float32 / float64, Dk <= 256) the conv and the recurrence of every segment, decode,
-verify and prefill alike, are two kernel launches (gpu_worker/kernels/gdn_recurrent.py; the
-recurrence computes beta and decay from ``ba`` itself); on NumPy (and for shapes those kernels
-do not take) a token loop per segment. On CuPy float32 with every kernel on a layer is five
-launches: the stacked input product, the conv, the recurrence, the gated RMSNorm
-``silu(z) * rms_norm(o)`` (Ops.gated_rms_norm) and out_proj.
+On CuPy (float32 / float64, Dk <= 256) the conv (with the gates) and the recurrence of every
+segment, decode, verify and prefill alike, are two kernel launches (gpu_worker/kernels/
+gdn_recurrent.py: the conv kernel also computes beta and decay from ``ba``); on NumPy (and for
+shapes those kernels do not take) a token loop per segment. On CuPy float32 with every kernel
+on, a layer is five launches: the stacked input product, the conv, the recurrence, the gated
+RMSNorm ``silu(z) * rms_norm(o)`` (Ops.gated_rms_norm) and out_proj.
 """
 
 from __future__ import annotations
@@ -75,12 +75,13 @@ def gated_deltanet(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
     if (xp is not np and enabled("gdn") and states.conv.dtype == ops.dtype
             and gdn_recurrent.supports(ops.dtype, Dk, conv_w.shape[1])):
         tracked = states.track_conv is not None
-        conv = gdn_recurrent.conv_silu(mixed, conv_w, states.conv[layer], table,
-                                       states.track_conv[layer] if tracked else None)
-        # beta = sigmoid(b), decay = exp(g) inside (the kernels' exp and log1p)
-        out = gdn_recurrent.recurrence(conv, ba, p["A_log"], p["dt_bias"], states.rec[layer],
-                                       table, key_heads=Hk,
-                                       scale=float(ops.dtype.type(Dk ** -0.5)),
+        # the conv, and beta = sigmoid(b), decay = exp(g) (the kernels' exp and log1p)
+        conv, beta, decay = gdn_recurrent.conv_silu(
+            mixed, conv_w, states.conv[layer], table,
+            states.track_conv[layer] if tracked else None,
+            gates=(ba, p["A_log"], p["dt_bias"], Hk))
+        out = gdn_recurrent.recurrence(conv, decay, beta, states.rec[layer], table,
+                                       key_heads=Hk, scale=float(ops.dtype.type(Dk ** -0.5)),
                                        track=states.track_rec[layer] if tracked else None)
     else:
         ba = ba.reshape(R, Hk, 2 * r)

@@ -1,8 +1,7 @@
 """The Gated DeltaNet kernels (gpu_worker/kernels/gdn_recurrent.py) on the GPU: the same bits
-as their NumPy twin (gdn_reference.py, the recurrence's gates included, over extreme b, a,
-A_log and dt_bias), a slot's rows the same bits alone, one at a time and in any layout of
-slots (tracked per-row states included), and the Qwen3-Next tiny model on CuPy against NumPy,
-with speculation's adopt path."""
+as their NumPy twin (gdn_reference.py, the gates included), a slot's rows the same bits
+alone, one at a time and in any layout of slots (tracked per-row states included), and the
+Qwen3-Next tiny model on CuPy against NumPy, with speculation's adopt path."""
 
 from __future__ import annotations
 
@@ -35,18 +34,13 @@ NAMES = ("y", "out", "window", "state", "track_conv", "track_rec")
 
 
 def _inputs(rng, dtype, shape, slots: int, rows: int) -> dict:
-    """x, ba [rows, ...] (the rows' own inputs), w, window, state, a_log, dt_bias."""
     Hk, Hv, Dk, Dv, K = shape
     C = 2 * Hk * Dk + Hv * Dv
     a = {"x": rng.normal(size=(rows, C)), "w": rng.normal(size=(C, K)) * 0.5,
          "window": rng.normal(size=(slots, K - 1, C)),
          "state": rng.normal(size=(slots, Hv, Dk, Dv)) * 0.1,
-         "ba": rng.normal(size=(rows, 2 * Hv)) * 2,  # beta ~ 0.02-0.98, decay ~ 0.1-0.99
-         "a_log": rng.uniform(-3.0, 0.5, size=Hv), "dt_bias": rng.normal(size=Hv) - 1}
+         "decay": rng.uniform(0.5, 1.0, size=(rows, Hv)), "beta": rng.uniform(size=(rows, Hv))}
     return {k: v.astype(dtype) for k, v in a.items()}
-
-
-ROW_INPUTS = ("x", "ba")
 
 
 def _table(segs) -> tuple[np.ndarray, int]:
@@ -64,14 +58,14 @@ def _run(xp, a: dict, table: np.ndarray, tracked: int, shape) -> dict:
     results. The input states are copied, not changed."""
     Hk, Hv, Dk, Dv, K = shape
     mod = kern if xp is cupy else ref
-    x, w, ba, a_log, dt_bias = (xp.asarray(a[k]) for k in ("x", "w", "ba", "a_log", "dt_bias"))
+    x, w, decay, beta = (xp.asarray(a[k]) for k in ("x", "w", "decay", "beta"))
     window, state = xp.array(a["window"]), xp.array(a["state"])
     dt = a["x"].dtype
     tc = xp.zeros((tracked, K - 1, x.shape[1]), dt) if tracked else None
     tr = xp.zeros((tracked, Hv, Dk, Dv), dt) if tracked else None
     tab = xp.asarray(table)
     y = mod.conv_silu(x, w, window, tab, tc)
-    out = mod.recurrence(y, ba, a_log, dt_bias, state, tab, key_heads=Hk,
+    out = mod.recurrence(y, decay, beta, state, tab, key_heads=Hk,
                          scale=float(dt.type(Dk ** -0.5)), track=tr)
     got = dict(zip(NAMES, (y, out, window, state, tc, tr), strict=True))
     return {k: None if v is None else to_numpy(v) for k, v in got.items()}
@@ -122,48 +116,39 @@ def test_a_segment_without_a_slot_starts_from_zeros_and_keeps_nothing(dtype):
         _same_bits(got[k], as_zero[k][:3], f"slot -1 keeps no {k}")
 
 
-EDGES = [0.0, -0.0, 20.0, 20.5, 19.99, -87.0, -87.5, -700.0, -710.0, 1e-41, -1e-41, 1e-300,
-         50.0, -50.0, 1e-3, -1e-3, np.inf, -np.inf]  # gate inputs where a branch or flush turns
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_the_recurrences_gates_give_the_bits_of_the_numpy_twin(dtype):
-    """The gates inside the recurrence over extreme b, a, A_log and dt_bias: every row its own
-    slot (a nonzero state, so that each row's decay and beta reach its output and its slot's
-    state, bit for bit), and one 40-row segment (its gates in two chunks of 32 rows), against
-    the twin; the twin's gates near the float64 formula of the token loop."""
-    Hk, Hv, Dk, Dv, K = shape = (2, 6, 8, 8, 2)  # r = 3
-    R, long = 3 * len(EDGES) + 20, 40
+def test_gates_give_the_bits_of_the_numpy_twin(dtype):
+    Hk, r, R = 2, 3, 700
     rng = np.random.default_rng(4)
-    a = _inputs(rng, np.float64, shape, R + 1, R + long)
-    ba = rng.normal(scale=2.0, size=(R + long, Hk * 2 * 3))
-    ba[3 * len(EDGES):R] *= 4.0
-    e = len(EDGES)
-    ba[:e] = np.array(EDGES)[:, None]  # b and a alike, every head
-    ba[e:2 * e, 0::2], ba[e:2 * e, 1::2] = np.array(EDGES)[:, None], 1.0  # mixed with ordinary
-    ba[2 * e:3 * e, 1::2], ba[2 * e:3 * e, 0::2] = np.array(EDGES)[:, None], -1.0
-    a["ba"] = ba
-    a["a_log"] = np.array([-3.0, -0.5, 0.0, 0.7, 2.77, 4.5])  # exp(A_log) up to 90
-    a["dt_bias"] = np.array([0.0, 1e-41, -2.0, 0.3, 5.0, -20.0])
-    a = {k: v.astype(dtype) for k, v in a.items()}
-    segs = [(s, 1, s % 2 == 0) for s in range(R)] + [(R, long, True)]
-    table, tracked = _table(segs)
-    got, want = _run(cupy, a, table, tracked, shape), _run(np, a, table, tracked, shape)
-    for k in ("out", "state", "track_rec"):
-        _same_bits(got[k], want[k], f"gates {k}")
-    assert not np.isnan(got["out"]).any()
-    # the twin's gates near the float64 formula of the token loop (Ops.sigmoid / Ops.softplus)
-    beta_ref, decay_ref = ref.gates(a["ba"], a["a_log"], a["dt_bias"], key_heads=Hk)
-    ba, a_log, dt_bias = (a[k].astype(np.float64) for k in ("ba", "a_log", "dt_bias"))
-    b, x = (ba.reshape(-1, Hk, 6)[..., sl].reshape(len(ba), -1) for sl in (slice(0, 3),
-                                                                           slice(3, None)))
+    ba = rng.normal(scale=8.0, size=(R, Hk * 2 * r))
+    edges = [0.0, -0.0, 20.0, 20.5, 19.99, -87.0, -87.5, -700.0, -710.0, 1e-41, -1e-41,
+             1e-300, 50.0, -50.0, 1e-3, -1e-3, np.inf, -np.inf]
+    ba[:len(edges)] = np.array(edges)[:, None]  # b and a alike, every head
+    a_log = np.array([-3.0, -0.5, 0.0, 0.7, 1.5, 2.77])  # Hv = 6
+    dt_bias = np.array([0.0, 1e-41, -2.0, 0.3, 5.0, -20.0])
+    args = [v.astype(dtype) for v in (ba, a_log, dt_bias)]
+    want = ref.gates(*args, key_heads=Hk)
+    # computed by the conv kernel (a thread per value head of each segment's first block):
+    # two segments, a slot's and a padding one's (slot -1), cover the rows
+    C, K = 5, 4
+    x, w = np.zeros((R, C), dtype), np.zeros((C, K), dtype)
+    window = cupy.asarray(np.zeros((1, K - 1, C), dtype))
+    table = cupy.asarray(np.array([[0, 0, 350, -1], [-1, 350, R - 350, -1]], np.int32))
+    _, *got = kern.conv_silu(cupy.asarray(x), cupy.asarray(w), window, table,
+                             gates=(*(cupy.asarray(v) for v in args), Hk))
+    for name, g, w in zip(("beta", "decay"), got, want, strict=True):
+        _same_bits(to_numpy(g), w, f"gates {name}")
+    # and near the float64 formula of the token loop (Ops.sigmoid / Ops.softplus)
+    ba, a_log, dt_bias = (v.astype(np.float64) for v in args)
+    b, a = (ba.reshape(R, Hk, 2 * r)[..., sl].reshape(R, -1) for sl in (slice(0, r),
+                                                                          slice(r, None)))
     with np.errstate(over="ignore"):
         beta = 1 / (1 + np.exp(-b))
-        x = x + dt_bias
+        x = a + dt_bias
         decay = np.exp(-np.exp(a_log) * np.where(x > 20, x, np.logaddexp(0, x)))
     tol = 1e-6 if dtype == np.float32 else 1e-14
-    np.testing.assert_allclose(beta_ref, beta, rtol=tol, atol=tol)
-    np.testing.assert_allclose(decay_ref, decay, rtol=0, atol=tol)
+    np.testing.assert_allclose(want[0], beta, rtol=tol, atol=tol)
+    np.testing.assert_allclose(want[1], decay, rtol=0, atol=tol)
 
 
 def test_a_slot_gives_the_same_bits_alone_row_by_row_and_in_any_layout():
@@ -174,14 +159,14 @@ def test_a_slot_gives_the_same_bits_alone_row_by_row_and_in_any_layout():
 
     def inputs(segs):  # the slots' rows in the layout's order
         return {**base, **{k: np.concatenate([rows[s][k][:n] for s, n, _ in segs])
-                           for k in ROW_INPUTS}}
+                           for k in ("x", "decay", "beta")}}
 
     # row at a time: step[s][t] = (out row, window, state) after row t of slot s
     step = []
     for s in range(slots):
         a, mine = dict(base), []
         for t in range(most):
-            a = {**a, **{k: rows[s][k][t:t + 1] for k in ROW_INPUTS}}
+            a = {**a, **{k: rows[s][k][t:t + 1] for k in ("x", "decay", "beta")}}
             got = _run(cupy, a, *_table([(s, 1, False)]), shape)
             mine.append((got["out"][0], got["window"][s], got["state"][s]))
             a["window"], a["state"] = got["window"], got["state"]

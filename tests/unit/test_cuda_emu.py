@@ -59,15 +59,14 @@ def test_gdn_kernels_with_a_partial_tile_give_the_twin_bits(cupy):
     rng = np.random.default_rng(1)
     a = {"x": rng.normal(size=(R, C)), "w": rng.normal(size=(C, K)) * 0.5,
          "window": rng.normal(size=(2, K - 1, C)), "state": rng.normal(size=(2, Hv, Dk, Dv)),
-         "ba": rng.normal(size=(R, 2 * Hv)), "a_log": rng.uniform(-3, 0.5, Hv),
-         "dt_bias": rng.normal(size=Hv)}
+         "decay": rng.uniform(0.5, 1, (R, Hv)), "beta": rng.uniform(size=(R, Hv))}
     a = {k: v.astype(np.float32) for k, v in a.items()}
     table = np.array([[1, 0, 2, -1], [0, 2, 3, -1]], np.int32)
     outs = []
     for xp, mod in ((cupy, kern), (np, ref)):
         window, state = xp.array(a["window"]), xp.array(a["state"])
         y = mod.conv_silu(xp.asarray(a["x"]), xp.asarray(a["w"]), window, xp.asarray(table))
-        out = mod.recurrence(y, *(xp.asarray(a[k]) for k in ("ba", "a_log", "dt_bias")), state,
+        out = mod.recurrence(y, xp.asarray(a["decay"]), xp.asarray(a["beta"]), state,
                              xp.asarray(table), key_heads=Hk, scale=float(Dk ** -0.5))
         outs.append([v.get() if xp is cupy else v for v in (y, out, window, state)])
     for name, got, want in zip(("y", "out", "window", "state"), *outs, strict=True):

@@ -85,23 +85,19 @@ def test_reference_equals_the_token_loop_in_float64():
     C = 2 * s["Hk"] * s["Dk"] + s["Hv"] * s["Dv"]
     mixed = rng.normal(size=(R, C))
     conv_w = rng.normal(size=(C, s["K"])) * 0.5
-    ba = rng.normal(size=(R, 2 * s["Hv"])) * 2  # per key head r b-values, then r a-values
-    a_log, dt_bias = rng.uniform(-3, 0.5, s["Hv"]), rng.normal(size=s["Hv"])
-    ops, r = Ops(np, np.float64), s["Hv"] // s["Hk"]
-    b = ba.reshape(R, s["Hk"], 2 * r)[..., :r].reshape(R, -1)  # as gdn.gated_deltanet
-    a = ba.reshape(R, s["Hk"], 2 * r)[..., r:].reshape(R, -1)
-    beta, g = ops.sigmoid(b), -np.exp(a_log) * ops.softplus(a + dt_bias)
+    beta = rng.uniform(0.1, 0.9, size=(R, s["Hv"]))
+    g = -rng.uniform(0.01, 2.0, size=(R, s["Hv"]))
     loop, twin = _states(3, np.float64), _states(3, np.float64)
     for st in (loop, twin):
         st.conv[:] = np.random.default_rng(1).normal(size=st.conv.shape)
         st.rec[:] = np.random.default_rng(2).normal(size=st.rec.shape) * 0.3
     loop.track([2, 1])
     table = loop.segment_table(batch.segments)
-    out_loop = _token_loop(ops, _cfg(), mixed, conv_w, beta, g, batch, loop, 0)
+    out_loop = _token_loop(Ops(np, np.float64), _cfg(), mixed, conv_w, beta, g, batch, loop, 0)
 
     track_conv, track_rec = np.empty_like(loop.track_conv[0]), np.empty_like(loop.track_rec[0])
     y = ref.conv_silu(mixed, conv_w, twin.conv[0], table, track_conv)
-    out = ref.recurrence(y, ba, a_log, dt_bias, twin.rec[0], table, key_heads=s["Hk"],
+    out = ref.recurrence(y, np.exp(g), beta, twin.rec[0], table, key_heads=s["Hk"],
                          scale=s["Dk"] ** -0.5, track=track_rec)
     tol = {"rtol": 1e-12, "atol": 1e-12}
     np.testing.assert_allclose(out, out_loop, **tol)
