@@ -17,7 +17,9 @@ order, ``((p_0 + p_1) + p_2) + ...``. Then ``d = sqrt(s / H + eps)`` and ``out[k
 correctly rounded float32 step. The order depends on H alone: never on the number of rows, a
 row's position or its neighbours. A lane holds its elements (and w's) in registers, every load
 issued before any use; past 8192 a lane takes ``BATCH`` at a time. A row of 2048 was one warp
-(6 us on the H200, one lane summing 64 squares in a chain); it is now 8 warps of 256.
+(6 us on the H200, one lane summing 64 squares in a chain); it is now 8 warps of 256. The
+one-warp row is one device function, ``norm_row_warp`` (:func:`helpers_source`), which
+qk_norm_rope.py's kernel calls too: attention's q/k norms keep these bits there.
 
 **IEEE float32, subnormals kept.** CuPy compiles with ``-ftz=true`` (docs/gpu_step.md), which
 turns ``+ * / sqrtf`` into flushing forms; so every operation is PTX ``add/mul/div/sqrt.rn.f32``
@@ -37,9 +39,9 @@ WARPS = 4  # rows (warps) per block of 128 threads
 LANES = 32
 BATCH = 16  # elements a lane loads before using them (loads in flight per lane)
 
-_SOURCE = r"""
-#define WARPS __WARPS__
-#define BATCH __BATCH__
+# the float32 operations, a warp's segment (load, sum of squares; write) and a warp's row:
+# rms_norm_rows and qk_norm_rope.py's kernel share them, so a row's norm has one source
+_HELPERS = r"""
 // IEEE float32 whatever CuPy's -ftz=true: PTX .rn without .ftz keeps subnormals
 __device__ __forceinline__ float add_rn(float a, float b) {
     float d; asm("add.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b)); return d; }
@@ -101,6 +103,22 @@ __device__ __forceinline__ void write_segment(
     }
 }
 
+// A row of H <= 256 by one warp, in registers (x + r first where rr is given, stored in sr):
+// d = sqrt(s / H + eps) from the warp's sum of squares, then the outputs into orow
+__device__ __forceinline__ void norm_row_warp(
+        const float* __restrict__ xr, const float* __restrict__ rr, float* __restrict__ sr,
+        const float* __restrict__ w, float* __restrict__ orow, int H, int lane, float eps,
+        int zero_centered) {
+    float a[8];
+    const float s = load_segment<8>(xr, rr, sr, H, 0, H, lane, a);
+    const float d = sqrt_rn(add_rn(div_rn(s, (float)H), eps));
+    write_segment<8>(a, w, orow, H, 0, H, lane, d, zero_centered);
+}
+"""
+
+_KERNELS = r"""
+#define WARPS __WARPS__
+#define BATCH __BATCH__
 // grid ceil(rows / WARPS), block WARPS * 32; row i of x at x + i * stride (elements), its
 // H elements contiguous; out is [rows, H] contiguous; w [H]. With add != 0 the row is
 // x + r (r and sum [rows, H] contiguous), stored in sum, and that is normalised.
@@ -116,10 +134,7 @@ extern "C" __global__ void rms_norm_rows(
     float* sr = add ? sum + row * (long long)H : nullptr;
     float* orow = out + row * (long long)H;
     if (H <= 32 * 8) {  // the row in registers
-        float a[8];
-        const float s = load_segment<8>(xr, rr, sr, H, 0, H, lane, a);
-        const float d = sqrt_rn(add_rn(div_rn(s, (float)H), eps));
-        write_segment<8>(a, w, orow, H, 0, H, lane, d, zero_centered);
+        norm_row_warp(xr, rr, sr, w, orow, H, lane, eps, zero_centered);
         return;
     }
     // a lane reads its elements k = k0 + lane + 32 i (i < BATCH) of a batch into registers
@@ -208,9 +223,17 @@ extern "C" __global__ void rms_norm_wide32(
 """
 
 
+def helpers_source() -> str:
+    """The CUDA of the float32 operations (``add_rn``, ``mul_rn``, ``div_rn``, ``sqrt_rn``),
+    a warp's row segment (``load_segment``, ``write_segment``) and ``norm_row_warp``, the
+    one-warp path of :func:`rms_norm_rows` (rows of <= 256): a kernel that calls it gets
+    that path's bits (gpu_worker/kernels/qk_norm_rope.py)."""
+    return _HELPERS
+
+
 @functools.cache
 def _function(name: str = "rms_norm_rows"):
-    src = _SOURCE.replace("__WARPS__", str(WARPS)).replace("__BATCH__", str(BATCH))
+    src = _HELPERS + _KERNELS.replace("__WARPS__", str(WARPS)).replace("__BATCH__", str(BATCH))
     return raw_module(src, "fused RMSNorm kernel").get_function(name)
 
 
@@ -227,7 +250,7 @@ def wide_split(H: int) -> tuple[int, int] | None:
     return W, 32 * -(-H // (32 * W))
 
 
-def _row_stride(x) -> int | None:
+def row_stride(x) -> int | None:
     """The element stride between consecutive rows of ``x`` (rows: every index of the leading
     axes, in C order) when its last axis is contiguous and the leading axes collapse to one
     stride (e.g. a slice ``q[..., :hd]`` of [R, heads, 2 hd]); None otherwise."""
@@ -272,7 +295,7 @@ def _launch(x, r, w, eps: float, zero_centered: bool):
     rows = x.size // H if H else 0
     if rows == 0:
         return total, out
-    stride = _row_stride(x)
+    stride = row_stride(x)
     if stride is None:
         x = cp.ascontiguousarray(x)
         stride = H
