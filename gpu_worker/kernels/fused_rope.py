@@ -4,8 +4,8 @@
 products, a sum); :func:`rope` does the same two products and sum per element, each rounded
 once in IEEE float32 (the struct ``F`` of fused_silu.py: no fused multiply-add, subnormals
 kept), so :func:`rope_reference`, that order on NumPy, gives its bits. One element's
-arithmetic is one device function, ``rope_one`` (:func:`rope_source`), which qk_norm_rope.py's
-kernel calls too (attention's q/k norms and RoPE in one launch, where both switches are on).
+arithmetic is written once, ``ROPE_ONE`` (:func:`rope_source`), which qk_norm_rope.py's kernel
+uses too (attention's q/k norms and RoPE in one launch, where both switches are on).
 """
 
 from __future__ import annotations
@@ -19,13 +19,11 @@ from gpu_worker.kernels.fused_silu import THREADS, helpers_source
 
 # one element's arithmetic, shared with qk_norm_rope.py's kernel (needs fused_silu's F)
 _ROPE_ONE = r"""
-// rotate-half RoPE of one element: x cos + r sin, r = -partner below rot/2 (lower: the sign
-// bit flipped, exact), else partner; both products and the sum rounded once (F: IEEE .rn)
-__device__ __forceinline__ float rope_one(float x, float partner, bool lower, float c,
-                                          float s) {
-    const F r = lower ? -F(partner) : F(partner);
-    return (F(x) * F(c) + r * F(s)).v;
-}
+// rotate-half RoPE of one element: x cos + p sin, p (an F) its rotated partner: -x_{d + rot/2}
+// below rot/2 (F's negation flips the sign bit, exact), else x_{d - rot/2}; both products and
+// the sum rounded once (F: IEEE .rn, no fused multiply-add). A macro: the rope kernel's loads
+// stay inside the expression, so its PTX is the one verified on the H200 (tree a016067)
+#define ROPE_ONE(x, p, c, s) ((F(x) * F(c) + (p) * F(s)).v)
 """
 
 _KERNEL = r"""
@@ -41,15 +39,15 @@ extern "C" __global__ void rope(const float* __restrict__ x, const float* __rest
     if (d >= rot) { out[i] = x[i]; return; }
     const long long r = i / ((long long)H * D);
     const int half = rot / 2;
-    out[i] = rope_one(x[i], d < half ? x[i + half] : x[i - half], d < half, cs[r * rot + d],
-                      sn[r * rot + d]);
+    const F rv = d < half ? -F(x[i + half]) : F(x[i - half]);
+    out[i] = ROPE_ONE(x[i], rv, cs[r * rot + d], sn[r * rot + d]);
 }
 """
 
 
 def rope_source() -> str:
-    """fused_silu's :func:`helpers_source` (the struct ``F``) and ``rope_one``, one element's
-    arithmetic of :func:`rope`: a kernel that calls it gets the rope kernel's bits."""
+    """fused_silu's :func:`helpers_source` (the struct ``F``) and ``ROPE_ONE``, one element's
+    arithmetic of :func:`rope`: a kernel that uses it gets the rope kernel's bits."""
     return helpers_source() + _ROPE_ONE
 
 
