@@ -1,4 +1,5 @@
-"""Paged attention and the fused RMSNorm alone at Qwen3-Next-80B-A3B's shapes on the GPU:
+"""Paged attention, the fused RMSNorm and the q/k norm + RoPE kernel (against the four
+launches it replaced) alone at Qwen3-Next-80B-A3B's shapes on the GPU:
 device time per launch (CUDA events over a CUDA graph of back-to-back launches, real clocks:
 Nsight Compute's serialised replays stretch short kernels), next to the bytes they must read.
 A GPU benchmark, < 30 s.
@@ -65,6 +66,29 @@ def bench_norm(cp, rows: int, H: int, add: bool) -> dict:
             "us": round(us, 2), "bytes": nbytes, "floor_us": round(nbytes / HBM * 1e6, 3)}
 
 
+def bench_qk_norm_rope(cp, rows: int, fused: bool) -> dict:
+    """The 80B's q/k norms and partial RoPE (a quarter of 256 rotated, zero-centred norms):
+    one qk_norm_rope launch, or the four it replaced (two norms, two RoPEs)."""
+    from gpu_worker.kernels.fused_norm import rms_norm_rows
+    from gpu_worker.kernels.fused_rope import rope
+    from gpu_worker.kernels.qk_norm_rope import qk_norm_rope
+
+    q = cp.random.standard_normal((rows, HKV * GROUP, HD), dtype=cp.float32)
+    k = cp.random.standard_normal((rows, HKV, HD), dtype=cp.float32)
+    w = cp.zeros(HD, cp.float32)
+    cos, sin = (cp.random.standard_normal((rows, HD // 4), dtype=cp.float32) for _ in range(2))
+    if fused:
+        fn = lambda: qk_norm_rope(q, k, w, w, cos, sin, 1e-6, zero_centered=True)  # noqa: E731
+    else:
+        def fn():
+            for x in (q, k):
+                rope(rms_norm_rows(x, w, 1e-6, zero_centered=True), cos, sin)
+    us = graph_us(cp, fn)
+    nbytes = (q.size + k.size) * 4 * 2  # read and written once
+    return {"what": "qk_norm_rope" if fused else "qk_norm_rope_four_launches", "rows": rows,
+            "us": round(us, 2), "bytes": nbytes, "floor_us": round(nbytes / HBM * 1e6, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the JSON records here")
@@ -84,6 +108,9 @@ def main() -> None:
     for rows in (1, 16):
         for H, add in ((2048, False), (2048, True), (256, False), (4096, False)):
             records.append(bench_norm(cp, rows * (16 if H == 256 else 1), H, add))
+            print(records[-1], flush=True)
+        for fused in (True, False):
+            records.append(bench_qk_norm_rope(cp, rows, fused))
             print(records[-1], flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -23,7 +23,9 @@ DeltaNet one segment at a time), kept to compare against.
   gpu_worker/kernels/router.py (model/moe.py ``route``; about eight fewer launches per MoE
   layer)
 * ``fused_rope``: rotate-half RoPE of q and k in one launch each (fused_rope.py;
-  about ten fewer launches per attention layer)
+  about ten fewer launches per attention layer). With ``fused_norm`` on too, attention's q/k
+  norms and RoPE are one launch, gpu_worker/kernels/qk_norm_rope.py (``Ops.qk_norm_rope``,
+  the same bits: the two kernels' device functions; three fewer launches per attention layer)
 
 The merged expert kernels and the sampler passed on the H200 and are not switched here.
 """

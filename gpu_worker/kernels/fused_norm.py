@@ -17,7 +17,9 @@ order, ``((p_0 + p_1) + p_2) + ...``. Then ``d = sqrt(s / H + eps)`` and ``out[k
 correctly rounded float32 step. The order depends on H alone: never on the number of rows, a
 row's position or its neighbours. A lane holds its elements (and w's) in registers, every load
 issued before any use; past 8192 a lane takes ``BATCH`` at a time. A row of 2048 was one warp
-(6 us on the H200, one lane summing 64 squares in a chain); it is now 8 warps of 256.
+(6 us on the H200, one lane summing 64 squares in a chain); it is now 8 warps of 256. The
+one-warp row is one device function, ``norm_row_warp`` (:func:`helpers_source`), which
+qk_norm_rope.py's kernel calls too: attention's q/k norms keep these bits there.
 
 **IEEE float32, subnormals kept.** CuPy compiles with ``-ftz=true`` (docs/gpu_step.md), which
 turns ``+ * / sqrtf`` into flushing forms; so every operation is PTX ``add/mul/div/sqrt.rn.f32``
@@ -37,15 +39,15 @@ import functools
 import numpy as np
 
 from gpu_worker.kernels import raw_module
-from gpu_worker.kernels.fused_silu import helpers_source, silu_mul_reference
+from gpu_worker.kernels.fused_silu import helpers_source as silu_source
 
 WARPS = 4  # rows (warps) per block of 128 threads
 LANES = 32
 BATCH = 16  # elements a lane loads before using them (loads in flight per lane)
 
-_SOURCE = r"""
-#define WARPS __WARPS__
-#define BATCH __BATCH__
+# the float32 operations, a warp's segment (load, sum of squares; write) and a warp's row:
+# rms_norm_rows and qk_norm_rope.py's kernel share them, so a row's norm has one source
+_HELPERS = r"""
 // IEEE float32 whatever CuPy's -ftz=true: PTX .rn without .ftz keeps subnormals
 __device__ __forceinline__ float add_rn(float a, float b) {
     float d; asm("add.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b)); return d; }
@@ -112,6 +114,22 @@ __device__ __forceinline__ void write_segment(
     }
 }
 
+// A row of H <= 256 by one warp, in registers (x + r first where rr is given, stored in sr):
+// d = sqrt(s / H + eps) from the warp's sum of squares, then the outputs into orow
+__device__ __forceinline__ void norm_row_warp(
+        const float* __restrict__ xr, const float* __restrict__ rr, float* __restrict__ sr,
+        const float* __restrict__ w, float* __restrict__ orow, int H, int lane, float eps,
+        int zero_centered) {
+    float a[8];
+    const float s = load_segment<8>(xr, rr, sr, H, 0, H, lane, a);
+    const float d = sqrt_rn(add_rn(div_rn(s, (float)H), eps));
+    write_segment<8>(a, w, nullptr, orow, H, 0, H, lane, d, zero_centered);
+}
+"""
+
+_KERNELS = r"""
+#define WARPS __WARPS__
+#define BATCH __BATCH__
 // grid ceil(rows / WARPS), block WARPS * 32; row i of x at x + i * stride (elements), its
 // H elements contiguous; out is [rows, H] contiguous; w [H]. With add != 0 the row is
 // x + r (r and sum [rows, H] contiguous), stored in sum, and that is normalised.
@@ -127,10 +145,7 @@ extern "C" __global__ void rms_norm_rows(
     float* sr = add ? sum + row * (long long)H : nullptr;
     float* orow = out + row * (long long)H;
     if (H <= 32 * 8) {  // the row in registers
-        float a[8];
-        const float s = load_segment<8>(xr, rr, sr, H, 0, H, lane, a);
-        const float d = sqrt_rn(add_rn(div_rn(s, (float)H), eps));
-        write_segment<8>(a, w, nullptr, orow, H, 0, H, lane, d, zero_centered);
+        norm_row_warp(xr, rr, sr, w, orow, H, lane, eps, zero_centered);
         return;
     }
     // a lane reads its elements k = k0 + lane + 32 i (i < BATCH) of a batch into registers
@@ -236,11 +251,20 @@ extern "C" __global__ void rms_norm_wide32(
 """
 
 
+def helpers_source() -> str:
+    """The CUDA of the float32 operations (``add_rn``, ``mul_rn``, ``div_rn``, ``sqrt_rn``),
+    a warp's row segment (``load_segment``, ``write_segment``) and ``norm_row_warp``, the
+    one-warp path of :func:`rms_norm_rows` (rows of <= 256): a kernel that calls it gets
+    that path's bits (gpu_worker/kernels/qk_norm_rope.py). After fused_silu's helpers (the
+    struct ``F``, ``silu``: the gated kernel's), which it includes."""
+    return silu_source() + _HELPERS
+
+
 @functools.cache
 def _function(name: str = "rms_norm_rows"):
-    # NOTE: fused_silu's F and silu (gdn_recurrent's exp) first, for the gated kernel
-    src = _SOURCE.replace("__WARPS__", str(WARPS)).replace("__BATCH__", str(BATCH))
-    return raw_module(helpers_source() + src, "fused RMSNorm kernel").get_function(name)
+    src = helpers_source() + _KERNELS.replace("__WARPS__", str(WARPS)).replace("__BATCH__",
+                                                                                str(BATCH))
+    return raw_module(src, "fused RMSNorm kernel").get_function(name)
 
 
 MAX_WIDE_WARPS = 8  # warps of a wide row's block
@@ -256,7 +280,7 @@ def wide_split(H: int) -> tuple[int, int] | None:
     return W, 32 * -(-H // (32 * W))
 
 
-def _row_stride(x) -> int | None:
+def row_stride(x) -> int | None:
     """The element stride between consecutive rows of ``x`` (rows: every index of the leading
     axes, in C order) when its last axis is contiguous and the leading axes collapse to one
     stride (e.g. a slice ``q[..., :hd]`` of [R, heads, 2 hd]); None otherwise."""
@@ -303,7 +327,7 @@ def gated_rms_norm_rows(x, z, w, eps: float, *, zero_centered: bool):
     rows = x.size // H if H else 0
     if rows == 0:
         return out
-    stride = _row_stride(x)
+    stride = row_stride(x)
     if stride is None:
         x, stride = cp.ascontiguousarray(x), H
     _function("gated_rms_norm_rows")(
@@ -329,7 +353,7 @@ def _launch(x, r, w, eps: float, zero_centered: bool):
     rows = x.size // H if H else 0
     if rows == 0:
         return total, out
-    stride = _row_stride(x)
+    stride = row_stride(x)
     if stride is None:
         x = cp.ascontiguousarray(x)
         stride = H
@@ -350,49 +374,3 @@ def _launch(x, r, w, eps: float, zero_centered: bool):
              np.int64(stride), np.float32(eps), np.int32(bool(zero_centered)), np.int32(W),
              np.int32(S)))
     return total, out
-
-
-def rms_norm_reference(x: np.ndarray, w: np.ndarray, eps: float, *,
-                       zero_centered: bool) -> np.ndarray:
-    """NumPy formula of :func:`rms_norm_rows`, bit for bit: ``x [..., H]``, ``w [H]`` float32
-    -> float32 of ``x``'s shape. Lane sums over k = l (mod 32) ascending (H padded with
-    zeros to a multiple of 32: adding +0 to a sum of squares changes no bit), the tree fold,
-    then the per-element formula, all in float32 (IEEE, subnormals kept)."""
-    x = np.asarray(x, np.float32)
-    w = np.asarray(w, np.float32)
-    H = x.shape[-1]
-    rows = x.reshape(-1, H)
-    split = wide_split(H) or (1, H)
-    W, S = split
-    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-        total = None
-        for v in range(W):  # each warp's segment, then the warp sums in order
-            part = _warp_sum_of_squares(rows[:, v * S:min(H, (v + 1) * S)])
-            total = part if total is None else total + part
-        d = np.sqrt(total / np.float32(H) + np.float32(eps))  # [n] float32
-        wk = np.float32(1.0) + w if zero_centered else w
-        out = (rows / d[:, None]) * wk
-    return out.astype(np.float32, copy=False).reshape(x.shape)
-
-
-def gated_rms_norm_reference(x: np.ndarray, z: np.ndarray, w: np.ndarray, eps: float, *,
-                             zero_centered: bool) -> np.ndarray:
-    """NumPy formula of :func:`gated_rms_norm_rows`, bit for bit: :func:`rms_norm_reference`,
-    then ``fused_silu.silu_mul_reference(z, .)``."""
-    return silu_mul_reference(z, rms_norm_reference(x, w, eps, zero_centered=zero_centered))
-
-
-def _warp_sum_of_squares(seg: np.ndarray) -> np.ndarray:
-    """One warp's sum of ``seg [n, L]``'s squares: lane sums over k = l (mod 32) ascending
-    (padded with zeros: adding +0 to a sum of squares changes no bit), then the tree fold."""
-    n, L = seg.shape
-    hp = -(-L // LANES) * LANES
-    sq = np.zeros((n, hp), np.float32)
-    sq[:, :L] = seg * seg
-    lanes = sq.reshape(n, hp // LANES, LANES)  # [row, j, lane]: k = 32 j + lane
-    acc = np.zeros((n, LANES), np.float32)
-    for j in range(hp // LANES):
-        acc = acc + lanes[:, j]
-    for o in (16, 8, 4, 2, 1):
-        acc[:, :o] = acc[:, :o] + acc[:, o:2 * o]
-    return acc[:, 0]

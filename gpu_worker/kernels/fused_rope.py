@@ -3,7 +3,9 @@
 ``Ops.apply_rope`` is about six launches per call (a negation, two concatenations, two
 products, a sum); :func:`rope` does the same two products and sum per element, each rounded
 once in IEEE float32 (the struct ``F`` of fused_silu.py: no fused multiply-add, subnormals
-kept), so :func:`rope_reference`, that order on NumPy, gives its bits.
+kept), so :func:`rope_reference`, that order on NumPy, gives its bits. One element's
+arithmetic is written once, ``ROPE_ONE`` (:func:`rope_source`), which qk_norm_rope.py's kernel
+uses too (attention's q/k norms and RoPE in one launch, where both switches are on).
 """
 
 from __future__ import annotations
@@ -14,6 +16,15 @@ import numpy as np
 
 from gpu_worker.kernels import raw_module
 from gpu_worker.kernels.fused_silu import THREADS, helpers_source
+
+# one element's arithmetic, shared with qk_norm_rope.py's kernel (needs fused_silu's F)
+_ROPE_ONE = r"""
+// rotate-half RoPE of one element: x cos + p sin, p (an F) its rotated partner: -x_{d + rot/2}
+// below rot/2 (F's negation flips the sign bit, exact), else x_{d - rot/2}; both products and
+// the sum rounded once (F: IEEE .rn, no fused multiply-add). A macro: the rope kernel's loads
+// stay inside the expression, so its PTX is the one verified on the H200 (tree a016067)
+#define ROPE_ONE(x, p, c, s) ((F(x) * F(c) + (p) * F(s)).v)
+"""
 
 _KERNEL = r"""
 // grid ceil(n / THREADS), block THREADS: rotate-half RoPE of x [R, H, D] over its first rot
@@ -29,14 +40,22 @@ extern "C" __global__ void rope(const float* __restrict__ x, const float* __rest
     const long long r = i / ((long long)H * D);
     const int half = rot / 2;
     const F rv = d < half ? -F(x[i + half]) : F(x[i - half]);
-    out[i] = (F(x[i]) * F(cs[r * rot + d]) + rv * F(sn[r * rot + d])).v;
+    out[i] = ROPE_ONE(x[i], rv, cs[r * rot + d], sn[r * rot + d]);
 }
 """
 
 
+def rope_source(with_helpers: bool = True) -> str:
+    """fused_silu's :func:`helpers_source` (the struct ``F``; ``with_helpers`` False: a
+    module that has them already, as fused_norm.helpers_source's) and ``ROPE_ONE``, one
+    element's arithmetic of :func:`rope`: a kernel that uses it gets the rope kernel's
+    bits."""
+    return (helpers_source() if with_helpers else "") + _ROPE_ONE
+
+
 @functools.cache
 def _function():
-    return raw_module(helpers_source() + _KERNEL, "RoPE kernel").get_function("rope")
+    return raw_module(rope_source() + _KERNEL, "RoPE kernel").get_function("rope")
 
 
 def rope(x, cos, sin):

@@ -4,11 +4,13 @@ Qwen3-MoE: per-head q/k RMSNorm before rotate-half RoPE, GQA, scale hd^-0.5.
 Qwen3-Next adds an output gate (q_proj emits [query | gate] per head), zero-centred q/k
 norms and partial RoPE.
 
-On CuPy every row's K/V goes into the cache in one launch, and every row of a segment of at
-most :data:`PAGED_MAX_ROWS` rows (decode and verify rows, short prefill chunks) attends in one
-paged-attention launch (gpu_worker/kernels/paged_attention.py): its bits depend only on its
-own query and prefix, never on the other rows of the step. Longer segments (prefill chunks)
-use the per-segment matrix products, as on NumPy; the choice looks at the segment alone.
+On CuPy float32 the q and k heads are normalised and rotated in one launch
+(``Ops.qk_norm_rope``, the bits of two norms and two RoPE launches), every row's K/V goes
+into the cache in one launch, and every row of a segment of at most :data:`PAGED_MAX_ROWS`
+rows (decode and verify rows, short prefill chunks) attends in one paged-attention launch
+(gpu_worker/kernels/paged_attention.py): its bits depend only on its own query and prefix,
+never on the other rows of the step. Longer segments (prefill chunks) use the per-segment
+matrix products, as on NumPy; the choice looks at the segment alone.
 """
 
 from __future__ import annotations
@@ -59,11 +61,8 @@ def full_attention(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
             q, gate = q[..., :hd], q[..., hd:].reshape(R, Hq * hd)
     q = q.reshape(R, Hq, hd)
     k, v = k.reshape(R, Hkv, hd), v.reshape(R, Hkv, hd)
-    zc = cfg.zero_centered_norms
-    q = ops.rms_norm(q, p["q_norm.weight"], cfg.rms_norm_eps, zero_centered=zc)
-    k = ops.rms_norm(k, p["k_norm.weight"], cfg.rms_norm_eps, zero_centered=zc)
-    q = ops.apply_rope(q, cos, sin)
-    k = ops.apply_rope(k, cos, sin)
+    q, k = ops.qk_norm_rope(q, k, p["q_norm.weight"], p["k_norm.weight"], cfg.rms_norm_eps,
+                            cos, sin, zero_centered=cfg.zero_centered_norms)  # one launch
 
     scale = ops.dtype.type(hd ** -0.5)
     if xp is np or not enabled("paged_attention"):

@@ -17,6 +17,8 @@ from gpu_worker.kernels.fused_norm import (
 from gpu_worker.kernels.fused_rope import rope
 from gpu_worker.kernels.fused_silu import sigmoid_mul, sigmoid_mul_add, silu_mul
 from gpu_worker.kernels.int8_stack import Int8Stack
+from gpu_worker.kernels.qk_norm_rope import fits as qk_norm_rope_fits
+from gpu_worker.kernels.qk_norm_rope import qk_norm_rope
 from gpu_worker.kernels.rowtile import linear_rows, linear_rows_split
 
 Array = Any  # numpy.ndarray or cupy.ndarray
@@ -206,7 +208,7 @@ class Ops:
 
     def apply_rope(self, x: Array, cos: Array, sin: Array) -> Array:
         """x [R, heads, hd]; rotates the first cos.shape[-1] dims (pairs i, i + rot/2).
-        CuPy float32 with ``fused_rope`` on: one launch (gpu_worker/kernels/fused_silu.py)."""
+        CuPy float32 with ``fused_rope`` on: one launch (gpu_worker/kernels/fused_rope.py)."""
         xp = self.xp
         if (xp is not np and x.dtype == np.float32 and cos.dtype == np.float32
                 and enabled("fused_rope")):
@@ -217,3 +219,17 @@ class Ops:
         rotated = xp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
         out = xr * cos[:, None, :] + rotated * sin[:, None, :]
         return xp.concatenate([out, xpass], axis=-1) if xpass.shape[-1] else out
+
+    def qk_norm_rope(self, q: Array, k: Array, qw: Array, kw: Array, eps: float, cos: Array,
+                     sin: Array, *, zero_centered: bool) -> tuple[Array, Array]:
+        """Attention's q [R, Hq, hd] and k [R, Hkv, hd]: each head RMS-normed by its weight
+        (``qw``, ``kw`` [hd]), then rotated (:meth:`apply_rope`) -> ``(q', k')``. CuPy float32
+        with ``fused_norm`` and ``fused_rope`` on and hd <= 256: one launch for all four
+        (gpu_worker/kernels/qk_norm_rope.py), the bits of the four calls it replaces, which
+        run otherwise (NumPy, float64, a switch off, longer heads)."""
+        if (self._kernel("fused_norm", q, k, qw, kw, cos, sin) and enabled("fused_rope")
+                and qk_norm_rope_fits(q.shape[-1], cos.shape[-1])):
+            return qk_norm_rope(q, k, qw, kw, cos, sin, eps, zero_centered=zero_centered)
+        q = self.rms_norm(q, qw, eps, zero_centered=zero_centered)
+        k = self.rms_norm(k, kw, eps, zero_centered=zero_centered)
+        return self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)

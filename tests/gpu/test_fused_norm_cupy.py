@@ -10,12 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_worker.kernels.fused_norm import (
-    gated_rms_norm_reference,
-    gated_rms_norm_rows,
-    rms_norm_reference,
-    rms_norm_rows,
-)
+from gpu_worker.kernels.fused_norm import gated_rms_norm_rows, rms_norm_rows
+from gpu_worker.kernels.fused_norm_ref import gated_rms_norm_reference, rms_norm_reference
 from gpu_worker.kernels.fused_silu import silu_mul
 from gpu_worker.model import ops as ops_module
 from gpu_worker.model.ops import Ops

@@ -269,7 +269,8 @@ def test_paged_attention_refuses_a_head_dim_past_its_registers(cupy):
 @pytest.mark.parametrize("H", [16, 200, 256, 300, 2048, 2100])
 def test_fused_norm_gives_the_reference_bits_in_registers_and_in_batches(cupy, H):
     """Rows of up to 256 and 2,048 held in registers, longer ones in batches: one order."""
-    from gpu_worker.kernels.fused_norm import rms_norm_reference, rms_norm_rows  # noqa: PLC0415
+    from gpu_worker.kernels.fused_norm import rms_norm_rows  # noqa: PLC0415
+    from gpu_worker.kernels.fused_norm_ref import rms_norm_reference  # noqa: PLC0415
 
     rng = np.random.default_rng(H)
     x = (rng.standard_normal((3, H + 5)) * 3).astype(np.float32)[:, :H]  # rows at a stride
@@ -284,7 +285,8 @@ def test_fused_norm_gives_the_reference_bits_in_registers_and_in_batches(cupy, H
 @pytest.mark.parametrize("H", [200, 2048, 2100])
 def test_fused_add_norm_gives_the_sum_and_its_norm(cupy, H):
     """x + r (float32) stored, and the norm of that sum: the bits of the two steps apart."""
-    from gpu_worker.kernels.fused_norm import add_rms_norm_rows, rms_norm_reference  # noqa: PLC0415
+    from gpu_worker.kernels.fused_norm import add_rms_norm_rows  # noqa: PLC0415
+    from gpu_worker.kernels.fused_norm_ref import rms_norm_reference  # noqa: PLC0415
 
     rng = np.random.default_rng(H + 1)
     x, r = (rng.standard_normal((3, H)).astype(np.float32) for _ in range(2))
