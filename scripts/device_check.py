@@ -73,6 +73,7 @@ STEP_GRAPHS = Check("step_graphs", f"{PY} pytest -q -p no:cacheprovider "
 # the fused kernels checked on the emulator only (q/k norm + RoPE, the GDN gates inside the
 # recurrence, the gated norm), and the launched ring (real CPU workers) against host dispatch
 FUSED = Check("fused", f"{PY} pytest -q -p no:cacheprovider tests/gpu/test_fused_norm_cupy.py "
+              "tests/gpu/test_qk_norm_rope_cupy.py "
               "tests/gpu/test_gdn_kernel_cupy.py tests/gpu/test_cpu_link.py", 120)
 # the start of every plan for a scarce device (first, second, third)
 SCARCE = [PROBE, FUSED, INT4_RATIO, STEP_GRAPHS]
