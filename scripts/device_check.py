@@ -70,8 +70,8 @@ PROBE = Check("probe", f"lscpu; {PY} scripts.probe_cpu_scaling --threads 1,2,4,8
 # the graph tests: eager bits, capacity buckets, MTP drafting graphs, CPU experts' counts
 STEP_GRAPHS = Check("step_graphs", f"{PY} pytest -q -p no:cacheprovider "
                     "tests/gpu/test_step_graph_cupy.py", 150)
-# the fused kernels checked on the emulator only (q/k norm + RoPE, the GDN gates inside the
-# recurrence, the gated norm), and the launched ring (real CPU workers) against host dispatch
+# the fused kernels checked on the emulator only (q/k norm + RoPE, the GDN gates in the
+# conv kernel, the gated norm), and the launched ring (real CPU workers) against host dispatch
 FUSED = Check("fused", f"{PY} pytest -q -p no:cacheprovider tests/gpu/test_fused_norm_cupy.py "
               "tests/gpu/test_qk_norm_rope_cupy.py "
               "tests/gpu/test_gdn_kernel_cupy.py tests/gpu/test_cpu_link.py", 120)
