@@ -256,7 +256,7 @@ PLANS: dict[str, list[Check]] = {
     # in place of the essays: comparable with step_int8_32gib_h200_2c96ead.json
     "second": [
         *SCARCE,
-        Check("step_32_int8", "mount -o remount,size=110G /dev/shm; "
+        Check("step_32_int8", "mount -o remount,size=110G /dev/shm; rm -rf /dev/shm/tbc-shards; "
               f"{PY} scripts.bench_step --model qwen3-next-80b-a3b --gpu-budget 32 "
               "--gpu-format int8 --graphs --steps 5 --out $OUT/step_int8_32gib.json", 280),
     ],
