@@ -17,10 +17,10 @@ from gpu_worker.routed_experts import Array, Quantized
 class LaunchedPath:
     """Per layer: one kernel puts the quantized inputs into the pinned ring and rings the
     workers, the GPU computes its own experts and the caller's ``during`` work (the shared
-expert) meanwhile, then one kernel waits for the
-    workers and one adds their partials to the GPU's output (gpu_worker/experts/
-    pinned_ring.py). Rows beyond the ring's capacity (``pool.max_rows``) go in several
-    loads, each summed onto its rows as the host path does. :meth:`end_step` ends the step."""
+    expert) meanwhile, then one kernel waits for the workers and one adds their partials to
+    the GPU's output (gpu_worker/experts/pinned_ring.py). Rows beyond the ring's capacity
+    (``pool.max_rows``) go in several loads, each summed onto its rows as the host path does.
+    :meth:`end_step` ends the step."""
 
     def __init__(self, model: Model, pool, on_cpu: dict[int, np.ndarray],
                  counters: ExpertCounters) -> None:

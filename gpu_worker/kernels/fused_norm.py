@@ -115,15 +115,16 @@ __device__ __forceinline__ void write_segment(
 }
 
 // A row of H <= 256 by one warp, in registers (x + r first where rr is given, stored in sr):
-// d = sqrt(s / H + eps) from the warp's sum of squares, then the outputs into orow
+// d = sqrt(s / H + eps) from the warp's sum of squares, then the outputs into orow (times
+// silu(z) with a gate row zr, else nullptr)
 __device__ __forceinline__ void norm_row_warp(
         const float* __restrict__ xr, const float* __restrict__ rr, float* __restrict__ sr,
-        const float* __restrict__ w, float* __restrict__ orow, int H, int lane, float eps,
-        int zero_centered) {
+        const float* __restrict__ w, const float* __restrict__ zr, float* __restrict__ orow,
+        int H, int lane, float eps, int zero_centered) {
     float a[8];
     const float s = load_segment<8>(xr, rr, sr, H, 0, H, lane, a);
     const float d = sqrt_rn(add_rn(div_rn(s, (float)H), eps));
-    write_segment<8>(a, w, nullptr, orow, H, 0, H, lane, d, zero_centered);
+    write_segment<8>(a, w, zr, orow, H, 0, H, lane, d, zero_centered);
 }
 """
 
@@ -145,7 +146,7 @@ extern "C" __global__ void rms_norm_rows(
     float* sr = add ? sum + row * (long long)H : nullptr;
     float* orow = out + row * (long long)H;
     if (H <= 32 * 8) {  // the row in registers
-        norm_row_warp(xr, rr, sr, w, orow, H, lane, eps, zero_centered);
+        norm_row_warp(xr, rr, sr, w, nullptr, orow, H, lane, eps, zero_centered);
         return;
     }
     // a lane reads its elements k = k0 + lane + 32 i (i < BATCH) of a batch into registers
@@ -228,11 +229,8 @@ extern "C" __global__ void gated_rms_norm_rows(
     const int lane = threadIdx.x & 31;
     const long long row = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;  // a whole warp, as rms_norm_rows
-    float a[8];
-    const float s = load_segment<8>(x + row * stride, nullptr, nullptr, H, 0, H, lane, a);
-    const float d = sqrt_rn(add_rn(div_rn(s, (float)H), eps));
-    write_segment<8>(a, w, z + row * (long long)H, out + row * (long long)H, H, 0, H, lane, d,
-                     zero_centered);
+    norm_row_warp(x + row * stride, nullptr, nullptr, w, z + row * (long long)H,
+                  out + row * (long long)H, H, lane, eps, zero_centered);
 }
 
 // grid rows, block W * 32: one row per block (norm_wide); REGS >= S / 32
@@ -314,40 +312,26 @@ def gated_rms_norm_rows(x, z, w, eps: float, *, zero_centered: bool):
     of its shape, ``w [H]`` -> a new float32 array of that shape: the bits of
     :func:`rms_norm_rows`, then ``fused_silu.silu_mul(z, .)``, in one launch (a copy first
     only for a ``z`` not contiguous or an ``x`` whose rows do not sit at one stride)."""
+    return _launch(x, None, w, eps, zero_centered, z)[1]
+
+
+def _launch(x, r, w, eps: float, zero_centered: bool, z=None):
+    """(sum or None, out) of the three entry points: ``r`` the residual (add), ``z`` the gate
+    (gated_rms_norm_rows: rows of at most ONE_WARP_MAX, no residual)."""
     import cupy as cp  # noqa: PLC0415 (only on the GPU backend)
 
-    if x.dtype != np.float32 or z.dtype != np.float32 or w.dtype != np.float32:
-        raise TypeError(f"gated_rms_norm_rows: float32 x, z and w, not {x.dtype}, {z.dtype}, "
+    name = "rms_norm_rows" if z is None else "gated_rms_norm_rows"
+    if any(a is not None and a.dtype != np.float32 for a in (x, w, r, z)):
+        raise TypeError(f"{name}: float32 x, r, z and w, not {x.dtype}, "
+                        f"{None if r is None else r.dtype}, {None if z is None else z.dtype}, "
                         f"{w.dtype}")
     H = x.shape[-1] if x.ndim else 0
-    if x.ndim < 1 or w.shape != (H,) or z.shape != x.shape or H > ONE_WARP_MAX:
-        raise ValueError(f"gated_rms_norm_rows: x {x.shape}, z {z.shape} and w {w.shape} do "
-                         f"not fit (rows of at most {ONE_WARP_MAX})")
-    out = cp.empty(x.shape, np.float32)
-    rows = x.size // H if H else 0
-    if rows == 0:
-        return out
-    stride = row_stride(x)
-    if stride is None:
-        x, stride = cp.ascontiguousarray(x), H
-    _function("gated_rms_norm_rows")(
-        (-(-rows // WARPS),), (WARPS * LANES,),
-        (x, cp.ascontiguousarray(z), cp.ascontiguousarray(w), out, np.int64(rows), np.int32(H),
-         np.int64(stride), np.float32(eps), np.int32(bool(zero_centered))))
-    return out
-
-
-def _launch(x, r, w, eps: float, zero_centered: bool):
-    import cupy as cp  # noqa: PLC0415 (only on the GPU backend)
-
-    if x.dtype != np.float32 or w.dtype != np.float32 or (r is not None
-                                                           and r.dtype != np.float32):
-        raise TypeError(f"rms_norm_rows: float32 x, r and w, not {x.dtype}, "
-                        f"{None if r is None else r.dtype}, {w.dtype}")
-    H = x.shape[-1] if x.ndim else 0
-    if x.ndim < 1 or w.shape != (H,) or (r is not None and r.shape != x.shape):
-        raise ValueError(f"rms_norm_rows: x {x.shape}, r {None if r is None else r.shape} "
-                         f"and w {w.shape} do not fit")
+    if x.ndim < 1 or w.shape != (H,) or any(a is not None and a.shape != x.shape
+                                             for a in (r, z)) \
+            or (z is not None and H > ONE_WARP_MAX):
+        raise ValueError(f"{name}: x {x.shape}, r {None if r is None else r.shape}, z "
+                         f"{None if z is None else z.shape} and w {w.shape} do not fit (gated: "
+                         f"rows of at most {ONE_WARP_MAX})")
     out = cp.empty(x.shape, np.float32)
     total = None if r is None else cp.empty(x.shape, np.float32)
     rows = x.size // H if H else 0
@@ -358,6 +342,11 @@ def _launch(x, r, w, eps: float, zero_centered: bool):
         x = cp.ascontiguousarray(x)
         stride = H
     w = cp.ascontiguousarray(w)
+    if z is not None:
+        _function(name)((-(-rows // WARPS),), (WARPS * LANES,),
+                        (x, cp.ascontiguousarray(z), w, out, np.int64(rows), np.int32(H),
+                         np.int64(stride), np.float32(eps), np.int32(bool(zero_centered))))
+        return total, out
     add = r is not None  # else x and out stand in for the unused r and sum
     r = cp.ascontiguousarray(r) if add else x
     split = wide_split(H)

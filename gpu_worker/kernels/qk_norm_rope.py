@@ -62,7 +62,7 @@ extern "C" __global__ void qk_norm_rope(
     const long long r = h / (is_q ? hq : hkv);
     float* y = normed[warp];
     norm_row_warp(is_q ? q + h * q_stride : k + h * k_stride, nullptr, nullptr,
-                  is_q ? qw : kw, y, hd, lane, eps, zero_centered);
+                  is_q ? qw : kw, nullptr, y, hd, lane, eps, zero_centered);
     __syncwarp();  // the partners y[e +- rot/2] were written by other lanes
     float* out = (is_q ? qo : ko) + h * hd;
     const int half = rot / 2;
