@@ -6,11 +6,18 @@ norms and partial RoPE.
 
 On CuPy float32 the q and k heads are normalised and rotated in one launch
 (``Ops.qk_norm_rope``, the bits of two norms and two RoPE launches), every row's K/V goes
-into the cache in one launch, and every row of a segment of at most :data:`PAGED_MAX_ROWS`
-rows (decode and verify rows, short prefill chunks) attends in one paged-attention launch
-(gpu_worker/kernels/paged_attention.py): its bits depend only on its own query and prefix,
-never on the other rows of the step. Longer segments (prefill chunks) use the per-segment
-matrix products, as on NumPy; the choice looks at the segment alone.
+into the cache in one launch, and every row attends through the paged-attention kernels
+(gpu_worker/kernels/paged_attention.py): its bits depend only on its own query, position and
+prefix, never on the other rows of the step. The rows of segments of at most
+:data:`PAGED_MAX_ROWS` rows (decode and verify rows, short prefill chunks) share one launch;
+a longer segment (a prefill chunk) runs the same kernels in launches of a bounded number of
+(row, partition) pairs (:data:`LONG_ROW_PARTITIONS`: the workspace stays small at long
+contexts). So a prompt's rows give the same bits however it was cut into chunks, whatever
+the prefix cache held, and as the decode rows that wrote those positions in an earlier turn:
+a conversation's next turn sees the same cache whether it re-prefilled or hit the prefix
+cache (seen on the H100 machine: with matrix products for long chunks, a coding agent's third
+turn changed tokens between two runs of the same requests). NumPy, and CuPy with the paged
+kernels off, use the per-segment matrix products for every segment.
 """
 
 from __future__ import annotations
@@ -26,7 +33,10 @@ from gpu_worker.model.batch import RaggedBatch, Segment
 from gpu_worker.model.ops import Array, Ops
 from gpu_worker.model_config import ModelConfig
 
-PAGED_MAX_ROWS = 16  # a segment of more rows (a prefill chunk) uses matrix products
+PAGED_MAX_ROWS = 16  # a segment of more rows (a prefill chunk) gets launches of its own
+# rows x partitions of one long segment's launch: its workspace (max, sum and hd values per
+# q head) stays under ~64 MiB for 16 q heads of 256 dims in float32
+LONG_ROW_PARTITIONS = 4096
 QKV_STACK = "qkv_stack"  # q, k, v projections in one matrix (model.stack_inputs)
 QKV_PARTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
 # gated attention on CuPy: q_proj's rows (per head: query, then gate) regrouped at load into
@@ -141,9 +151,9 @@ def _step_meta(xp, kv: KVCache, batch: RaggedBatch) -> StepMeta:
 
 def _paged(ops: Ops, q: Array, k: Array, v: Array, batch: RaggedBatch, kv: KVCache,
            layer: int, scale, meta: StepMeta | None = None) -> Array:
-    """The CuPy path: one K/V write launch, one paged-attention launch, then the long
-    segments' matrix products -> [R, Hq, hd]. ``meta``: the step's (gpu_worker/
-    step_inputs.py), else built here once per batch."""
+    """The CuPy path: one K/V write launch, one paged-attention launch for the short
+    segments' rows, then the long segments' rows (:func:`_long_segment`) -> [R, Hq, hd].
+    ``meta``: the step's (gpu_worker/step_inputs.py), else built here once per batch."""
     xp = ops.xp
     meta = meta if meta is not None else _step_meta(xp, kv, batch)
     tables = kv.device_tables()
@@ -153,5 +163,20 @@ def _paged(ops: Ops, q: Array, k: Array, v: Array, batch: RaggedBatch, kv: KVCac
     paged.paged_attention(q, kv, layer, meta.paged, tables, out, scale,
                           max_position=meta.max_position)
     for seg in meta.long:
-        out[seg.rows] = _segment(ops, q[seg.rows], kv, layer, seg, scale)
+        _long_segment(xp, q, kv, layer, seg, meta.write, tables, out, scale)
     return out
+
+
+def _long_segment(xp, q: Array, kv: KVCache, layer: int, seg: Segment, write: Array,
+                  tables: Array, out: Array, scale) -> None:
+    """A long segment's rows through the paged kernels, in launches of at most
+    :data:`LONG_ROW_PARTITIONS` (row, partition) pairs; ``write``: the step's int32 [3, R]
+    row, slot, position of every row. Each row's bits are those of a lone decode row at its
+    position (the launches' sizes never change a bit)."""
+    nz = (seg.end - 1) // paged.PARTITION + 1  # partitions of the segment's last row
+    step = max(1, LONG_ROW_PARTITIONS // nz)
+    for a in range(seg.row0, seg.row0 + seg.num, step):
+        b = min(a + step, seg.row0 + seg.num)
+        meta = xp.ascontiguousarray(write[:, a:b])
+        paged.paged_attention(q, kv, layer, meta, tables, out, scale,
+                              max_position=seg.start + (b - seg.row0) - 1)

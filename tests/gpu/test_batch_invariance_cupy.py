@@ -2,7 +2,9 @@
 both architectures in bf16 on CuPy with every new kernel on. A slot's row gives the same
 logits bits decoded alone, one row at a time, as inside any layout of 1-4 slots (which slots,
 in which order) x 1-5 rows per slot (a decode token plus up to 4 drafts, tracked as the
-runner tracks them) run as one forward pass; prefill chunks sharing the step change nothing.
+runner tracks them) run as one forward pass; prefill chunks sharing the step change nothing,
+and a prompt's rows give the same bits however it is cut into chunks (one-row passes
+included), so a prefix-cache hit or a re-prefill of a conversation's earlier turn leaves them.
 
 ``TANDEM_INVARIANCE_LAYOUTS``: ``all`` (default: every one of the 18,320 layouts per
 architecture) or ``sample:N`` (about N of them, a fixed-seed sample spread evenly over the
@@ -40,11 +42,12 @@ from tests.gpu.invariance_layouts import (
 cupy = pytest.importorskip("cupy")
 
 # per slot: prompt length; 14 and 31 put the chain across a KV block boundary (16, 32), 40
-# spans three blocks; 31 and 40 are long prefills (> 16 rows: the matrix-product path)
+# spans three blocks; 31 and 40 are long prefills (> 16 rows: paged launches of their own)
 PROMPTS = (5, 14, 31, 40)
 BLOCK = 16
 # the prefill slot of the mixed test: its first PREFILLED tokens are in the cache, the next
-# chunk (3, 12 or 24 rows: paged attention or the long path) shares a step with decode rows
+# chunk (3, 12 or 24 rows: the short paged launch or a long segment's) shares a step with
+# decode rows
 PREFILL_SLOT, PREFILLED, PREFILL_CHUNKS = SLOTS, 20, (3, 12, 24)
 # few layers keep a forward at a few hundred launches (the exhaustive run is ~18,000 of them
 # per architecture): qwen3_next one Gated DeltaNet and one full-attention layer, qwen3_moe one
@@ -207,9 +210,9 @@ def test_every_layout_gives_each_row_the_bits_it_has_alone(setup):
 
 
 def test_prefill_chunks_in_the_step_leave_the_decode_rows_bits(setup):
-    """Slot 4's next prompt chunk (3 or 12 rows: paged attention; 24: the long path) first,
-    in the middle or last among decode and verify segments: the decode rows' logits keep
-    their bits. (The chunk's own rows are printed, not asserted: prefill may use cuBLAS.)"""
+    """Slot 4's next prompt chunk (3 or 12 rows: the short paged launch; 24: a long
+    segment's) first, in the middle or last among decode and verify segments: the decode
+    rows' logits keep their bits, and so do the chunk's own rows."""
     st = setup
     decode = (((0, 5), (1, 1), (2, 3), (3, 2)), ((3, 5), (2, 5), (1, 5), (0, 5)),
               ((2, 1), (0, 1)))
@@ -240,3 +243,33 @@ def test_prefill_chunks_in_the_step_leave_the_decode_rows_bits(setup):
         parts, layout = first
         pytest.fail(fails.report() + "\n  " + _localize(st, parts, _tracked(layout),
                                                          fails.rows[0][1]))
+    assert prefill_equal == len(passes), "a prefill chunk's rows changed with the step"
+
+
+def _prompt_rows(st: Setup, cuts) -> np.ndarray:
+    """Slot 4's prompt after its first PREFILLED tokens, in passes of ``cuts`` rows each,
+    from the post-prefill cache -> every row's logits [sum(cuts), V]."""
+    st.restore([PREFILL_SLOT])
+    prompt, pos, out = st.prompt[PREFILL_SLOT], PREFILLED, []
+    for n in cuts:
+        batch = RaggedBatch.build([(PREFILL_SLOT, pos, prompt[pos:pos + n])])
+        out.append(cupy.asnumpy(st.model.forward(batch, st.caches, np.arange(n)).logits))
+        pos += n
+    st.restore([PREFILL_SLOT])
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("row_partitions", [attention.LONG_ROW_PARTITIONS, 1])
+def test_a_prompt_gives_the_same_bits_however_it_is_chunked(setup, monkeypatch,
+                                                            row_partitions):
+    """The prompt's 24 rows as one-row passes (the bits of decode rows at those positions)
+    are the reference; one 24-row chunk, 17 + 7, 3 + 21, 12 + 12 and 5 + 19 give each row
+    the same logits bytes, with a long segment's rows in one launch or one launch per row
+    (LONG_ROW_PARTITIONS = 1): what a prefix-cache hit or a re-prefilled turn relies on."""
+    monkeypatch.setattr(attention, "LONG_ROW_PARTITIONS", row_partitions)
+    n = max(PREFILL_CHUNKS)
+    ref = _prompt_rows(setup, [1] * n)
+    for cuts in ([n], [17, n - 17], [3, n - 3], [12, n - 12], [5, n - 5]):
+        got = _prompt_rows(setup, cuts)
+        bad = [i for i in range(n) if got[i].tobytes() != ref[i].tobytes()]
+        assert not bad, f"{setup.arch}: chunks {cuts}: rows {bad} differ from one-row passes"

@@ -225,7 +225,7 @@ def test_a_rows_bits_are_the_same_in_every_layout(quant, part):
 
 def test_a_decode_row_ignores_a_prefill_sharing_the_step():
     """The per-segment choice: slot 0's decode row gives the same bits alone and next to a
-    20-row prefill chunk (matrix products) and a 3-row verify segment."""
+    20-row prefill chunk (a long segment's own launch) and a 3-row verify segment."""
     ops, hd, hkv, g = Ops(cupy, np.float32), 32, 2, 2
     rng = np.random.default_rng(4)
     kv = KVCache(cupy, LAYERS, 32, 16, hkv, hd, np.float32)
@@ -267,7 +267,7 @@ def test_device_tables_follow_the_host_tables():
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
 @pytest.mark.parametrize("quant", [False, True], ids=["float32", "int8"])
 def test_tiny_models_match_the_numpy_model(tmp_path, arch, quant):
-    """A 20-row prefill chunk (matrix products), short prefills, then steps of decode and
+    """A 20-row prefill chunk (a long segment's launch), short prefills, then decode and
     1-3-row verify segments (kernel), teacher-forced: CuPy float32 logits within float32
     tolerance of NumPy's, and the same greedy token wherever NumPy's top two are apart."""
     path = make_tiny_model(tmp_path, arch, seed=5, tokenizer=False, head_dim=32)
