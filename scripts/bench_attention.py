@@ -2,9 +2,12 @@
 launches it replaced) alone at Qwen3-Next-80B-A3B's shapes on the GPU:
 device time per launch (CUDA events over a CUDA graph of back-to-back launches, real clocks:
 Nsight Compute's serialised replays stretch short kernels), next to the bytes they must read.
-A GPU benchmark, < 30 s.
+A GPU benchmark, < 30 s. ``--prefill``: instead, one 80B attention layer's prefill chunk
+(512 rows after 0, 3,584 or 11,776 cached positions) through the paged kernels (its rows get
+decode rows' bits) against the cuBLAS matrix products long chunks used until tree 3b6c287.
 
     python -m scripts.bench_attention --out docs/bench/attention_h200.json
+    python -m scripts.bench_attention --prefill --out docs/bench/prefill_attention_h100.json
 """
 
 from __future__ import annotations
@@ -53,6 +56,37 @@ def bench_attention(cp, slots: int, rows: int, context: int, partition: int,
             "bytes": nbytes, "floor_us": round(nbytes / HBM * 1e6, 2)}
 
 
+def bench_prefill(cp, start: int, rows: int, paged: bool) -> dict:
+    """One layer's attention for a ``rows``-row prefill chunk at positions start.. of one
+    slot (K/V written, as the model does): the paged kernels, or the matrix products."""
+    from gpu_worker.kernels import paged_attention as pa
+    from gpu_worker.kv_cache import KVCache
+    from gpu_worker.model import attention
+    from gpu_worker.model.batch import RaggedBatch
+    from gpu_worker.model.ops import Ops
+
+    positions = start + rows
+    kv = KVCache(cp, 1, -(-positions // BLOCK) + 1, BLOCK, HKV, HD, np.dtype(np.float32))
+    kv.reserve(0, 0, positions)
+    kv.k[...] = cp.random.standard_normal(kv.k.shape, dtype=cp.float32)
+    kv.v[...] = cp.random.standard_normal(kv.v.shape, dtype=cp.float32)
+    batch = RaggedBatch.build([(0, start, np.zeros(rows, np.int64))])
+    ops, scale = Ops(cp, np.float32), np.float32(HD ** -0.5)
+    q = cp.random.standard_normal((rows, HKV * GROUP, HD), dtype=cp.float32)
+    k, v = (cp.random.standard_normal((rows, HKV, HD), dtype=cp.float32) for _ in range(2))
+    if paged:
+        fn = lambda: attention._paged(ops, q, k, v, batch, kv, 0, scale)  # noqa: E731
+    else:
+        def fn():
+            pa.write_kv(kv, 0, k, v, attention._step_meta(cp, kv, batch).write,
+                        kv.device_tables())
+            return attention._segment(ops, q, kv, 0, batch.segments[0], scale)
+    us = gpu_us(cp, fn, reps=5, batch=3, graph=False)  # cuBLAS: no capture
+    return {"what": "prefill_attention", "path": "paged" if paged else "matrix_products",
+            "rows": rows, "start": start, "us": round(us, 1),
+            "us_per_row": round(us / rows, 2)}
+
+
 def bench_norm(cp, rows: int, H: int, add: bool) -> dict:
     from gpu_worker.kernels.fused_norm import add_rms_norm_rows, rms_norm_rows
 
@@ -95,17 +129,23 @@ def main() -> None:
     ap.add_argument("--partitions", default="64")
     ap.add_argument("--min-blocks", default="1,2", help="the attention kernel's compile bound "
                     "(blocks per SM ptxas must fit), each timed")
+    ap.add_argument("--prefill", action="store_true", help="the prefill chunk's paths only")
     args = ap.parse_args()
     import cupy as cp
 
     records = []
-    for part in (int(p) for p in args.partitions.split(",")):
+    if args.prefill:
+        for start in (0, 3584, 11776):
+            for paged in (True, False):
+                records.append(bench_prefill(cp, start, 512, paged))
+                print(records[-1], flush=True)
+    for part in (() if args.prefill else (int(p) for p in args.partitions.split(","))):
         for minb in (int(b) for b in args.min_blocks.split(",")):
             for slots, rows, context in ((1, 1, 512), (4, 4, 512), (1, 1, 4096),
                                          (4, 4, 4096), (1, 1, 32768)):
                 records.append(bench_attention(cp, slots, rows, context, part, minb))
                 print(records[-1], flush=True)
-    for rows in (1, 16):
+    for rows in (() if args.prefill else (1, 16)):
         for H, add in ((2048, False), (2048, True), (256, False), (4096, False)):
             records.append(bench_norm(cp, rows * (16 if H == 256 else 1), H, add))
             print(records[-1], flush=True)
