@@ -14,9 +14,12 @@ from gpu_worker.routed_experts import Quantized, RoutedExperts
 if TYPE_CHECKING:
     from gpu_worker.weights.routing import RowRouting
 
-# CuPy: row counts up to this (the default prefill chunk) use the expert kernels that never
-# wait for the host; above it their scratch (rows x top-k x (H + I) values) grows and the
-# per-expert loop takes over. The merged kernels (gpu_worker/kernels/moe_merged.py) read each
+# CuPy: the expert kernels (which never wait for the host) take at most this many rows per
+# call (the default prefill chunk): a larger pass (a full prefill chunk beside other slots'
+# decode rows) runs them over consecutive row blocks, so their scratch (rows x top-k x
+# (H + I) values) stays bounded and a row keeps its bits. (Until tree d9e0453 such a pass
+# took the per-expert loop, whose sums run in another order: a prompt's rows then changed
+# with what shared its step.) The merged kernels (gpu_worker/kernels/moe_merged.py) read each
 # expert's weights once for all its rows; the grouped ones (moe_experts.py: every (row,
 # expert) pair alone, the weights read once per pair) stay for comparison
 # (docs/gpu_experts.md, scripts/bench_experts_gpu.py).
@@ -74,20 +77,25 @@ def experts_local(ops: Ops, gate: Array, up: Array, down: Array, x: Array,
     Pairs with id -1 are skipped (computed elsewhere, e.g. on CPU workers).
     NOTE: a row's sum never depends on the batch: on NumPy (the loop below) each row
     accumulates its experts in ascending expert id; on CuPy, batches of up to
-    :data:`GROUPED_MAX_ROWS` rows (decode, verify and prefill chunks) take the kernels of
+    rows, in blocks of at most :data:`GROUPED_MAX_ROWS`, take the kernels of
     :data:`GPU_EXPERT_KERNELS`, which never wait for the host: ``merged`` sums in slot order
     (gpu_worker/kernels/moe_merged.py), ``grouped`` in ascending id (moe_experts.py).
     """
     xp = ops.xp
-    if xp.__name__ == "cupy" and 0 < x.shape[0] <= GROUPED_MAX_ROWS:
-        if GPU_EXPERT_KERNELS == "grouped":
-            from gpu_worker.kernels.moe_experts import experts_grouped  # noqa: PLC0415 (cupy)
-
-            return experts_grouped(x, ids, weights, gate, up, down)
-        from gpu_worker.kernels.moe_merged import experts_merged  # noqa: PLC0415 (cupy)
-
-        return experts_merged(x, ids, weights, gate, up, down)
-    return experts_loop(ops, gate, up, down, x, ids, weights)
+    if xp.__name__ != "cupy" or x.shape[0] == 0:
+        return experts_loop(ops, gate, up, down, x, ids, weights)
+    if GPU_EXPERT_KERNELS == "grouped":
+        from gpu_worker.kernels.moe_experts import experts_grouped as kernels  # noqa: PLC0415
+    else:
+        from gpu_worker.kernels.moe_merged import experts_merged as kernels  # noqa: PLC0415
+    R = x.shape[0]
+    if R <= GROUPED_MAX_ROWS:
+        return kernels(x, ids, weights, gate, up, down)
+    out = xp.empty_like(x)
+    for a in range(0, R, GROUPED_MAX_ROWS):
+        b = slice(a, min(a + GROUPED_MAX_ROWS, R))
+        out[b] = kernels(x[b], ids[b], weights[b], gate, up, down)
+    return out
 
 
 def experts_loop(ops: Ops, gate: Array, up: Array, down: Array, x: Array,

@@ -25,7 +25,7 @@ import pytest
 from gpu_worker.kernels import gdn_recurrent, moe_merged, paged_attention
 from gpu_worker.kernels.bf16 import BF16
 from gpu_worker.loader import load_checkpoint
-from gpu_worker.model import attention, gdn
+from gpu_worker.model import attention, gdn, moe
 from gpu_worker.model import ops as ops_module
 from gpu_worker.model.batch import RaggedBatch
 from gpu_worker.model.model import Caches, Model
@@ -209,10 +209,15 @@ def test_every_layout_gives_each_row_the_bits_it_has_alone(setup):
                                                          _tracked(layout), slot))
 
 
-def test_prefill_chunks_in_the_step_leave_the_decode_rows_bits(setup):
+@pytest.mark.parametrize("expert_rows", [moe.GROUPED_MAX_ROWS, 8])
+def test_prefill_chunks_in_the_step_leave_the_decode_rows_bits(setup, monkeypatch,
+                                                              expert_rows):
     """Slot 4's next prompt chunk (3 or 12 rows: the short paged launch; 24: a long
     segment's) first, in the middle or last among decode and verify segments: the decode
-    rows' logits keep their bits, and so do the chunk's own rows."""
+    rows' logits keep their bits, and so do the chunk's own rows; also with the expert
+    kernels capped at 8 rows a call (a pass of more rows runs them over row blocks, as a
+    512-row chunk beside decode rows does)."""
+    monkeypatch.setattr(moe, "GROUPED_MAX_ROWS", expert_rows)
     st = setup
     decode = (((0, 5), (1, 1), (2, 3), (3, 2)), ((3, 5), (2, 5), (1, 5), (0, 5)),
               ((2, 1), (0, 1)))

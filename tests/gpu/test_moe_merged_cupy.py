@@ -202,11 +202,29 @@ def test_bad_shapes_are_refused():
         experts_merged(x, ids, w, gate.astype(cupy.float64), up, down)
 
 
+@pytest.mark.parametrize("kind", ["float32", "bf16", "int8"])
+def test_a_pass_past_the_row_cap_keeps_each_rows_bits(kind, monkeypatch):
+    """More rows than GROUPED_MAX_ROWS (a full prefill chunk beside decode rows): the kernels
+    run over row blocks, and every row has the bits of a pass under the cap (not those of
+    the per-expert loop's other order)."""
+    from gpu_worker.model import moe
+
+    E, I, H, R = 8, 64, 256, 21
+    rng = np.random.default_rng(13)
+    stacks = [_dev(a) for a in _stacks(rng, E, I, H, kind)]
+    x = cupy.asarray(rng.standard_normal((R, H)).astype(np.float32))
+    ids, w = cupy.asarray(_ids(rng, R, 4, E)), cupy.asarray(rng.random((R, 4)).astype(np.float32))
+    ops = Ops(cupy, np.float32)
+    whole = cupy.asnumpy(experts_local(ops, *stacks, x, ids, w))
+    monkeypatch.setattr(moe, "GROUPED_MAX_ROWS", 8)  # blocks of 8, 8 and 5 rows
+    got = cupy.asnumpy(experts_local(ops, *stacks, x, ids, w))
+    assert got.tobytes() == whole.tobytes(), _diff(got, whole)
+
+
 def test_int8_experts_in_experts_local():
-    """int8 stacks: decode batches take the merged kernels (the reference's bits), a prefill
-    chunk past GROUPED_MAX_ROWS the loop over the experts' exact values (float32 products),
-    both close to float64 of those values; a mix of int8 and float stacks is refused, and
-    the grouped kernels refuse int8."""
+    """int8 stacks: decode batches and a prefill chunk past GROUPED_MAX_ROWS take the
+    merged kernels (the reference's bits), close to float64 of the exact values; a mix of
+    int8 and float stacks is refused, and the grouped kernels refuse int8."""
     from gpu_worker.kernels.moe_experts import experts_grouped
     from gpu_worker.model import moe
 
@@ -220,9 +238,8 @@ def test_int8_experts_in_experts_local():
         ids, w = _ids(rng, R, k, E), rng.random((R, k)).astype(np.float32)
         got = cupy.asnumpy(experts_local(ops, *stacks, cupy.asarray(x), cupy.asarray(ids),
                                          cupy.asarray(w)))
-        if R <= moe.GROUPED_MAX_ROWS:
-            want = experts_merged_reference(x, ids, w, *host)
-            assert got.tobytes() == want.tobytes(), _diff(got, want)
+        want = experts_merged_reference(x, ids, w, *host)
+        assert got.tobytes() == want.tobytes(), _diff(got, want)
         wide = [a.values().astype(np.float64) for a in host]
         ref = experts_local(Ops(np, np.float64), *wide, x.astype(np.float64), ids, w)
         np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
