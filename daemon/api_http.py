@@ -255,14 +255,16 @@ class HttpApi:
         if req.model is not None and req.model not in self.model_names:
             raise _model_not_found(req.model, self.model_name)
         # tokenizing a long prompt takes milliseconds: keep the event loop streaming meanwhile
-        prompt_ids = await asyncio.get_running_loop().run_in_executor(None, self._prompt_ids, req)
+        prompt_ids, history = await asyncio.get_running_loop().run_in_executor(
+            None, self._prompt_ids, req)
         gen = GenerationRequest(request_id=request[REQUEST_ID], prompt_ids=prompt_ids,
                                 sampling=self._sampling(req),
                                 max_tokens=self._max_tokens(len(prompt_ids), req.max_tokens,
                                                            _prompt_param(req)),
                                 stop=req.stop, priority=req.priority, eos=not req.ignore_eos,
                                 progress=req.stream and req.include_progress,
-                                speculation=req.speculation, user=req.user)
+                                speculation=req.speculation, user=req.user,
+                                history_len=history)
         handle = self._submit(gen)
         self.active[gen.request_id] = handle
         fmt = Formatter(req.kind, request[REQUEST_ID], self.model_name, int(time.time()))
@@ -285,12 +287,13 @@ class HttpApi:
             if not handle.done:
                 handle.cancel()
 
-    def _prompt_ids(self, req: ParsedRequest) -> list[int]:
+    def _prompt_ids(self, req: ParsedRequest) -> tuple[list[int], int | None]:
+        """The prompt's ids and, for a chat, the tokens its next turn repeats."""
         if isinstance(req.prompt, list):
             error = vocab_error(req.prompt, self.vocab_size)
             if error is not None:
                 raise bad("prompt", error)
-            return list(req.prompt)
+            return list(req.prompt), None
         if self.tokenizer is None:
             raise bad(_prompt_param(req), "this model has no tokenizer: send 'prompt' as a "
                       "list of token ids")
@@ -302,7 +305,10 @@ class HttpApi:
             raise bad(_prompt_param(req), str(exc)) from None
         if not ids:
             raise bad(_prompt_param(req), "the prompt encodes to zero tokens")
-        return ids
+        if req.kind == "completion":
+            return ids, None
+        return ids, self.tokenizer.chat_history_len(ids, req.messages, tools=req.tools,
+                                                    enable_thinking=req.enable_thinking)
 
     def _max_tokens(self, n_prompt: int, asked: int | None, param: str) -> int:
         limit, ctx = self.config.max_prompt_tokens, self._max_context()

@@ -145,6 +145,7 @@ class ZmqApi:
 
     def _request(self, peer: bytes, msg: SubmitRequest) -> GenerationRequest:
         limits = self.config
+        history = None  # a chat's tokens its next turn repeats
         if msg.prompt_ids is not None:
             ids = [int(t) for t in msg.prompt_ids]
             error = vocab_error(ids, self.vocab_size)
@@ -157,7 +158,9 @@ class ZmqApi:
                 if msg.messages is None:
                     ids = self.tokenizer.encode(msg.prompt)
                 else:
-                    ids = self.tokenizer.encode_chat([_message(m) for m in msg.messages])
+                    messages = [_message(m) for m in msg.messages]
+                    ids = self.tokenizer.encode_chat(messages)
+                    history = self.tokenizer.chat_history_len(ids, messages)
             except TokenizerError as exc:
                 raise RequestRejected(str(exc)) from None
             if not ids:
@@ -184,7 +187,7 @@ class ZmqApi:
             request_id=_internal_id(peer, msg.request_id), prompt_ids=ids,
             sampling=sampling, max_tokens=msg.max_tokens,
             stop=tuple(msg.stop), priority=msg.priority, speculation=msg.speculation,
-            user=msg.user)
+            user=msg.user, history_len=history)
 
     async def _stream(self, peer: bytes, msg: SubmitRequest, handle) -> None:
         index, ids, text = 0, [], []

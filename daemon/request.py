@@ -40,6 +40,9 @@ class GenerationRequest:
     progress: bool = False  # push prompt-progress events (RequestEvent.progress) while waiting
     speculation: bool = True  # False: never draft for it (nor index its text globally)
     user: str | None = None  # OpenAI's `user`: a synthetic model's routing key (user_route_key)
+    # a chat's prompt tokens that its next turn repeats (Tokenizer.chat_history_len): the
+    # scheduler ends a prefill chunk and keeps a prefix checkpoint there
+    history_len: int | None = None
 
 
 def user_route_key(user: str) -> int:

@@ -271,9 +271,13 @@ class Scheduler:
         if self.prefix is not None:  # chunks end on checkpoint boundaries
             boundary = (start // self.checkpoint_interval + 1) * self.checkpoint_interval
             end = min(end, boundary)
-            if (end % self.checkpoint_interval == 0 or end == target) and \
+            turn = seq.req.history_len  # where the chat's next turn leaves this prompt
+            end = turn if turn is not None and start < turn < end else end
+            if (end % self.checkpoint_interval == 0 or end in (target, turn)) and \
                     self._shareable(slot, seq):
-                self._checkpoint(slot, seq.tokens(0, end), after, self._space(slot, seq))
+                # past a turn's end the prompt serves only its repeats: weak (never supersedes)
+                self._checkpoint(slot, seq.tokens(0, end), after, self._space(slot, seq),
+                                 weak=end == target and turn is not None)
         return SlotWork(kind=WorkKind.PREFILL, start_pos=start, num_tokens=end - start,
                         input_ids=token_array(seq.tokens(start, end)),
                         needs_logits=end == target, **common)

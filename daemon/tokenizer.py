@@ -115,10 +115,30 @@ class Tokenizer:
         """The prompt ids of a chat (generation prompt added). Special-token text that the
         client typed (in contents, names, tool calls, tool definitions) stays text: it
         cannot open a turn or a role of its own (role injection)."""
+        return self._chat_ids(messages, tools, enable_thinking, generation=True)
+
+    def chat_history_len(self, ids: Sequence[int], messages: Sequence[dict[str, Any]], *,
+                         tools: Sequence[dict[str, Any]] | None = None,
+                         enable_thinking: bool | None = None) -> int | None:
+        """How many of ``ids`` (:meth:`encode_chat`'s) the conversation's next turn will
+        begin with: the messages rendered without the generation prompt, where that is a
+        shorter prefix of ``ids``; else None. The next turn appends the answer as the
+        template renders it (e.g. without the empty thinking block a Qwen3 generation
+        prompt opens), so the whole prompt is never its prefix; the scheduler checkpoints
+        here (daemon/scheduler.py)."""
+        try:
+            history = self._chat_ids(messages, tools, enable_thinking, generation=False)
+        except TokenizerError:
+            return None
+        n = len(history)
+        return n if 0 < n < len(ids) and list(ids[:n]) == history else None
+
+    def _chat_ids(self, messages, tools, enable_thinking, *, generation: bool) -> list[int]:
         found: list[str] = []
         nonce = secrets.token_hex(4)
         defuse = _Defuser(self.special_tokens, nonce, found)
-        text = self.apply_chat_template(defuse(list(messages)), add_generation_prompt=True,
+        text = self.apply_chat_template(defuse(list(messages)),
+                                        add_generation_prompt=generation,
                                         tools=defuse(list(tools)) if tools else None,
                                         enable_thinking=enable_thinking)
         if not found:

@@ -232,3 +232,22 @@ def test_missing_and_bad_files(model_dir, tmp_path):
     (path / "tokenizer_config.json").write_text("{oops")
     with pytest.raises(TokenizerError, match="tokenizer_config.json"):
         Tokenizer.from_dir(path)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}, {"tools": TOOLS}])
+def test_chat_history_len_is_what_the_next_turn_begins_with(tok, kwargs):
+    """The messages without the generation prompt: a prefix of the prompt, and of the next
+    turn's prompt (the answer and a new message appended), which the whole prompt is not
+    when the generation prompt opens an empty thinking block."""
+    messages = [{"role": "system", "content": "S <|im_end|> typed"},
+                {"role": "user", "content": "Read f.py"}]
+    ids = tok.encode_chat(messages, **kwargs)
+    n = tok.chat_history_len(ids, messages, **kwargs)
+    assert n is not None and 0 < n < len(ids)
+    following = messages + [{"role": "assistant", "content": "Done."},
+                            {"role": "user", "content": "Now run it"}]
+    nxt = tok.encode_chat(following, **kwargs)
+    assert nxt[:n] == ids[:n]
+    if kwargs.get("enable_thinking") is False:
+        assert nxt[:len(ids)] != ids  # the empty thinking block is not repeated
+    assert tok.chat_history_len(ids[:n], messages, **kwargs) is None  # not shorter: none

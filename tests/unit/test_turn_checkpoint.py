@@ -41,8 +41,10 @@ def _scheduler(model, mode: str = "off") -> tuple[Scheduler, InProcessWorker]:
     return sched, worker
 
 
-async def _serve(sched, prompt: list[int], n: int, rid: str) -> list[int]:
-    req = GenerationRequest(rid, prompt, SamplingParams(temperature=0.8, seed=9), n, eos=False)
+async def _serve(sched, prompt: list[int], n: int, rid: str,
+                 history_len: int | None = None) -> list[int]:
+    req = GenerationRequest(rid, prompt, SamplingParams(temperature=0.8, seed=9), n, eos=False,
+                            history_len=history_len)
     return (await drain(sched, [sched.submit(req)]))[0][0]
 
 
@@ -62,5 +64,35 @@ def test_the_next_turn_prefills_only_its_new_message(model, mode):
                                               len(follow) + len(got) - 1]  # each turn's
     first = next(w for p in worker.plans for w in p.slots if w.request_id == "turn2")
     assert first.cached_len == len(PROMPT) + len(answer) - 1  # all but the answer's last
+    cold, _ = _scheduler(model, mode)
+    assert got == asyncio.run(_serve(cold, follow, 6, "turn2"))
+
+
+@pytest.mark.parametrize("mode", ["off", "wide"])
+def test_a_chat_turn_hits_the_checkpoint_where_its_history_ends(model, mode):
+    """A chat prompt's last tokens open the answer (a generation prompt the next turn does
+    not repeat: history_len, Tokenizer.chat_history_len): a prefill chunk ends there and
+    checkpoints it, the whole prompt is kept weak, and the next turn (the history, the
+    answer as the template renders it, a new message) prefills only from there, with the
+    tokens of a cold start."""
+    sched, worker = _scheduler(model, mode)
+    history = len(PROMPT) - 3
+
+    async def turns() -> tuple[list[int], list[int]]:
+        answer = await _serve(sched, PROMPT, 5, "turn1", history_len=history)
+        follow = PROMPT[:history] + [40, 41] + answer + [11, 12, 13]
+        return follow, await _serve(sched, follow, 6, "turn2")
+
+    follow, got = asyncio.run(turns())
+    chunks = [(w.start_pos, w.num_tokens) for p in worker.plans for w in p.slots
+              if w.request_id == "turn1" and w.start_pos < len(PROMPT)]
+    assert (history - history % 8, history % 8) in chunks  # ends at the history (8: interval)
+    saved = [op.num_tokens for p in worker.plans for op in p.cache_ops_after
+             if op.op == CacheOpKind.CHECKPOINT]
+    assert history in saved and len(PROMPT) in saved
+    assert sched.prefix.lookup(PROMPT[:history] + [99]) is not None
+    assert sched.prefix._by_tokens[(None, tuple(PROMPT))] in sched.prefix._weak
+    first = next(w for p in worker.plans for w in p.slots if w.request_id == "turn2")
+    assert first.cached_len == history
     cold, _ = _scheduler(model, mode)
     assert got == asyncio.run(_serve(cold, follow, 6, "turn2"))
