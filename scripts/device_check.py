@@ -222,6 +222,18 @@ PLANS: dict[str, list[Check]] = {
               "tar czf $OUT/coding_32_work.tar.gz --exclude='./model-*' "
               "-C /tmp/tbc-h200-32c .; exit $rc", 585),
     ],
+    # the exactness of a multi-turn workload (session 19: narrow's third coding turn differed
+    # from off's until fa5112b and c2c7d0c), and the history checkpoints' prefix-cache hits
+    # (prompt_cached_tokens): coding off then narrow at 32 GiB, 3 turns (~420 s cold)
+    "coding_exact": [
+        Check("coding_exact_32", "mount -o remount,size=110G /dev/shm; timeout -k 15 560 "
+              f"{PY} scripts.bench_concurrency --model qwen3-next-80b-a3b --gpu-budget 32 "
+              f"--proposer replay --replay-source mtp {SHARDS}"
+              "--arms off,narrow --pairs 1 --workloads coding --coding-turns 3 "
+              "--coding-tokens 64 --out-dir $OUT/concurrency_h200/32c "
+              "--work-dir /tmp/tbc-32x; rc=$?; tar czf $OUT/coding_exact_work.tar.gz "
+              "--exclude='./model-*' -C /tmp/tbc-32x .; exit $rc", 585),
+    ],
     # essays at 32 GiB with every verify layout captured at start-up (gpu_worker/
     # graph_warm.py; its GPU tests are in plan "graphs"): off records the replay file, wide
     # and adaptive should replay from their first pass (steps.cuda_graph_passes and start of
