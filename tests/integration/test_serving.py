@@ -166,6 +166,43 @@ def test_prefix_reuse_prefills_only_the_rest(server, model):
     assert first[0] == generate_alone(model, shared + "Say one thing.", 12)["text"]
 
 
+def test_a_conversations_next_turn_reuses_its_history(server, model):
+    """Over HTTP: a chat's second turn (the first's messages, its answer, a new message)
+    finds the checkpoint where the first turn's history ended: exactly those tokens are
+    cached, though the first prompt ended in an empty thinking block the second does not
+    repeat (daemon/scheduler.py, Tokenizer.chat_history_len)."""
+    from daemon.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model)
+    for n in range(4, 40):  # a history ending mid-interval (the server's: 32 tokens), where
+        # only the history's own checkpoint can serve the next turn
+        messages = [{"role": "system", "content": "You review code. " * n},
+                    {"role": "user", "content": "Read utils.py and say what it does."}]
+        ids = tok.encode_chat(messages, enable_thinking=False)
+        history = tok.chat_history_len(ids, messages, enable_thinking=False)
+        if history is not None and 8 <= history % 32 <= 20:
+            break
+    thinking = {"chat_template_kwargs": {"enable_thinking": False}}
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 8,
+                    "temperature": 0, **thinking}
+            async with s.post(server.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                answer = (await r.json())["choices"][0]["message"]["content"]
+            follow = messages + [{"role": "assistant", "content": answer},
+                                 {"role": "user", "content": "Now write its tests."}]
+            async with s.post(server.url + "/v1/chat/completions",
+                              json={**body, "messages": follow}) as r:
+                assert r.status == 200, await r.text()
+                return (await r.json())["usage"]
+
+    assert history is not None and 8 <= history % 32 <= 20, history
+    usage = run(go())
+    assert usage["prompt_tokens_details"]["cached_tokens"] == history
+
+
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
     async def go():
         out = []
