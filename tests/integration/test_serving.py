@@ -167,15 +167,12 @@ def test_prefix_reuse_prefills_only_the_rest(server, model):
 
 
 def test_a_conversations_next_turn_reuses_its_history(server, model):
-    """Over HTTP: a chat's second turn (the first's messages, its answer, a new message)
-    finds the checkpoint where the first turn's history ended: exactly those tokens are
-    cached, though the first prompt ended in an empty thinking block the second does not
-    repeat (daemon/scheduler.py, Tokenizer.chat_history_len)."""
+    """A chat's second turn finds the checkpoint where the first turn's history ended
+    (Tokenizer.chat_history_len), past the first prompt's unrepeated empty thinking block."""
     from daemon.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model)
-    for n in range(4, 40):  # a history ending mid-interval (the server's: 32 tokens), where
-        # only the history's own checkpoint can serve the next turn
+    for n in range(4, 40):  # a history ending mid-interval (32): only its own checkpoint serves
         messages = [{"role": "system", "content": "You review code. " * n},
                     {"role": "user", "content": "Read utils.py and say what it does."}]
         ids = tok.encode_chat(messages, enable_thinking=False)
