@@ -112,21 +112,41 @@ class StepMeta:
     version: int
     write: Array  # int32 [3, R]: batch row, slot, position of every row
     paged: Array  # int32 [3, n]: the same for the rows of the paged-attention launch
-    long: tuple[Segment, ...]  # segments of more than PAGED_MAX_ROWS rows
+    # the long segments' launches (:func:`long_launches`): their rows' int32 [3, m] and the
+    # last position among them
+    long: tuple[tuple[Array, int], ...]
     max_position: int  # >= the batch's last position: sizes the partitioned launch
+
+
+def long_launches(batch: RaggedBatch) -> list[tuple[int, int, int]]:
+    """(first row, end row, last position) of each paged launch of the segments of more than
+    :data:`PAGED_MAX_ROWS` rows: at most :data:`LONG_ROW_PARTITIONS` (row, partition) pairs
+    each, so the workspace stays small at long contexts (the launches' sizes never change a
+    bit: each row is computed as a lone decode row at its position)."""
+    out = []
+    for seg in batch.segments:
+        if seg.num <= PAGED_MAX_ROWS:
+            continue
+        step = max(1, LONG_ROW_PARTITIONS // ((seg.end - 1) // paged.PARTITION + 1))
+        for a in range(seg.row0, seg.row0 + seg.num, step):
+            b = min(a + step, seg.row0 + seg.num)
+            out.append((a, b, seg.start + (b - seg.row0) - 1))
+    return out
 
 
 def step_meta_host(kv: KVCache, batch: RaggedBatch) -> np.ndarray:
     """The host side of a batch's :class:`StepMeta`: allocates the segments' KV blocks and
-    copies shared ones (copy-on-write), then returns int32 [3R + 3n]: row, slot, position of
-    every row, then of the rows of the paged launch (segments of <= PAGED_MAX_ROWS rows)."""
+    copies shared ones (copy-on-write), then returns int32 [3R + 3n + ...]: row, slot,
+    position of every row, then of the rows of the paged launch (segments of <=
+    PAGED_MAX_ROWS rows), then of each long segment launch's rows (:func:`long_launches`)."""
     for seg in batch.segments:
         kv.reserve(seg.slot, seg.start, seg.num)
     R = batch.num_rows
     slots = np.repeat([s.slot for s in batch.segments], [s.num for s in batch.segments])
     rows = np.stack([np.arange(R), slots, batch.positions]).astype(np.int32)  # [3, R]
     short = np.concatenate([np.full(s.num, s.num <= PAGED_MAX_ROWS) for s in batch.segments])
-    return np.concatenate([rows.ravel(), rows[:, short].ravel()])
+    return np.concatenate([rows.ravel(), rows[:, short].ravel(),
+                           *(rows[:, a:b].ravel() for a, b, _ in long_launches(batch))])
 
 
 def step_meta(kv: KVCache, batch: RaggedBatch, dev: Array,
@@ -135,10 +155,14 @@ def step_meta(kv: KVCache, batch: RaggedBatch, dev: Array,
     ``max_position``: the batch's last position when None (a CUDA graph passes the context
     limit: its grid must cover any step it replays; a row's bits do not depend on it)."""
     R = batch.num_rows
-    long = tuple(s for s in batch.segments if s.num > PAGED_MAX_ROWS)
+    n = sum(s.num for s in batch.segments if s.num <= PAGED_MAX_ROWS)
+    at, long = 3 * (R + n), []
+    for a, b, last in long_launches(batch):
+        long.append((dev[at:at + 3 * (b - a)].reshape(3, b - a), last))
+        at += 3 * (b - a)
     top = int(batch.positions.max(initial=0)) if max_position is None else max_position
-    return StepMeta(batch, kv.version, dev[:3 * R].reshape(3, R), dev[3 * R:].reshape(3, -1),
-                    long, top)
+    return StepMeta(batch, kv.version, dev[:3 * R].reshape(3, R),
+                    dev[3 * R:3 * (R + n)].reshape(3, n), tuple(long), top)
 
 
 def _step_meta(xp, kv: KVCache, batch: RaggedBatch) -> StepMeta:
@@ -152,7 +176,7 @@ def _step_meta(xp, kv: KVCache, batch: RaggedBatch) -> StepMeta:
 def _paged(ops: Ops, q: Array, k: Array, v: Array, batch: RaggedBatch, kv: KVCache,
            layer: int, scale, meta: StepMeta | None = None) -> Array:
     """The CuPy path: one K/V write launch, one paged-attention launch for the short
-    segments' rows, then the long segments' rows (:func:`_long_segment`) -> [R, Hq, hd].
+    segments' rows, then the long segments' launches (:func:`long_launches`) -> [R, Hq, hd].
     ``meta``: the step's (gpu_worker/step_inputs.py), else built here once per batch."""
     xp = ops.xp
     meta = meta if meta is not None else _step_meta(xp, kv, batch)
@@ -162,21 +186,6 @@ def _paged(ops: Ops, q: Array, k: Array, v: Array, batch: RaggedBatch, kv: KVCac
     out = xp.empty(q.shape, dtype=ops.dtype)
     paged.paged_attention(q, kv, layer, meta.paged, tables, out, scale,
                           max_position=meta.max_position)
-    for seg in meta.long:
-        _long_segment(xp, q, kv, layer, seg, meta.write, tables, out, scale)
+    for rows, last in meta.long:
+        paged.paged_attention(q, kv, layer, rows, tables, out, scale, max_position=last)
     return out
-
-
-def _long_segment(xp, q: Array, kv: KVCache, layer: int, seg: Segment, write: Array,
-                  tables: Array, out: Array, scale) -> None:
-    """A long segment's rows through the paged kernels, in launches of at most
-    :data:`LONG_ROW_PARTITIONS` (row, partition) pairs; ``write``: the step's int32 [3, R]
-    row, slot, position of every row. Each row's bits are those of a lone decode row at its
-    position (the launches' sizes never change a bit)."""
-    nz = (seg.end - 1) // paged.PARTITION + 1  # partitions of the segment's last row
-    step = max(1, LONG_ROW_PARTITIONS // nz)
-    for a in range(seg.row0, seg.row0 + seg.num, step):
-        b = min(a + step, seg.row0 + seg.num)
-        meta = xp.ascontiguousarray(write[:, a:b])
-        paged.paged_attention(q, kv, layer, meta, tables, out, scale,
-                              max_position=seg.start + (b - seg.row0) - 1)
