@@ -4,7 +4,8 @@ device time per launch (CUDA events over a CUDA graph of back-to-back launches, 
 Nsight Compute's serialised replays stretch short kernels), next to the bytes they must read.
 A GPU benchmark, < 30 s. ``--prefill``: instead, one 80B attention layer's prefill chunk
 (512 rows after 0, 3,584 or 11,776 cached positions) through the paged kernels (its rows get
-decode rows' bits) against the cuBLAS matrix products long chunks used until tree 3b6c287.
+decode rows' bits) in each launch shape of ``--long-shapes`` (rows a warp, warps a block,
+compile bound), against the cuBLAS matrix products long chunks used until tree 3b6c287.
 
     python -m scripts.bench_attention --out docs/bench/attention_h200.json
     python -m scripts.bench_attention --prefill --out docs/bench/prefill_attention_h100.json
@@ -13,6 +14,7 @@ decode rows' bits) against the cuBLAS matrix products long chunks used until tre
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 
 import numpy as np
@@ -56,9 +58,11 @@ def bench_attention(cp, slots: int, rows: int, context: int, partition: int,
             "bytes": nbytes, "floor_us": round(nbytes / HBM * 1e6, 2)}
 
 
-def bench_prefill(cp, start: int, rows: int, paged: bool) -> dict:
+def bench_prefill(cp, start: int, rows: int, shape: tuple[int, int, int] | None) -> dict:
     """One layer's attention for a ``rows``-row prefill chunk at positions start.. of one
-    slot (K/V written, as the model does): the paged kernels, or the matrix products."""
+    slot (K/V written, as the model does): the paged kernels with ``shape`` (rows a warp,
+    warps a block, compile bound: attention.LONG_*), or the matrix products (None). The
+    output's hash goes in the record: every shape must give the same bits."""
     from gpu_worker.kernels import paged_attention as pa
     from gpu_worker.kv_cache import KVCache
     from gpu_worker.model import attention
@@ -66,6 +70,7 @@ def bench_prefill(cp, start: int, rows: int, paged: bool) -> dict:
     from gpu_worker.model.ops import Ops
 
     positions = start + rows
+    cp.random.seed(start)
     kv = KVCache(cp, 1, -(-positions // BLOCK) + 1, BLOCK, HKV, HD, np.dtype(np.float32))
     kv.reserve(0, 0, positions)
     kv.k[...] = cp.random.standard_normal(kv.k.shape, dtype=cp.float32)
@@ -74,17 +79,21 @@ def bench_prefill(cp, start: int, rows: int, paged: bool) -> dict:
     ops, scale = Ops(cp, np.float32), np.float32(HD ** -0.5)
     q = cp.random.standard_normal((rows, HKV * GROUP, HD), dtype=cp.float32)
     k, v = (cp.random.standard_normal((rows, HKV, HD), dtype=cp.float32) for _ in range(2))
-    if paged:
+    if shape is not None:
+        (attention.LONG_ROWS_PER_WARP, attention.LONG_BLOCK_WARPS,
+         attention.LONG_MIN_BLOCKS) = shape
         fn = lambda: attention._paged(ops, q, k, v, batch, kv, 0, scale)  # noqa: E731
     else:
         def fn():
             pa.write_kv(kv, 0, k, v, attention._step_meta(cp, kv, batch).write,
                         kv.device_tables())
             return attention._segment(ops, q, kv, 0, batch.segments[0], scale)
+    out = cp.asnumpy(fn())
     us = gpu_us(cp, fn, reps=5, batch=3, graph=False)  # cuBLAS: no capture
-    return {"what": "prefill_attention", "path": "paged" if paged else "matrix_products",
+    return {"what": "prefill_attention", "path": "paged" if shape else "matrix_products",
+            "shape": "x".join(map(str, shape)) if shape else None,
             "rows": rows, "start": start, "us": round(us, 1),
-            "us_per_row": round(us / rows, 2)}
+            "us_per_row": round(us / rows, 2), "sha1": hashlib.sha1(out.tobytes()).hexdigest()}
 
 
 def bench_norm(cp, rows: int, H: int, add: bool) -> dict:
@@ -130,14 +139,18 @@ def main() -> None:
     ap.add_argument("--min-blocks", default="1,2", help="the attention kernel's compile bound "
                     "(blocks per SM ptxas must fit), each timed")
     ap.add_argument("--prefill", action="store_true", help="the prefill chunk's paths only")
+    ap.add_argument("--long-shapes", default="1x8x2,2x8x1,2x8x2,2x4x1,4x8x1,4x4x1",
+                    help="--prefill: the paged launches' rows a warp x warps a block x "
+                    "compile bound, each timed")
     args = ap.parse_args()
     import cupy as cp
 
     records = []
     if args.prefill:
+        shapes = [tuple(int(x) for x in t.split("x")) for t in args.long_shapes.split(",")]
         for start in (0, 3584, 11776):
-            for paged in (True, False):
-                records.append(bench_prefill(cp, start, 512, paged))
+            for shape in (*shapes, None):
+                records.append(bench_prefill(cp, start, 512, shape))
                 print(records[-1], flush=True)
     for part in (() if args.prefill else (int(p) for p in args.partitions.split(","))):
         for minb in (int(b) for b in args.min_blocks.split(",")):

@@ -234,6 +234,17 @@ PLANS: dict[str, list[Check]] = {
               "--work-dir /tmp/tbc-32x; rc=$?; tar czf $OUT/coding_exact_work.tar.gz "
               "--exclude='./model-*' -C /tmp/tbc-32x .; exit $rc", 585),
     ],
+    # a prefill chunk's rows several to a warp (session 20): the kernels' bits (decode rows
+    # and R-row launches), the model's chunking and every-layout invariance with both
+    # architectures and the GPU experts' row cap, then each launch shape's speed
+    "prefill": [
+        Check("paged_attention", f"{PY} pytest -q -p no:cacheprovider "
+              "tests/gpu/test_paged_attention_cupy.py", 150),
+        Check("prefill_speed", f"{PY} scripts.bench_attention --prefill "
+              "--out $OUT/prefill_attention.json", 120),
+        Check("invariance", f"{PY} pytest -q -s -p no:cacheprovider "
+              "tests/gpu/test_batch_invariance_cupy.py tests/gpu/test_moe_merged_cupy.py", 280),
+    ],
     # essays at 32 GiB with every verify layout captured at start-up (gpu_worker/
     # graph_warm.py; its GPU tests are in plan "graphs"): off records the replay file, wide
     # and adaptive should replay from their first pass (steps.cuda_graph_passes and start of

@@ -16,7 +16,9 @@
    ``l = l * alpha + p_0 + p_1 + ...`` and
    ``acc_d = acc_d * alpha + p_0 v_0d + ...`` (ascending j); it stores ``m, l, acc`` of the
    partition. The warps of a block (up to :data:`MAX_WARPS` q heads of one kv head) read the
-   same keys, so the L1 serves all but the first; no shared memory, no barrier.
+   same keys, so the L1 serves all but the first; no shared memory, no barrier. A prefill
+   chunk's rows (one slot's) may go ``rows_per_warp`` to a warp: each key and value is loaded
+   once for them, and each row's arithmetic is still the lone row's, op for op.
 3. ``paged_merge``: grid (rows, q heads); ``M = max_z m_z``, ``a_z = exp(m_z - M)``, ``L =
    l_0 a_0 + l_1 a_1 + ...`` and ``A_d = acc_0d a_0 + acc_1d a_1 + ...`` in ascending z; the
    output is ``A / L``. A row with one partition (pos < P) gets ``a_0 = exp(0) = 1`` exactly:
@@ -54,9 +56,11 @@ MIN_BLOCKS = 2
 
 
 @functools.cache
-def _function(name: str, min_blocks: int = MIN_BLOCKS):
-    """A kernel of the module compiled for ``min_blocks`` (looked up once)."""
-    return raw_module(_source(min_blocks), "paged attention kernels").get_function(name)
+def _function(name: str, min_blocks: int = MIN_BLOCKS, rows: int = 1, variant: str | None = None):
+    """A kernel of the module compiled for ``min_blocks``, ``rows`` per warp and ``variant``
+    (None: all four); looked up once, each module compiled when first used."""
+    return raw_module(_source(min_blocks, rows, variant),
+                      "paged attention kernels").get_function(name)
 
 
 def _variant(dtype, quant: bool) -> str:
@@ -113,7 +117,8 @@ def grid_partitions(nz: int, rows: int, q_heads: int, target: int = GRID_WARPS) 
 
 def paged_attention(q, kv, layer: int, meta, tables, out, scale, *,
                     max_position: int | None = None, partition: int = PARTITION,
-                    grid_warps: int = GRID_WARPS, min_blocks: int | None = None) -> None:
+                    grid_warps: int = GRID_WARPS, min_blocks: int | None = None,
+                    rows_per_warp: int = 1, block_warps: int = MAX_WARPS) -> None:
     """``out[row] = softmax(q[row] K^T * scale) V`` over keys 0..position of the row's slot,
     for the rows of ``meta`` (int32 [3, n] on the device); ``q``, ``out`` [R, Hq, hd]
     C-contiguous, the compute dtype; ``scale`` of that dtype. Other rows of ``out`` are left
@@ -121,7 +126,10 @@ def paged_attention(q, kv, layer: int, meta, tables, out, scale, *,
     and the workspace (the bits never depend on it); None bounds it by the tables' width.
     ``partition``: keys per warp (a multiple of :data:`CHUNK`; tests set it low);
     ``grid_warps``: :func:`grid_partitions`' target (tests set it low); ``min_blocks``: the
-    attention kernel's compile bound (None: :data:`MIN_BLOCKS`). Neither changes a bit."""
+    attention kernel's compile bound (None: :data:`MIN_BLOCKS`); ``rows_per_warp``: rows a
+    warp computes together, sharing each key's and value's loads (above 1, each group of that
+    many consecutive rows of ``meta`` must be one slot's: a prefill chunk's rows);
+    ``block_warps``: q heads of a block (at most :data:`MAX_WARPS`). None changes a bit."""
     n = meta.shape[1]
     if n == 0:
         return
@@ -137,6 +145,8 @@ def paged_attention(q, kv, layer: int, meta, tables, out, scale, *,
         raise ValueError(f"q {q.shape}, out {out.shape} do not fit the cache "
                          f"({hkv} kv heads of {kv.head_dim})")
     _check_dtype(kv, q.dtype)
+    if not 1 <= block_warps <= MAX_WARPS or rows_per_warp < 1:
+        raise ValueError(f"{rows_per_warp} rows a warp, {block_warps} warps a block")
     nz = _partitions(partition, kv, tables, max_position)
     xp = kv.xp
     pm = xp.empty((n, hkv, nz, group), q.dtype)  # per partition: max, sum, weighted values
@@ -144,9 +154,11 @@ def paged_attention(q, kv, layer: int, meta, tables, out, scale, *,
     pacc = xp.empty((n, hkv, nz, group, hd), q.dtype)
     variant = _variant(q.dtype, kv.quant)
     dims = (np.int32(hkv), np.int32(hd), np.int32(group), np.int32(partition))
-    warps = min(group, MAX_WARPS)
-    _function(attn_kernel(variant, hd), min_blocks or MIN_BLOCKS)(
-        (n, hkv * -(-group // warps), grid_partitions(nz, n, hq, grid_warps)), (32 * warps,),
+    warps, groups = min(group, block_warps), -(-n // rows_per_warp)
+    rows_module = (rows_per_warp, variant) if rows_per_warp > 1 else (1, None)
+    _function(attn_kernel(variant, hd, rows_per_warp), min_blocks or MIN_BLOCKS, *rows_module)(
+        (groups, hkv * -(-group // warps), grid_partitions(nz, groups, hq, grid_warps)),
+        (32 * warps,),
         (q, *_pool_args(kv), tables, np.int32(tables.shape[1]), meta, np.int32(n), pm, pl,
          pacc, np.int32(layer), np.int32(kv.num_blocks), np.int32(kv.block_size), *dims,
          np.int32(nz), q.dtype.type(scale)))

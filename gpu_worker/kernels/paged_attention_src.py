@@ -18,12 +18,13 @@ _ATTN_SHAPES = tuple((m, full) for m in DIM_SLOTS for full in (False, True)
                      if not full or m >= FULL_MIN_SLOTS)
 
 
-def attn_kernel(variant: str, hd: int) -> str:
+def attn_kernel(variant: str, hd: int, rows: int = 1) -> str:
     """The attention kernel for head dim ``hd`` (<= 32 x the largest of :data:`DIM_SLOTS`):
-    the fewest dims per lane that hold it, unclamped where hd fills them exactly."""
+    the fewest dims per lane that hold it, unclamped where hd fills them exactly; ``rows``
+    per warp (a module of :func:`source` with those rows)."""
     slots = next(m for m in DIM_SLOTS if 32 * m >= hd)
     full = "f" if hd == 32 * slots and slots >= FULL_MIN_SLOTS else ""
-    return f"paged_attn_{variant}_m{slots}{full}"
+    return f"paged_attn_{variant}_m{slots}{full}" + (f"_r{rows}" if rows > 1 else "")
 
 
 def _literal(v) -> str:
@@ -117,10 +118,12 @@ extern "C" __global__ void kv_write_NAME(
     STORE
 }
 
-// grid (n, Hkv hb, nz), block W warps (W = min(group, MAX_WARPS), hb = ceil(group / W)).
-// Warp w of block (i, h hb + b, z) computes q head g = b W + w of kv head h over partition
-// z: keys [z part, (z + 1) part) & [0, pos] -> m, l, acc [hd] at workspace index
-// w = (i hkv + h) nz + z, head g. Lane L holds dims d = L + 32 m (m < M, M 32 >= hd): q, acc.
+// grid (ceil(n / R), Hkv hb, nz), block W warps (W = min(group, MAX_WARPS), hb = ceil(group /
+// W)). Warp w of block (x, h hb + b, z) computes q head g = b W + w of kv head h over
+// partition z for rows i = x R .. x R + R - 1 (< n; with R > 1 rows of one slot, which share
+// every key and value load): keys [z part, (z + 1) part) & [0, pos_i] -> m, l, acc [hd] at
+// workspace index w = (i hkv + h) nz + z, head g. Lane L holds dims d = L + 32 m (m < M,
+// M 32 >= hd): q, acc. Each row's arithmetic is that of R = 1 (a row alone), op for op.
 // The warps of a block read the same keys and values (one kv head): the L1 serves all but
 // the first. No shared memory, no barrier; every branch is uniform in a warp.
 // NOTE: every load is unconditional (a key past the partition reads its last key, a dim past
@@ -129,7 +132,7 @@ extern "C" __global__ void kv_write_NAME(
 // a time (the H200: 30 us per chunk of 16 keys).
 // FULL: hd == 32 M, every lane's dims in the row (no clamping: a key's loads share one base
 // address with immediate offsets, which keeps hd 256 within the registers)
-template <int M, bool FULL>
+template <int M, bool FULL, int R>
 __device__ __forceinline__ void attn_NAME(
         const REAL* __restrict__ q, const KT* __restrict__ kpool, const KT* __restrict__ vpool,
         const unsigned short* __restrict__ kscale, const unsigned short* __restrict__ vscale,
@@ -138,36 +141,52 @@ __device__ __forceinline__ void attn_NAME(
         int nblocks, int bsize, int hkv, int hd, int group, int part, int nz, REAL scale) {
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int hb = (group + warps - 1) / warps;
-    int i = blockIdx.x, h = blockIdx.y / hb;
+    const int i0 = blockIdx.x * R, h = blockIdx.y / hb;
     int g = (blockIdx.y % hb) * warps + (threadIdx.x >> 5);
-    int row = meta[i], pos = meta[2 * n + i];
-    if (blockIdx.z * part > pos || g >= group) return;  // past the row's keys, or the group
-    const int* table = tables + (long long)meta[n + i] * width;
-    long long qoff = (((long long)row * hkv + h) * group + g) * hd;
+    int pos[R];  // the rows' positions (-1: past n)
+    int top = -1;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        pos[r] = i0 + r < n ? meta[2 * n + i0 + r] : -1;
+        top = max(top, pos[r]);
+    }
+    if (blockIdx.z * part > top || g >= group) return;  // past the rows' keys, or the group
+    const int* table = tables + (long long)meta[n + i0] * width;
     int dc[M];    // the lane's dims, clamped into the row (loads stay in bounds)
     bool on[M];   // dims < hd
-    REAL qr[M];
+    REAL qr[R][M];
 #pragma unroll
     for (int m = 0; m < M; ++m) {
         on[m] = FULL || lane + 32 * m < hd;
         dc[m] = FULL ? lane + 32 * m : min(lane + 32 * m, hd - 1);
-        qr[m] = q[qoff + dc[m]];
-        if (!on[m]) qr[m] = 0;
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        long long qoff = (((long long)meta[min(i0 + r, n - 1)] * hkv + h) * group + g) * hd;
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            qr[r][m] = q[qoff + dc[m]];
+            if (!on[m]) qr[r][m] = 0;
+        }
     }
     // partitions z = blockIdx.z, + gridDim.z, ...: the grid's z stays small whatever the
     // context limit a graph sizes nz for; each partition is computed and stored on its own
-    for (int z = blockIdx.z; z < nz && z * part <= pos; z += gridDim.z) {
-    const int first = z * part, last = min(pos, first + part - 1);
-    REAL acc[M];
+    for (int z = blockIdx.z; z < nz && z * part <= top; z += gridDim.z) {
+    const int first = z * part, last = min(top, first + part - 1);
+    REAL acc[R][M], mo[R], l[R];
 #pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] = 0;
-    REAL mo = NEG_INF, l = 0;
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) acc[r][m] = 0;
+        mo[r] = NEG_INF;
+        l[r] = 0;
+    }
 #define AT(P, S, j, m) LOAD(P, S, (long long)vec[j] * hd + dc[m], \
                            (long long)vec[j] * (hd / 32) + dc[m] / 32)
     for (int c0 = first; c0 <= last; c0 += CHUNK) {
-        const int valid = min(CHUNK, last + 1 - c0);
+        const int valid = min(CHUNK, last + 1 - c0);  // the chunk's keys some row takes
         int vec[CHUNK];  // < 2^31 vectors of hd (paged_attention checks the pool)
-        REAL s[CHUNK];
+        REAL s[R][CHUNK];
         if (bsize % CHUNK == 0) {  // the chunk lies in one block (c0 % CHUNK == 0): one lookup
             const int v0 = (int)VEC(c0);
 #pragma unroll
@@ -184,43 +203,52 @@ __device__ __forceinline__ void attn_NAME(
 #pragma unroll
                 for (int m = 0; m < M; ++m) kv[jj][m] = AT(kpool, kscale, j0 + jj, m);
 #pragma unroll
-            for (int jj = 0; jj < GK; ++jj) {
-                REAL p = 0;
+            for (int r = 0; r < R; ++r)
 #pragma unroll
-                for (int m = 0; m < M; ++m)
-                    if (on[m]) p = p + qr[m] * kv[jj][m];
-                s[j0 + jj] = p;  // keys past valid: never used
-            }
+                for (int jj = 0; jj < GK; ++jj) {
+                    REAL p = 0;
+#pragma unroll
+                    for (int m = 0; m < M; ++m)
+                        if (on[m]) p = p + qr[r][m] * kv[jj][m];
+                    s[r][j0 + jj] = p;  // keys past the row's valid: never used
+                }
         }
 #pragma unroll
-        for (int j = 0; j < CHUNK; ++j) {  // the warp's sum (xor butterfly: every lane the same)
-            if (j < valid) {
-                REAL p = s[j];
+        for (int r = 0; r < R; ++r) {
+            const int vr = min(valid, pos[r] + 1 - c0);  // the row's keys here (uniform)
+            if (vr <= 0) continue;
 #pragma unroll
-                for (int o = 16; o > 0; o >>= 1) p = p + __shfl_xor_sync(0xffffffffu, p, o);
-                s[j] = p * scale;
+            for (int j = 0; j < CHUNK; ++j) {  // the warp's sum (xor butterfly: every lane)
+                if (j < vr) {
+                    REAL p = s[r][j];
+#pragma unroll
+                    for (int o = 16; o > 0; o >>= 1) p = p + __shfl_xor_sync(0xffffffffu, p, o);
+                    s[r][j] = p * scale;
+                }
             }
-        }
-        REAL mc = s[0];
+            REAL mc = s[r][0];
 #pragma unroll
-        for (int j = 1; j < CHUNK; ++j) if (j < valid) mc = max_t(mc, s[j]);
-        REAL mn = max_t(mo, mc), alpha = exp_neg(mo - mn);
-        l = l * alpha;
-        // key j's exp computed once, by lanes j and j + 16, then read from lane j: the same
-        // function of the same value (every lane holds every score), 16 exps fewer per lane
-        REAL mine = s[0];
+            for (int j = 1; j < CHUNK; ++j) if (j < vr) mc = max_t(mc, s[r][j]);
+            REAL mn = max_t(mo[r], mc), alpha = exp_neg(mo[r] - mn);
+            l[r] = l[r] * alpha;
+            // key j's exp computed once, by lanes j and j + 16, then read from lane j: the
+            // same function of the same value (every lane holds every score), 16 exps fewer
+            REAL mine = s[r][0];
 #pragma unroll
-        for (int j = 1; j < CHUNK; ++j) mine = pick((lane & (CHUNK - 1)) == j, s[j], mine);
-        const REAL e = exp_neg(mine - mn);
+            for (int j = 1; j < CHUNK; ++j)
+                mine = pick((lane & (CHUNK - 1)) == j, s[r][j], mine);
+            const REAL e = exp_neg(mine - mn);
 #pragma unroll
-        for (int j = 0; j < CHUNK; ++j) {
-            if (j < valid) {
-                s[j] = __shfl_sync(0xffffffffu, e, j);
-                l = l + s[j];
+            for (int j = 0; j < CHUNK; ++j) {
+                if (j < vr) {
+                    s[r][j] = __shfl_sync(0xffffffffu, e, j);
+                    l[r] = l[r] + s[r][j];
+                }
             }
-        }
 #pragma unroll
-        for (int m = 0; m < M; ++m) acc[m] = acc[m] * alpha;
+            for (int m = 0; m < M; ++m) acc[r][m] = acc[r][m] * alpha;
+            mo[r] = mn;
+        }
 #pragma unroll
         for (int j0 = 0; j0 < CHUNK; j0 += GK) {  // acc_d + p_j v_jd, j ascending
             REAL vv[GK][M];
@@ -229,21 +257,29 @@ __device__ __forceinline__ void attn_NAME(
 #pragma unroll
                 for (int m = 0; m < M; ++m) vv[jj][m] = AT(vpool, vscale, j0 + jj, m);
 #pragma unroll
-            for (int jj = 0; jj < GK; ++jj)
-                if (j0 + jj < valid)
+            for (int r = 0; r < R; ++r) {
+                const int vr = min(valid, pos[r] + 1 - c0);
 #pragma unroll
-                    for (int m = 0; m < M; ++m) acc[m] = acc[m] + s[j0 + jj] * vv[jj][m];
+                for (int jj = 0; jj < GK; ++jj)
+                    if (j0 + jj < vr)
+#pragma unroll
+                        for (int m = 0; m < M; ++m)
+                            acc[r][m] = acc[r][m] + s[r][j0 + jj] * vv[jj][m];
+            }
         }
-        mo = mn;
     }
 #undef AT
-    long long w = ((long long)i * hkv + h) * nz + z;
 #pragma unroll
-    for (int m = 0; m < M; ++m)
-        if (on[m]) pacc[(w * group + g) * hd + lane + 32 * m] = acc[m];
-    if (lane == 0) {
-        pm[w * group + g] = mo;
-        pl[w * group + g] = l;
+    for (int r = 0; r < R; ++r) {
+        if (first > pos[r]) continue;  // the row has no key here (nor a later partition)
+        long long w = ((long long)(i0 + r) * hkv + h) * nz + z;
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+            if (on[m]) pacc[(w * group + g) * hd + lane + 32 * m] = acc[r][m];
+        if (lane == 0) {
+            pm[w * group + g] = mo[r];
+            pl[w * group + g] = l[r];
+        }
     }
     }  // partitions
 }
@@ -289,14 +325,15 @@ _VARIANTS = (("f32", "float", "float", False), ("f64", "double", "double", False
 
 
 _ENTRY = """
-extern "C" __global__ void BOUNDSpaged_attn_NAME_mM_FULL_(
+extern "C" __global__ void BOUNDSpaged_attn_NAME_mM_FULL_SUFFIX_(
         const REAL* __restrict__ q, const KT* __restrict__ kpool, const KT* __restrict__ vpool,
         const unsigned short* __restrict__ kscale, const unsigned short* __restrict__ vscale,
         const int* __restrict__ tables, int width, const int* __restrict__ meta, int n,
         REAL* __restrict__ pm, REAL* __restrict__ pl, REAL* __restrict__ pacc, int layer,
         int nblocks, int bsize, int hkv, int hd, int group, int part, int nz, REAL scale) {
-    attn_NAME<M_, FULL_>(q, kpool, vpool, kscale, vscale, tables, width, meta, n, pm, pl,
-                         pacc, layer, nblocks, bsize, hkv, hd, group, part, nz, scale);
+    attn_NAME<M_, FULL_, ROWSPERWARP>(q, kpool, vpool, kscale, vscale, tables, width, meta,
+                                      n, pm, pl, pacc, layer, nblocks, bsize, hkv, hd, group,
+                                      part, nz, scale);
 }
 """
 
@@ -305,21 +342,27 @@ def _neg_inf(real: str):
     return (np.float32 if real == "float" else np.float64)(-np.inf)
 
 
-def source(min_blocks: int = 1) -> str:
+def source(min_blocks: int = 1, rows: int = 1, variant: str | None = None) -> str:
     """The module's CUDA source; ``min_blocks``: the attention kernels' blocks per SM that
     ptxas must fit (above 1, ``__launch_bounds__``: 2 caps a thread at 128 registers; 1 gives
     none, which ptxas compiles to 142 registers at head dim 256 against 215 with bounds of
-    (256, 1)). Speed only."""
+    (256, 1)); ``rows``: rows per warp of its attention kernels (:func:`attn_kernel`'s
+    names); ``variant``: that variant's kernels alone (a quicker compile). Speed only."""
     bounds = (f"__launch_bounds__({32 * MAX_WARPS}, {int(min_blocks)}) " if min_blocks > 1
               else "")
     parts = [_HEADER, _exp_source("float", np.float32),
              _exp_source("double", np.float64)]
     for name, real, kt, int8 in _VARIANTS:
+        if variant not in (None, name):
+            continue
         load = (_LOAD_INT8 if int8 else _LOAD_FLOAT).replace("REAL", real)
         parts.append(
             f"#define LOAD(P, S, I, SI) ({load})\n#define NEG_INF {_literal(_neg_inf(real))}\n"
             + _KERNELS.replace("ATTN_ENTRIES", "".join(
-                _ENTRY.replace("BOUNDS", bounds).replace("M_FULL_", f"{m}{'f' if full else ''}")
+                _ENTRY.replace("BOUNDS", bounds)
+                .replace("SUFFIX_", f"_r{rows}" if rows > 1 else "")
+                .replace("ROWSPERWARP", str(int(rows)))
+                .replace("M_FULL_", f"{m}{'f' if full else ''}")
                 .replace("M_, FULL_", f"{m}, {'true' if full else 'false'}")
                 for m, full in _ATTN_SHAPES))
             .replace("STORE", _STORE_INT8 if int8 else _STORE_FLOAT)

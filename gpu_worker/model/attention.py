@@ -37,6 +37,10 @@ PAGED_MAX_ROWS = 16  # a segment of more rows (a prefill chunk) gets launches of
 # rows x partitions of one long segment's launch: its workspace (max, sum and hd values per
 # q head) stays under ~64 MiB for 16 q heads of 256 dims in float32
 LONG_ROW_PARTITIONS = 4096
+# a long segment's rows a warp computes together (one slot's consecutive rows: each key and
+# value loaded once for them), its blocks' warps and compile bound (paged.paged_attention);
+# speed only, never a bit
+LONG_ROWS_PER_WARP, LONG_BLOCK_WARPS, LONG_MIN_BLOCKS = 2, 8, 1
 QKV_STACK = "qkv_stack"  # q, k, v projections in one matrix (model.stack_inputs)
 QKV_PARTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
 # gated attention on CuPy: q_proj's rows (per head: query, then gate) regrouped at load into
@@ -187,5 +191,7 @@ def _paged(ops: Ops, q: Array, k: Array, v: Array, batch: RaggedBatch, kv: KVCac
     paged.paged_attention(q, kv, layer, meta.paged, tables, out, scale,
                           max_position=meta.max_position)
     for rows, last in meta.long:
-        paged.paged_attention(q, kv, layer, rows, tables, out, scale, max_position=last)
+        paged.paged_attention(q, kv, layer, rows, tables, out, scale, max_position=last,
+                              rows_per_warp=LONG_ROWS_PER_WARP, block_warps=LONG_BLOCK_WARPS,
+                              min_blocks=LONG_MIN_BLOCKS)
     return out

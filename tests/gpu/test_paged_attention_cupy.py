@@ -174,6 +174,33 @@ def test_long_rows_merge_their_partitions_as_the_reference(name):
     assert runs[64][~one].tobytes() != runs[512][~one].tobytes()  # two orders
 
 
+@pytest.mark.parametrize("name", ["next80b", "next80b-int8", "moe30b", "f64-int8", "tiny"])
+def test_a_warps_rows_of_one_slot_keep_each_rows_bits(name):
+    """A prefill chunk's rows several to a warp (each key and value loaded once for them):
+    2, 3 and 4 rows a warp, blocks of fewer warps, both compile bounds, rows starting
+    mid-chunk and crossing partitions (the group's last one partial) give each row the bits
+    of the one-row launch, which equal the reference."""
+    dtype, quant, hd, hkv, g, bs = CONFIGS[name]
+    kv, _, _ = _filled(dtype, quant, hd, hkv, (300, 40), bs, seed=11)
+    q = np.random.default_rng(12).standard_normal((60, hkv * g, hd)).astype(dtype)
+    for slot, first, n, part in ((0, 157, 37, 64), (0, 0, 23, 16), (1, 5, 35, pa.PARTITION)):
+        rows = [(i, slot, first + i) for i in range(n)]
+        qd = cupy.asarray(q[:n])
+        one = _run(kv, qd, rows, partition=part)
+        if name != "tiny":
+            keys, values = _reference_inputs(kv, rows, dtype)
+            want = pa.attention_reference(q[:n], keys, values, np.arange(first, first + n),
+                                          np.dtype(dtype).type(hd ** -0.5), partition=part)
+            assert one.tobytes() == want.tobytes(), (name, first, _first_diff(one, want))
+        for r, warps, bounds in ((2, 8, 1), (3, 4, 1), (4, 8, 2), (2, 1, 2)):
+            got = _run(kv, qd, rows, partition=part, rows_per_warp=r, block_warps=warps,
+                       min_blocks=bounds)
+            assert got.tobytes() == one.tobytes(), (name, first, r, warps,
+                                                    _first_diff(got, one))
+    with pytest.raises(ValueError, match="warps a block"):
+        _run(kv, qd, rows, rows_per_warp=0)
+
+
 START = (0, 13, 62, 295)  # a slot's first row position; 5 rows each: keys 1..300, blocks crossed
 ROWS = 5
 
