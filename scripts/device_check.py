@@ -41,6 +41,19 @@ Q64 = ("python3 -c \"import json; c = json.load(open('configs/models/qwen3-next-
 SHARDS = "--set experts.shard_cache=/dev/shm/tbc-shards "
 
 
+def coding_check(name: str, arms: str) -> Check:
+    """bench_concurrency's coding loops at 32 GiB, 3 turns of 64 tokens, ``arms`` (off first:
+    it records the replay file) in one pair: runs to ``$OUT/concurrency/32c``, the work folder
+    (logs, records, replay file) packed beside them."""
+    return Check(name, "mount -o remount,size=110G /dev/shm; timeout -k 15 560 "
+                 f"{PY} scripts.bench_concurrency --model qwen3-next-80b-a3b --gpu-budget 32 "
+                 f"--proposer replay --replay-source mtp {SHARDS}"
+                 f"--arms {arms} --pairs 1 --workloads coding --coding-turns 3 "
+                 "--coding-tokens 64 --out-dir $OUT/concurrency/32c "
+                 f"--work-dir /tmp/tbc-32x; rc=$?; tar czf $OUT/{name}_work.tar.gz "
+                 "--exclude='./model-*' -C /tmp/tbc-32x .; exit $rc", 585)
+
+
 def essay_warm(budget: str, seconds: int) -> Check:
     """bench_concurrency's essays at GPU budget ``budget`` (32 or whole) with the arms off, wide
     and adaptive in ``seconds``: runs to ``$OUT/concurrency/<budget>``, the work folder (logs,
@@ -225,15 +238,9 @@ PLANS: dict[str, list[Check]] = {
     # the exactness of a multi-turn workload (session 19: narrow's third coding turn differed
     # from off's until fa5112b and c2c7d0c), and the history checkpoints' prefix-cache hits
     # (prompt_cached_tokens): coding off then narrow at 32 GiB, 3 turns (~420 s cold)
-    "coding_exact": [
-        Check("coding_exact_32", "mount -o remount,size=110G /dev/shm; timeout -k 15 560 "
-              f"{PY} scripts.bench_concurrency --model qwen3-next-80b-a3b --gpu-budget 32 "
-              f"--proposer replay --replay-source mtp {SHARDS}"
-              "--arms off,narrow --pairs 1 --workloads coding --coding-turns 3 "
-              "--coding-tokens 64 --out-dir $OUT/concurrency_h200/32c "
-              "--work-dir /tmp/tbc-32x; rc=$?; tar czf $OUT/coding_exact_work.tar.gz "
-              "--exclude='./model-*' -C /tmp/tbc-32x .; exit $rc", 585),
-    ],
+    "coding_exact": [coding_check("coding_exact_32", "off,narrow")],
+    # the same with wide (issue 15's coding ratio, 3 turns: ~470 s cold)
+    "coding_wide": [coding_check("coding_wide_32", "off,narrow,wide")],
     # a prefill chunk's rows several to a warp (session 20): the kernels' bits (decode rows
     # and R-row launches), the model's chunking and every-layout invariance with both
     # architectures and the GPU experts' row cap, then each launch shape's speed

@@ -39,8 +39,10 @@ PAGED_MAX_ROWS = 16  # a segment of more rows (a prefill chunk) gets launches of
 LONG_ROW_PARTITIONS = 4096
 # a long segment's rows a warp computes together (one slot's consecutive rows: each key and
 # value loaded once for them), its blocks' warps and compile bound (paged.paged_attention);
-# speed only, never a bit
-LONG_ROWS_PER_WARP, LONG_BLOCK_WARPS, LONG_MIN_BLOCKS = 2, 8, 1
+# speed only, never a bit. The fastest of six shapes on the H100 machine (da14ff6, python -m
+# scripts.bench_attention --prefill, docs/bench/prefill_attention_h100_da14ff6.json): 512
+# rows after 3,584 positions 5.35 ms against 9.08 at one row a warp
+LONG_ROWS_PER_WARP, LONG_BLOCK_WARPS, LONG_MIN_BLOCKS = 2, 8, 2
 QKV_STACK = "qkv_stack"  # q, k, v projections in one matrix (model.stack_inputs)
 QKV_PARTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
 # gated attention on CuPy: q_proj's rows (per head: query, then gate) regrouped at load into
