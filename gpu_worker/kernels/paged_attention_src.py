@@ -9,6 +9,8 @@ import numpy as np
 
 from gpu_worker.kernels.paged_attention_ref import CHUNK, exp_constants
 
+# the kernels reduce a chunk's scores transposed: 16 keys over a warp's 32 lanes
+assert CHUNK == 16, CHUNK
 DIM_SLOTS = (1, 2, 4, 8)  # dims per lane of the compiled variants (the smallest that holds hd)
 KEY_GROUP = 4  # keys whose K (then V) loads a lane issues together
 MAX_WARPS = 8  # q heads (one per warp) of a block; a larger group takes several blocks
@@ -217,31 +219,39 @@ __device__ __forceinline__ void attn_NAME(
         for (int r = 0; r < R; ++r) {
             const int vr = min(valid, pos[r] + 1 - c0);  // the row's keys here (uniform)
             if (vr <= 0) continue;
+            // the warp's sums of the chunk's keys, transposed as they are reduced: at the
+            // xor step over lane bit b a lane keeps half its keys (its bit b's half) and adds
+            // its partner's partial of each; after bits 4, 3, 2, 1 lane L holds key
+            // (L >> 1) & 15, and bit 0 adds L ^ 1's. Each sum is the xor butterfly's (the
+            // same additions, operands only swapped), in 16 shuffles for the chunk, not 80
+            REAL t8[8], t4[4], t2[2];
+            const bool b4 = lane & 16, b3 = lane & 8, b2 = lane & 4, b1 = lane & 2;
 #pragma unroll
-            for (int j = 0; j < CHUNK; ++j) {  // the warp's sum (xor butterfly: every lane)
-                if (j < vr) {
-                    REAL p = s[r][j];
+            for (int t = 0; t < 8; ++t)
+                t8[t] = pick(b4, s[r][t + 8], s[r][t])
+                        + __shfl_xor_sync(0xffffffffu, pick(b4, s[r][t], s[r][t + 8]), 16);
 #pragma unroll
-                    for (int o = 16; o > 0; o >>= 1) p = p + __shfl_xor_sync(0xffffffffu, p, o);
-                    s[r][j] = p * scale;
-                }
-            }
-            REAL mc = s[r][0];
+            for (int t = 0; t < 4; ++t)
+                t4[t] = pick(b3, t8[t + 4], t8[t])
+                        + __shfl_xor_sync(0xffffffffu, pick(b3, t8[t], t8[t + 4]), 8);
 #pragma unroll
-            for (int j = 1; j < CHUNK; ++j) if (j < vr) mc = max_t(mc, s[r][j]);
+            for (int t = 0; t < 2; ++t)
+                t2[t] = pick(b2, t4[t + 2], t4[t])
+                        + __shfl_xor_sync(0xffffffffu, pick(b2, t4[t], t4[t + 2]), 4);
+            REAL mine = pick(b1, t2[1], t2[0])
+                        + __shfl_xor_sync(0xffffffffu, pick(b1, t2[0], t2[1]), 2);
+            mine = (mine + __shfl_xor_sync(0xffffffffu, mine, 1)) * scale;
+            // the chunk's max over the row's keys (exact in any order)
+            REAL mc = ((lane >> 1) & 15) < vr ? mine : NEG_INF;
+#pragma unroll
+            for (int o = 2; o < 32; o <<= 1) mc = max_t(mc, __shfl_xor_sync(0xffffffffu, mc, o));
             REAL mn = max_t(mo[r], mc), alpha = exp_neg(mo[r] - mn);
             l[r] = l[r] * alpha;
-            // key j's exp computed once, by lanes j and j + 16, then read from lane j: the
-            // same function of the same value (every lane holds every score), 16 exps fewer
-            REAL mine = s[r][0];
-#pragma unroll
-            for (int j = 1; j < CHUNK; ++j)
-                mine = pick((lane & (CHUNK - 1)) == j, s[r][j], mine);
-            const REAL e = exp_neg(mine - mn);
+            const REAL e = exp_neg(mine - mn);  // key (lane >> 1) & 15's, read from lane 2j
 #pragma unroll
             for (int j = 0; j < CHUNK; ++j) {
                 if (j < vr) {
-                    s[r][j] = __shfl_sync(0xffffffffu, e, j);
+                    s[r][j] = __shfl_sync(0xffffffffu, e, 2 * j);
                     l[r] = l[r] + s[r][j];
                 }
             }
