@@ -11,8 +11,10 @@
    SMs busy. A warp takes its partition in chunks of :data:`CHUNK` positions from the
    partition's start; lane L holds dims ``d = L, L + 32, ...`` of q and of its accumulator.
    Per chunk: each score ``s_j`` is the lane partials ``sum_d q_d k_jd`` (d ascending, from
-   +0), folded by the xor butterfly (16, 8, 4, 2, 1), times ``scale``; the running max ``m``,
-   ``alpha = exp(m_old - m)``, ``p_j = exp(s_j - m)`` (computed by lane j, shuffled to all),
+   +0), folded by the xor butterfly (16, 8, 4, 2, 1), times ``scale`` (the chunk's 16 sums are
+   folded transposed: the butterfly's additions, each lane keeping half its keys per step, so
+   lanes 2j and 2j + 1 end with key j's); the running max ``m``,
+   ``alpha = exp(m_old - m)``, ``p_j = exp(s_j - m)`` (computed by lane 2j, shuffled to all),
    ``l = l * alpha + p_0 + p_1 + ...`` and
    ``acc_d = acc_d * alpha + p_0 v_0d + ...`` (ascending j); it stores ``m, l, acc`` of the
    partition. The warps of a block (up to :data:`MAX_WARPS` q heads of one kv head) read the

@@ -41,7 +41,7 @@ LONG_ROW_PARTITIONS = 4096
 # value loaded once for them), its blocks' warps and compile bound (paged.paged_attention);
 # speed only, never a bit. The fastest of six shapes on the H100 machine (da14ff6, python -m
 # scripts.bench_attention --prefill, docs/bench/prefill_attention_h100_da14ff6.json): 512
-# rows after 3,584 positions 5.35 ms against 9.08 at one row a warp
+# rows after 3,584 positions 5.35 ms against 9.08 at one row a warp (4.17 since 1c5ac99)
 LONG_ROWS_PER_WARP, LONG_BLOCK_WARPS, LONG_MIN_BLOCKS = 2, 8, 2
 QKV_STACK = "qkv_stack"  # q, k, v projections in one matrix (model.stack_inputs)
 QKV_PARTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
