@@ -17,7 +17,10 @@ passes that key there; None (real models) is one space for everyone.
 Eviction: *weak* entries go first: the state at a finished request's end (its prompt and its
 answer), kept in case the conversation's next turn repeats that answer token for token (a
 client that sends back other text, e.g. with the reasoning split off, never hits it); a weak
-entry that a lookup hits becomes an ordinary one. Then an entry whose tokens begin a longer
+entry that a lookup hits becomes an ordinary one, and a weak entry is kept only where weak and
+superseded entries make room for it (it never pushes out another: four agents' weak ends,
+~200 MB each on the 80B, had evicted each other's next-turn checkpoints on the H100 machine,
+session 20). Then an entry whose tokens begin a longer
 entry of its space is *superseded*: a prompt that continues the longer one hits the longer
 one, so the shorter serves only prompts that leave it in between. Those go next (least
 recently used first), then the least recently used of all. A conversation checkpoints
@@ -91,7 +94,8 @@ class PrefixCache:
     def add(self, tokens: list[int], entry_id: int, space: Hashable = None, *,
             weak: bool = False) -> list[int]:
         """Record a new checkpoint in ``space`` (``weak``: a finished request's end, see the
-        module's note); returns the ids of entries evicted to make room."""
+        module's note; the caller asks :meth:`admits` first); returns the ids of entries
+        evicted to make room."""
         blocks, nbytes = self._cost(len(tokens))
         key, n = (space, tuple(tokens)), len(tokens)
         below, above = set(), []  # ids: the entries it begins with, the longer ones that
@@ -122,6 +126,22 @@ class PrefixCache:
         if above:
             self._superseded[entry_id] = len(above)
         return evicted
+
+    def admits(self, num_tokens: int, weak: bool = False) -> bool:
+        """Whether :meth:`add` would keep an entry of ``num_tokens``: it fits an empty cache,
+        and a weak one fits once the weak and superseded entries are gone."""
+        if not self.fits(num_tokens):
+            return False
+        if not weak:
+            return True
+        blocks, nbytes = self._cost(num_tokens)
+        spare = [e for e in self._blocks if e in self._weak or e in self._superseded]
+        spare_blocks = sum(self._blocks[e] for e in spare)
+        return not (self.used_blocks - spare_blocks + blocks > self.max_blocks
+                    or len(self._by_tokens) - len(spare) >= self.max_entries
+                    or (self.max_bytes is not None and self.used_bytes + nbytes
+                        - spare_blocks * self.block_bytes - len(spare) * self.state_bytes
+                        > self.max_bytes))
 
     def fits(self, num_tokens: int) -> bool:
         """Whether an entry of `num_tokens` fits an empty cache."""

@@ -297,7 +297,7 @@ class Scheduler:
 
     def _checkpoint(self, slot: int, tokens: list[int], after: list[CacheOp],
                     space: int | None, weak: bool = False) -> None:
-        if self.prefix.contains(tokens, space) or not self.prefix.fits(len(tokens)):
+        if self.prefix.contains(tokens, space) or not self.prefix.admits(len(tokens), weak):
             return
         entry = self._new_entry()
         after.append(CacheOp(op=OP.CHECKPOINT, slot=slot, num_tokens=len(tokens),

@@ -83,7 +83,38 @@ def test_a_finished_requests_end_goes_first_until_a_turn_hits_it():
     cache.add(_agent(1, 16), 3)
     assert cache.add(_agent(2, 16), 4) == [2]  # the weak end goes, not the older prompt
     assert cache.lookup(prompt + [5]) == (1, 16)  # other text after the prompt: still a hit
-    assert cache.add(answer, 5, weak=True) == [3]  # the least recently used goes
+    # full of ordinary entries: a weak end is not kept (it would push one out)
+    assert not cache.admits(len(answer), weak=True) and cache.admits(len(answer))
+    assert cache.add(_agent(1, 20), 5) == [3]  # it supersedes agent 1's 16 tokens: they go
+    cache = PrefixCache(max_blocks=10_000, block_size=4, max_entries=4)
+    for e, (a, n) in enumerate(((1, 8), (1, 16), (0, 16), (2, 16)), 1):
+        cache.add(_agent(a, n), e)
+    assert cache.admits(len(answer), weak=True)  # agent 1's 8 tokens are superseded
+    assert cache.add(answer, 5, weak=True) == [1]
     assert cache.lookup(answer + [7]) == (5, 28)  # the next turn repeats the answer
-    assert cache.add(_agent(3, 16), 6) == [4]  # now ordinary: it stays, weak it would go
-    assert cache.contains(answer) and cache.contains(prompt)
+    assert cache.add(_agent(3, 16), 6) == [2]  # now ordinary: it stays, weak it would go
+    assert cache.contains(answer) and cache.contains(_agent(0, 16))
+
+
+def test_weak_ends_never_push_out_the_agents_next_turn_checkpoints():
+    """The 80B's shape in small (session 20, H100 machine: 4,202-7,219 of ~12,000 reusable
+    prompt tokens cached): four agents, each turn checkpoints where its history ends (the next
+    turn's prefix), then the prompt with the generation prompt and the finished answer come as
+    weak ends a little longer. The byte budget holds the four history checkpoints and a
+    little more: every agent's next turn hits its own. When a weak end could push out any
+    entry (least recently used once no weak or superseded one was left), an end larger than
+    the room those gave took another agent's history checkpoint."""
+    MB = 2**20
+    cache = PrefixCache(10_000, 4, block_bytes=MB, state_bytes=20 * MB, max_bytes=160 * MB)
+    entry, hits = 0, []
+    for turn in range(1, 4):
+        for a in range(4):
+            history = _agent(a, 20 * turn)  # 5 blocks + states: 25 MB ... 35 MB at turn 3
+            hit = cache.lookup(history + [1], a)
+            hits.append(None if hit is None else hit[1])
+            for n, weak in ((20 * turn, False), (20 * turn + 3, True), (20 * turn + 9, True)):
+                entry += 1
+                if cache.admits(n, weak):
+                    cache.add(_agent(a, n), entry, a, weak=weak)
+            assert cache.used_bytes <= 160 * MB
+    assert hits == [None] * 4 + [20] * 4 + [40] * 4

@@ -31,10 +31,11 @@ def model(tmp_path_factory):
     return Engine.from_dir(path, dtype="float64", max_slots=2, max_len=256).model
 
 
-def _scheduler(model, mode: str = "off") -> tuple[Scheduler, InProcessWorker]:
+def _scheduler(model, mode: str = "off",
+               prefix_blocks: int = 128) -> tuple[Scheduler, InProcessWorker]:
     runner = Runner(model, max_slots=2, max_context=256, block_size=4, extra_blocks=128)
     sched = Scheduler(max_slots=2, max_context=256, max_queue=8, prefill_chunk=16,
-                      block_size=4, checkpoint_interval=8, prefix_blocks=128,
+                      block_size=4, checkpoint_interval=8, prefix_blocks=prefix_blocks,
                       speculation=SpeculationSection(mode=mode, min_match=1))
     worker = InProcessWorker(runner)
     sched.attach(worker)
@@ -96,3 +97,22 @@ def test_a_chat_turn_hits_the_checkpoint_where_its_history_ends(model, mode):
     assert first.cached_len == history
     cold, _ = _scheduler(model, mode)
     assert got == asyncio.run(_serve(cold, follow, 6, "turn2"))
+
+
+def test_two_conversations_in_a_small_cache_keep_their_history_checkpoints(model):
+    """Two chats, one turn each, then each one's next turn, in a cache of 12 blocks (one
+    history checkpoint is 5): the weak ends (each prompt whole, each prompt with its answer)
+    take only the room of weak and superseded entries, so both next turns start from their
+    history. Until session 20 a weak end could push out any entry: neither next turn hit."""
+    sched, worker = _scheduler(model, prefix_blocks=12)
+    prompts = {a: [(7 * i + 3 + 100 * a) % 500 for i in range(21)] for a in range(2)}
+
+    async def turns() -> None:
+        for a in range(2):
+            await _serve(sched, prompts[a], 8, f"first{a}", history_len=18)
+        for a in range(2):
+            await _serve(sched, prompts[a][:18] + [1, 2, 3, 4], 2, f"next{a}")
+
+    asyncio.run(turns())
+    assert [next(w.cached_len for p in worker.plans for w in p.slots
+                 if w.request_id == f"next{a}") for a in range(2)] == [18, 18]
