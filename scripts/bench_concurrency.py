@@ -142,6 +142,8 @@ def one_run(args: argparse.Namespace, ctx: dict, name: str, arm: str, pair: int,
             "tool_calls": sum(s["tool_calls"] for s in streams),
             "turns": sum(s["turns"] for s in streams),
             "tool_chars": sum(s.get("tool_chars", 0) for s in streams),
+            # coding: each agent's turns' [prompt tokens, of them from the prefix cache]
+            "turn_prompts": [s["turn_prompts"] for s in streams if "turn_prompts" in s],
             "drafts": draft_figures(after, before),
             "steps": step_figures(after, before, ctx["per_expert"], args.dram_gbs),
             "records": str(records),

@@ -63,13 +63,16 @@ async def chat(session: aiohttp.ClientSession, url: str, model: str, messages: l
         body["tools"] = tools
     if user is not None:
         body["user"] = user
-    text, calls, tokens = [], [], 0
+    text, calls, tokens, prompt = [], [], 0, (None, None)
     async with session.post(url + "/v1/chat/completions", json=body) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
         async for chunk in sse_chunks(r):
             if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+                usage = chunk["usage"]
+                tokens = usage["completion_tokens"]
+                prompt = (usage.get("prompt_tokens"),
+                          (usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
             for choice in chunk.get("choices", []):
                 d = choice.get("delta", {})
                 text.append(d.get("content") or "")
@@ -77,7 +80,7 @@ async def chat(session: aiohttp.ClientSession, url: str, model: str, messages: l
                 if started and (d.get("content") or d.get("tool_calls") or
                                 choice.get("finish_reason")):
                     started.set()
-    return {"text": "".join(text), "tool_calls": calls, "tokens": tokens}
+    return {"text": "".join(text), "tool_calls": calls, "tokens": tokens, "prompt": prompt}
 
 
 async def in_order(starts: list) -> list:
@@ -103,18 +106,19 @@ async def agent_loop(session: aiohttp.ClientSession, url: str, model: str, i: in
                      file_bytes: tuple[int, int] = FILE_BYTES, turns: int = len(SCRIPT)
                      ) -> dict:
     """One coding agent, ``turns`` (the first of ``SCRIPT``'s): the model writes, then the
-    turn's scripted
-    tool call (scripts/bench_concurrency_tools.py) runs and its result joins the context.
-    ``started``: set at the first turn's first token; ``chat_fn``: ``chat`` (tests pass a
-    stand-in); ``file_bytes``: the read files' sizes. Returns tokens, turns, tool calls and
-    the characters the tools sent back. Only the first turn's slot is fixed (``in_order``):
-    later turns take the slot free then; every turn is sent as user ``agent-<i>``, so a
-    synthetic model routes it alike in every slot, arm and run."""
+    turn's scripted tool call (scripts/bench_concurrency_tools.py) runs and its result joins
+    the context. ``started``: set at the first turn's first token; ``chat_fn``: ``chat``
+    (tests pass a stand-in); ``file_bytes``: the read files' sizes. Returns tokens, turns,
+    tool calls, the characters the tools sent back and each turn's [prompt tokens, of them
+    cached]. Only the first turn's slot is fixed (``in_order``): later turns take the slot
+    free then; every turn is sent as user ``agent-<i>``, so a synthetic model routes it
+    alike in every slot, arm and run."""
     chat_fn = chat_fn or chat
     filename, what = TASKS[i]
     messages = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": f"Write {filename}: {what}."}]
     tokens = calls = tool_chars = 0
+    prompts = []
     with tempfile.TemporaryDirectory() as tmp:
         files = setup_project(Path(tmp), i, file_bytes)
         for turn in range(turns):
@@ -122,6 +126,7 @@ async def agent_loop(session: aiohttp.ClientSession, url: str, model: str, i: in
                                 TOOLS, user=f"agent-{i}",
                                 **({"started": started} if started and not turn else {}))
             tokens += res["tokens"]
+            prompts.append(list(res.get("prompt", (None, None))))
             call = scripted_call(turn, i, filename, files, res["text"])
             messages.append({"role": "assistant", "content": res["text"], "tool_calls": [call]})
             out = await asyncio.to_thread(run_tool, Path(tmp), call["function"]["name"],
@@ -130,7 +135,7 @@ async def agent_loop(session: aiohttp.ClientSession, url: str, model: str, i: in
             calls += 1
             tool_chars += len(out)
     return {"tokens": tokens, "turns": turns, "tool_calls": calls,
-            "tool_chars": tool_chars}
+            "tool_chars": tool_chars, "turn_prompts": prompts}
 
 
 async def essay(session: aiohttp.ClientSession, url: str, model: str, i: int,

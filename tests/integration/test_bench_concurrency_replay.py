@@ -99,4 +99,9 @@ def test_a_synthetic_models_coding_turns_give_the_plain_tokens_in_any_slot(tmp_p
     for arm in ("off", "wide"):
         run = json.loads((out / f"coding_{arm}_1.json").read_text())
         assert run["exact"] == {"requests": 28, "equal": 28, "differ": 0, "unknown": 0}, arm
+        # each agent's turns: prompt tokens and, from the second turn, its history cached
+        turns = run["turn_prompts"]
+        assert len(turns) == 4 and all(len(t) == 6 for t in turns), arm
+        assert all(t[0][1] == 0 and all(c > 0 for _, c in t[1:]) for t in turns), (arm, turns)
+        assert sum(c for t in turns for _, c in t) == run["prompt_cached_tokens"], arm
     assert run["drafts"]["mtp"]["accepted_per_verify"] > 1.2

@@ -70,10 +70,12 @@ def test_scripted_agent_loop_calls_tools_and_grows_its_context():
     async def fake_chat(session, url, model, messages, max_tokens, seed, tools, user):
         seen.append(sum(len(m["content"]) for m in messages))
         assert tools == TOOLS and user == "agent-1"  # the stream's routing key, every turn
-        return {"text": f"X_{seed} = {len(messages)}\n", "tool_calls": [], "tokens": 5}
+        return {"text": f"X_{seed} = {len(messages)}\n", "tool_calls": [], "tokens": 5,
+                "prompt": (10 * len(messages), len(messages) - 2)}
 
     res = asyncio.run(workloads.agent_loop(None, "", "m", 1, 32, chat_fn=fake_chat))
     assert res["turns"] == res["tool_calls"] == 6 and res["tokens"] == 30
+    assert res["turn_prompts"] == [[10 * n, n - 2] for n in range(2, 14, 2)]
     assert len(seen) == 6 and all(b > a for a, b in zip(seen, seen[1:], strict=False))
     assert seen[1] - seen[0] >= 2048  # the first tool result is a 2-8 kB file
     assert res["tool_chars"] >= 2 * 2048  # two reads, plus "wrote ..." and "ok"
