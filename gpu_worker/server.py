@@ -28,6 +28,7 @@ from gpu_worker.experts.split import ExpertSplit, split_from_orders
 from gpu_worker.kv_cache import block_bytes
 from gpu_worker.loader import CheckpointError
 from gpu_worker.memory_plan import MemoryPlan, describe, plan_for_worker
+from gpu_worker.model.attention import compile_long_launches
 from gpu_worker.runner import PlanError, Runner
 from gpu_worker.weights.resolve import generation_config, open_source
 from protocol.errors import ProtocolError
@@ -116,6 +117,9 @@ def build_runner(cfg: WorkerConfig) -> tuple[Runner, object, ModelInfo]:
          **runner.warm_graphs(),
          **_device_free(model.xp))
     kv, states = runner.caches.kv, runner.caches.states
+    t0 = time.perf_counter()
+    compile_long_launches(kv, model.ops.dtype)  # else the first long prompt waits for it
+    _log("attention kernels", seconds=round(time.perf_counter() - t0, 2))
     layout = KvLayout(block_size=kv.block_size, block_bytes=kv.nbytes // max(kv.num_blocks, 1),
                       num_blocks=kv.num_blocks, prefix_blocks=extra_blocks,
                       dtype="int8" if kv.quant else str(kv.k.dtype),

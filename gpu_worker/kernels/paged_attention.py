@@ -65,6 +65,20 @@ def _function(name: str, min_blocks: int = MIN_BLOCKS, rows: int = 1, variant: s
                       "paged attention kernels").get_function(name)
 
 
+def _attn_function(variant: str, hd: int, rows_per_warp: int, min_blocks: int | None):
+    """The attention kernel of a launch: a module of one variant where ``rows_per_warp`` > 1
+    (compiled when first used), else the decode rows' module of all four."""
+    more = (rows_per_warp, variant) if rows_per_warp > 1 else (1, None)
+    return _function(attn_kernel(variant, hd, rows_per_warp), min_blocks or MIN_BLOCKS, *more)
+
+
+def compile_attention(kv, dtype, rows_per_warp: int = 1, min_blocks: int | None = None) -> None:
+    """Compile (or load from CuPy's kernel cache) the attention kernel that launches of
+    ``dtype`` activations over ``kv`` with these settings take, before they are needed."""
+    _check_dtype(kv, np.dtype(dtype))
+    _attn_function(_variant(dtype, kv.quant), kv.head_dim, rows_per_warp, min_blocks)
+
+
 def _variant(dtype, quant: bool) -> str:
     if np.dtype(dtype) not in (np.float32, np.float64):
         raise TypeError(f"paged attention computes in float32 or float64, not {dtype}")
@@ -157,8 +171,7 @@ def paged_attention(q, kv, layer: int, meta, tables, out, scale, *,
     variant = _variant(q.dtype, kv.quant)
     dims = (np.int32(hkv), np.int32(hd), np.int32(group), np.int32(partition))
     warps, groups = min(group, block_warps), -(-n // rows_per_warp)
-    rows_module = (rows_per_warp, variant) if rows_per_warp > 1 else (1, None)
-    _function(attn_kernel(variant, hd, rows_per_warp), min_blocks or MIN_BLOCKS, *rows_module)(
+    _attn_function(variant, hd, rows_per_warp, min_blocks)(
         (groups, hkv * -(-group // warps), grid_partitions(nz, groups, hq, grid_warps)),
         (32 * warps,),
         (q, *_pool_args(kv), tables, np.int32(tables.shape[1]), meta, np.int32(n), pm, pl,

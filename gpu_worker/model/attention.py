@@ -94,6 +94,14 @@ def full_attention(ops: Ops, cfg: ModelConfig, p: dict[str, Array], x: Array,
     return ops.linear(out, p["o_proj.weight"], p.get("o_proj.bias"))
 
 
+def compile_long_launches(kv: KVCache, dtype) -> None:
+    """On CuPy with the paged kernels: compile the long segments' attention kernel now,
+    before serving (else the first prompt of more than :data:`PAGED_MAX_ROWS` tokens waits
+    for its compile)."""
+    if kv.xp is not np and enabled("paged_attention"):
+        paged.compile_attention(kv, dtype, LONG_ROWS_PER_WARP, LONG_MIN_BLOCKS)
+
+
 def _segment(ops: Ops, q: Array, kv: KVCache, layer: int, seg: Segment, scale) -> Array:
     """One segment's rows q [n, Hq, hd] against its slot's keys 0..seg.end-1 (already
     written), causal -> [n, Hq, hd]: matrix products and a softmax over the whole prefix."""

@@ -271,6 +271,22 @@ def test_a_decode_row_ignores_a_prefill_sharing_the_step():
         _first_diff(cupy.asnumpy(together[20]), cupy.asnumpy(alone[0]))
 
 
+def test_the_long_launches_kernel_is_compiled_before_serving(monkeypatch):
+    """gpu_worker/server.py compiles the long segments' kernel at start-up
+    (attention.compile_long_launches): a 20-row prefill chunk then compiles nothing."""
+    pa._function.cache_clear()
+    kv = KVCache(cupy, LAYERS, 16, 16, 2, 32, np.float32)
+    ops, scale = Ops(cupy, np.float32), np.float32(32 ** -0.5)
+    qkv = [cupy.ones((20, h, 32), cupy.float32) for h in (4, 2, 2)]
+    attention._paged(ops, *(a[:1] for a in qkv), RaggedBatch.build([(0, 0, [0])]), kv,
+                     LAYER, scale)  # a decode row: the decode rows' module
+    attention.compile_long_launches(kv, np.float32)
+    compiles = []
+    monkeypatch.setattr(pa, "raw_module", lambda *a, **k: compiles.append(a) or 1 / 0)
+    attention._paged(ops, *qkv, RaggedBatch.build([(1, 0, np.zeros(20))]), kv, LAYER, scale)
+    assert compiles == []
+
+
 def test_device_tables_follow_the_host_tables():
     kv = KVCache(cupy, 1, 12, 4, 1, 32, np.float32)
 
