@@ -19,8 +19,8 @@ answer), kept in case the conversation's next turn repeats that answer token for
 client that sends back other text, e.g. with the reasoning split off, never hits it); a weak
 entry that a lookup hits becomes an ordinary one, and a weak entry is kept only where weak and
 superseded entries make room for it (it never pushes out another: four agents' weak ends,
-~200 MB each on the 80B, had evicted each other's next-turn checkpoints on the H100 machine,
-session 20). Then an entry whose tokens begin a longer
+~200 MB each on the 80B, had evicted each other's next-turn checkpoints on an H100
+machine). Then an entry whose tokens begin a longer
 entry of its space is *superseded*: a prompt that continues the longer one hits the longer
 one, so the shorter serves only prompts that leave it in between. Those go next (least
 recently used first), then the least recently used of all. A conversation checkpoints
