@@ -69,10 +69,15 @@ class PrefixCache:
         blocks = -(-num_tokens // self.block_size)
         return blocks, blocks * self.block_bytes + self.state_bytes
 
-    def _over(self, blocks: int, nbytes: int) -> bool:
-        return (self.used_blocks + blocks > self.max_blocks
-                or len(self._by_tokens) >= self.max_entries
-                or (self.max_bytes is not None and self.used_bytes + nbytes > self.max_bytes))
+    def _over(self, blocks: int, nbytes: int, gone: list[int] | None = None) -> bool:
+        """Whether an entry of ``blocks`` and ``nbytes`` passes a bound, the entries of
+        ``gone`` (ids) counted as evicted."""
+        gone = gone or []
+        freed = sum(self._blocks[e] for e in gone)
+        return (self.used_blocks - freed + blocks > self.max_blocks
+                or len(self._by_tokens) - len(gone) >= self.max_entries
+                or (self.max_bytes is not None and self.used_bytes + nbytes > self.max_bytes
+                    + freed * self.block_bytes + len(gone) * self.state_bytes))
 
     def __len__(self) -> int:
         return len(self._by_tokens)
@@ -130,18 +135,10 @@ class PrefixCache:
     def admits(self, num_tokens: int, weak: bool = False) -> bool:
         """Whether :meth:`add` would keep an entry of ``num_tokens``: it fits an empty cache,
         and a weak one fits once the weak and superseded entries are gone."""
-        if not self.fits(num_tokens):
-            return False
         if not weak:
-            return True
-        blocks, nbytes = self._cost(num_tokens)
+            return self.fits(num_tokens)
         spare = [e for e in self._blocks if e in self._weak or e in self._superseded]
-        spare_blocks = sum(self._blocks[e] for e in spare)
-        return not (self.used_blocks - spare_blocks + blocks > self.max_blocks
-                    or len(self._by_tokens) - len(spare) >= self.max_entries
-                    or (self.max_bytes is not None and self.used_bytes + nbytes
-                        - spare_blocks * self.block_bytes - len(spare) * self.state_bytes
-                        > self.max_bytes))
+        return self.fits(num_tokens) and not self._over(*self._cost(num_tokens), spare)
 
     def fits(self, num_tokens: int) -> bool:
         """Whether an entry of `num_tokens` fits an empty cache."""
