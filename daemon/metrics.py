@@ -126,6 +126,16 @@ class Metrics:
                                       "Tokens emitted by those steps, by active slots (decode "
                                       "TPS at N streams = this / steady_decode_seconds)",
                                       ["slots"], registry=r)
+        self._steady_steps = Counter(f"{p}_steady_decode_steps",
+                                     "Steps counted in steady_decode_seconds, by active slots",
+                                     ["slots"], registry=r)
+        self._steady_cpu_bytes = Counter(f"{p}_steady_decode_cpu_expert_weight_bytes",
+                                         "CPU expert weight bytes read by those steps (as "
+                                         "cpu_expert_weight_bytes), by active slots",
+                                         ["slots"], registry=r)
+        self._steady_cpu_s = Counter(f"{p}_steady_decode_cpu_experts_seconds",
+                                     "CPU expert time of those steps (as cpu_experts_seconds), "
+                                     "by active slots", ["slots"], registry=r)
         self._experts = Gauge(f"{p}_distinct_experts_per_step",
                               "Distinct routed experts touched by the last step, summed over "
                               "MoE layers, by where they ran", ["device"], registry=r)
@@ -223,10 +233,17 @@ class Metrics:
         self._step_prompt.inc(prompt_tokens)
         self._step_decode.inc(decode_tokens)
 
-    def observe_steady_decode(self, slots: int, seconds: float, tokens: int) -> None:
-        """A step in which all ``slots`` active slots decoded and none took prompt tokens."""
-        self._steady_s.labels(slots=str(slots)).inc(seconds)
-        self._steady_tokens.labels(slots=str(slots)).inc(tokens)
+    def observe_steady_decode(self, slots: int, seconds: float, tokens: int,
+                              cpu_bytes: int = 0, cpu_seconds: float = 0.0) -> None:
+        """A step in which all ``slots`` active slots decoded and none took prompt tokens:
+        its time, tokens and CPU experts' bytes and time (the decode passes' own figures,
+        apart from the prompt chunks' in the whole-run counters)."""
+        label = str(slots)
+        self._steady_s.labels(slots=label).inc(seconds)
+        self._steady_tokens.labels(slots=label).inc(tokens)
+        self._steady_steps.labels(slots=label).inc()
+        self._steady_cpu_bytes.labels(slots=label).inc(cpu_bytes)
+        self._steady_cpu_s.labels(slots=label).inc(max(cpu_seconds, 0.0))
 
     def observe_drafts(self, source: str, proposed: int, accepted: int) -> None:
         """One slot's verification: ``proposed`` drafts from ``source`` ("mtp", "suffix"),
@@ -265,7 +282,10 @@ class Metrics:
         self.set_kv_usage(c.get("kv_total_blocks", 0) - c.get("kv_free_blocks", 0),
                           c.get("kv_total_blocks", 0))
         if step.steady_seconds is not None:
-            self.observe_steady_decode(step.steady_slots, step.steady_seconds, step.emitted)
+            moe = bool(c.get("moe_layers"))
+            self.observe_steady_decode(step.steady_slots, step.steady_seconds, step.emitted,
+                                       c.get("cpu_expert_bytes", 0) if moe else 0,
+                                       step.cpu_expert_seconds if moe else 0.0)
         for counter, outcomes in ((self._graph_passes, GRAPH_OUTCOMES),
                                   (self._mtp_graphs, MTP_GRAPH_OUTCOMES)):
             for outcome, key in outcomes.items():

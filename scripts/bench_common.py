@@ -163,10 +163,14 @@ Samples = dict[tuple[str, tuple], float]
 
 def scrape(url: str) -> Samples:
     """Every sample of the server's /metrics, keyed by (name, sorted labels)."""
+    with urllib.request.urlopen(url + "/metrics") as r:
+        return parse_samples(r.read().decode())
+
+
+def parse_samples(text: str) -> Samples:
+    """Every sample of a Prometheus text exposition, keyed by (name, sorted labels)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(url + "/metrics") as r:
-        text = r.read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 

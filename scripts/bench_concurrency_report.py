@@ -38,6 +38,10 @@ def summarize(runs: list[dict], arms: list[str], base: str | None = None) -> dic
             for key in STEP_KEYS:
                 entry[key] = {a: _median([r.get("steps", {}).get(key) for r in mine
                                           if r["arm"] == a]) for a in arms}
+                # the four-stream decode windows' steps alone (no prompt chunks among them)
+                entry["four_stream_" + key] = {
+                    a: _median([r.get("steps", {}).get("four_stream", {}).get(key)
+                                for r in mine if r["arm"] == a]) for a in arms}
             sources = sorted({s for r in mine for s in r.get("drafts", {})})
             entry["accepted_per_verify"] = {
                 a: {s: _median([r["drafts"][s]["accepted_per_verify"] for r in mine
@@ -68,7 +72,8 @@ def table(summary: dict) -> str:
     arms, base = summary["arms"], summary.get("base", summary["arms"][0])
     rows = ["| workload | arm | four-stream decode tok/s | ratio over " + base + " (pairs) "
             "| whole-run tok/s | accepted per verify | CPU experts / step | step ms "
-            "(CPU floor ms) | tokens = plain |", "|" + "---|" * 9]
+            "(CPU floor ms) | four-stream steps: CPU experts | ms (CPU floor ms) "
+            "| tokens = plain |", "|" + "---|" * 11]
     for name, e in summary["by_workload"].items():
         for a in arms:
             ratios = e["four_stream_decode_tps_pair_ratios"].get(a)
@@ -82,6 +87,9 @@ def table(summary: dict) -> str:
                 _fmt(e.get("cpu_experts_per_step", {}).get(a)),
                 f"{_fmt(e.get('step_ms', {}).get(a))} "
                 f"({_fmt(e.get('cpu_floor_ms', {}).get(a), 2)})",
+                _fmt(e.get("four_stream_cpu_experts_per_step", {}).get(a)),
+                f"{_fmt(e.get('four_stream_step_ms', {}).get(a))} "
+                f"({_fmt(e.get('four_stream_cpu_floor_ms', {}).get(a), 2)})",
                 "yes" if exact and all(exact) else "no" if exact else "-"]) + " |")
     return "\n".join(rows)
 

@@ -280,7 +280,33 @@ def step_figures(after: Samples, before: Samples, per_expert: float | None,
     out["cuda_graph_passes"] = {  # how the run's decode/verify passes ran (graphs or eager)
         o: delta(after, before, "tandem_cuda_graph_passes_total", outcome=o)
         for o in GRAPH_OUTCOMES}
+    out["four_stream"] = steady_figures(after, before, per_expert, dram_gbs)
     return out
+
+
+def steady_figures(after: Samples, before: Samples, per_expert: float | None,
+                   dram_gbs: float, slots: int = 4) -> dict[str, float | None]:
+    """The same figures for the steps of the four-stream decode windows alone (every slot
+    decoding, no prompt work: the steps the decode TPS counts), from the daemon's
+    ``steady_decode_*{slots}`` counters. Its step time runs from planning to commit (the
+    decode TPS's clock), so it includes the host's planning that ``step_ms`` leaves out."""
+    label = str(slots)
+    steps = delta(after, before, "tandem_steady_decode_steps_total", slots=label)
+    if not steps:
+        return {"steps": 0}
+    cpu_bytes = delta(after, before, "tandem_steady_decode_cpu_expert_weight_bytes_total",
+                      slots=label) / steps
+    floor = cpu_bytes / (dram_gbs * 1e9) * 1e3
+    step_ms = delta(after, before, "tandem_steady_decode_seconds_total", slots=label) / steps * 1e3
+    return {
+        "steps": steps, "step_ms": step_ms,
+        "tokens_per_step": delta(after, before, "tandem_steady_decode_tokens_total",
+                                 slots=label) / steps,
+        "cpu_expert_bytes_per_step": cpu_bytes,
+        "cpu_experts_per_step": cpu_bytes / per_expert if per_expert else None,
+        "cpu_floor_ms": floor, "step_over_cpu_floor": step_ms / floor if floor else None,
+        "cpu_kernel_ms": delta(after, before, "tandem_steady_decode_cpu_experts_seconds_total",
+                               slots=label) / steps * 1e3}
 
 
 def draft_figures(after: Samples, before: Samples) -> dict[str, dict[str, float]]:

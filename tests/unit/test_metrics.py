@@ -99,6 +99,9 @@ def test_record_step_updates_every_figure_of_a_step():
     assert (_value(m, "tandem_kv_blocks_used"), _value(m, "tandem_kv_usage_ratio")) == (25, 0.25)
     assert _value(m, "tandem_steady_decode_tokens_total", slots="4") == 20
     assert _value(m, "tandem_steady_decode_seconds_total", slots="4") == 0.6
+    assert _value(m, "tandem_steady_decode_steps_total", slots="4") == 1
+    assert _value(m, "tandem_steady_decode_cpu_expert_weight_bytes_total", slots="4") == 4096
+    assert _value(m, "tandem_steady_decode_cpu_experts_seconds_total", slots="4") == 0.002
     assert _value(m, "tandem_distinct_experts_per_step", device="cpu") == 6
     assert _value(m, "tandem_cpu_experts_seconds_per_layer_sum") == 0.001
     assert _value(m, "tandem_cpu_experts_seconds_total") == 0.002
@@ -107,6 +110,12 @@ def test_record_step_updates_every_figure_of_a_step():
     m.record_step(_step(prompt_tokens=100, steady_seconds=None, counters={}))
     assert _value(m, "tandem_prompt_throughput_tokens_per_second") == 200
     assert _value(m, "tandem_steady_decode_tokens_total", slots="4") == 20  # not steady
+    assert _value(m, "tandem_steady_decode_steps_total", slots="4") == 1
+    # a steady step of two slots with no MoE layers run: its time, no CPU expert figures
+    m.record_step(_step(steady_slots=2, counters={"cpu_expert_bytes": 7}))
+    assert _value(m, "tandem_steady_decode_steps_total", slots="2") == 1
+    assert _value(m, "tandem_steady_decode_cpu_expert_weight_bytes_total", slots="2") == 0
+    assert _value(m, "tandem_steady_decode_cpu_expert_weight_bytes_total", slots="4") == 4096
     assert _value(m, "tandem_cpu_expert_weight_bytes_total") == 4096  # no MoE layers ran
     assert _value(m, "tandem_kv_blocks_total") == 0
 

@@ -137,6 +137,36 @@ def test_step_figures_from_metrics_deltas():
     assert step_figures(samples(0, 0, 0, 0), samples(0, 0, 0, 0), 1.0, 1.0) == {"steps": 0}
 
 
+def test_four_stream_step_figures_count_the_steady_steps_alone():
+    """The daemon's steady-decode counters, rendered and parsed as the benchmark scrapes
+    them: the four-stream figures leave out the prompt step and the two-slot step."""
+    from daemon.metrics import Metrics, StepStats
+    from scripts.bench_common import parse_samples
+
+    def step(slots, prompt, cpu_bytes, cpu_s, steady):
+        return StepStats(seconds=steady * 0.9, rows=16, prompt_tokens=prompt, decode_tokens=16,
+                         emitted=9, active_slots=slots, queue_depth=0,
+                         steady_seconds=None if prompt else steady, steady_slots=slots,
+                         counters={"moe_layers": 48, "gpu_experts": 1, "cpu_experts": 2,
+                                   "cpu_expert_bytes": cpu_bytes}, cpu_expert_seconds=cpu_s)
+
+    m = Metrics()
+    before = parse_samples(m.render().decode())
+    for s in (step(4, 0, 3e9, 0.2, 0.25), step(4, 0, 1e9, 0.1, 0.15),
+              step(4, 500, 9e9, 0.9, 1.0), step(2, 0, 5e8, 0.05, 0.08)):
+        m.record_step(s)
+    after = parse_samples(m.render().decode())
+    f = step_figures(after, before, 1e8, 100.0)
+    assert f["steps"] == 4 and f["cpu_experts_per_step"] == pytest.approx(13.5e9 / 4 / 1e8)
+    four = f["four_stream"]
+    assert four["steps"] == 2 and four["step_ms"] == pytest.approx(200.0)
+    assert four["tokens_per_step"] == 9
+    assert four["cpu_experts_per_step"] == pytest.approx(20.0)  # 2e9 bytes / 1e8
+    assert four["cpu_floor_ms"] == pytest.approx(20.0)  # 2e9 B at 100 GB/s
+    assert four["step_over_cpu_floor"] == pytest.approx(10.0)
+    assert four["cpu_kernel_ms"] == pytest.approx(150.0)
+
+
 def test_summary_of_replay_runs_and_the_best_fixed_length():
     def run(arm, pair, tps, exact=True):
         return {"workload": "coding", "arm": arm, "pair": pair, "four_stream_decode_tps": tps,
@@ -155,5 +185,6 @@ def test_summary_of_replay_runs_and_the_best_fixed_length():
     assert s["accepted_per_verify"]["adaptive"] == {"mtp": pytest.approx(1.35)}
     assert s["tokens_equal_plain"]["adaptive"] == [True, False]
     assert s["step_ms"]["off"] == 10.0
+    assert s["four_stream_step_ms"]["off"] is None  # runs made before the steady counters
     best = best_fixed(s, arms)
     assert best["best_fixed_arm"] == "wide" and best["adaptive"] == {"adaptive": 1.125}
