@@ -90,6 +90,17 @@ FUSED = Check("fused", f"{PY} pytest -q -p no:cacheprovider tests/gpu/test_fused
               "tests/gpu/test_gdn_kernel_cupy.py tests/gpu/test_cpu_link.py", 120)
 # the start of every plan for a scarce device (first, second, third)
 SCARCE = [PROBE, FUSED, INT4_RATIO, STEP_GRAPHS]
+# the synthetic 80B's step at 32 GiB, int8 GPU experts, buckets on (issue 14's first table)
+STEP_32_INT8 = Check("step_32_int8", "mount -o remount,size=110G /dev/shm; rm -rf "
+                     f"/dev/shm/tbc-shards; {PY} scripts.bench_step --model qwen3-next-80b-a3b "
+                     "--gpu-budget 32 --gpu-format int8 --graphs --steps 5 "
+                     "--out $OUT/step_int8_32gib.json", 280)
+STEP_WHOLE = Check("step_whole", f"{PY} scripts.bench_step --model qwen3-next-80b-a3b "
+                   "--gpu-budget whole --graphs --steps 5 --out $OUT/step_whole.json", 300)
+BATCH_INVARIANCE = Check("batch_invariance", f"{PY} pytest -q -s -p no:cacheprovider "
+                         "tests/gpu/test_batch_invariance_cupy.py", 200)
+SPECULATION_BF16 = Check("speculation_bf16", f"{PY} pytest -q -p no:cacheprovider "
+                         "tests/gpu/test_speculation_bf16_cupy.py", 240)
 PLANS: dict[str, list[Check]] = {
     # the kernels that stay off until they pass here (gpu_worker/kernels/enabled.py)
     "kernels": [
@@ -284,12 +295,14 @@ PLANS: dict[str, list[Check]] = {
     "first": [*SCARCE, essay_warm("32", 300)],
     # the same in a shorter call (--budget 450), the 32 GiB step (buckets on, the default)
     # in place of the essays: comparable with step_int8_32gib_h200_2c96ead.json
-    "second": [
-        *SCARCE,
-        Check("step_32_int8", "mount -o remount,size=110G /dev/shm; rm -rf /dev/shm/tbc-shards; "
-              f"{PY} scripts.bench_step --model qwen3-next-80b-a3b --gpu-budget 32 "
-              "--gpu-format int8 --graphs --steps 5 --out $OUT/step_int8_32gib.json", 280),
-    ],
+    "second": [*SCARCE, STEP_32_INT8],
+    # an H200 that may be taken back mid-call: three short calls (--budget 450-540 each)
+    # instead of one long one, each worth keeping alone. 1: issue 17's machine facts and
+    # ratio, issue 14's 32 GiB table; 2: the whole-GPU table and every layout's bits;
+    # 3: the fused kernels, the graphs and bf16 speculation
+    "h200_1": [PROBE, INT4_RATIO, STEP_32_INT8],
+    "h200_2": [STEP_WHOLE, BATCH_INVARIANCE],
+    "h200_3": [FUSED, STEP_GRAPHS, SPECULATION_BF16],
     # the shortest (--budget 250): the probe, the int4 ratio and the graph tests alone
     "third": SCARCE,
     # CUDA graphs (gpu_worker/step_graph.py): bits equal eager, with and without CPU experts,
