@@ -54,6 +54,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", type=Path, default=None,
                    help="default: a tiny random qwen3_moe checkpoint written to the workdir "
                         "(the embedded tandem-tiny's experts do not fit the CPU kernels)")
+    p.add_argument("--speculation", choices=("off", "narrow", "wide"), default="off",
+                   help="[speculation] mode of the daemon; with narrow or wide the references "
+                        "opt out of it, so every answer under load must be plain decoding's")
+    p.add_argument("--proposer", choices=("suffix", "mtp"), default="suffix",
+                   help="draft source (mtp: the default model becomes a qwen3_next with an "
+                        "MTP head)")
+    p.add_argument("--placement", choices=("cpu", "gpu"), default="cpu",
+                   help="[experts] placement: cpu (one CPU expert worker, which --cpu-kills "
+                        "kill) or gpu (the model worker's own; e.g. the embedded model, whose "
+                        "trained MTP head has its drafts accepted)")
     p.add_argument("--workdir", type=Path, default=None, help="logs and config (default: tmp)")
     p.add_argument("--json", type=Path, default=None, help="write the result here")
     return p.parse_args(argv)
@@ -112,7 +122,10 @@ async def soak(args: argparse.Namespace, d: Daemon) -> dict:
                             for k, v in vars(args).items()}}
     jobs = make_jobs(args.seed, args.jobs, args.max_tokens)
     t0 = time.monotonic()
-    refs = await references(d.url, d.zmq_address, jobs + [PROBE])
+    refs = await references(d.url, d.zmq_address, jobs + [PROBE],
+                            plain=args.speculation != "off")
+    # drafts proposed while the references ran: none (they opted out: plain decoding's tokens)
+    out["reference_drafts"] = d.metric("tandem_spec_draft_tokens_total")
     probe_ref = refs[("http", len(jobs))]
     out["references_s"] = round(time.monotonic() - t0, 1)
     probe_tally, probe_log = Tally(), []
@@ -194,6 +207,11 @@ async def soak(args: argparse.Namespace, d: Daemon) -> dict:
     out["slot_watch"] = watch.as_dict()
     out["probe"] = probe_tally.as_dict() | {"runs": probe_log}
     out["restarts_total"] = d.restarts()
+    # speculation's counters over the whole run (the daemon's: workers' restarts keep them)
+    out["speculation"] = {"verifies": {src: d.metric("tandem_spec_verifies_total", source=src)
+                                       for src in ("suffix", "global_suffix", "mtp")},
+                          "drafts": d.metric("tandem_spec_draft_tokens_total"),
+                          "accepted": d.metric("tandem_spec_accepted_tokens_total")}
     return out
 
 
@@ -221,7 +239,11 @@ def checks(r: dict, args: argparse.Namespace) -> dict[str, bool]:
         "fuzz: other clients unaffected": by["failed_clear"] == {}
         and by["failed_unclear"] == 0 and by["mismatched"] == 0 and by["completed"] > 0,
         "daemon exited cleanly": r.get("exit_code") == 0,
-    }
+    } | ({} if args.speculation == "off" else {
+        # the answers above equal plain decoding's while drafts were verified and accepted
+        f"{args.speculation} speculation ran ({args.proposer} drafts accepted), "
+        "references without drafts": r["speculation"]["verifies"][args.proposer] > 0
+            and r["speculation"]["accepted"] > 0 and r["reference_drafts"] == 0})
 
 
 def table(r: dict, ok: dict[str, bool]) -> str:
@@ -239,7 +261,8 @@ def table(r: dict, ok: dict[str, bool]) -> str:
             ("rss MB", f"{r['rss_mb_after_warmup']} after warm-up, {r['rss_mb_after_load']} after "
                        f"the load, {r['rss_mb_after_fuzz']} after the fuzz, "
                        f"{r['rss_mb_at_end']} at end"),
-            ("slot watch", str(r["slot_watch"]))]
+            ("slot watch", str(r["slot_watch"])),
+            ("speculation", str(r.get("speculation")))]
     width = max(len(k) for k in ok)
     lines = [f"{k:<12} {v}" for k, v in rows] + [""]
     lines += [f"{k:<{width}}  {'PASS' if v else 'FAIL'}" for k, v in ok.items()]
@@ -248,8 +271,18 @@ def table(r: dict, ok: dict[str, bool]) -> str:
 
 def run(args: argparse.Namespace) -> dict:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tandem-soak-"))
-    model = args.model or make_tiny_model(workdir / "model", "qwen3_moe", seed=5)
-    d = Daemon(workdir, model, max_slots=4, max_queue=max(64, 2 * args.clients))
+    # a tiny random model by default; qwen3_next with an MTP head for MTP drafts
+    arch = "qwen3_next" if args.proposer == "mtp" else "qwen3_moe"
+    model = (args.model.resolve() if args.model else
+             make_tiny_model(workdir / "model", arch, seed=5))
+    # a small global suffix index: full within the warm-up (its ~0.8 kB a token would
+    # otherwise grow the RSS past the check's tolerance, bounded but after the baseline), and
+    # evicting all through the load
+    speculation = (None if args.speculation == "off" else
+                   {"mode": args.speculation, "proposer": args.proposer,
+                    "global_index_tokens": 2048})
+    d = Daemon(workdir, model, max_slots=4, max_queue=max(64, 2 * args.clients),
+               speculation=speculation, placement=args.placement)
     t0 = time.monotonic()
     d.start()
     result: dict = {"startup_s": round(time.monotonic() - t0, 1), "workdir": str(workdir)}
@@ -265,6 +298,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.placement == "gpu" and args.cpu_kills:
+        raise SystemExit("--cpu-kills needs --placement cpu (no CPU expert worker otherwise)")
     result = run(args)
     print(table(result, result["checks"]))
     if args.json is not None:

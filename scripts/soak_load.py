@@ -37,6 +37,7 @@ class Job:
     max_tokens: int
     temperature: float
     seed: int
+    speculation: bool = True  # False: the request opts out (the references of a speculating soak)
 
 
 def make_jobs(seed: int, n: int = 10, max_tokens: int = 48) -> list[Job]:
@@ -90,6 +91,8 @@ class Tally:
 def http_body(job: Job, stream: bool) -> tuple[str, dict]:
     body: dict[str, Any] = {"max_tokens": job.max_tokens, "temperature": job.temperature,
                             "seed": job.seed, "stream": stream}
+    if not job.speculation:
+        body["speculation"] = False
     if stream:
         body["stream_options"] = {"include_usage": True}
     if job.chat:
@@ -168,7 +171,8 @@ async def http_request(session: aiohttp.ClientSession, url: str, job: Job, strea
 # ---- ZeroMQ -----------------------------------------------------------------------------------
 def zmq_args(job: Job, stream: bool) -> dict:
     args: dict[str, Any] = {"max_tokens": job.max_tokens, "temperature": job.temperature,
-                            "seed": job.seed, "stream": stream, "include_usage": True}
+                            "seed": job.seed, "stream": stream, "include_usage": True,
+                            "speculation": job.speculation}
     if job.chat:
         return args | {"messages": [{"role": "user", "content": job.prompt}]}
     return args | {"prompt": job.prompt}
@@ -213,11 +217,14 @@ def record(tally: Tally, outcome: tuple[str, Any], ref: Answer | None, where: st
         tally.disconnected += 1
 
 
-async def references(url: str, address: str, jobs: list[Job]) -> dict[tuple[str, int], Answer]:
-    """Each job alone, over HTTP and over ZeroMQ."""
+async def references(url: str, address: str, jobs: list[Job],
+                     plain: bool = False) -> dict[tuple[str, int], Answer]:
+    """Each job alone, over HTTP and over ZeroMQ; ``plain``: each opted out of speculation
+    (a speculating daemon's load must then give plain decoding's tokens)."""
     refs = {}
     async with aiohttp.ClientSession() as session, AsyncTandemClient(address) as client:
         for i, job in enumerate(jobs):
+            job = dataclasses.replace(job, speculation=False) if plain else job
             for api, outcome in (("http", await http_request(session, url, job, False)),
                                  ("zmq", await zmq_request(client, job, False))):
                 if outcome[0] != "completed":

@@ -1,29 +1,53 @@
 """A short soak (scripts/soak.py) in the test suite: 8 clients for 20 s with random cancels and
-disconnects, one kill of a CPU expert worker and one of the GPU worker under load, then 200
-fuzzed HTTP requests and 200 malformed ZeroMQ frames; every check of the long run must hold."""
+disconnects, kills of the CPU expert worker and of the GPU worker under load, then 200 fuzzed
+HTTP requests and 200 malformed ZeroMQ frames; every check of the long run must hold. With
+speculation the references opt out of it, so every answer under load (drafts verified in
+passes shared with other requests, workers killed mid-verify) must be plain decoding's: wide
+with suffix drafts on the tiny random model (whose loops accept most drafts), and narrow with
+the embedded model's trained MTP head (its experts do not fit the CPU kernels: the model
+worker keeps them, and only it is killed)."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
 from scripts import soak
+from scripts.soak_daemon import ROOT
+
+BASE = ["--clients", "8", "--duration", "20", "--fuzz-http", "200", "--fuzz-zmq", "200",
+        "--jobs", "4", "--max-tokens", "16", "--warmup", "2", "--warmup-fuzz", "100",
+        "--probe-every", "4"]
+RUNS = {
+    "plain": ["--gpu-kills", "1", "--cpu-kills", "1"],
+    "wide_suffix": ["--gpu-kills", "1", "--cpu-kills", "1", "--speculation", "wide"],
+    "narrow_mtp": ["--gpu-kills", "1", "--cpu-kills", "0", "--speculation", "narrow",
+                   "--proposer", "mtp", "--placement", "gpu", "--model",
+                   str(ROOT / "models" / "tandem-tiny")],
+}
 
 
-def test_short_soak_passes_every_check(tmp_path):
+@pytest.mark.parametrize("run", list(RUNS))
+def test_short_soak_passes_every_check(tmp_path, run):
     out = tmp_path / "soak.json"
-    code = soak.main(["--clients", "8", "--duration", "20", "--gpu-kills", "1",
-                      "--cpu-kills", "1", "--fuzz-http", "200", "--fuzz-zmq", "200",
-                      "--jobs", "4", "--max-tokens", "16", "--warmup", "2", "--warmup-fuzz", "100",
-                      "--probe-every", "4", "--workdir", str(tmp_path / "work"),
-                      "--json", str(out)])
+    code = soak.main(BASE + RUNS[run] + ["--workdir", str(tmp_path / "work"),
+                                         "--json", str(out)])
     result = json.loads(out.read_text())
     failed = [name for name, ok in result["checks"].items() if not ok]
     assert code == 0 and not failed, (failed, {k: result[k] for k in (
         "load", "probe", "bystanders", "fuzz_http", "fuzz_zmq", "fuzz_restarts",
-        "slot_watch", "rss_mb_after_warmup", "rss_mb_at_end")})
-    # the run did what it claims: load completed, both kills recovered, the fuzz was answered
+        "slot_watch", "rss_mb_after_warmup", "rss_mb_at_end", "speculation")})
+    # the run did what it claims: load completed, the kills recovered, the fuzz was answered
     assert result["load"]["completed"] > 20
-    assert sorted(k["module"] for k in result["kills"]) == ["cpu_experts.worker",
-                                                            "gpu_worker.server"]
+    kills = sorted(k["module"] for k in result["kills"])
+    assert kills == (["gpu_worker.server"] if run == "narrow_mtp" else
+                     ["cpu_experts.worker", "gpu_worker.server"])
     assert result["fuzz_http"]["sent"] == 200 and result["fuzz_zmq"]["sent"] == 200
     assert result["slot_watch"]["states_seen"].get("queued", 0) > 0
+    spec = result["speculation"]
+    if run == "plain":
+        assert spec["drafts"] == 0
+    else:  # drafts were verified and accepted, from the source asked for
+        source = "mtp" if run == "narrow_mtp" else "suffix"
+        assert spec["verifies"][source] > 0 and spec["accepted"] > 0
