@@ -173,7 +173,10 @@ def summary(config: Config) -> list[str]:
         f"http: http://{s.host}:{s.port} ({auth}), body <= {s.max_body_bytes} bytes",
         f"zmq: {s.zmq_endpoint}",
         f"scheduler: {sc.max_slots} slots x {sc.max_context} tokens, prefill chunk "
-        f"{sc.prefill_chunk}, prefix cache {'on' if sc.prefix_cache else 'off'}, "
+        f"{sc.prefill_chunk}, prefix cache "
+        + (f"{sc.prefix_cache_max_mb} MB" + (f" + {sc.prefix_cache_host_mb} MB host"
+                                              if sc.prefix_cache_host_mb else "")
+           if sc.prefix_cache else "off") + ", "
         f"preemption {sc.preemption}, kv cache {sc.kv_cache_dtype}",
         f"limits: prompt <= {config.max_prompt_tokens}, max_tokens <= {config.max_tokens}, "
         f"queue <= {config.limits.max_queue}",

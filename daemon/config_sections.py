@@ -200,6 +200,9 @@ class SchedulerSection:
     prefix_cache: bool = True
     checkpoint_interval: int = 256  # GDN state checkpoint every N tokens
     prefix_cache_max_mb: int = 1024
+    # the prefix cache's second tier, in the model worker's host memory (0: none): entries
+    # the GPU budget pushes out are copied there instead of dropped (daemon/prefix_cache.py)
+    prefix_cache_host_mb: int = 0
     preemption: str = "swap"
 
     def __post_init__(self) -> None:
@@ -213,6 +216,7 @@ class SchedulerSection:
         check_bool("scheduler.prefix_cache", self.prefix_cache)
         check_int("scheduler.checkpoint_interval", self.checkpoint_interval, 1)
         check_int("scheduler.prefix_cache_max_mb", self.prefix_cache_max_mb, 0)
+        check_int("scheduler.prefix_cache_host_mb", self.prefix_cache_host_mb, 0)
         check_str("scheduler.preemption", self.preemption, ("swap", "recompute"))
 
 

@@ -38,6 +38,7 @@ def worker_config(config: Config) -> WorkerConfig:
                         max_context=sched.max_context, block_size=sched.kv_block_size,
                         kv_cache_dtype=sched.kv_cache_dtype, prefix_cache=sched.prefix_cache,
                         prefix_cache_max_mb=sched.prefix_cache_max_mb,
+                        prefix_cache_host_mb=sched.prefix_cache_host_mb,
                         placement=e.placement, cpu_experts_per_layer=e.cpu_experts_per_layer,
                         cpu_workers=e.num_cpu_workers,
                         cpu_cores=tuple(tuple(g) for g in e.cpu_cores),
@@ -126,10 +127,12 @@ class Daemon:
         self.scheduler.vocab_size = info.vocab_size
         self.scheduler.route_keyed = info.synthetic_routing
         kv = info.kv
-        budget = self.config.scheduler.prefix_cache_max_mb * 2**20
+        sched = self.config.scheduler
         self.scheduler.prefix = (PrefixCache(kv.prefix_blocks, kv.block_size,
                                              block_bytes=kv.block_bytes,
-                                             state_bytes=kv.state_bytes, max_bytes=budget)
+                                             state_bytes=kv.state_bytes,
+                                             max_bytes=sched.prefix_cache_max_mb * 2**20,
+                                             host_max_bytes=sched.prefix_cache_host_mb * 2**20)
                                  if kv.prefix_blocks else None)
         for api in self.apis:
             api.worker_ready(info)

@@ -149,6 +149,16 @@ class Metrics:
         self._cpu_expert_bytes = Counter(f"{p}_cpu_expert_weight_bytes",
                                          "Bytes of CPU expert weights read (each distinct "
                                          "expert once per layer per step)", registry=r)
+        self._prefix_entries = Gauge(f"{p}_prefix_cache_entries",
+                                     "Prefix checkpoints held, by tier (gpu; host: the host "
+                                     "memory tier, prefix_cache_host_mb)", ["tier"], registry=r)
+        self._prefix_bytes = Gauge(f"{p}_prefix_cache_bytes",
+                                   "Bytes those checkpoints hold (KV blocks and states), by "
+                                   "tier", ["tier"], registry=r)
+        self._prefix_hits = Counter(f"{p}_prefix_cache_hits",
+                                    "Admitted prompts that started from a prefix checkpoint, "
+                                    "by the checkpoint's tier", ["tier"], registry=r)
+        self._prefix_hits_seen: dict[str, int] = {}
         self._drafts = Counter(f"{p}_spec_draft_tokens",
                                "Draft tokens proposed for verification (speculation)",
                                registry=r)
@@ -295,6 +305,20 @@ class Metrics:
             self.observe_experts(c["gpu_experts"], c["cpu_experts"], c["moe_layers"],
                                  step.cpu_expert_seconds, c["cpu_expert_bytes"])
 
+    def observe_prefix_cache(self, tiers: Mapping[str, tuple[int, int]],
+                             hits: Mapping[str, int]) -> None:
+        """The prefix cache after a step: (entries, bytes) per tier and its running hit counts
+        (daemon/prefix_cache.py; a fresh cache after a worker restart counts from 0 again)."""
+        for tier, (entries, nbytes) in tiers.items():
+            self._prefix_entries.labels(tier=tier).set(entries)
+            self._prefix_bytes.labels(tier=tier).set(nbytes)
+        for tier, n in hits.items():
+            seen = self._prefix_hits_seen.get(tier, 0)
+            new = n - seen if n >= seen else n  # below: a new cache, counting from 0
+            if new:
+                self._prefix_hits.labels(tier=tier).inc(new)
+            self._prefix_hits_seen[tier] = n
+
     def worker_restarted(self, component: str) -> None:
         self._restarts.labels(component=component).inc()
 
@@ -326,4 +350,8 @@ class NullMetrics:
         pass
 
     def record_step(self, step: StepStats) -> None:
+        pass
+
+    def observe_prefix_cache(self, tiers: Mapping[str, tuple[int, int]],
+                             hits: Mapping[str, int]) -> None:
         pass

@@ -10,6 +10,16 @@ entries, and ``max_bytes`` (``[scheduler] prefix_cache_max_mb``) for the blocks'
 one recurrent-state snapshot per entry (``state_bytes``: the GDN states of one slot, about
 79 MB on Qwen3-Next-80B, so 256 of them would be 20 GB that no budget counted).
 
+``host_max_bytes`` (``[scheduler] prefix_cache_host_mb``; 0: none) adds a second tier in the
+model worker's host memory: an entry that the GPU's bounds push out is *offloaded* there (its
+KV and state copied to host RAM, its GPU blocks freed) instead of dropped, unless a longer
+entry supersedes it, and a prompt that hits it gets a copy (the worker allocates the slot's
+blocks and copies the entry in: a few ms over PCIe, against re-prefilling the whole prefix).
+The host tier evicts by the same order (weak, then superseded, then least recently used); a
+weak entry is offloaded only where weak and superseded host entries make room. On the 80B
+an agent's checkpoint is ~280 MiB at 4k tokens of context: GPU memory for a few of them costs
+experts on the GPU, host memory for many costs nothing the step reads.
+
 ``space``: entries are shared only within one space. A synthetic model's states depend on
 the routing key of the request that computed them (docs/synthetic.md), so the scheduler
 passes that key there; None (real models) is one space for everyone.
@@ -39,11 +49,15 @@ Key = tuple[Hashable, tuple[int, ...]]  # (space, tokens)
 class PrefixCache:
     def __init__(self, max_blocks: int, block_size: int, max_entries: int = 256, *,
                  block_bytes: int = 0, state_bytes: int = 0,
-                 max_bytes: int | None = None) -> None:
+                 max_bytes: int | None = None, host_max_bytes: int = 0) -> None:
         self.max_blocks = max_blocks
         self.block_size = block_size
         self.max_entries = max_entries
         self.block_bytes, self.state_bytes, self.max_bytes = block_bytes, state_bytes, max_bytes
+        self.host_max_bytes = host_max_bytes
+        self._host: set[int] = set()  # entry ids held in host memory (the second tier)
+        self._offloads: list[int] = []  # moved there since take_offloads()
+        self.hits = {"gpu": 0, "host": 0}  # lookups that found an entry, by its tier
         # least recently used first (a plain dict: an OrderedDict's iteration hashes every
         # key again, and a key is a prompt's worth of tokens)
         self._by_tokens: dict[Key, int] = {}
@@ -57,25 +71,50 @@ class PrefixCache:
 
     @property
     def used_blocks(self) -> int:
-        return sum(self._blocks.values())
+        """KV blocks the GPU tier's entries pin."""
+        return sum(b for e, b in self._blocks.items() if e not in self._host)
 
     @property
     def used_bytes(self) -> int:
-        """Bytes the entries hold: pinned KV blocks plus one state snapshot each."""
-        return self.used_blocks * self.block_bytes + len(self._blocks) * self.state_bytes
+        """Bytes the GPU tier's entries hold: pinned KV blocks plus one state snapshot each."""
+        return (self.used_blocks * self.block_bytes
+                + (len(self._blocks) - len(self._host)) * self.state_bytes)
+
+    @property
+    def host_used_bytes(self) -> int:
+        """Bytes the host tier's entries hold (their KV and state, copied)."""
+        return sum(self._bytes(e) for e in self._host)
+
+    def tiers(self) -> dict[str, tuple[int, int]]:
+        """(entries, bytes) of each tier, "gpu" and "host" (for /metrics)."""
+        return {"gpu": (len(self._blocks) - len(self._host), self.used_bytes),
+                "host": (len(self._host), self.host_used_bytes)}
+
+    def on_host(self, entry: int) -> bool:
+        """Whether ``entry`` is held in the host tier."""
+        return entry in self._host
+
+    def take_offloads(self) -> list[int]:
+        """The entries moved to the host tier since the last call, in order (the scheduler
+        tells the worker to copy each out before anything else of the next step)."""
+        out, self._offloads = self._offloads, []
+        return out
 
     def _cost(self, num_tokens: int) -> tuple[int, int]:
         """(blocks, bytes) of an entry of `num_tokens`."""
         blocks = -(-num_tokens // self.block_size)
         return blocks, blocks * self.block_bytes + self.state_bytes
 
+    def _bytes(self, entry: int) -> int:
+        return self._blocks[entry] * self.block_bytes + self.state_bytes
+
     def _over(self, blocks: int, nbytes: int, gone: list[int] | None = None) -> bool:
-        """Whether an entry of ``blocks`` and ``nbytes`` passes a bound, the entries of
-        ``gone`` (ids) counted as evicted."""
+        """Whether an entry of ``blocks`` and ``nbytes`` passes a bound of the GPU tier, the
+        entries of ``gone`` (ids) counted as evicted."""
         gone = gone or []
         freed = sum(self._blocks[e] for e in gone)
         return (self.used_blocks - freed + blocks > self.max_blocks
-                or len(self._by_tokens) - len(gone) >= self.max_entries
+                or len(self._blocks) - len(self._host) - len(gone) >= self.max_entries
                 or (self.max_bytes is not None and self.used_bytes + nbytes > self.max_bytes
                     + freed * self.block_bytes + len(gone) * self.state_bytes))
 
@@ -90,6 +129,7 @@ class PrefixCache:
                 if key in self._by_tokens:
                     entry = self._by_tokens[key] = self._by_tokens.pop(key)  # most recent
                     self._weak.discard(entry)  # it served a prompt: an ordinary entry now
+                    self.hits["host" if entry in self._host else "gpu"] += 1
                     return entry, n
         return None
 
@@ -113,8 +153,10 @@ class PrefixCache:
             elif len(k[1]) > n and e not in self._weak and _begins(k[1], key[1]):
                 above.append(e)
         evicted = []
-        while self._by_tokens and self._over(blocks, nbytes):
-            evicted.append(self._pop(self._victim(below)))
+        while len(self._blocks) > len(self._host) and self._over(blocks, nbytes):
+            victim = self._victim(below)
+            if not self._offload(self._by_tokens[victim], below, evicted):
+                evicted.append(self._pop(victim))
         if not self.fits(n):
             return evicted  # too big to keep at all; the caller must drop it
         self._by_tokens[key] = entry_id
@@ -137,7 +179,8 @@ class PrefixCache:
         and a weak one fits once the weak and superseded entries are gone."""
         if not weak:
             return self.fits(num_tokens)
-        spare = [e for e in self._blocks if e in self._weak or e in self._superseded]
+        spare = [e for e in self._blocks if e not in self._host
+                 and (e in self._weak or e in self._superseded)]
         return self.fits(num_tokens) and not self._over(*self._cost(num_tokens), spare)
 
     def fits(self, num_tokens: int) -> bool:
@@ -149,20 +192,44 @@ class PrefixCache:
         """A new, empty cache with the same bounds (the worker restarted)."""
         return PrefixCache(self.max_blocks, self.block_size, self.max_entries,
                            block_bytes=self.block_bytes, state_bytes=self.state_bytes,
-                           max_bytes=self.max_bytes)
+                           max_bytes=self.max_bytes, host_max_bytes=self.host_max_bytes)
 
-    def _victim(self, below: set[int]) -> Key:
-        """The least recently used weak entry, else superseded one (``below``: those the
-        entry being added will supersede), else the least recently used of all."""
+    def _victim(self, below: set[int], host: bool = False, weak_only: bool = False) -> Key | None:
+        """Of the GPU tier's entries (``host``: the host tier's), the least recently used weak
+        entry, else superseded one (``below``: those the entry being added will supersede),
+        else (unless ``weak_only``) the least recently used of all; None if there is none."""
+        mine = [(key, e) for key, e in self._by_tokens.items()  # least recently used first
+                if (e in self._host) == host]
         for superseded in (False, True):
-            for key, e in self._by_tokens.items():  # least recently used first
+            for key, e in mine:
                 if (e in self._superseded or e in below) if superseded else e in self._weak:
                     return key
-        return next(iter(self._by_tokens))
+        return None if weak_only or not mine else mine[0][0]
+
+    def _offload(self, entry: int, below: set[int], evicted: list[int]) -> bool:
+        """Move ``entry`` (pushed out of the GPU tier) to the host tier, evicting host entries
+        into ``evicted`` as it needs; False where it is not kept there (no host tier, too
+        big, superseded, or weak without weak or superseded host entries to make room)."""
+        need = self._bytes(entry)
+        if (not self.host_max_bytes or need > self.host_max_bytes or entry in self._superseded
+                or entry in below):
+            return False
+        weak = entry in self._weak
+        room = self.host_max_bytes - self.host_used_bytes
+        if weak:  # it never pushes out another: only weak and superseded host entries go
+            spare = [e for e in self._host if e in self._weak or e in self._superseded]
+            if room + sum(self._bytes(e) for e in spare) < need:
+                return False
+        while self.host_max_bytes - self.host_used_bytes < need:
+            evicted.append(self._pop(self._victim(below, host=True)))
+        self._host.add(entry)
+        self._offloads.append(entry)
+        return True
 
     def _pop(self, key: Key) -> int:
         entry = self._by_tokens.pop(key)
         del self._blocks[entry]
+        self._host.discard(entry)
         n = len(key[1])
         self._lengths[n] -= 1
         if not self._lengths[n]:

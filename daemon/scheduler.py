@@ -84,9 +84,7 @@ class Scheduler:
         self.draft_plan = DraftPlanner(self.speculation, max_slots=max_slots, backend=backend,
                                        placement=placement)
         self.preemption = preemption
-        self.max_slots = max_slots
-        self.max_context = max_context
-        self.max_queue = max_queue
+        self.max_slots, self.max_context, self.max_queue = max_slots, max_context, max_queue
         self.prefill_chunk = prefill_chunk
         self.checkpoint_interval = checkpoint_interval
         self.model_name = model_name
@@ -302,8 +300,10 @@ class Scheduler:
         entry = self._new_entry()
         after.append(CacheOp(op=OP.CHECKPOINT, slot=slot, num_tokens=len(tokens),
                              entry_id=entry))
-        for dropped in self.prefix.add(tokens, entry, space, weak=weak):
-            self._ops.append(CacheOp(op=OP.DROP_CHECKPOINT, entry_id=dropped))
+        dropped = self.prefix.add(tokens, entry, space, weak=weak)
+        # entries moved to the host tier first: one dropped from it now was offloaded before
+        self._ops += [CacheOp(op=OP.OFFLOAD, entry_id=e) for e in self.prefix.take_offloads()]
+        self._ops += [CacheOp(op=OP.DROP_CHECKPOINT, entry_id=e) for e in dropped]
 
     def _admit(self) -> None:
         while self.queue and None in self.slots:

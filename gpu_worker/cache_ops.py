@@ -3,7 +3,8 @@ every slot: KV blocks (gpu_worker/kv_cache.py) and GDN recurrent states (states.
 
 It owns how many tokens each allocated slot's cache holds (``lengths``) and the saved slot
 states the daemon names by entry id (``entries``): prefix checkpoints, which hold device KV
-blocks by reference, and swapped-out slots, whose KV and states wait in host memory.
+blocks by reference (or, offloaded, copies of their KV and state in host memory: the prefix
+cache's host tier), and swapped-out slots, whose KV and states wait in host memory.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ class CacheOps:
             self.swap_in(op.slot, self.entries.pop(self._check_entry(op.entry_id)))
         elif kind == CacheOpKind.DROP_CHECKPOINT:
             self.kv.allocator.free(self.entries.pop(self._check_entry(op.entry_id)).blocks)
+        elif kind == CacheOpKind.OFFLOAD:
+            self.offload(op.entry_id)
         else:
             raise PlanError(f"unknown cache command {kind!r}")
 
@@ -94,18 +97,44 @@ class CacheOps:
         return Entry(num_tokens, list(blocks), self._snapshot(slot))
 
     def share(self, op: CacheOp) -> None:
-        """slot <- the first num_tokens of an entry (with its recurrent state)."""
+        """slot <- the first num_tokens of an entry (with its recurrent state): its device
+        blocks by reference, or an offloaded entry's copies written into new blocks."""
         n = op.num_tokens
         entry = self.entry(op.entry_id)
         if n > entry.num_tokens or (entry.state is not None and n != entry.num_tokens):
             raise PlanError(f"SHARE_PREFIX of {n} tokens from entry {op.entry_id} holding "
                             f"{entry.num_tokens}")
-        blocks, state = entry.blocks, entry.state
         self.release(op.slot)
-        self.kv.share(op.slot, blocks[: self.kv.blocks_for(n)])
-        if state is not None:
-            self.states.restore(op.slot, state)
+        if entry.host_kv is None:
+            self.kv.share(op.slot, entry.blocks[: self.kv.blocks_for(n)])
+        else:
+            self._copy_in(op.slot, n, entry)
+        if entry.state is not None:
+            self.states.restore(op.slot, self._on_device(entry.state))
         self.lengths[op.slot] = n
+
+    def offload(self, entry_id: int) -> None:
+        """A prefix checkpoint -> host memory: its KV rows and state copied there, its device
+        blocks freed (a slot sharing them keeps its own references). Entry.host_kv marks it."""
+        entry = self.entry(entry_id)
+        if entry.host_kv is not None:
+            raise PlanError(f"OFFLOAD of entry {entry_id}, which is in host memory already")
+        host = tuple(to_numpy(a).copy() for a in self.kv.gather(entry.blocks))
+        state = (None if entry.state is None else
+                 tuple(to_numpy(s).copy() for s in entry.state))
+        self.kv.allocator.free(entry.blocks)
+        self.entries[entry_id] = Entry(entry.num_tokens, [], state, host)
+
+    def _copy_in(self, slot: int, n: int, entry: Entry) -> None:
+        """The first ``n`` tokens' KV of a host-memory entry into the slot's new blocks."""
+        self.kv.ensure(slot, n)
+        keep = self.kv.blocks_for(n)
+        if keep:
+            self.kv.scatter(self.kv.tables[slot][:keep], tuple(a[:, :keep] for a in entry.host_kv))
+
+    def _on_device(self, state: tuple) -> tuple:
+        xp = self.states.xp
+        return tuple(xp.asarray(s) for s in state)
 
     def swap_out(self, slot: int) -> Entry:
         """The slot's committed KV and its states -> host memory; the slot is freed."""
@@ -126,10 +155,7 @@ class CacheOps:
         if entry.host_kv is None:
             raise PlanError("SWAP_IN of an entry that was not swapped out")
         self.release(slot)
-        self.kv.ensure(slot, entry.num_tokens)
-        if entry.num_tokens:
-            self.kv.scatter(self.kv.tables.get(slot, []), entry.host_kv)
+        self._copy_in(slot, entry.num_tokens, entry)
         if entry.state is not None:
-            xp = self.states.xp
-            self.states.restore(slot, tuple(xp.asarray(s) for s in entry.state))
+            self.states.restore(slot, self._on_device(entry.state))
         self.lengths[slot] = entry.num_tokens

@@ -146,6 +146,7 @@ def plan_memory(config: ModelConfig, *, dtype: str = "bfloat16", backend: str = 
                 max_context: int = 4096, kv_block_size: int = 64,
                 kv_cache_dtype: str = "model", prefill_chunk: int = 512,
                 prefix_cache: bool = True, prefix_cache_mb: int = 1024, max_drafts: int = 0,
+                prefix_cache_host_mb: int = 0,
                 placement: str = "split", cpu_experts_per_layer: int = 0,
                 hot_counts: Mapping[int, np.ndarray] | None = None, cpu_workers: int = 1,
                 include_mtp: bool = True,
@@ -158,7 +159,8 @@ def plan_memory(config: ModelConfig, *, dtype: str = "bfloat16", backend: str = 
     ``placement`` "split" with ``cpu_experts_per_layer`` 0 puts as many experts on the GPU as
     fit; a count > 0 is kept and only checked. ``host_available_bytes`` -1: MemAvailable of
     /proc/meminfo; None: no host check. ``gpu_format`` "int8": the backend's routed experts as
-    int8 blocks of 32 (1.0625 bytes a weight). Pure apart from that one read.
+    int8 blocks of 32 (1.0625 bytes a weight). ``prefix_cache_host_mb``: the prefix cache's host
+    tier, counted in the host's fixed bytes. Pure apart from that one read.
     """
     if dtype not in mp.WEIGHT_ITEMSIZE:
         raise ValueError(f"dtype must be one of {', '.join(mp.WEIGHT_ITEMSIZE)}, got {dtype!r}")
@@ -212,7 +214,8 @@ def plan_memory(config: ModelConfig, *, dtype: str = "bfloat16", backend: str = 
         cpu_format=cpu_format, experts_gpu_per_layer=E,
         expert_order=mp.expert_order(moe_layers, E, hot_counts), cpu_expert_bytes=0,
         cpu_ring_bytes=0, cuda_context_bytes=CUDA_CONTEXT if backend == "cupy" else 0,
-        host_fixed_bytes=HOST_PROCESS + LOAD_WORKING_SET,
+        host_fixed_bytes=HOST_PROCESS + LOAD_WORKING_SET
+        + (prefix_cache_host_mb * 2**20 if prefix_cache else 0),
         host_available_bytes=host_available_bytes)
     n_gpu = _experts_that_fit(plan, placement, cpu_experts_per_layer)
     n_cpu = E - max(n_gpu, 0)
@@ -257,6 +260,7 @@ def plan_for_worker(cfg: WorkerConfig, model: ModelConfig, *, backend: str,
         max_slots=cfg.max_slots, max_context=cfg.max_context, kv_block_size=cfg.block_size,
         kv_cache_dtype=cfg.kv_cache_dtype, prefill_chunk=cfg.prefill_chunk,
         prefix_cache=cfg.prefix_cache, prefix_cache_mb=cfg.prefix_cache_max_mb,
+        prefix_cache_host_mb=cfg.prefix_cache_host_mb,
         max_drafts=cfg.max_drafts, placement=cfg.placement,
         cpu_experts_per_layer=cfg.cpu_experts_per_layer, hot_counts=hot_counts,
         cpu_workers=cfg.cpu_workers or len(cfg.cpu_cores) or len(numa_core_groups()),

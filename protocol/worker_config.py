@@ -68,6 +68,7 @@ class WorkerConfig:
     kv_cache_dtype: str = "model"
     prefix_cache: bool = True
     prefix_cache_max_mb: int = 1024  # the prefix cache's KV budget (blocks beyond the slots')
+    prefix_cache_host_mb: int = 0  # its host memory tier (the memory plan counts it)
     placement: str = "gpu"
     cpu_experts_per_layer: int = 0
     cpu_workers: int = 0  # 0: one per NUMA node
@@ -106,7 +107,8 @@ class WorkerConfig:
         _choice("speculation_mode", self.speculation_mode, SPECULATION_MODES)
         _choice("graph_warm_up", self.graph_warm_up, GRAPH_WARM_UPS)
         for name, lo in (("max_slots", 1), ("max_context", 1), ("block_size", 1),
-                         ("prefix_cache_max_mb", 0), ("cpu_experts_per_layer", 0),
+                         ("prefix_cache_max_mb", 0), ("prefix_cache_host_mb", 0),
+                         ("cpu_experts_per_layer", 0),
                          ("cpu_workers", 0), ("prefill_chunk", 1), ("max_drafts", 0),
                          ("mtp_drafts", 0)):
             _count(name, getattr(self, name), lo)

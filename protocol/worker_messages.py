@@ -40,6 +40,7 @@ class CacheOpKind(IntEnum):
     SWAP_OUT = 6  # slot's KV blocks and states -> host memory as entry_id; slot freed
     SWAP_IN = 7  # entry_id -> slot; entry consumed
     DROP_CHECKPOINT = 8  # forget entry_id (checkpoint, prefix entry or swapped-out slot)
+    OFFLOAD = 9  # prefix entry entry_id -> host memory (KV and state copied, its blocks freed)
 
 
 class WorkerErrorCode(IntEnum):
@@ -95,7 +96,7 @@ _OP_NEEDS = {  # op -> (needs slot, needs entry_id)
     CacheOpKind.ALLOCATE: (True, False), CacheOpKind.FREE: (True, False),
     CacheOpKind.SHARE_PREFIX: (True, True), CacheOpKind.CHECKPOINT: (True, True),
     CacheOpKind.SWAP_OUT: (True, True), CacheOpKind.SWAP_IN: (True, True),
-    CacheOpKind.DROP_CHECKPOINT: (False, True),
+    CacheOpKind.DROP_CHECKPOINT: (False, True), CacheOpKind.OFFLOAD: (False, True),
 }
 
 
