@@ -299,10 +299,12 @@ PLANS: dict[str, list[Check]] = {
     # an H200 that may be taken back mid-call: three short calls (--budget 450-540 each)
     # instead of one long one, each worth keeping alone. 1: issue 17's machine facts and
     # ratio, issue 14's 32 GiB table; 2: the whole-GPU table and every layout's bits;
-    # 3: the fused kernels, the graphs and bf16 speculation
+    # 3: the fused kernels, the graphs, bf16 speculation and the prefix cache's host tier
     "h200_1": [PROBE, INT4_RATIO, STEP_32_INT8],
     "h200_2": [STEP_WHOLE, BATCH_INVARIANCE],
-    "h200_3": [FUSED, STEP_GRAPHS, SPECULATION_BF16],
+    "h200_3": [FUSED, STEP_GRAPHS, SPECULATION_BF16,
+               Check("prefix_host", f"{PY} pytest -q -p no:cacheprovider "
+                     "tests/gpu/test_prefix_host_cupy.py", 60)],
     # the shortest (--budget 250): the probe, the int4 ratio and the graph tests alone
     "third": SCARCE,
     # CUDA graphs (gpu_worker/step_graph.py): bits equal eager, with and without CPU experts,

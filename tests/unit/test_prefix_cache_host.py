@@ -126,31 +126,32 @@ def test_an_offloaded_checkpoint_restores_the_same_kv_and_state(model):
         ops.apply(CacheOp(op=OP.SHARE_PREFIX, slot=0, num_tokens=10, entry_id=7))
 
 
-def test_a_conversation_pushed_out_of_the_gpu_resumes_from_host_memory(model):
-    """Three chats in a GPU tier that holds one history checkpoint: without a host tier the
-    first chat's next turn finds nothing; with one it starts from its history (18 tokens),
-    and its tokens are those of the run without a host tier (a cold start's)."""
+def next_turn(model, host_mb: int) -> tuple[int, list[int], list]:
+    """Three chats' first turns in a GPU tier that holds one history checkpoint, then the
+    first chat's next turn: (its cached tokens, its tokens, the cache ops of the run)."""
     prompts = {a: [(7 * i + 3 + 100 * a) % 500 for i in range(21)] for a in range(3)}
+    sched, worker = _scheduler(model, prefix_blocks=6)
+    p = sched.prefix
+    sched.prefix = PrefixCache(p.max_blocks, p.block_size, host_max_bytes=host_mb * MB,
+                               block_bytes=MB // 8, state_bytes=MB // 8)
 
-    def run(host_mb: int) -> tuple[int, list[int], list]:
-        sched, worker = _scheduler(model, prefix_blocks=6)
-        p = sched.prefix
-        sched.prefix = PrefixCache(p.max_blocks, p.block_size, host_max_bytes=host_mb * MB,
-                                   block_bytes=MB // 8, state_bytes=MB // 8)
+    async def turns() -> list[int]:
+        for a in range(3):
+            await _serve(sched, prompts[a], 6, f"first{a}", history_len=18)
+        return await _serve(sched, prompts[0][:18] + [1, 2, 3, 4], 6, "next0")
 
-        async def turns() -> list[int]:
-            for a in range(3):
-                await _serve(sched, prompts[a], 6, f"first{a}", history_len=18)
-            return await _serve(sched, prompts[0][:18] + [1, 2, 3, 4], 6, "next0")
+    tokens = asyncio.run(turns())
+    cached = next(w.cached_len for p in worker.plans for w in p.slots
+                  if w.request_id == "next0")
+    return cached, tokens, [op.op for plan in worker.plans for op in plan.cache_ops]
 
-        tokens = asyncio.run(turns())
-        cached = next(w.cached_len for p in worker.plans for w in p.slots
-                      if w.request_id == "next0")
-        ops = [op.op for plan in worker.plans for op in plan.cache_ops]
-        return cached, tokens, ops
 
-    cold_cached, cold_tokens, cold_ops = run(host_mb=0)
-    cached, tokens, ops = run(host_mb=64)
+def test_a_conversation_pushed_out_of_the_gpu_resumes_from_host_memory(model):
+    """Without a host tier the first chat's next turn finds nothing; with one it starts from
+    its history (18 tokens), and its tokens are those of the run without a host tier (a cold
+    start's)."""
+    cold_cached, cold_tokens, cold_ops = next_turn(model, host_mb=0)
+    cached, tokens, ops = next_turn(model, host_mb=64)
     assert cold_cached == 0 and OP.OFFLOAD not in cold_ops
     assert cached == 18 and OP.OFFLOAD in ops
     assert tokens == cold_tokens
