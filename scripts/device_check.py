@@ -44,10 +44,12 @@ SHARDS = "--set experts.shard_cache=/dev/shm/tbc-shards "
 def coding_check(name: str, arms: str) -> Check:
     """bench_concurrency's coding loops at 32 GiB, 3 turns of 64 tokens, ``arms`` (off first:
     it records the replay file) in one pair: runs to ``$OUT/concurrency/32c``, the work folder
-    (logs, records, replay file) packed beside them."""
+    (logs, records, replay file) packed beside them. The prefix cache has an 8 GiB host tier
+    (configs/qwen3-next-80b.toml's): the agents' checkpoints the GPU's 1 GiB cannot keep."""
     return Check(name, "mount -o remount,size=110G /dev/shm; timeout -k 15 560 "
                  f"{PY} scripts.bench_concurrency --model qwen3-next-80b-a3b --gpu-budget 32 "
                  f"--proposer replay --replay-source mtp {SHARDS}"
+                 "--set scheduler.prefix_cache_host_mb=8192 "
                  f"--arms {arms} --pairs 1 --workloads coding --coding-turns 3 "
                  "--coding-tokens 64 --out-dir $OUT/concurrency/32c "
                  f"--work-dir /tmp/tbc-32x; rc=$?; tar czf $OUT/{name}_work.tar.gz "
