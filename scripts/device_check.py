@@ -115,8 +115,7 @@ PLANS: dict[str, list[Check]] = {
         Check("fused_silu",
               f"{PY} pytest -q -p no:cacheprovider tests/gpu/test_fused_silu_cupy.py", 60),
         Check("router", f"{PY} pytest -q -p no:cacheprovider tests/gpu/test_router_cupy.py", 60),
-        Check("batch_invariance", f"{PY} pytest -q -s -p no:cacheprovider "
-              "tests/gpu/test_batch_invariance_cupy.py", 200),
+        BATCH_INVARIANCE,
     ],
     "parity": [
         Check("bf16_gguf", f"{PY} pytest -q -p no:cacheprovider tests/gpu/test_bf16_cupy.py "
@@ -198,8 +197,7 @@ PLANS: dict[str, list[Check]] = {
     "attn_norm": [
         Check("attn_norm", f"{PY} pytest -q -p no:cacheprovider "
               "tests/gpu/test_paged_attention_cupy.py tests/gpu/test_fused_norm_cupy.py", 150),
-        Check("batch_invariance", f"{PY} pytest -q -s -p no:cacheprovider "
-              "tests/gpu/test_batch_invariance_cupy.py", 200),
+        BATCH_INVARIANCE,
     ],
     # one call after kernel changes (about 400 s warm): the changed kernels' tests, the
     # model's paths (input stacks, graphs), every layout's bits (set
@@ -317,8 +315,7 @@ PLANS: dict[str, list[Check]] = {
               "tests/gpu/test_synthetic_routing_cupy.py tests/gpu/test_synthetic_cupy.py "
               "tests/gpu/test_step_graph_cupy.py", 300),
         # speculation exact in bf16 over > 2,000 tokens per architecture (issue 14)
-        Check("speculation_bf16", f"{PY} pytest -q -p no:cacheprovider "
-              "tests/gpu/test_speculation_bf16_cupy.py", 240),
+        SPECULATION_BF16,
     ],
 }
 
