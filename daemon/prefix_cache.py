@@ -194,33 +194,37 @@ class PrefixCache:
                            block_bytes=self.block_bytes, state_bytes=self.state_bytes,
                            max_bytes=self.max_bytes, host_max_bytes=self.host_max_bytes)
 
-    def _victim(self, below: set[int], host: bool = False, weak_only: bool = False) -> Key | None:
+    def _victim(self, below: set[int], host: bool = False) -> Key | None:
         """Of the GPU tier's entries (``host``: the host tier's), the least recently used weak
         entry, else superseded one (``below``: those the entry being added will supersede),
-        else (unless ``weak_only``) the least recently used of all; None if there is none."""
+        else the least recently used of all; None if there is none."""
         mine = [(key, e) for key, e in self._by_tokens.items()  # least recently used first
                 if (e in self._host) == host]
         for superseded in (False, True):
             for key, e in mine:
                 if (e in self._superseded or e in below) if superseded else e in self._weak:
                     return key
-        return None if weak_only or not mine else mine[0][0]
+        return mine[0][0] if mine else None
 
     def _offload(self, entry: int, below: set[int], evicted: list[int]) -> bool:
         """Move ``entry`` (pushed out of the GPU tier) to the host tier, evicting host entries
-        into ``evicted`` as it needs; False where it is not kept there (no host tier, too
-        big, superseded, or weak without weak or superseded host entries to make room)."""
+        into ``evicted`` as it needs (its bytes, and at most ``max_entries`` entries there
+        too); False where it is not kept there (no host tier, too big, superseded, or weak
+        without weak or superseded host entries to make room)."""
         need = self._bytes(entry)
         if (not self.host_max_bytes or need > self.host_max_bytes or entry in self._superseded
                 or entry in below):
             return False
-        weak = entry in self._weak
-        room = self.host_max_bytes - self.host_used_bytes
-        if weak:  # it never pushes out another: only weak and superseded host entries go
+
+        def full(gone: int = 0, freed: int = 0) -> bool:
+            return (self.host_used_bytes - freed + need > self.host_max_bytes
+                    or len(self._host) - gone >= self.max_entries)
+
+        if entry in self._weak:  # it never pushes out another: weak and superseded ones go
             spare = [e for e in self._host if e in self._weak or e in self._superseded]
-            if room + sum(self._bytes(e) for e in spare) < need:
+            if full(len(spare), sum(self._bytes(e) for e in spare)):
                 return False
-        while self.host_max_bytes - self.host_used_bytes < need:
+        while full():
             evicted.append(self._pop(self._victim(below, host=True)))
         self._host.add(entry)
         self._offloads.append(entry)

@@ -51,6 +51,15 @@ def test_entries_pushed_out_of_the_gpu_go_to_host_memory_and_are_found_there():
     assert cache.lookup(_conv(1, 8) + [5]) is None
 
 
+def test_the_host_tier_holds_at_most_max_entries_entries_too():
+    """Small entries in a large host budget: the daemon's index stays bounded by count."""
+    cache = PrefixCache(10_000, 4, max_entries=3, block_bytes=1, state_bytes=1,
+                        host_max_bytes=MB)
+    dropped = [e for a in range(8) for e in cache.add(_conv(a, 8), a + 1, None)]
+    assert cache.tiers()["gpu"][0] == 3 and cache.tiers()["host"][0] == 3
+    assert dropped == [1, 2] and cache.take_offloads() == [1, 2, 3, 4, 5]
+
+
 def test_without_a_host_tier_entries_are_dropped_as_before():
     cache = _cache(host_mb=0)
     assert [cache.add(_conv(a, 8), a + 1, None) for a in range(4)] == [[], [], [1], [2]]
