@@ -140,7 +140,8 @@ class PrefixCache:
             weak: bool = False) -> list[int]:
         """Record a new checkpoint in ``space`` (``weak``: a finished request's end, see the
         module's note; the caller asks :meth:`admits` first); returns the ids of entries
-        evicted to make room."""
+        evicted to make room (dropped; those moved to the host tier instead come from
+        :meth:`take_offloads`)."""
         blocks, nbytes = self._cost(len(tokens))
         key, n = (space, tuple(tokens)), len(tokens)
         below, above = set(), []  # ids: the entries it begins with, the longer ones that
