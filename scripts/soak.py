@@ -64,6 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="[experts] placement: cpu (one CPU expert worker, which --cpu-kills "
                         "kill) or gpu (the model worker's own; e.g. the embedded model, whose "
                         "trained MTP head has its drafts accepted)")
+    p.add_argument("--prefix-host-mb", type=int, default=0,
+                   help="the prefix cache's host tier (MB); with it the GPU tier gets 1 MB and "
+                        "the default model GDN states of ~0.8 MB a checkpoint, so checkpoints "
+                        "are copied out and back under the load and the kills")
     p.add_argument("--workdir", type=Path, default=None, help="logs and config (default: tmp)")
     p.add_argument("--json", type=Path, default=None, help="write the result here")
     return p.parse_args(argv)
@@ -208,6 +212,9 @@ async def soak(args: argparse.Namespace, d: Daemon) -> dict:
     out["probe"] = probe_tally.as_dict() | {"runs": probe_log}
     out["restarts_total"] = d.restarts()
     # speculation's counters over the whole run (the daemon's: workers' restarts keep them)
+    out["prefix_cache"] = {tier: {"hits": d.metric("tandem_prefix_cache_hits_total", tier=tier),
+                                  "entries": d.metric("tandem_prefix_cache_entries", tier=tier)}
+                           for tier in ("gpu", "host")}
     out["speculation"] = {"verifies": {src: d.metric("tandem_spec_verifies_total", source=src)
                                        for src in ("suffix", "global_suffix", "mtp")},
                           "drafts": d.metric("tandem_spec_draft_tokens_total"),
@@ -243,7 +250,10 @@ def checks(r: dict, args: argparse.Namespace) -> dict[str, bool]:
         # the answers above equal plain decoding's while drafts were verified and accepted
         f"{args.speculation} speculation ran ({args.proposer} drafts accepted), "
         "references without drafts": r["speculation"]["verifies"][args.proposer] > 0
-            and r["speculation"]["accepted"] > 0 and r["reference_drafts"] == 0})
+            and r["speculation"]["accepted"] > 0 and r["reference_drafts"] == 0}) | ({} if not
+        args.prefix_host_mb else {
+        # the answers above came partly from checkpoints copied back from host memory
+        "prefix cache host tier served hits": r["prefix_cache"]["host"]["hits"] > 0})
 
 
 def table(r: dict, ok: dict[str, bool]) -> str:
@@ -262,7 +272,8 @@ def table(r: dict, ok: dict[str, bool]) -> str:
                        f"the load, {r['rss_mb_after_fuzz']} after the fuzz, "
                        f"{r['rss_mb_at_end']} at end"),
             ("slot watch", str(r["slot_watch"])),
-            ("speculation", str(r.get("speculation")))]
+            ("speculation", str(r.get("speculation"))),
+            ("prefix cache", str(r.get("prefix_cache")))]
     width = max(len(k) for k in ok)
     lines = [f"{k:<12} {v}" for k, v in rows] + [""]
     lines += [f"{k:<{width}}  {'PASS' if v else 'FAIL'}" for k, v in ok.items()]
@@ -271,10 +282,15 @@ def table(r: dict, ok: dict[str, bool]) -> str:
 
 def run(args: argparse.Namespace) -> dict:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tandem-soak-"))
-    # a tiny random model by default; qwen3_next with an MTP head for MTP drafts
-    arch = "qwen3_next" if args.proposer == "mtp" else "qwen3_moe"
+    # a tiny random model by default; qwen3_next with an MTP head for MTP drafts, and with
+    # large GDN states for the host tier (a 1 MB GPU tier then keeps about one checkpoint)
+    host = args.prefix_host_mb > 0
+    arch = "qwen3_next" if args.proposer == "mtp" or host else "qwen3_moe"
+    big = {"linear_value_heads": 8, "linear_key_dim": 64, "linear_value_dim": 64} if host else {}
     model = (args.model.resolve() if args.model else
-             make_tiny_model(workdir / "model", arch, seed=5))
+             make_tiny_model(workdir / "model", arch, seed=5, **big))
+    scheduler = ({"prefix_cache_max_mb": 1, "prefix_cache_host_mb": args.prefix_host_mb}
+                 if host else {})
     # a small global suffix index: full within the warm-up (its ~0.8 kB a token would
     # otherwise grow the RSS past the check's tolerance, bounded but after the baseline), and
     # evicting all through the load
@@ -282,7 +298,7 @@ def run(args: argparse.Namespace) -> dict:
                    {"mode": args.speculation, "proposer": args.proposer,
                     "global_index_tokens": 2048})
     d = Daemon(workdir, model, max_slots=4, max_queue=max(64, 2 * args.clients),
-               speculation=speculation, placement=args.placement)
+               speculation=speculation, placement=args.placement, scheduler=scheduler)
     t0 = time.monotonic()
     d.start()
     result: dict = {"startup_s": round(time.monotonic() - t0, 1), "workdir": str(workdir)}

@@ -24,18 +24,19 @@ GPU_WORKER, CPU_WORKER = "gpu_worker.server", "cpu_experts.worker"
 
 
 def config(model: Path, port: int, run_dir: Path, max_slots: int, max_queue: int,
-           speculation: dict | None = None, placement: str = "cpu") -> dict:
+           speculation: dict | None = None, placement: str = "cpu",
+           scheduler: dict | None = None) -> dict:
     """The soak's configuration: float64 (so a request's text does not depend on what it was
     batched with), small prefill chunks and checkpoints (prefill spans several steps, the
     prefix cache is exercised), one CPU expert worker (``placement`` "cpu"; "gpu": the model
     worker's own experts); ``speculation``: the [speculation] section (none: plain
-    decoding)."""
+    decoding); ``scheduler``: keys over the [scheduler] section's."""
     cfg = {"model": {"path": str(model), "dtype": "float64", "backend": "numpy",
                      "name": "tandem-soak"},
            "server": {"host": "127.0.0.1", "port": port, "run_dir": str(run_dir)},
            "limits": {"max_queue": max_queue, "request_timeout_s": 300},
            "scheduler": {"max_slots": max_slots, "max_context": 1024, "kv_block_size": 16,
-                         "prefill_chunk": 32, "checkpoint_interval": 32},
+                         "prefill_chunk": 32, "checkpoint_interval": 32, **(scheduler or {})},
            "experts": ({"placement": "cpu", "cpu_workers": 1} if placement == "cpu" else
                        {"placement": placement}),
            "logging": {"json": True, "level": "info"}}
@@ -55,13 +56,14 @@ def _toml(cfg: dict) -> str:
 class Daemon:
     def __init__(self, workdir: Path, model: Path, *, max_slots: int = 4,
                  max_queue: int = 64, speculation: dict | None = None,
-                 placement: str = "cpu") -> None:
+                 placement: str = "cpu", scheduler: dict | None = None) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.run_dir = workdir / "run"
         self.config_path = workdir / "tandem.toml"
         self.config_path.write_text(_toml(config(model, self.port, self.run_dir, max_slots,
-                                                 max_queue, speculation, placement)))
+                                                 max_queue, speculation, placement,
+                                                 scheduler)))
         self.log_path = workdir / "serve.log"
         self.url = f"http://127.0.0.1:{self.port}"
         self.zmq_address = client_address(self.run_dir)

@@ -5,7 +5,9 @@ speculation the references opt out of it, so every answer under load (drafts ver
 passes shared with other requests, workers killed mid-verify) must be plain decoding's: wide
 with suffix drafts on the tiny random model (whose loops accept most drafts), and narrow with
 the embedded model's trained MTP head (its experts do not fit the CPU kernels: the model
-worker keeps them, and only it is killed)."""
+worker keeps them, and only it is killed). With the prefix cache's host tier (a 1 MB GPU tier
+and GDN states of ~0.8 MB a checkpoint), prompts start from checkpoints copied out to host
+memory and back under the same load and kills."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ BASE = ["--clients", "8", "--duration", "20", "--fuzz-http", "200", "--fuzz-zmq"
 RUNS = {
     "plain": ["--gpu-kills", "1", "--cpu-kills", "1"],
     "wide_suffix": ["--gpu-kills", "1", "--cpu-kills", "1", "--speculation", "wide"],
+    "host_tier": ["--gpu-kills", "1", "--cpu-kills", "1", "--prefix-host-mb", "64"],
     "narrow_mtp": ["--gpu-kills", "1", "--cpu-kills", "0", "--speculation", "narrow",
                    "--proposer", "mtp", "--placement", "gpu", "--model",
                    str(ROOT / "models" / "tandem-tiny")],
@@ -45,8 +48,10 @@ def test_short_soak_passes_every_check(tmp_path, run):
                      ["cpu_experts.worker", "gpu_worker.server"])
     assert result["fuzz_http"]["sent"] == 200 and result["fuzz_zmq"]["sent"] == 200
     assert result["slot_watch"]["states_seen"].get("queued", 0) > 0
+    if run == "host_tier":  # prompts started from checkpoints copied back from host memory
+        assert result["prefix_cache"]["host"]["hits"] > 0
     spec = result["speculation"]
-    if run == "plain":
+    if run in ("plain", "host_tier"):
         assert spec["drafts"] == 0
     else:  # drafts were verified and accepted, from the source asked for
         source = "mtp" if run == "narrow_mtp" else "suffix"
