@@ -5,8 +5,12 @@ architectures (bf16 rows are the same bits however a prompt is chunked)."""
 
 from __future__ import annotations
 
+import pytest
+
 from protocol.messages import CacheOpKind
 from tests.unit.test_prefix_cache_host import next_turn
+
+pytest.importorskip("cupy")  # before the module's bf16 model is built (conftest.bf16_model)
 
 
 def test_a_turn_from_host_memory_gives_a_cold_starts_tokens_in_bf16(bf16_model):
