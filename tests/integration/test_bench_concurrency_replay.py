@@ -37,6 +37,13 @@ def test_replay_arms_give_the_plain_tokens(tmp_path):
             assert run["server_start_s"] > 0 and run["run_s"] > 0 and run["server_stop_s"] >= 0
             if arm != "off":
                 assert run["drafts"]["mtp"]["accepted_per_verify"] > 0, (name, arm)
+            if run["four_stream_decode_tps"]:  # the decode windows' own steps were counted
+                four = run["steps"]["four_stream"]
+                assert four["steps"] > 0 and four["tokens_per_step"] >= 4, (name, arm, four)
+            hits = run["prefix_cache_hits"]  # no host tier here
+            assert hits["host"] == 0 and (hits["gpu"] > 0) == (run["prompt_cached_tokens"] > 0)
+            if name == "coding":  # later turns start from their history's checkpoint
+                assert hits["gpu"] > 0, (arm, hits)
         entry = summary["by_workload"][name]
         assert entry["tokens_equal_plain"] == {"off": [True], "adaptive@2": [True]}
         assert set(entry["four_stream_decode_tps_pair_ratios"]) == {"adaptive@2"}
