@@ -98,6 +98,7 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.metrics = Metrics()
+        self.metrics.watch_prefix_cache(lambda: self.scheduler.prefix)
         try:
             self.tokenizer = Tokenizer.from_dir(config.model.path)
         except TokenizerError as exc:
@@ -127,13 +128,15 @@ class Daemon:
         self.scheduler.vocab_size = info.vocab_size
         self.scheduler.route_keyed = info.synthetic_routing
         kv = info.kv
-        sched = self.config.scheduler
+        sched, old = self.config.scheduler, self.scheduler.prefix
         self.scheduler.prefix = (PrefixCache(kv.prefix_blocks, kv.block_size,
                                              block_bytes=kv.block_bytes,
                                              state_bytes=kv.state_bytes,
                                              max_bytes=sched.prefix_cache_max_mb * 2**20,
                                              host_max_bytes=sched.prefix_cache_host_mb * 2**20)
                                  if kv.prefix_blocks else None)
+        if old is not None and self.scheduler.prefix is not None:  # /metrics counts hits
+            self.scheduler.prefix.hits = dict(old.hits)            # over the daemon's life
         for api in self.apis:
             api.worker_ready(info)
 

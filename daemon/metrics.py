@@ -5,13 +5,14 @@ Who calls what: the HTTP and ZeroMQ front ends call `request_received` and `requ
 scheduler calls the rest, once per request (`request_finished`), per emitted token
 (`observe_ttft` for the first one, `observe_itl` for the rest), per verification
 (`observe_drafts`), per change of the queue (`set_queue_depth`, `set_request_states`) and
-once per step (`record_step`). A scheduler without metrics gets `NullMetrics`, whose calls
-do nothing.
+once per step (`record_step`). The prefix cache's figures are read when /metrics is
+scraped (`watch_prefix_cache`, set by lifecycle), not on the step loop. A scheduler without
+metrics gets `NullMetrics`, whose calls do nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -23,7 +24,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 PREFIX = "tandem"
@@ -67,6 +68,36 @@ class _StaleAbsentGauge(Collector):
         if self.value is not None:
             family.add_metric([], self.value)
         yield family
+
+
+class _PrefixCacheFigures(Collector):
+    """The prefix cache's entries, bytes and hits by tier (daemon/prefix_cache.py), read from
+    the scheduler's current cache at each scrape: nothing on the step loop. ``source``
+    returns that cache (a new one after a worker restart carries the hit counts over)."""
+
+    TIERS = ("gpu", "host")
+
+    def __init__(self) -> None:
+        self.source: Callable[[], object] | None = None
+
+    def collect(self):
+        p = PREFIX
+        entries = GaugeMetricFamily(f"{p}_prefix_cache_entries", "Prefix checkpoints held, by "
+                                    "tier (gpu; host: the host memory tier, "
+                                    "prefix_cache_host_mb)", labels=["tier"])
+        nbytes = GaugeMetricFamily(f"{p}_prefix_cache_bytes", "Bytes those checkpoints hold "
+                                   "(KV blocks and states), by tier", labels=["tier"])
+        hits = CounterMetricFamily(f"{p}_prefix_cache_hits", "Admitted prompts that started "
+                                   "from a prefix checkpoint, by the checkpoint's tier",
+                                   labels=["tier"])
+        cache = self.source() if self.source is not None else None
+        if cache is not None:
+            tiers = cache.tiers()
+            for tier in self.TIERS:
+                entries.add_metric([tier], tiers[tier][0])
+                nbytes.add_metric([tier], tiers[tier][1])
+                hits.add_metric([tier], cache.hits[tier])
+        yield from (entries, nbytes, hits)
 
 
 # tandem_cuda_graph_passes_total's outcomes and the worker's step counters they count
@@ -149,16 +180,7 @@ class Metrics:
         self._cpu_expert_bytes = Counter(f"{p}_cpu_expert_weight_bytes",
                                          "Bytes of CPU expert weights read (each distinct "
                                          "expert once per layer per step)", registry=r)
-        self._prefix_entries = Gauge(f"{p}_prefix_cache_entries",
-                                     "Prefix checkpoints held, by tier (gpu; host: the host "
-                                     "memory tier, prefix_cache_host_mb)", ["tier"], registry=r)
-        self._prefix_bytes = Gauge(f"{p}_prefix_cache_bytes",
-                                   "Bytes those checkpoints hold (KV blocks and states), by "
-                                   "tier", ["tier"], registry=r)
-        self._prefix_hits = Counter(f"{p}_prefix_cache_hits",
-                                    "Admitted prompts that started from a prefix checkpoint, "
-                                    "by the checkpoint's tier", ["tier"], registry=r)
-        self._prefix_hits_seen: dict[str, int] = {}
+        self._prefix = _PrefixCacheFigures()
         self._drafts = Counter(f"{p}_spec_draft_tokens",
                                "Draft tokens proposed for verification (speculation)",
                                registry=r)
@@ -197,6 +219,7 @@ class Metrics:
             "step with MoE layers; absent when it ran no expert on the CPU")
         r.register(self._throughput)
         r.register(self._cpu_dram)
+        r.register(self._prefix)
         ProcessCollector(registry=r)  # the daemon's own CPU, memory and open files
 
     # ---- requests ----------------------------------------------------------------------------
@@ -305,19 +328,9 @@ class Metrics:
             self.observe_experts(c["gpu_experts"], c["cpu_experts"], c["moe_layers"],
                                  step.cpu_expert_seconds, c["cpu_expert_bytes"])
 
-    def observe_prefix_cache(self, tiers: Mapping[str, tuple[int, int]],
-                             hits: Mapping[str, int]) -> None:
-        """The prefix cache after a step: (entries, bytes) per tier and its running hit counts
-        (daemon/prefix_cache.py; a fresh cache after a worker restart counts from 0 again)."""
-        for tier, (entries, nbytes) in tiers.items():
-            self._prefix_entries.labels(tier=tier).set(entries)
-            self._prefix_bytes.labels(tier=tier).set(nbytes)
-        for tier, n in hits.items():
-            seen = self._prefix_hits_seen.get(tier, 0)
-            new = n - seen if n >= seen else n  # below: a new cache, counting from 0
-            if new:
-                self._prefix_hits.labels(tier=tier).inc(new)
-            self._prefix_hits_seen[tier] = n
+    def watch_prefix_cache(self, source: Callable[[], object]) -> None:
+        """``source()``: the scheduler's prefix cache now (or None), read at each scrape."""
+        self._prefix.source = source
 
     def worker_restarted(self, component: str) -> None:
         self._restarts.labels(component=component).inc()
@@ -350,8 +363,4 @@ class NullMetrics:
         pass
 
     def record_step(self, step: StepStats) -> None:
-        pass
-
-    def observe_prefix_cache(self, tiers: Mapping[str, tuple[int, int]],
-                             hits: Mapping[str, int]) -> None:
         pass

@@ -57,7 +57,9 @@ class PrefixCache:
         self.host_max_bytes = host_max_bytes
         self._host: set[int] = set()  # entry ids held in host memory (the second tier)
         self._offloads: list[int] = []  # moved there since take_offloads()
-        self.hits = {"gpu": 0, "host": 0}  # lookups that found an entry, by its tier
+        # lookups that found an entry, by its tier (emptied() carries them over: /metrics
+        # counts them over the daemon's life)
+        self.hits = {"gpu": 0, "host": 0}
         # least recently used first (a plain dict: an OrderedDict's iteration hashes every
         # key again, and a key is a prompt's worth of tokens)
         self._by_tokens: dict[Key, int] = {}
@@ -190,10 +192,12 @@ class PrefixCache:
         return blocks <= self.max_blocks and (self.max_bytes is None or nbytes <= self.max_bytes)
 
     def emptied(self) -> PrefixCache:
-        """A new, empty cache with the same bounds (the worker restarted)."""
-        return PrefixCache(self.max_blocks, self.block_size, self.max_entries,
-                           block_bytes=self.block_bytes, state_bytes=self.state_bytes,
-                           max_bytes=self.max_bytes, host_max_bytes=self.host_max_bytes)
+        """A new, empty cache with the same bounds and hit counts (the worker restarted)."""
+        cache = PrefixCache(self.max_blocks, self.block_size, self.max_entries,
+                            block_bytes=self.block_bytes, state_bytes=self.state_bytes,
+                            max_bytes=self.max_bytes, host_max_bytes=self.host_max_bytes)
+        cache.hits = dict(self.hits)
+        return cache
 
     def _victim(self, below: set[int], host: bool = False) -> Key | None:
         """Of the GPU tier's entries (``host``: the host tier's), the least recently used weak

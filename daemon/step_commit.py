@@ -64,8 +64,6 @@ def commit_step(sched: Any, plan: StepPlan, result: StepResult, seconds: float,
         cpu_expert_seconds=result.timings_ms.get("cpu_experts", 0.0) / 1e3))
     sched.metrics.set_request_states(
         progress.counts([s for s in sched.slots if s is not None] + waiting))
-    if sched.prefix is not None:
-        sched.metrics.observe_prefix_cache(sched.prefix.tiers(), sched.prefix.hits)
 
 
 def release_finished(sched: Any, slot: int, seq: Sequence) -> None:

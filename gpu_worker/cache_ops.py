@@ -119,11 +119,14 @@ class CacheOps:
         entry = self.entry(entry_id)
         if entry.host_kv is not None:
             raise PlanError(f"OFFLOAD of entry {entry_id}, which is in host memory already")
-        host = tuple(to_numpy(a).copy() for a in self.kv.gather(entry.blocks))
-        state = (None if entry.state is None else
-                 tuple(to_numpy(s).copy() for s in entry.state))
+        kv, state = self._host_copy(entry.blocks, entry.state)
         self.kv.allocator.free(entry.blocks)
-        self.entries[entry_id] = Entry(entry.num_tokens, [], state, host)
+        self.entries[entry_id] = Entry(entry.num_tokens, [], state, kv)
+
+    def _host_copy(self, blocks: list[int], state: tuple | None) -> tuple[tuple, tuple | None]:
+        """Host-memory copies of ``blocks``' KV rows (KVCache.gather) and of ``state``."""
+        kv = tuple(to_numpy(a).copy() for a in self.kv.gather(blocks))
+        return kv, None if state is None else tuple(to_numpy(s).copy() for s in state)
 
     def _copy_in(self, slot: int, n: int, entry: Entry) -> None:
         """The first ``n`` tokens' KV of a host-memory entry into the slot's new blocks."""
@@ -144,10 +147,7 @@ class CacheOps:
         # NOTE: only the blocks of the committed tokens: rejected drafts may have grown the
         # table past them (their rows are never read)
         blocks = self.kv.tables.get(slot, [])[: self.kv.blocks_for(n)]
-        host = tuple(to_numpy(a).copy() for a in self.kv.gather(blocks))
-        state = self._snapshot(slot)
-        if state is not None:
-            state = tuple(to_numpy(s).copy() for s in state)
+        host, state = self._host_copy(blocks, self._snapshot(slot))
         self.release(slot)
         return Entry(n, [], state, host)
 

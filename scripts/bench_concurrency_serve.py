@@ -271,12 +271,10 @@ def step_figures(after: Samples, before: Samples, per_expert: float | None,
         "cpu_bytes_per_expert": per_expert, "dram_gbs": dram_gbs,
         "cpu_experts_per_step": (cpu_bytes * steps / moe_steps / per_expert
                                  if per_expert and moe_steps else None),
-        "cpu_floor_ms": cpu_bytes / (dram_gbs * 1e9) * 1e3,
+        **_cpu_floor(step_ms, cpu_bytes, dram_gbs),
         # the CPU workers' kernel time per step (the slowest worker's, summed over layers):
         # step_ms minus it is the round trips, the GPU's work and the host's
         "cpu_kernel_ms": delta(after, before, "tandem_cpu_experts_seconds_total") / steps * 1e3}
-    floor = out["cpu_floor_ms"]
-    out["step_over_cpu_floor"] = step_ms / floor if floor else None
     out["cuda_graph_passes"] = {  # how the run's decode/verify passes ran (graphs or eager)
         o: delta(after, before, "tandem_cuda_graph_passes_total", outcome=o)
         for o in GRAPH_OUTCOMES}
@@ -296,7 +294,6 @@ def steady_figures(after: Samples, before: Samples, per_expert: float | None,
         return {"steps": 0}
     cpu_bytes = delta(after, before, "tandem_steady_decode_cpu_expert_weight_bytes_total",
                       slots=label) / steps
-    floor = cpu_bytes / (dram_gbs * 1e9) * 1e3
     step_ms = delta(after, before, "tandem_steady_decode_seconds_total", slots=label) / steps * 1e3
     return {
         "steps": steps, "step_ms": step_ms,
@@ -304,9 +301,15 @@ def steady_figures(after: Samples, before: Samples, per_expert: float | None,
                                  slots=label) / steps,
         "cpu_expert_bytes_per_step": cpu_bytes,
         "cpu_experts_per_step": cpu_bytes / per_expert if per_expert else None,
-        "cpu_floor_ms": floor, "step_over_cpu_floor": step_ms / floor if floor else None,
+        **_cpu_floor(step_ms, cpu_bytes, dram_gbs),
         "cpu_kernel_ms": delta(after, before, "tandem_steady_decode_cpu_experts_seconds_total",
                                slots=label) / steps * 1e3}
+
+
+def _cpu_floor(step_ms: float, cpu_bytes: float, dram_gbs: float) -> dict[str, float | None]:
+    """A step's CPU floor (its CPU expert bytes at ``dram_gbs``) and the step over it."""
+    floor = cpu_bytes / (dram_gbs * 1e9) * 1e3
+    return {"cpu_floor_ms": floor, "step_over_cpu_floor": step_ms / floor if floor else None}
 
 
 def draft_figures(after: Samples, before: Samples) -> dict[str, dict[str, float]]:

@@ -211,7 +211,8 @@ async def soak(args: argparse.Namespace, d: Daemon) -> dict:
     out["slot_watch"] = watch.as_dict()
     out["probe"] = probe_tally.as_dict() | {"runs": probe_log}
     out["restarts_total"] = d.restarts()
-    # speculation's counters over the whole run (the daemon's: workers' restarts keep them)
+    # the prefix cache's and speculation's counters over the whole run (the daemon's: workers'
+    # restarts keep them)
     out["prefix_cache"] = {tier: {"hits": d.metric("tandem_prefix_cache_hits_total", tier=tier),
                                   "entries": d.metric("tandem_prefix_cache_entries", tier=tier)}
                            for tier in ("gpu", "host")}
@@ -226,7 +227,7 @@ def checks(r: dict, args: argparse.Namespace) -> dict[str, bool]:
     load, by, probe = r["load"], r["bystanders"], r["probe"]
     runs = r["probe"]["runs"]
     rss0, rss1 = r["rss_mb_after_warmup"], r["rss_mb_at_end"]
-    return {
+    ok = {
         "no lost or duplicated tokens (completed = reference)": load["mismatched"] == 0
         and by["mismatched"] == 0 and probe["mismatched"] == 0 and load["completed"] > 0,
         "probe identical every time it completed": all(
@@ -246,14 +247,16 @@ def checks(r: dict, args: argparse.Namespace) -> dict[str, bool]:
         "fuzz: other clients unaffected": by["failed_clear"] == {}
         and by["failed_unclear"] == 0 and by["mismatched"] == 0 and by["completed"] > 0,
         "daemon exited cleanly": r.get("exit_code") == 0,
-    } | ({} if args.speculation == "off" else {
-        # the answers above equal plain decoding's while drafts were verified and accepted
-        f"{args.speculation} speculation ran ({args.proposer} drafts accepted), "
-        "references without drafts": r["speculation"]["verifies"][args.proposer] > 0
-            and r["speculation"]["accepted"] > 0 and r["reference_drafts"] == 0}) | ({} if not
-        args.prefix_host_mb else {
-        # the answers above came partly from checkpoints copied back from host memory
-        "prefix cache host tier served hits": r["prefix_cache"]["host"]["hits"] > 0})
+    }
+    if args.speculation != "off":  # the answers above are plain decoding's, drafts accepted
+        spec = r["speculation"]
+        ok[f"{args.speculation} speculation ran ({args.proposer} drafts accepted), "
+           "references without drafts"] = (spec["verifies"][args.proposer] > 0
+                                            and spec["accepted"] > 0
+                                            and r["reference_drafts"] == 0)
+    if args.prefix_host_mb:  # some of them started from checkpoints copied back from host
+        ok["prefix cache host tier served hits"] = r["prefix_cache"]["host"]["hits"] > 0
+    return ok
 
 
 def table(r: dict, ok: dict[str, bool]) -> str:

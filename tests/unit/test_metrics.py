@@ -174,3 +174,26 @@ def test_registries_are_private():
     assert _value(b, "tandem_requests_received_total", endpoint="completions") is None
     assert b"tandem_" not in prometheus_client.generate_latest(prometheus_client.REGISTRY)
     assert a.content_type.startswith("text/plain")
+
+
+def test_prefix_cache_figures_are_read_at_scrape_time_and_hits_outlive_a_restart():
+    """Entries, bytes and hits by tier come from the scheduler's cache when /metrics is read
+    (nothing per step); the cache that replaces it after a worker restart keeps the hits."""
+    from daemon.prefix_cache import PrefixCache
+
+    m, holder = Metrics(), {"cache": None}
+    m.watch_prefix_cache(lambda: holder["cache"])
+    assert _value(m, "tandem_prefix_cache_entries", tier="gpu") is None  # no cache yet
+    cache = PrefixCache(100, 4, block_bytes=10, state_bytes=5, max_bytes=45,
+                        host_max_bytes=100)
+    holder["cache"] = cache
+    for a in range(3):  # 25 bytes each: the third pushes the first to the host tier
+        cache.add([a * 100 + i for i in range(8)], a + 1)
+    assert cache.lookup(list(range(8)) + [1]) == (1, 8)
+    assert (_value(m, "tandem_prefix_cache_entries", tier="gpu"),
+            _value(m, "tandem_prefix_cache_entries", tier="host")) == (1, 2)
+    assert _value(m, "tandem_prefix_cache_bytes", tier="host") == 50
+    assert _value(m, "tandem_prefix_cache_hits_total", tier="host") == 1
+    holder["cache"] = cache.emptied()  # the worker restarted
+    assert _value(m, "tandem_prefix_cache_entries", tier="host") == 0
+    assert _value(m, "tandem_prefix_cache_hits_total", tier="host") == 1
