@@ -48,11 +48,12 @@ from scripts.step_floor import (
     ALL_LAYOUTS,
     HBM_TBS,
     StepRouting,
-    default_dram_gbs,
     dense_read_bytes,
     distinct_per_layer,
+    dram_rate,
     floor_ms,
     gpu_expert_bytes,
+    hbm_rate,
     kv_state_read_bytes,
     merge,
     model_spec,
@@ -323,10 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10, help="timed steps per layout")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--host-runs", type=int, default=5, help="steps per host-time measure")
-    p.add_argument("--hbm-tbs", type=float, default=HBM_TBS)
-    p.add_argument("--dram-gbs", type=float, default=None,
-                   help="CPU experts' DRAM rate, GB/s (default: docs/bench/"
-                        "cpu_experts_h200.json's int8 1-row kernel rate)")
+    p.add_argument("--hbm-tbs", default=str(HBM_TBS), help="TB/s, or 'measure' (this GPU)")
+    p.add_argument("--dram-gbs", default=None,
+                   help="CPU experts' rate: GB/s, or this machine's bench_cpu_experts JSON "
+                        "(default: docs/bench/cpu_experts_h200.json's int8 1-row kernel rate)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--append", action="store_true",
                    help="keep --out's records of other budgets and layouts (one budget per "
@@ -337,9 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     args.layouts = args.layouts or list(ALL_LAYOUTS)
     if args.context < 1 or args.context + max(r for _, r in args.layouts) > args.max_context:
         p.error("need 1 <= --context and --context + rows <= --max-context")
-    dram_source = "--dram-gbs"
-    if args.dram_gbs is None:
-        args.dram_gbs, dram_source = default_dram_gbs()
+    args.dram_gbs, dram_source = dram_rate(args.dram_gbs)
+    args.hbm_tbs, args.hbm_source = hbm_rate(args.hbm_tbs, args.backend)
     cfg = worker_config(args, model_spec(args.model))
     problem = preflight(cfg)
     if problem:
@@ -371,6 +371,7 @@ def run(args: argparse.Namespace, cfg: WorkerConfig, dram_source: str) -> dict[s
                   "runs": [{"machine": where, "command": command,
                             "worker_config": json.loads(cfg.to_json()),
                             "load_seconds": bench.load_seconds, "hbm_tbs": args.hbm_tbs,
+                            "hbm_source": args.hbm_source,
                             "dram_gbs": args.dram_gbs, "dram_source": dram_source,
                             "experts_cpu_per_layer": cpu_held,
                             "num_experts": bench.model.cfg.num_experts}],

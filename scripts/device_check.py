@@ -97,6 +97,12 @@ STEP_32_INT8 = Check("step_32_int8", "mount -o remount,size=110G /dev/shm; rm -r
                      f"/dev/shm/tbc-shards; {PY} scripts.bench_step --model qwen3-next-80b-a3b "
                      "--gpu-budget 32 --gpu-format int8 --graphs --steps 5 "
                      "--out $OUT/step_int8_32gib.json", 280)
+# the floor's rates measured on this machine in the same call (docs/benchmarks.md): the int8
+# CPU expert pool at one row, random top-10 (the DRAM rate), and a 4 GiB read on the GPU
+CPU_INT8_RATE = Check("cpu_int8_rate", f"{PY} scripts.bench_cpu_experts --format int8 "
+                      "--combos 512:512 --topks 10 --rows 1 --kinds random "
+                      "--out $OUT/cpu_experts_int8_1row.json", 90)
+RATES = "--dram-gbs $OUT/cpu_experts_int8_1row.json --hbm-tbs measure "
 STEP_WHOLE = Check("step_whole", f"{PY} scripts.bench_step --model qwen3-next-80b-a3b "
                    "--gpu-budget whole --graphs --steps 5 --out $OUT/step_whole.json", 300)
 BATCH_INVARIANCE = Check("batch_invariance", f"{PY} pytest -q -s -p no:cacheprovider "
@@ -301,6 +307,15 @@ PLANS: dict[str, list[Check]] = {
     # ratio, issue 14's 32 GiB table; 2: the whole-GPU table and every layout's bits;
     # 3: the fused kernels, the graphs, bf16 speculation and the prefix cache's host tier
     "h200_1": [PROBE, INT4_RATIO, STEP_32_INT8],
+    # issue 14's tables against this machine's own rates (~330 s on an H100 machine), and
+    # the GPU sampling tests (10,000 rows bit for bit, the chi-square)
+    "tables": [CPU_INT8_RATE,
+               Check("step_32_rates", STEP_32_INT8.command.replace(
+                   "--steps 5 ", "--steps 5 " + RATES), 280),
+               Check("step_whole_rates", STEP_WHOLE.command.replace(
+                   "--steps 5 ", "--steps 5 " + RATES), 300),
+               Check("sampler", f"{PY} pytest -q -p no:cacheprovider "
+                     "tests/gpu/test_sampler_cupy.py", 120)],
     "h200_2": [STEP_WHOLE, BATCH_INVARIANCE],
     "h200_3": [FUSED, STEP_GRAPHS, SPECULATION_BF16,
                Check("prefix_host", f"{PY} pytest -q -p no:cacheprovider "

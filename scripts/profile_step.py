@@ -40,6 +40,7 @@ def profile(args: argparse.Namespace) -> None:
     from scripts.bench_step import Bench, worker_config  # noqa: PLC0415
 
     args.backend, args.dtype, args.kv_cache_dtype, args.graphs = "cupy", None, "model", False
+    args.no_graph_buckets = False  # bench_step's flag; eager passes here
     args.cpu_experts_per_layer, args.cpu_workers, args.cpu_format = 0, 0, "int8"
     args.gpu_format = "model"
     args.max_context = 4096

@@ -101,11 +101,52 @@ def default_dram_gbs(path: Path = CPU_BENCH) -> tuple[float, str]:
     for r in records if isinstance(records, list) else []:
         if (r.get("H"), r.get("I"), r.get("E"), r.get("topk"), r.get("rows"),
                 r.get("routing"), r.get("path")) == (2048, 512, 512, 10, 1, "random", None) \
-                and r.get("weight_format", "int8") == "int8" and r.get("kernel_gbps"):
+                and r.get("weight_format", r.get("format", "int8")) == "int8" \
+                and r.get("kernel_gbps"):
             return float(r["kernel_gbps"]), (
                 f"{path.name}: int8, H 2048 I 512 E 512 top-10, 1 row, random routing, "
                 f"kernel_gbps (machine DRAM read {r.get('dram_read_gbps')} GB/s)")
     return FALLBACK_DRAM_GBS, "built-in default (cpu_experts_h200.json record not found)"
+
+
+def dram_rate(value: str | None) -> tuple[float, str]:
+    """``--dram-gbs``: a rate in GB/s, a bench_cpu_experts JSON holding the int8 1-row
+    random record of this machine (:func:`default_dram_gbs` reads it), or None for the H200's
+    file; the rate and where it comes from."""
+    if value is None:
+        return default_dram_gbs()
+    try:
+        return float(value), "--dram-gbs"
+    except ValueError:
+        pass
+    rate, source = default_dram_gbs(Path(value))
+    if source.startswith("built-in"):
+        raise SystemExit(f"--dram-gbs {value}: no int8, H 2048 I 512 E 512 top-10, 1 row, "
+                         "random routing record with kernel_gbps there")
+    return rate, source
+
+
+def hbm_rate(value: str, backend: str) -> tuple[float, str]:
+    """``--hbm-tbs``: a rate in TB/s, or ``measure``: the best of five reads of a 4 GiB
+    device array (a sum of int32s, one pass over it) on this GPU; the rate and its source."""
+    if value != "measure":
+        return float(value), "--hbm-tbs"
+    if backend != "cupy":
+        raise SystemExit("--hbm-tbs measure needs the cupy backend")
+    import cupy  # noqa: PLC0415 (a GPU machine's)
+
+    a = cupy.ones(1 << 30, dtype=cupy.int32)
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    best = float("inf")
+    for _ in range(6):  # the first warms the reduction kernel
+        start.record()
+        a.sum(dtype=cupy.int64)
+        stop.record()
+        stop.synchronize()
+        best = min(best, cupy.cuda.get_elapsed_time(start, stop))
+    del a
+    tbs = (1 << 32) / (best * 1e-3) / 1e12
+    return round(tbs, 3), f"measured: best of 5 reads of 4 GiB, {best:.3f} ms"
 
 
 def distinct_per_layer(ids: dict[int, np.ndarray], on_cpu: dict[int, np.ndarray] | None

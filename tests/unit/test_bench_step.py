@@ -15,7 +15,14 @@ import pytest
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.weights_spec import expected_tensors
 from scripts import bench_step
-from scripts.step_floor import default_dram_gbs, distinct_per_layer, floor_ms, merge
+from scripts.step_floor import (
+    default_dram_gbs,
+    distinct_per_layer,
+    dram_rate,
+    floor_ms,
+    hbm_rate,
+    merge,
+)
 from scripts.tiny_model import make_tiny_model
 
 FIELDS = ("model", "gpu_budget_gb", "graphs", "slots", "rows_per_slot", "step_ms", "floor_ms",
@@ -51,6 +58,26 @@ def test_the_dram_rate_comes_from_the_h200_cpu_expert_run(tmp_path):
     assert 60 < rate < 200 and "kernel_gbps" in source and "E 512" in source
     rate, source = default_dram_gbs(tmp_path / "missing.json")
     assert rate > 0 and "default" in source
+
+
+def test_the_floor_rates_can_be_this_machines(tmp_path):
+    """--dram-gbs takes a number or this machine's bench_cpu_experts JSON (its int8 1-row
+    random record at the 80B's shape); a file without that record is an error, not the
+    H200's rate in disguise."""
+    assert dram_rate("93.5") == (93.5, "--dram-gbs")
+    record = {"H": 2048, "I": 512, "E": 512, "topk": 10, "rows": 1, "routing": "random",
+              "format": "int8", "kernel_gbps": 117.25, "dram_read_gbps": 150.0}
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps([{**record, "rows": 16}, record]))
+    rate, source = dram_rate(str(path))
+    assert rate == 117.25 and "cpu.json" in source and "150.0" in source
+    path.write_text(json.dumps([{**record, "routing": "shared"}, {**record, "format": "int4"}]))
+    with pytest.raises(SystemExit, match="no int8"):
+        dram_rate(str(path))
+    assert dram_rate(None) == default_dram_gbs()
+    assert hbm_rate("3.1", "numpy") == (3.1, "--hbm-tbs")
+    with pytest.raises(SystemExit, match="cupy"):
+        hbm_rate("measure", "numpy")
 
 
 def test_append_replaces_a_rerun_and_keeps_the_rest():
