@@ -126,16 +126,17 @@ def dram_rate(value: str | None) -> tuple[float, str]:
     return rate, source
 
 
-def hbm_rate(value: str, backend: str) -> tuple[float, str]:
-    """``--hbm-tbs``: a rate in TB/s, or ``measure``: the best of five reads of a 4 GiB
-    device array (a sum of int32s, one pass over it) on this GPU; the rate and its source."""
+def hbm_rate(value: str, backend: str, nbytes: int = 1 << 32) -> tuple[float, str]:
+    """``--hbm-tbs``: a rate in TB/s, or ``measure``: the best of five reads of an
+    ``nbytes`` device array (a sum of int32s, one pass over it) on this GPU, its memory given
+    back to the device before the model is planned; the rate and its source."""
     if value != "measure":
         return float(value), "--hbm-tbs"
     if backend != "cupy":
         raise SystemExit("--hbm-tbs measure needs the cupy backend")
     import cupy  # noqa: PLC0415 (a GPU machine's)
 
-    a = cupy.ones(1 << 30, dtype=cupy.int32)
+    a = cupy.ones(nbytes // 4, dtype=cupy.int32)
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
     best = float("inf")
     for _ in range(6):  # the first warms the reduction kernel
@@ -145,8 +146,9 @@ def hbm_rate(value: str, backend: str) -> tuple[float, str]:
         stop.synchronize()
         best = min(best, cupy.cuda.get_elapsed_time(start, stop))
     del a
-    tbs = (1 << 32) / (best * 1e-3) / 1e12
-    return round(tbs, 3), f"measured: best of 5 reads of 4 GiB, {best:.3f} ms"
+    cupy.get_default_memory_pool().free_all_blocks()
+    tbs = nbytes / (best * 1e-3) / 1e12
+    return round(tbs, 3), f"measured: best of 5 reads of {nbytes / 2**30:g} GiB, {best:.3f} ms"
 
 
 def distinct_per_layer(ids: dict[int, np.ndarray], on_cpu: dict[int, np.ndarray] | None

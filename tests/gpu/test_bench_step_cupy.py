@@ -47,3 +47,13 @@ def test_a_tiny_split_run_on_cupy(tmp_path):
             [r["distinct_experts_gpu"], r["distinct_experts_cpu"]]), r
         assert 1 <= r["distinct_experts_gpu"] + r["distinct_experts_cpu"] <= 8
         assert r["gpu_bytes_per_expert"] == 3 * 32 * 64 * 2  # bf16 experts: 2 B a weight
+
+
+def test_the_measured_hbm_rate_frees_its_array():
+    from scripts.step_floor import hbm_rate
+
+    pool = cupy.get_default_memory_pool()
+    held = pool.total_bytes()
+    tbs, source = hbm_rate("measure", "cupy", nbytes=64 << 20)
+    assert tbs > 0 and "best of 5 reads of 0.0625 GiB" in source
+    assert pool.total_bytes() <= held  # the model's memory plan sees the device as before
