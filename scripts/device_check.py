@@ -109,6 +109,13 @@ BATCH_INVARIANCE = Check("batch_invariance", f"{PY} pytest -q -s -p no:cacheprov
                          "tests/gpu/test_batch_invariance_cupy.py", 200)
 SPECULATION_BF16 = Check("speculation_bf16", f"{PY} pytest -q -p no:cacheprovider "
                          "tests/gpu/test_speculation_bf16_cupy.py", 240)
+TABLES = [CPU_INT8_RATE,
+          Check("step_32_rates", STEP_32_INT8.command.replace("--steps 5 ", "--steps 5 " + RATES),
+                280),
+          Check("step_whole_rates", STEP_WHOLE.command.replace("--steps 5 ", "--steps 5 " + RATES),
+                300),
+          Check("sampler", f"{PY} pytest -q -p no:cacheprovider tests/gpu/test_sampler_cupy.py",
+                120)]
 PLANS: dict[str, list[Check]] = {
     # the kernels that stay off until they pass here (gpu_worker/kernels/enabled.py)
     "kernels": [
@@ -309,14 +316,11 @@ PLANS: dict[str, list[Check]] = {
     "h200_1": [PROBE, INT4_RATIO, STEP_32_INT8],
     # issue 14's tables against this machine's own rates (~330 s on an H100 machine), and
     # the GPU sampling tests (10,000 rows bit for bit, the chi-square)
-    "tables": [CPU_INT8_RATE,
-               Check("step_32_rates", STEP_32_INT8.command.replace(
-                   "--steps 5 ", "--steps 5 " + RATES), 280),
-               Check("step_whole_rates", STEP_WHOLE.command.replace(
-                   "--steps 5 ", "--steps 5 " + RATES), 300),
-               Check("sampler", f"{PY} pytest -q -p no:cacheprovider "
-                     "tests/gpu/test_sampler_cupy.py", 120)],
+    "tables": TABLES,
     "h200_2": [STEP_WHOLE, BATCH_INVARIANCE],
+    # issue 14 in one call (--budget 570, ~500 s on an H100 machine): the tables against the
+    # machine's own rates, GPU sampling, every layout's bits, bf16 speculation, graphs = eager
+    "issue14": [*TABLES, BATCH_INVARIANCE, SPECULATION_BF16, STEP_GRAPHS],
     "h200_3": [FUSED, STEP_GRAPHS, SPECULATION_BF16,
                Check("prefix_host", f"{PY} pytest -q -p no:cacheprovider "
                      "tests/gpu/test_prefix_host_cupy.py", 60)],
