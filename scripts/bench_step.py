@@ -372,8 +372,7 @@ def run(args: argparse.Namespace, cfg: WorkerConfig, dram_source: str) -> dict[s
                             "worker_config": json.loads(cfg.to_json()),
                             "load_seconds": bench.load_seconds, "hbm_tbs": args.hbm_tbs,
                             "hbm_source": args.hbm_source, "dram_gbs": args.dram_gbs,
-                            "dram_source": dram_source,
-                            "experts_cpu_per_layer": cpu_held,
+                            "dram_source": dram_source, "experts_cpu_per_layer": cpu_held,
                             "num_experts": bench.model.cfg.num_experts}],
                   "records": []}
         seen: dict[str, int] = {}
