@@ -55,5 +55,19 @@ def test_the_measured_hbm_rate_frees_its_array():
     pool = cupy.get_default_memory_pool()
     held = pool.total_bytes()
     tbs, source = hbm_rate("measure", "cupy", nbytes=64 << 20)
-    assert tbs > 0 and "best of 5 reads of 0.0625 GiB" in source
+    assert tbs > 0 and "best of 5 read passes over 0.0625 GiB" in source
     assert pool.total_bytes() <= held  # the model's memory plan sees the device as before
+
+
+@pytest.mark.parametrize("where", [0, 777, 2047, 4096 * 8 + 5])
+def test_the_read_kernel_reaches_every_element(where):
+    """The HBM probe's kernel loads every element: the one holding the marker (the only
+    non-zero) makes its thread store it, wherever it is, the tail past a whole block too."""
+    from scripts.step_floor import READ_KERNEL
+
+    n = 4096 * 8 + 9
+    a = cupy.zeros(n, dtype=cupy.uint64)
+    a[where] = np.uint64(0x9E3779B97F4A7C15)
+    out = cupy.zeros(1, dtype=cupy.uint64)
+    cupy.RawKernel(READ_KERNEL, "read_all")((-(-n // 2048),), (256,), (a, cupy.int64(n), out))
+    assert int(out[0]) == 0x9E3779B97F4A7C15
