@@ -33,3 +33,29 @@ def test_checks_run_time_out_and_skip_within_the_budget(tmp_path, monkeypatch):
 
 def test_every_plan_lists():
     assert device_check.main(["--list"]) == 0
+
+
+def test_every_plan_names_files_and_options_that_exist():
+    """A lent machine's minutes are few: a plan that names a test file or script that is
+    gone, or an option a script no longer takes, would waste a call. Every ``tests/...py``
+    path, every ``python3 -m scripts.X`` module and each of its ``--options`` must exist."""
+    import importlib
+    import re
+    from pathlib import Path
+
+    from scripts.device_plans import PLANS
+
+    root = Path(__file__).resolve().parents[2]
+    names: dict[str, list[str]] = {}
+    for plan, checks in PLANS.items():
+        names[plan] = [c.name for c in checks]
+        assert len(set(names[plan])) == len(checks), plan  # one log per check
+        for check in checks:
+            for path in re.findall(r"tests/[\w/]+\.py", check.command):
+                assert (root / path).is_file(), (plan, check.name, path)
+            for call in re.findall(r"python3 -m (scripts\.\w+)([^;&|]*)", check.command):
+                module, rest = call
+                source = (root / (module.replace(".", "/") + ".py")).read_text()
+                importlib.import_module(module)
+                for option in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", rest):
+                    assert f'"{option}"' in source, (plan, check.name, module, option)
