@@ -67,7 +67,6 @@ from daemon.proposers.replay import prompt_key, read_records, write_replay_file
 from scripts.bench_common import REPO, command_line, delta, machine, scrape
 from scripts.bench_concurrency_report import table, write_summary
 from scripts.bench_concurrency_serve import (
-    DRAM_GBS,
     arm_speculation,
     base_config,
     cpu_bytes_per_expert,
@@ -84,6 +83,7 @@ from scripts.bench_concurrency_serve import (
 from scripts.bench_concurrency_tools import FILE_BYTES, SCRIPT
 from scripts.bench_concurrency_workloads import STREAMS, WARM_UP, chat, in_order, workload
 from scripts.procs import free_port
+from scripts.step_floor import dram_rate
 
 
 def one_run(args: argparse.Namespace, ctx: dict, name: str, arm: str, pair: int,
@@ -264,8 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--file-bytes", type=lambda v: tuple(int(x) for x in v.split(",")),
                    default=FILE_BYTES, help="MIN,MAX bytes of the files the coding agents "
                    "read (default 2048,8192: needs max_context of ~8k tokens and more)")
-    p.add_argument("--dram-gbs", type=float, default=DRAM_GBS,
-                   help="the CPU's expert read rate for the floor (GB/s)")
+    p.add_argument("--dram-gbs", default=None,
+                   help="the CPU's expert read rate for the floor: GB/s, or this machine's "
+                        "bench_cpu_experts JSON (default: the H200 machine's, 101.8)")
     p.add_argument("--ready-timeout", type=float, default=1200.0)
     p.add_argument("--blas-threads", type=int, default=None, help="OMP/OpenBLAS/MKL threads "
                    "of the server's processes (a shared small machine: 1)")
@@ -282,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                    "at the first token of the one before: the first must still run then)")
     args = p.parse_args(argv)
     t0 = time.monotonic()
+    args.dram_gbs, dram_source = dram_rate(args.dram_gbs)
     arms = arm_order(args)
     for arm in arms:
         arm_speculation(arm, args.proposer)  # refuse an unknown arm before any server
@@ -297,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
            "durations": [], "skipped": []}
     workloads = args.workloads.split(",")
     head = {"command": command_line(), "machine": ctx["machine"], **facts,
+            "dram_gbs": args.dram_gbs, "dram_source": dram_source,
             "proposer": args.proposer,
             "replay_source": args.replay_source if args.proposer == "replay" else None,
             "skipped": ctx["skipped"]}

@@ -28,10 +28,6 @@ from daemon.metrics import GRAPH_OUTCOMES
 from scripts.bench_common import REPO, Samples, delta, wait_ready
 from scripts.procs import descendants, wait_gone
 
-# the H200's int8 CPU expert kernel rate at the 80B's expert shape (docs/benchmarks.md,
-# bench_step's default): the CPU floor of a step is its CPU expert bytes over this
-DRAM_GBS = 101.8
-
 
 def arm_speculation(arm: str, proposer: str) -> dict[str, Any]:
     """An arm's ``[speculation]`` keys: "off", "narrow", "wide" or "adaptive" (wide with

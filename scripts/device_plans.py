@@ -60,19 +60,22 @@ def matrix(budget: str) -> Check:
     off, narrow, wide and adaptive, three pairs, resumable across calls. The runs so far stay
     in /tmp/m<budget> on a machine kept warm between calls; a fresh machine restores them from
     the carried ``.matrix/<budget>/{out,work}`` (the tars of earlier calls unpacked there:
-    docs/benchmarks.md). Each call starts no run it cannot finish in its 540 s and returns
+    docs/benchmarks.md). Each call measures this machine's CPU expert rate for the floors
+    (~30 s), starts no run it cannot finish in 510 s more, and returns
     every run file so far ($OUT/matrix_<budget>_out.tar.gz) and the work folder's replay
     files, records and logs ($OUT/matrix_<budget>_work.tar.gz)."""
     m, keep = f"/tmp/m{budget}", f".matrix/{budget}"
     return Check(f"matrix_{budget}", "mount -o remount,size=110G /dev/shm; "
                  f"mkdir -p {m}/out {m}/work; if [ -d {keep} ]; then "
                  f"cp -n {keep}/out/*.json {m}/out/ 2>/dev/null; "
-                 f"cp -n {keep}/work/* {m}/work/ 2>/dev/null; fi; timeout -k 15 570 "
+                 f"cp -n {keep}/work/* {m}/work/ 2>/dev/null; fi; "
+                 f"{CPU_INT8_RATE.command.replace('$OUT/', f'{m}/work/')}; timeout -k 15 540 "
                  f"{PY} scripts.bench_concurrency --model qwen3-next-80b-a3b --gpu-budget {budget} "
+                 f"--dram-gbs {m}/work/cpu_experts_int8_1row.json "
                  f"--proposer replay --replay-source mtp {SHARDS}"
                  "--set scheduler.prefix_cache_host_mb=8192 --arms off,narrow,wide,adaptive "
                  "--pairs 3 --workloads essay,coding --essay-tokens 128 --coding-turns 3 "
-                 f"--coding-tokens 64 --resume --time-budget 540 --out-dir {m}/out "
+                 f"--coding-tokens 64 --resume --time-budget 510 --out-dir {m}/out "
                  f"--work-dir {m}/work; rc=$?; "
                  f"tar czf $OUT/matrix_{budget}_out.tar.gz -C {m}/out .; "
                  f"tar czf $OUT/matrix_{budget}_work.tar.gz --exclude='./model-*' -C {m}/work .; "

@@ -19,9 +19,11 @@ def test_replay_arms_give_the_plain_tokens(tmp_path):
     assert bench_concurrency.main([
         "--proposer", "replay", "--arms", "adaptive@2,off", "--pairs", "1",
         "--essay-tokens", "16", "--coding-tokens", "6", "--file-bytes", "200,300",
-        "--set", 'model.dtype="float64"', "--out-dir", str(out), "--work-dir", str(work)]) == 0
+        "--set", 'model.dtype="float64"', "--dram-gbs", "80.5",
+        "--out-dir", str(out), "--work-dir", str(work)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["arms"] == ["off", "adaptive@2"]  # off first: it records
+    assert (summary["dram_gbs"], summary["dram_source"]) == (80.5, "--dram-gbs")
     assert summary["model"] == "tandem-tiny" and summary["gpu_budget_gb"] is None
     assert summary["machine"]["cores"] >= 1 and summary["runs"] == 4
     assert summary["skipped"] == [] and "summarized_on" not in summary
@@ -34,6 +36,7 @@ def test_replay_arms_give_the_plain_tokens(tmp_path):
             assert run["exact"] == {"requests": turns + 4, "equal": turns + 4, "differ": 0,
                                     "unknown": 0}, (name, arm)
             assert run["turns"] == turns and run["steps"]["steps"] > 0
+            assert run["steps"]["dram_gbs"] == 80.5  # the CPU floor's rate as given
             assert run["server_start_s"] > 0 and run["run_s"] > 0 and run["server_stop_s"] >= 0
             if arm != "off":
                 assert run["drafts"]["mtp"]["accepted_per_verify"] > 0, (name, arm)
