@@ -55,7 +55,7 @@ def essay_warm(budget: str, seconds: int) -> Check:
                  "exit $rc", seconds + 45)
 
 
-def matrix(budget: str) -> Check:
+def matrix(budget: str, arms: str = "off,narrow,wide,adaptive") -> Check:
     """Issue 15's whole matrix at GPU budget ``budget`` (32 or whole): essays and coding,
     off, narrow, wide and adaptive, three pairs, resumable across calls. The runs so far stay
     in /tmp/m<budget> on a machine kept warm between calls; a fresh machine restores them from
@@ -63,9 +63,11 @@ def matrix(budget: str) -> Check:
     docs/benchmarks.md). Each call measures this machine's CPU expert rate for the floors
     (~30 s), starts no run it cannot finish in 510 s more, and returns
     every run file so far ($OUT/matrix_<budget>_out.tar.gz) and the work folder's replay
-    files, records and logs ($OUT/matrix_<budget>_work.tar.gz)."""
+    files, records and logs ($OUT/matrix_<budget>_work.tar.gz). ``arms`` other than the
+    default (the fixed draft lengths) go into the same folders: the off runs are shared."""
     m, keep = f"/tmp/m{budget}", f".matrix/{budget}"
-    return Check(f"matrix_{budget}", "mount -o remount,size=110G /dev/shm; "
+    name = f"matrix_{budget}" + ("" if arms == "off,narrow,wide,adaptive" else "_fixed")
+    return Check(name, "mount -o remount,size=110G /dev/shm; "
                  f"mkdir -p {m}/out {m}/work; if [ -d {keep} ]; then "
                  f"cp -n {keep}/out/*.json {m}/out/ 2>/dev/null; "
                  f"cp -n {keep}/work/* {m}/work/ 2>/dev/null; fi; "
@@ -73,7 +75,7 @@ def matrix(budget: str) -> Check:
                  f"{PY} scripts.bench_concurrency --model qwen3-next-80b-a3b --gpu-budget {budget} "
                  f"--dram-gbs {m}/work/cpu_experts_int8_1row.json "
                  f"--proposer replay --replay-source mtp {SHARDS}"
-                 "--set scheduler.prefix_cache_host_mb=8192 --arms off,narrow,wide,adaptive "
+                 f"--set scheduler.prefix_cache_host_mb=8192 --arms {arms} "
                  "--pairs 3 --workloads essay,coding --essay-tokens 128 --coding-turns 3 "
                  f"--coding-tokens 64 --resume --time-budget 510 --out-dir {m}/out "
                  f"--work-dir {m}/work; rc=$?; "
@@ -278,6 +280,8 @@ PLANS: dict[str, list[Check]] = {
     # by session 22's run times): see matrix()
     "matrix_32": [matrix("32")],
     "matrix_whole": [matrix("whole")],
+    # the fixed draft lengths beside adaptive (issue 15: adaptive >= the best of them)
+    "matrix_32_fixed": [matrix("32", "off,wide@1,wide@2,wide@3")],
     # a prefill chunk's rows several to a warp (session 20): the kernels' bits (decode rows
     # and R-row launches), the model's chunking and every-layout invariance with both
     # architectures and the GPU experts' row cap, then each launch shape's speed
