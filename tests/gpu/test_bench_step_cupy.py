@@ -71,3 +71,14 @@ def test_the_read_kernel_reaches_every_element(where):
     out = cupy.zeros(1, dtype=cupy.uint64)
     cupy.RawKernel(READ_KERNEL, "read_all")((-(-n // 2048),), (256,), (a, cupy.int64(n), out))
     assert int(out[0]) == 0x9E3779B97F4A7C15
+
+
+def test_a_failed_hbm_measure_says_so_and_keeps_the_nominal_rate(monkeypatch):
+    from scripts import step_floor
+
+    monkeypatch.setattr(step_floor, "READ_KERNEL", "this is not CUDA")
+    pool = cupy.get_default_memory_pool()
+    held = pool.total_bytes()
+    tbs, source = step_floor.hbm_rate("measure", "cupy", nbytes=1 << 20)
+    assert tbs == step_floor.HBM_TBS and source.startswith("measure failed (")
+    assert pool.total_bytes() <= held
