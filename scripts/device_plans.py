@@ -338,6 +338,9 @@ PLANS: dict[str, list[Check]] = {
     # issue 14 in one call (--budget 570, ~500 s on an H100 machine): the tables against the
     # machine's own rates, GPU sampling, every layout's bits, bf16 speculation, graphs = eager
     "issue14": [*TABLES, BATCH_INVARIANCE, SPECULATION_BF16, STEP_GRAPHS],
+    # the first call on an H200 (--budget 575): issue 17's machine facts and 16-row ratio
+    # (35 s), then issue 14's call; what does not fit is skipped, last first
+    "h200": [PROBE, INT4_RATIO, *TABLES, BATCH_INVARIANCE, SPECULATION_BF16, STEP_GRAPHS],
     "h200_3": [FUSED, STEP_GRAPHS, SPECULATION_BF16,
                Check("prefix_host", f"{PY} pytest -q -p no:cacheprovider "
                      "tests/gpu/test_prefix_host_cupy.py", 60)],
