@@ -133,10 +133,9 @@ class Daemon:
                                              block_bytes=kv.block_bytes,
                                              state_bytes=kv.state_bytes,
                                              max_bytes=sched.prefix_cache_max_mb * 2**20,
-                                             host_max_bytes=sched.prefix_cache_host_mb * 2**20)
+                                             host_max_bytes=sched.prefix_cache_host_mb * 2**20,
+                                             hits=old.hits if old is not None else None)
                                  if kv.prefix_blocks else None)
-        if old is not None and self.scheduler.prefix is not None:  # /metrics counts hits
-            self.scheduler.prefix.hits = dict(old.hits)            # over the daemon's life
         for api in self.apis:
             api.worker_ready(info)
 

@@ -49,7 +49,8 @@ Key = tuple[Hashable, tuple[int, ...]]  # (space, tokens)
 class PrefixCache:
     def __init__(self, max_blocks: int, block_size: int, max_entries: int = 256, *,
                  block_bytes: int = 0, state_bytes: int = 0,
-                 max_bytes: int | None = None, host_max_bytes: int = 0) -> None:
+                 max_bytes: int | None = None, host_max_bytes: int = 0,
+                 hits: dict[str, int] | None = None) -> None:
         self.max_blocks = max_blocks
         self.block_size = block_size
         self.max_entries = max_entries
@@ -57,9 +58,9 @@ class PrefixCache:
         self.host_max_bytes = host_max_bytes
         self._host: set[int] = set()  # entry ids held in host memory (the second tier)
         self._offloads: list[int] = []  # moved there since take_offloads()
-        # lookups that found an entry, by its tier (emptied() carries them over: /metrics
-        # counts them over the daemon's life)
-        self.hits = {"gpu": 0, "host": 0}
+        # lookups that found an entry, by its tier; ``hits``: those of the cache this one
+        # replaces (a worker restart), so /metrics counts them over the daemon's life
+        self.hits = {"gpu": 0, "host": 0, **(hits or {})}
         # least recently used first (a plain dict: an OrderedDict's iteration hashes every
         # key again, and a key is a prompt's worth of tokens)
         self._by_tokens: dict[Key, int] = {}
@@ -114,11 +115,11 @@ class PrefixCache:
         """Whether an entry of ``blocks`` and ``nbytes`` passes a bound of the GPU tier, the
         entries of ``gone`` (ids) counted as evicted."""
         gone = gone or []
-        freed = sum(self._blocks[e] for e in gone)
-        return (self.used_blocks - freed + blocks > self.max_blocks
-                or len(self._blocks) - len(self._host) - len(gone) >= self.max_entries
-                or (self.max_bytes is not None and self.used_bytes + nbytes > self.max_bytes
-                    + freed * self.block_bytes + len(gone) * self.state_bytes))
+        used = self.used_blocks - sum(self._blocks[e] for e in gone)  # blocks, bytes left
+        entries = len(self._blocks) - len(self._host) - len(gone)
+        return (used + blocks > self.max_blocks or entries >= self.max_entries
+                or (self.max_bytes is not None and used * self.block_bytes
+                    + entries * self.state_bytes + nbytes > self.max_bytes))
 
     def __len__(self) -> int:
         return len(self._by_tokens)
@@ -193,11 +194,10 @@ class PrefixCache:
 
     def emptied(self) -> PrefixCache:
         """A new, empty cache with the same bounds and hit counts (the worker restarted)."""
-        cache = PrefixCache(self.max_blocks, self.block_size, self.max_entries,
-                            block_bytes=self.block_bytes, state_bytes=self.state_bytes,
-                            max_bytes=self.max_bytes, host_max_bytes=self.host_max_bytes)
-        cache.hits = dict(self.hits)
-        return cache
+        return PrefixCache(self.max_blocks, self.block_size, self.max_entries,
+                           block_bytes=self.block_bytes, state_bytes=self.state_bytes,
+                           max_bytes=self.max_bytes, host_max_bytes=self.host_max_bytes,
+                           hits=self.hits)
 
     def _victim(self, below: set[int], host: bool = False) -> Key | None:
         """Of the GPU tier's entries (``host``: the host tier's), the least recently used weak

@@ -55,7 +55,7 @@ def essay_warm(budget: str, seconds: int) -> Check:
                  "exit $rc", seconds + 45)
 
 
-def matrix(budget: str, arms: str = "off,narrow,wide,adaptive") -> Check:
+def matrix(budget: str, arms: str = "off,narrow,wide,adaptive", name: str = "") -> Check:
     """Issue 15's whole matrix at GPU budget ``budget`` (32 or whole): essays and coding,
     off, narrow, wide and adaptive, three pairs, resumable across calls. The runs so far stay
     in /tmp/m<budget> on a machine kept warm between calls; a fresh machine restores them from
@@ -66,8 +66,7 @@ def matrix(budget: str, arms: str = "off,narrow,wide,adaptive") -> Check:
     files, records and logs ($OUT/matrix_<budget>_work.tar.gz). ``arms`` other than the
     default (the fixed draft lengths) go into the same folders: the off runs are shared."""
     m, keep = f"/tmp/m{budget}", f".matrix/{budget}"
-    name = f"matrix_{budget}" + ("" if arms == "off,narrow,wide,adaptive" else "_fixed")
-    return Check(name, "mount -o remount,size=110G /dev/shm; "
+    return Check(name or f"matrix_{budget}", "mount -o remount,size=110G /dev/shm; "
                  f"mkdir -p {m}/out {m}/work; if [ -d {keep} ]; then "
                  f"cp -n {keep}/out/*.json {m}/out/ 2>/dev/null; "
                  f"cp -n {keep}/work/* {m}/work/ 2>/dev/null; fi; "
@@ -281,7 +280,7 @@ PLANS: dict[str, list[Check]] = {
     "matrix_32": [matrix("32")],
     "matrix_whole": [matrix("whole")],
     # the fixed draft lengths beside adaptive (issue 15: adaptive >= the best of them)
-    "matrix_32_fixed": [matrix("32", "off,wide@1,wide@2,wide@3")],
+    "matrix_32_fixed": [matrix("32", "off,wide@1,wide@2,wide@3", "matrix_32_fixed")],
     # a prefill chunk's rows several to a warp (session 20): the kernels' bits (decode rows
     # and R-row launches), the model's chunking and every-layout invariance with both
     # architectures and the GPU experts' row cap, then each launch shape's speed
