@@ -61,22 +61,29 @@ def matrix(budget: str, arms: str = "off,narrow,wide,adaptive", name: str = "") 
     in /tmp/m<budget> on a machine kept warm between calls; a fresh machine restores them from
     the carried ``.matrix/<budget>/{out,work}`` (the tars of earlier calls unpacked there:
     docs/benchmarks.md). Each call measures this machine's CPU expert rate for the floors
-    (~30 s), starts no run it cannot finish in 510 s more, and returns
+    (~30 s; once per machine: a warm machine's later calls reuse it), starts no run it
+    cannot finish in 510 s more, and returns
     every run file so far ($OUT/matrix_<budget>_out.tar.gz) and the work folder's replay
     files, records and logs ($OUT/matrix_<budget>_work.tar.gz). ``arms`` other than the
-    default (the fixed draft lengths) go into the same folders: the off runs are shared."""
+    default (the fixed draft lengths) go into the same folders: the off runs are shared.
+    With less device time left, ``MATRIX_BUDGET=150 MATRIX_LIMIT=185`` in the environment
+    shorten the run's time budget and its time limit (default 510 and 540 s)."""
     m, keep = f"/tmp/m{budget}", f".matrix/{budget}"
+    rate = f"{m}/cpu_rate.json"  # this machine's, measured by its first call (never carried)
+    measure = CPU_INT8_RATE.command.replace("$OUT/cpu_experts_int8_1row.json", rate)
     return Check(name or f"matrix_{budget}", "mount -o remount,size=110G /dev/shm; "
                  f"mkdir -p {m}/out {m}/work; if [ -d {keep} ]; then "
                  f"cp -n {keep}/out/*.json {m}/out/ 2>/dev/null; "
                  f"cp -n {keep}/work/* {m}/work/ 2>/dev/null; fi; "
-                 f"{CPU_INT8_RATE.command.replace('$OUT/', f'{m}/work/')}; timeout -k 15 540 "
+                 f"[ -s {rate} ] || {measure}; cp {rate} {m}/work/cpu_experts_int8_1row.json; "
+                 "timeout -k 15 ${MATRIX_LIMIT:-540} "
                  f"{PY} scripts.bench_concurrency --model qwen3-next-80b-a3b --gpu-budget {budget} "
                  f"--dram-gbs {m}/work/cpu_experts_int8_1row.json "
                  f"--proposer replay --replay-source mtp {SHARDS}"
                  f"--set scheduler.prefix_cache_host_mb=8192 --arms {arms} "
                  "--pairs 3 --workloads essay,coding --essay-tokens 128 --coding-turns 3 "
-                 f"--coding-tokens 64 --resume --time-budget 510 --out-dir {m}/out "
+                 "--coding-tokens 64 --resume --time-budget ${MATRIX_BUDGET:-510} "
+                 f"--out-dir {m}/out "
                  f"--work-dir {m}/work; rc=$?; "
                  f"tar czf $OUT/matrix_{budget}_out.tar.gz -C {m}/out .; "
                  f"tar czf $OUT/matrix_{budget}_work.tar.gz --exclude='./model-*' -C {m}/work .; "
