@@ -55,6 +55,13 @@ def essay_warm(budget: str, seconds: int) -> Check:
                  "exit $rc", seconds + 45)
 
 
+# the matrix's runs resume across calls and machines, so another card's runs would pass for
+# the H200's: refused unless MATRIX_ANY_GPU=1 is in the environment
+H200_ONLY = ("if [ -z \"$MATRIX_ANY_GPU\" ] && ! nvidia-smi --query-gpu=name --format=csv,noheader "
+             "| grep -q H200; then echo 'not an H200 (MATRIX_ANY_GPU=1 runs it anyway)'; "
+             "exit 3; fi; ")
+
+
 def matrix(budget: str, arms: str = "off,narrow,wide,adaptive", name: str = "") -> Check:
     """Issue 15's whole matrix at GPU budget ``budget`` (32 or whole): essays and coding,
     off, narrow, wide and adaptive, three pairs, resumable across calls. The runs so far stay
@@ -72,7 +79,7 @@ def matrix(budget: str, arms: str = "off,narrow,wide,adaptive", name: str = "") 
     rate = f"{m}/cpu_rate.json"  # this machine's, measured by its first call (never carried)
     measure = CPU_INT8_RATE.command.replace("$OUT/cpu_experts_int8_1row.json", rate)
     return Check(name or f"matrix_{budget}", "mount -o remount,size=110G /dev/shm; "
-                 f"mkdir -p {m}/out {m}/work; if [ -d {keep} ]; then "
+                 f"{H200_ONLY}mkdir -p {m}/out {m}/work; if [ -d {keep} ]; then "
                  f"cp -n {keep}/out/*.json {m}/out/ 2>/dev/null; "
                  f"cp -n {keep}/work/* {m}/work/ 2>/dev/null; fi; "
                  f"[ -s {rate} ] || {measure}; cp {rate} {m}/work/cpu_experts_int8_1row.json; "
