@@ -10,10 +10,11 @@ becomes the parent of that folder; without one it is the package's ``__pycache__
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 from pathlib import Path
+
+from cpu_experts.shard_cache import code_hash
 
 PREFIX = "tandem-numba-"
 
@@ -21,13 +22,10 @@ PREFIX = "tandem-numba-"
 def cache_dir() -> str:
     """The Numba cache folder of this version of the package's sources."""
     here = Path(__file__).parent
-    digest = hashlib.blake2b(digest_size=8)
-    for path in sorted(here.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
     base = Path(os.environ.get("NUMBA_CACHE_DIR") or here / "__pycache__")
     if base.name.startswith(PREFIX):  # set by this package in a parent process
         base = base.parent
-    return str(base / f"{PREFIX}{digest.hexdigest()}")
+    return str(base / f"{PREFIX}{code_hash(*sorted(here.glob('*.py')))[:16]}")
 
 
 os.environ["NUMBA_CACHE_DIR"] = cache_dir()

@@ -94,6 +94,12 @@ def default_dram_gbs(path: Path = CPU_BENCH) -> tuple[float, str]:
     (``kernel_gbps``) of ``path``'s in-process int8 pool run at the 80B's expert shape
     (H 2048, I 512, 512 experts, top-10), one row, random routing; FALLBACK_DRAM_GBS when the
     file lacks that record."""
+    return _file_rate(path) or (FALLBACK_DRAM_GBS,
+                                "built-in default (cpu_experts_h200.json record not found)")
+
+
+def _file_rate(path: Path) -> tuple[float, str] | None:
+    """:func:`default_dram_gbs`'s record of ``path`` and its source, or None."""
     try:
         records = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -106,7 +112,7 @@ def default_dram_gbs(path: Path = CPU_BENCH) -> tuple[float, str]:
             return float(r["kernel_gbps"]), (
                 f"{path.name}: int8, H 2048 I 512 E 512 top-10, 1 row, random routing, "
                 f"kernel_gbps (machine DRAM read {r.get('dram_read_gbps')} GB/s)")
-    return FALLBACK_DRAM_GBS, "built-in default (cpu_experts_h200.json record not found)"
+    return None
 
 
 def dram_rate(value: str | None) -> tuple[float, str]:
@@ -119,11 +125,11 @@ def dram_rate(value: str | None) -> tuple[float, str]:
         return float(value), "--dram-gbs"
     except ValueError:
         pass
-    rate, source = default_dram_gbs(Path(value))
-    if source.startswith("built-in"):
+    found = _file_rate(Path(value))
+    if found is None:
         raise SystemExit(f"--dram-gbs {value}: no int8, H 2048 I 512 E 512 top-10, 1 row, "
                          "random routing record with kernel_gbps there")
-    return rate, source
+    return found
 
 
 # one pass over an array: each thread issues 8 independent 8-byte loads (a block's loads
@@ -169,12 +175,13 @@ def _measure_hbm(nbytes: int) -> tuple[float, str]:
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
     best = float("inf")
     try:
-        for _ in range(6):  # the first loads the kernel
+        for i in range(6):  # the first loads the kernel: not timed
             start.record()
             kernel((blocks,), (threads,), (a, cupy.int64(n), out))
             stop.record()
             stop.synchronize()
-            best = min(best, cupy.cuda.get_elapsed_time(start, stop))
+            if i:
+                best = min(best, cupy.cuda.get_elapsed_time(start, stop))
     finally:  # the model's memory plan sees the device as before, whatever happened
         del a, out
         cupy.get_default_memory_pool().free_all_blocks()
