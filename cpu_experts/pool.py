@@ -3,10 +3,9 @@
 It quantizes and shards the CPU-resident experts (by intermediate dimension, one shard per
 worker) straight into shared memory made at its final size, a run of experts at a time, starts
 one pinned worker process per shard (cpu_experts/processes.py), and dispatches one MoE layer
-for all rows at once: activations
-are quantized straight into the shared ring, every worker computes its partial
-``sum_k w * expert_k(x)``, and the partials are summed here in worker order. A GPU may
-drive the same ring itself during a device session (gpu_worker/experts/pinned_ring.py).
+for all rows at once: activations are quantized straight into the shared ring, every worker
+computes its partial ``sum_k w * expert_k(x)``, and the partials are summed here in worker
+order. A GPU may drive the same ring itself (gpu_worker/experts/pinned_ring.py).
 """
 
 from __future__ import annotations
@@ -131,9 +130,10 @@ class CpuExpertPool:
             raise RuntimeError("the workers run already: shards are written before launch()")
         self._files.write(layer, first, ql)
 
-    def launch(self) -> None:
+    def launch(self, wait: bool = True) -> None:
         """Once every expert is written: unmap the shards here and start one worker per
-        shard; returns when all are READY (shared names unlinked then)."""
+        shard; returns when all are READY (shared names unlinked then). ``wait=False``: all
+        start at once, and :meth:`await_launch` (any thread) waits for them."""
         files, self._files = self._files, None
         if files is None:
             raise RuntimeError("launch() once")
@@ -143,7 +143,10 @@ class CpuExpertPool:
                   "spin_us": self._spin_us, "isa": self.isa}
         if self.prefetch_bytes is not None:
             common["prefetch_bytes"] = self.prefetch_bytes
-        self._procs.launch(files.specs(common, self.cores), self._start_timeout)
+        self._procs.launch(files.specs(common, self.cores), self._start_timeout, wait)
+
+    def await_launch(self) -> None:
+        self._procs.await_launch()
 
     def check_alive(self) -> None:
         """Raise :class:`CpuWorkerDied` naming the first worker that has exited."""
@@ -304,13 +307,9 @@ class CpuExpertPool:
         ctrl = self.ring.ctrl
         if self.timer:
             self.timer.seen(ctrl)
-        code = ERR_OK
-        for wk in range(self.num_workers):
-            if ctrl[wk, rings.STATUS] != ERR_OK:
-                code = int(ctrl[wk, rings.STATUS])
-                break
-        if code != ERR_OK:
-            raise status_error(layer, code)
+        bad = [int(c) for c in ctrl[:self.num_workers, rings.STATUS] if c != ERR_OK]
+        if bad:  # the first worker's error
+            raise status_error(layer, bad[0])
         return self.ring.out[:, :rows]
 
     def _run(self, layer: int, rows: int, k: int, out: np.ndarray) -> None:

@@ -35,18 +35,27 @@ class WorkerProcesses:
         self.fds: list[int] = []  # per shard: written through (ShardFiles.write), then a
         # read-only handle on the unlinked file (ShardFiles.read)
         self.entries: list = []  # shard cache entries in use (shard_cache.CacheEntry)
+        self.timeout = 0.0  # seconds a worker has to say READY (set by launch)
 
-    def launch(self, specs: list[dict], timeout: float) -> None:
-        """Start a worker per spec and wait for each READY; then unlink every shared file
-        (nothing leaks in /dev/shm even if this process is killed) and drop the shards
-        from :attr:`files` (``files[0]``, the ring, stays mapped)."""
-        # Worker 0 first: it compiles the kernels into Numba's cache; the rest load them.
+    def launch(self, specs: list[dict], timeout: float, wait: bool = True) -> None:
+        """Start a worker per spec and wait for each READY (:meth:`await_launch`). Worker 0
+        goes first: it compiles the kernels into Numba's cache; the rest load them. Without
+        ``wait`` they all start at once and :meth:`await_launch` (on any thread) waits."""
+        self.timeout = timeout
         self.spawn(specs[0])
-        self.await_ready(0, timeout)
+        if wait:
+            self.await_ready(0, timeout)
         for spec in specs[1:]:
             self.spawn(spec)
-        for w in range(1, len(specs)):
-            self.await_ready(w, timeout)
+        if wait:
+            self.await_launch()
+
+    def await_launch(self) -> None:
+        """Wait for the READY of every worker not yet ready; then unlink every shared file
+        (nothing leaks in /dev/shm even if this process is killed) and drop the shards from
+        :attr:`files` (``files[0]``, the ring, stays mapped)."""
+        for w in range(len(self.ready_info), len(self.procs)):
+            self.await_ready(w, self.timeout)
         for f in self.files[1:]:  # workers hold the weights now
             f.unlink()
             f.close()

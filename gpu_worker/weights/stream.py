@@ -76,19 +76,37 @@ def stream_load(source: WeightSource, split: ExpertSplit | None, *, xp: Any, dty
             loader.cpu_bytes_to_read() if pool is None or not pool.cached else 0)
         show = progress if progress is not None else total > PROGRESS_MIN_BYTES
         name = source.path.name if source.path is not None else "weights"
-        with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {name}",
-                  disable=not show, file=sys.stderr) as bar:
-            loader.bar = bar
-            model = Model(source.config, loader.backend_tensors(), xp=xp, dtype=dtype,
-                          exact=exact, routing=getattr(source, "routing", None))
-            if pool is not None and not pool.cached:
-                loader.fill_cpu(pool)
+        # Shards made by an earlier load need nothing from this one: the workers start on
+        # them while the backend's weights are read (their start is seconds of one core).
+        # (spawned from this thread: a worker dies with the thread that started it)
+        early = None
+        if pool is not None and pool.cached:
+            pool.launch(wait=False)
+            early = _Background(pool.await_launch)
+        try:
+            with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {name}",
+                      disable=not show, file=sys.stderr) as bar:
+                loader.bar = bar
+                model = Model(source.config, loader.backend_tensors(), xp=xp, dtype=dtype,
+                              exact=exact, routing=getattr(source, "routing", None))
+                if pool is not None and not pool.cached:
+                    loader.fill_cpu(pool)
+        except BaseException:
+            if early is not None:
+                early.join(raise_error=False)  # the pool closes below, its workers too
+            raise
         experts = None
         if pool is not None:
             from gpu_worker.experts.placement import ExpertPlacement  # noqa: PLC0415 (numba)
 
-            with loader.phase("workers ready", 0, workers=pool.num_workers):
-                pool.launch()
+            if early is not None:
+                waited = early.join()
+                loader.log("load workers ready", bytes=0, seconds=round(early.seconds, 3),
+                           workers=pool.num_workers, during_load=True,
+                           waited_after_load=round(waited, 3))
+            else:
+                with loader.phase("workers ready", 0, workers=pool.num_workers):
+                    pool.launch()
             experts, pool = ExpertPlacement.start(model, split, pool), None
     finally:
         if pool is not None:
@@ -111,6 +129,33 @@ def resident_bytes(model: Model) -> int:
     for a in parts:
         arrays[id(a)] = a
     return sum(int(a.nbytes) for a in arrays.values())
+
+
+class _Background:
+    """``fn()`` on a thread, timed; :meth:`join` waits for it and raises what it raised."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._error: BaseException | None = None
+        self.seconds = 0.0
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 (re-raised by join)
+                self._error = e
+            self.seconds = time.perf_counter() - t0
+
+        self._thread = threading.Thread(target=run, name="tandem-early-workers", daemon=True)
+        self._thread.start()
+
+    def join(self, raise_error: bool = True) -> float:
+        """Seconds spent waiting here."""
+        t0 = time.perf_counter()
+        self._thread.join()
+        if raise_error and self._error is not None:
+            raise self._error
+        return time.perf_counter() - t0
 
 
 class _Loader:

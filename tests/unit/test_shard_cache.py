@@ -16,6 +16,7 @@ from daemon.config import ConfigError, load_config
 from daemon.lifecycle import worker_config
 from gpu_worker.engine import load_model
 from gpu_worker.model.batch import RaggedBatch
+from gpu_worker.weights.resolve import open_source
 from scripts.tiny_model import make_tiny_model
 
 PROMPT = np.arange(5, 37) * 7 % 500
@@ -92,6 +93,9 @@ def test_a_second_load_maps_the_first_ones_shards(tmp_path, arch):
     second, lines = _load(path, cache)
     assert lines["load plan"]["cpu_shards_cached"] and "load experts CPU" not in lines
     assert np.array_equal(first, plain) and np.array_equal(second, plain)
+    # cached shards: the workers started while the backend's weights were read
+    assert lines["load workers ready"]["during_load"] is True
+    assert lines["load workers ready"]["waited_after_load"] >= 0
     # another format is other bytes: a new entry, and the unused old one goes
     int4, lines = _load(path, cache, "int4")
     assert not lines["load plan"]["cpu_shards_cached"]
@@ -172,3 +176,31 @@ def test_a_directory_it_cannot_use_is_named_in_the_error(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(OSError, match=r"experts.shard_cache .*file.*cannot use it"):
         CacheEntry(tmp_path / "file", "k", [1])
+
+
+def _children() -> set[int]:
+    return {int(p) for f in Path("/proc/self/task").glob("*/children")
+            for p in f.read_text().split()}
+
+
+def test_a_load_that_fails_while_cached_workers_start_leaves_none(tmp_path):
+    path = make_tiny_model(tmp_path / "m", "qwen3_moe", seed=4, tokenizer=False,
+                           moe_intermediate=64)
+    cache = tmp_path / "shards"
+    _load(path, cache)  # makes the entry the next load maps
+    before = _children()
+    source = open_source(path)
+    read = source.read
+
+    def broken(name, *args, **kwargs):
+        if name == "model.norm.weight":
+            raise OSError("disk gone: model.norm.weight")
+        return read(name, *args, **kwargs)
+
+    source.read = broken
+    lines: dict[str, dict] = {}
+    with pytest.raises(OSError, match="disk gone"):
+        load_model(source, placement="split", cpu_experts_per_layer=3, cpu_workers=1,
+                   cpu_shard_cache=cache, log=lambda event, **f: lines.setdefault(event, f))
+    assert lines["load plan"]["cpu_shards_cached"]
+    assert _children() == before  # the early workers were stopped with the pool
