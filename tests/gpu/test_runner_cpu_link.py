@@ -10,7 +10,7 @@ import pytest
 
 from daemon.request import GenerationRequest
 from daemon.scheduler import Scheduler
-from gpu_worker.engine import Engine
+from gpu_worker.engine import Engine, load_model
 from gpu_worker.runner import Runner
 from protocol.messages import SamplingParams
 from scripts.tiny_model import make_tiny_model
@@ -19,9 +19,15 @@ from tests.harness import InProcessWorker, drain
 pytest.importorskip("cupy")
 
 
-def _serve(path, prompts, launched: bool) -> tuple[list[list[int]], list[dict]]:
-    engine = Engine.from_dir(path, backend="cupy", placement="split", cpu_experts_per_layer=3,
-                             cpu_workers=1, max_slots=3, max_len=128)
+def _serve(path, prompts, launched: bool, shards=None,
+           cached: bool = False) -> tuple[list[list[int]], list[dict]]:
+    lines: dict[str, dict] = {}
+    model, experts = load_model(path, backend="cupy", placement="split",
+                                cpu_experts_per_layer=3, cpu_workers=1, cpu_shard_cache=shards,
+                                log=lambda event, **f: lines.setdefault(event, f))
+    assert lines["load plan"]["cpu_shards_cached"] is cached
+    assert lines["load workers ready"].get("during_load", False) is cached  # during the load
+    engine = Engine(model, placement=experts, max_slots=3, max_len=128)
     try:
         placement = engine.placement
         assert placement.launched
@@ -46,10 +52,12 @@ def test_scheduled_requests_launched_path_equal_host_path(tmp_path):
     path = make_tiny_model(tmp_path, "qwen3_next", seed=5, tokenizer=False,
                            moe_intermediate=64, std=0.1)
     prompts = [list(range(5, 40)), list(range(200, 211)), [7, 9, 11, 13] * 6]
-    launched, counters = _serve(path, prompts, launched=True)
+    launched, counters = _serve(path, prompts, launched=True, shards=tmp_path / "shards")
     host, _ = _serve(path, prompts, launched=False)
+    # the same shards kept: their workers start while the GPU's weights load
+    cached, _ = _serve(path, prompts, launched=True, shards=tmp_path / "shards", cached=True)
     assert [len(t) for t in launched] == [24, 24, 24]
-    assert launched == host
+    assert launched == host == cached
     steps = [c for c in counters if c.get("moe_layers")]
     assert steps and all(c["cpu_experts"] > 0 and c["gpu_experts"] > 0 for c in steps)
     assert all(c["cpu_expert_bytes"] > 0 for c in steps)
