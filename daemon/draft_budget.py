@@ -153,5 +153,12 @@ def patterns(fractions: np.ndarray, history: np.ndarray, persistence: float, p0:
     uniq, counts = srt[new], np.bincount(group).astype(np.float64)  # [P, S], [P]
     if rest:  # the zero row (the last one) stands for every expert no slot picked
         counts[group[np.flatnonzero(order == len(rows) - 1)[0]]] += rest - 1
+    return pattern_table(uniq, counts, history, persistence, p0)
+
+
+def pattern_table(uniq: np.ndarray, counts: np.ndarray, history: np.ndarray,
+                  persistence: float, p0: float) -> tuple[np.ndarray, np.ndarray]:
+    """(log_miss [P, S], weight [P]) of the distinct fraction rows ``uniq`` [P, S] held by
+    ``counts`` [P] experts each (:func:`patterns`' last part)."""
     pi = np.where(history[None, :], persistence * uniq + (1.0 - persistence) * p0, p0)
     return np.log1p(-np.clip(pi, 0.0, 1.0 - 1e-12)), counts

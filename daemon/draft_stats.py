@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from daemon.draft_budget import BudgetProblem, StepCost, choose, patterns
+from daemon.draft_budget import BudgetProblem, StepCost, choose, pattern_table, patterns
 from protocol.messages import SlotWork, StepPlan, StepResult, WorkKind
 
 if TYPE_CHECKING:
@@ -72,7 +72,8 @@ class RoutingStats:
     next step's from them."""
 
     def __init__(self) -> None:
-        self.last: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # ids [K], row share [K]
+        self.last: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}  # ids [K], rows [K]
+        # that picked each, the step's rows
         self.universe = 0  # CPU experts held, over all MoE layers
         self.picks_per_row = 0.0  # CPU (layer, expert) picks of one row, over layers
         self.persistence = 0.5
@@ -94,23 +95,51 @@ class RoutingStats:
             chance = len(prev[0]) / universe
             seen = min(max((hit - chance) / (1.0 - chance), 0.0), 1.0)
             self.persistence += EMA * (seen - self.persistence)
-        self.last[request_id] = (ids.astype(np.int64), counts / rows)
+        self.last[request_id] = (ids.astype(np.int64), counts.astype(np.int64), rows)
 
     def keep(self, live: set[str]) -> None:
         self.last = {k: v for k, v in self.last.items() if k in live}
 
     def patterns(self, request_ids: list[str | None]) -> tuple[np.ndarray, np.ndarray]:
-        """daemon/draft_budget.patterns for slots of these requests (None: a prompt chunk)."""
+        """daemon/draft_budget.patterns for slots of these requests (None: a prompt chunk),
+        in the same order and bits, without its sort of [K, S] rows: an expert's row of
+        counts is one integer (the slots' counts as digits, the first slot the most
+        significant), so experts with equal rows are found by sorting K integers."""
         hist = [self.last.get(r) if r is not None else None for r in request_ids]
+        S = len(hist)
+        history = np.array([h is not None for h in hist])
+        p0 = self.picks_per_row / self.universe if self.universe else 0.0
+        base = 1 + max((h[2] for h in hist if h is not None), default=0)
+        if not history.any() or base ** S >= 2 ** 62:  # no history / keys too wide
+            return self._patterns_by_rows(hist, history, p0)
+        if self.universe <= 0 or p0 <= 0:
+            return np.zeros((0, S)), np.zeros(0)
+        digit = base ** np.arange(S - 1, -1, -1, dtype=np.int64)  # [S]
+        ids = np.concatenate([h[0] for h in hist if h is not None])
+        codes = np.concatenate([h[1] * digit[s] for s, h in enumerate(hist) if h is not None])
+        order = np.argsort(ids, kind="stable")
+        srt = ids[order]
+        first = np.flatnonzero(np.concatenate([[True], srt[1:] != srt[:-1]]))
+        keys = np.add.reduceat(codes[order], first)  # [K] one per distinct expert, all > 0
+        rest = max(self.universe - len(keys), 0)
+        keys = np.sort(np.concatenate([[0], keys]) if rest else keys)
+        new = np.concatenate([[True], keys[1:] != keys[:-1]])
+        counts = np.diff(np.append(np.flatnonzero(new), len(keys))).astype(np.float64)
+        if rest:  # key 0 (first) stands for every expert no slot picked
+            counts[0] += rest - 1
+        digits = keys[new][:, None] // digit[None, :] % base  # [P, S]
+        rows = np.array([h[2] if h is not None else 1 for h in hist])
+        return pattern_table(digits / rows[None, :], counts, history, self.persistence, p0)
+
+    def _patterns_by_rows(self, hist: list, history: np.ndarray, p0: float
+                          ) -> tuple[np.ndarray, np.ndarray]:
         ids = [h[0] for h in hist if h is not None]
         union = np.unique(np.concatenate(ids)) if ids else np.zeros(0, np.int64)
         frac = np.zeros((len(union), len(hist)))  # [K, S]
         for s, h in enumerate(hist):
             if h is not None:
-                frac[np.searchsorted(union, h[0]), s] = h[1]
-        p0 = self.picks_per_row / self.universe if self.universe else 0.0
-        return patterns(frac, np.array([h is not None for h in hist]), self.persistence,
-                        p0, self.universe)
+                frac[np.searchsorted(union, h[0]), s] = h[1] / h[2]
+        return patterns(frac, history, self.persistence, p0, self.universe)
 
 
 class CostFit:

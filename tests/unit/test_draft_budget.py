@@ -211,6 +211,30 @@ def test_routing_persistence_is_measured_over_chance():
     assert weight.sum() == universe and log_miss.shape == (2, 2)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_keyed_patterns_equal_the_row_sort_bit_for_bit(seed):
+    # RoutingStats.patterns keys each expert's counts as one integer; the reference sorts
+    # the [K, S] fraction rows (draft_budget.patterns): the same patterns, order and bits
+    rng = np.random.default_rng(seed)
+    universe = int(rng.integers(50, 3000))
+    stats = RoutingStats()
+    names = [f"r{i}" for i in range(int(rng.integers(1, 6)))]
+    for name in names:
+        for _ in range(2):
+            rows = int(rng.integers(1, 17))
+            ids = np.sort(rng.choice(universe, int(rng.integers(0, min(universe, 400))),
+                                     replace=False))
+            stats.observe(name, rows, ids, rng.integers(1, rows + 1, len(ids)), universe)
+    slots = [n if rng.random() < 0.8 else None for n in names] + [None]
+    hist = [stats.last.get(r) if r is not None else None for r in slots]
+    history = np.array([h is not None for h in hist])
+    p0 = stats.picks_per_row / stats.universe
+    want = stats._patterns_by_rows(hist, history, p0)
+    got = stats.patterns(slots)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.tobytes() == w.tobytes()
+
+
 def test_the_cost_fit_recovers_the_step_constants():
     prior = StepCost(20.0, 2.0, 0.2)
     fit = CostFit(prior)
