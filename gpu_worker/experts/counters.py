@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from gpu_worker.backend import to_numpy
@@ -82,20 +84,31 @@ class ExpertCounters:
     def take_slot_experts(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Per tracked slot since the last call: its distinct CPU experts (int32 [K], layer *
         experts per layer + expert) and how many of its rows picked each (uint16 [K]). A row
-        picks an expert at most once per layer, so a count is a number of rows."""
+        picks an expert at most once per layer, so a count is a number of rows. The layers
+        of a pass are stacked where they live and copied to the host at once (two copies a
+        pass, not two a layer: this runs between a step's forward and its result)."""
+        routes, self._routes, self._row_slot = self._routes, [], None
         slots, gids = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-        for base, ids, cpu, row_slot in self._routes:
-            ids, cpu = to_numpy(ids), to_numpy(cpu)  # [R, k]
-            r, k = np.nonzero(cpu & (row_slot >= 0)[:, None])
-            slots.append(row_slot[r])
-            gids.append(base + ids[r, k].astype(np.int64))
-        self._routes, self._row_slot = [], None
-        slot, gid = np.concatenate(slots), np.concatenate(gids)
-        out = {}
-        for s in np.unique(slot):
-            ids, rows = np.unique(gid[slot == s], return_counts=True)
-            out[int(s)] = (ids.astype(np.int32), rows.astype(np.uint16))
-        return out
+        i = 0
+        while i < len(routes):
+            j = i + 1  # routes[i:j]: one pass's layers (the same rows, shapes and arrays)
+            while j < len(routes) and _same_pass(routes[i], routes[j]):
+                j += 1
+            run, row_slot = routes[i:j], routes[i][3]
+            ids, cpu = _stacked([r[1] for r in run]), _stacked([r[2] for r in run])  # [L,R,k]
+            base = np.array([r[0] for r in run], np.int64)
+            mask = cpu & (row_slot >= 0)[None, :, None]
+            gids.append((base[:, None, None] + ids.astype(np.int64))[mask])
+            slots.append(np.broadcast_to(row_slot[None, :, None], ids.shape)[mask])
+            i = j
+        slot, gid = np.concatenate(slots).astype(np.int64), np.concatenate(gids)
+        keys, rows = np.unique((slot << 32) | gid, return_counts=True)  # by slot, then id
+        owner = keys >> 32
+        cuts = np.flatnonzero(np.diff(owner)) + 1
+        return {int(owner[a]): ((keys[a:b] & 0xFFFFFFFF).astype(np.int32),
+                                rows[a:b].astype(np.uint16))
+                for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(keys)], strict=True)
+                if b > a}
 
     def take(self) -> dict[str, float]:
         """The counters since the last call, then zero."""
@@ -105,6 +118,19 @@ class ExpertCounters:
                  "cpu_experts_ms": self.cpu_experts_ms}
         self._reset()
         return stats
+
+
+def _same_pass(a: tuple, b: tuple) -> bool:
+    """Whether two layers' routes stack: the same row map, shapes and kind of array."""
+    return (a[3] is b[3] and a[1].shape == b[1].shape and type(a[1]) is type(b[1])
+            and type(a[2]) is type(b[2]))
+
+
+def _stacked(arrays: list) -> np.ndarray:
+    """``arrays`` (all NumPy, or all of one device module) stacked, on the host."""
+    if isinstance(arrays[0], np.ndarray):
+        return np.stack(arrays)
+    return to_numpy(sys.modules["cupy"].stack(arrays))  # a device array: cupy is imported
 
 
 def _host_copy(array) -> np.ndarray:
