@@ -12,9 +12,10 @@ over MoE layers, as the worker's ``counters["cpu_experts"]``):
 distinct expert once, however many rows picked it, so a draft row costs experts only where it
 routes to ones no other row of the pass picked.
 
-Value: a slot's draft j is accepted with probability a^j (a chain: each draft given the ones
-before it), so k drafts are worth 1 + a + ... + a^k tokens (the step's own token plus the
-expected accepted drafts); a prompt chunk is worth 0 (it costs what it costs either way).
+Value: a slot's draft j is accepted, given the drafts before it were, with probability c_j
+(its position's; one probability a for every position: a chain, c_j = a), so k drafts are
+worth 1 + c_1 + c_1 c_2 + ... + c_1 ... c_k tokens (the step's own token plus the expected
+accepted drafts); a prompt chunk is worth 0 (it costs what it costs either way).
 
 Routing: a new row of slot s picks CPU expert e (a (layer, expert) pair) with probability
 pi[e, s]; rows pick independently, so a pass whose slots run n_s rows touches
@@ -54,7 +55,8 @@ class BudgetProblem:
 
     base_rows: np.ndarray  # [S] int: rows a slot runs whatever its drafts (1; a chunk's size)
     max_drafts: np.ndarray  # [S] int: its fitted drafts (0: none)
-    accept: np.ndarray  # [S] float: per-draft acceptance probability a
+    accept: np.ndarray  # [S] float: per-draft acceptance probability a (a chain), or
+    # [S, >= max drafts]: each draft position's, given the drafts before it accepted
     base_value: np.ndarray  # [S] float: tokens it emits without drafts (1 decode, 0 prefill)
     log_miss: np.ndarray  # [P, S] float: log(1 - pi) of a row of slot s, per pattern
     weight: np.ndarray  # [P] float: CPU experts sharing each pattern
@@ -62,13 +64,19 @@ class BudgetProblem:
 
     def __post_init__(self) -> None:
         S = len(self.base_rows)
-        assert self.max_drafts.shape == self.accept.shape == self.base_value.shape == (S,)
+        assert self.max_drafts.shape == self.base_value.shape == (S,)
+        assert self.accept.shape[0] == S and (self.accept.ndim == 1 or (
+            self.accept.ndim == 2 and self.accept.shape[1] >= self.max_drafts.max(initial=0)))
         assert self.log_miss.shape == (len(self.weight), S)
 
 
 def gains(accept: np.ndarray, max_drafts: int) -> np.ndarray:
-    """[S, max_drafts + 1]: expected accepted drafts of k drafts, sum_{j<=k} a^j."""
-    powers = accept[:, None] ** np.arange(1, max_drafts + 1)[None, :]  # [S, K]
+    """[S, max_drafts + 1]: expected accepted drafts of k drafts: sum_{j<=k} a^j of a chain
+    (``accept`` [S]), sum_{j<=k} c_1 ... c_j of per-position ones (``accept`` [S, K])."""
+    if accept.ndim == 2:
+        powers = np.cumprod(accept[:, :max_drafts], axis=1)  # [S, K]
+    else:
+        powers = accept[:, None] ** np.arange(1, max_drafts + 1)[None, :]  # [S, K]
     return np.concatenate([np.zeros((len(accept), 1)), np.cumsum(powers, axis=1)], axis=1)
 
 

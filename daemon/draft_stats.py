@@ -1,9 +1,14 @@
 """The online estimates behind the adaptive draft budget (daemon/draft_budget.py), and
 ``DraftBudget``, which daemon/draft_plan.py asks after trimming and tells every step's result.
 
-* Acceptance per request and draft source: a verify of k drafts with A accepted is A
-  successes and, when A < k, one failure of the per-draft chain probability a. A request's
-  counts decay (recent text matters) and lean on its source's counts over all requests.
+* Acceptance per request, draft source and draft position: a verify of k drafts with A
+  accepted is a success at positions 1..A and, when A < k, a failure at position A + 1 (the
+  positions after it were not tried). A position's probability is that of its draft given
+  the ones before it were accepted: MTP heads and suffix matches are surer of their first
+  draft than of their third. Over all requests, a source's position leans on the position
+  before it (the first on a prior): until a position is measured it is taken to accept as
+  the one before it does (the chain). A request's counts decay (recent text matters) and
+  lean on its source's, position by position.
 * Routing per request: the CPU experts its rows picked in its last decode step
   (``SlotResult.cpu_experts`` / ``cpu_expert_rows``, sent when the WorkerConfig asks), the
   CPU picks per row, the experts held (``counters["cpu_experts_held"]``) and the
@@ -31,9 +36,11 @@ if TYPE_CHECKING:
 
 # a step's counters (gpu_worker/step_graph.py) that mark its time as not its layout's cost
 ONE_OFF_COUNTERS = ("graph_captures", "graph_first_runs", "graph_refused")
-# (successes, trials) every source starts from: a = 0.8, optimistic, so that drafts run
-# (and are measured) until the source's own figures say they do not pay
+# (successes, trials) a source's first draft position starts from: 0.8, optimistic, so that
+# drafts run (and are measured) until the source's own figures say they do not pay; each
+# later position leans on the one before it with the same weight (trials)
 SOURCE_PRIOR = (1.6, 2.0)
+MAX_POSITIONS = 16  # draft positions measured (speculation.num_drafts <= 15)
 REQUEST_PRIOR_TRIALS = 4.0  # how much a request's estimate leans on its source's
 REQUEST_DECAY = 0.8  # a request's counts, per verify
 PROBE_STEPS = 8  # a slot left without drafts this many steps gets one (to re-measure a)
@@ -42,26 +49,37 @@ MIN_STEPS = 16  # decode-only steps before the fitted step cost replaces the con
 
 
 class AcceptanceStats:
-    """Per-draft acceptance probability per (request, source)."""
+    """Acceptance probability per (request, source) and draft position, each given the
+    drafts before it were accepted: :meth:`rate` gives them as ``[MAX_POSITIONS]``."""
 
     def __init__(self) -> None:
-        self.sources: dict[int, list[float]] = {}  # source -> [successes, trials]
-        self.requests: dict[tuple[str, int], list[float]] = {}
+        self.sources: dict[int, np.ndarray] = {}  # source -> [2, positions]: successes, trials
+        self.requests: dict[tuple[str, int], np.ndarray] = {}
 
     def observe(self, request_id: str, source: int, drafts: int, accepted: int) -> None:
-        trials = accepted + (accepted < drafts)
-        src = self.sources.setdefault(source, list(SOURCE_PRIOR))
-        src[0] += accepted
-        src[1] += trials
-        req = self.requests.setdefault((request_id, source), [0.0, 0.0])
-        req[0] = REQUEST_DECAY * req[0] + accepted
-        req[1] = REQUEST_DECAY * req[1] + trials
+        seen = np.zeros((2, MAX_POSITIONS))
+        seen[0, :accepted] = 1.0
+        seen[1, :min(accepted + (accepted < drafts), MAX_POSITIONS)] = 1.0
+        src = self.sources.setdefault(source, np.zeros((2, MAX_POSITIONS)))
+        src += seen
+        req = self.requests.get((request_id, source))
+        self.requests[(request_id, source)] = seen if req is None else REQUEST_DECAY * req + seen
 
-    def rate(self, request_id: str, source: int) -> float:
-        s, t = self.sources.get(source, SOURCE_PRIOR)
-        prior = s / t
-        rs, rt = self.requests.get((request_id, source), (0.0, 0.0))
-        return (rs + REQUEST_PRIOR_TRIALS * prior) / (rt + REQUEST_PRIOR_TRIALS)
+    def source_rate(self, source: int) -> np.ndarray:
+        """``[MAX_POSITIONS]``: the source's probability at each position, over requests."""
+        s, t = self.sources.get(source, np.zeros((2, MAX_POSITIONS)))
+        out = np.empty(MAX_POSITIONS)
+        before, weight = SOURCE_PRIOR[0] / SOURCE_PRIOR[1], SOURCE_PRIOR[1]
+        for j in range(MAX_POSITIONS):
+            before = out[j] = (s[j] + weight * before) / (t[j] + weight)
+        return out
+
+    def rate(self, request_id: str, source: int) -> np.ndarray:
+        prior = self.source_rate(source)
+        req = self.requests.get((request_id, source))
+        if req is None:
+            return prior
+        return (req[0] + REQUEST_PRIOR_TRIALS * prior) / (req[1] + REQUEST_PRIOR_TRIALS)
 
     def keep(self, live: set[str]) -> None:
         self.requests = {k: v for k, v in self.requests.items() if k[0] in live}
@@ -190,8 +208,8 @@ class DraftBudget:
         if not any(counts):
             return list(counts)
         decode = [w.kind == WorkKind.DECODE for w in work]
-        rate = [self.accept.rate(w.request_id, int(w.draft_sources[0])) if n else 0.0
-                for w, n in zip(work, counts, strict=True)]
+        rate = [self.accept.rate(w.request_id, int(w.draft_sources[0])) if n
+                else np.zeros(MAX_POSITIONS) for w, n in zip(work, counts, strict=True)]
         log_miss, weight = self.routing.patterns(
             [w.request_id if d else None for w, d in zip(work, decode, strict=True)])
         problem = BudgetProblem(

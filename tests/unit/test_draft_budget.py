@@ -5,6 +5,7 @@ routing record, the wire fields and the config keys."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -16,7 +17,15 @@ from daemon.cli import build_parser
 from daemon.commands import config_from_args
 from daemon.config import SpeculationSection, load_config
 from daemon.config_checks import ConfigError
-from daemon.draft_budget import BudgetProblem, StepCost, choose, expected_union, patterns, ratio
+from daemon.draft_budget import (
+    BudgetProblem,
+    StepCost,
+    choose,
+    expected_union,
+    gains,
+    patterns,
+    ratio,
+)
 from daemon.draft_stats import MIN_STEPS, AcceptanceStats, CostFit, DraftBudget, RoutingStats
 from daemon.lifecycle import worker_config
 from gpu_worker.experts.counters import ExpertCounters
@@ -181,19 +190,48 @@ def test_patterns_give_the_per_expert_expected_union():
 
 
 # ---- the online estimates ---------------------------------------------------------------------
-def test_acceptance_is_a_chain_probability_leaning_on_its_source():
+def _chained(successes, trials, first=0.8, weight=2.0):
+    """A source's positions, each leaning on the one before (the first on 1.6 of 2)."""
+    out, before = [], first
+    for s, t in zip(successes, trials, strict=True):
+        before = (s + weight * before) / (t + weight)
+        out.append(before)
+    return np.array(out)
+
+
+def test_acceptance_is_measured_per_draft_position_leaning_on_its_source():
     acc = AcceptanceStats()
-    assert acc.rate("r0", 2) == 0.8  # the source prior (1.6 of 2)
-    acc.observe("r0", 2, drafts=4, accepted=4)  # 4 successes, no failure
-    acc.observe("r1", 2, drafts=4, accepted=1)  # 1 success, 1 failure
-    # source: (1.6 + 4 + 1) / (2 + 4 + 2) = 0.825; r0: (4 + 4 * .825) / (4 + 4)
-    assert math.isclose(acc.rate("r0", 2), (4 + 4 * 0.825) / 8)
-    assert math.isclose(acc.rate("r1", 2), (1 + 4 * 0.825) / (2 + 4))
+    assert np.all(acc.rate("r0", 2) == 0.8)  # the source prior (1.6 of 2) at every position
+    acc.observe("r0", 2, drafts=4, accepted=4)  # positions 1-4 succeed
+    acc.observe("r1", 2, drafts=4, accepted=1)  # position 1 succeeds, 2 fails, 3-4 untried
+    src = _chained([2, 1, 1, 1, 0], [2, 2, 1, 1, 0])
+    np.testing.assert_allclose(src[:4], [0.9, 0.7, 0.8, 2.6 / 3])  # by hand
+    np.testing.assert_allclose(acc.source_rate(2)[:5], src, rtol=1e-15)
+    np.testing.assert_allclose(acc.rate("r0", 2)[:5], (np.r_[1, 1, 1, 1, 0] + 4 * src)
+                               / (np.r_[1, 1, 1, 1, 0] + 4), rtol=1e-15)
+    np.testing.assert_allclose(acc.rate("r1", 2)[:5], (np.r_[1, 0, 0, 0, 0] + 4 * src)
+                               / (np.r_[1, 1, 0, 0, 0] + 4), rtol=1e-15)
     acc.observe("r1", 2, drafts=2, accepted=2)  # r1's old counts decay by 0.8
-    assert math.isclose(acc.rate("r1", 2), (0.8 + 2 + 4 * 8.6 / 10) / (1.6 + 2 + 4))
-    assert acc.rate("r0", 1) == 0.8  # another source
+    src = _chained([3, 2, 1, 1], [3, 3, 1, 1])
+    np.testing.assert_allclose(acc.rate("r1", 2)[:4], (np.r_[1.8, 1, 0, 0] + 4 * src)
+                               / (np.r_[1.8, 1.8, 0, 0] + 4), rtol=1e-15)
+    assert np.all(acc.rate("r0", 1) == 0.8)  # another source
     acc.keep({"r1"})
-    assert math.isclose(acc.rate("r0", 2), 8.6 / 10)
+    np.testing.assert_allclose(acc.rate("r0", 2)[:4], src, rtol=1e-15)  # the source alone
+    acc.observe("r2", 3, drafts=15, accepted=15)  # the longest drafts fit the positions
+    assert acc.rate("r2", 3)[14] > 0.8 and acc.rate("r2", 3)[15] > 0.8  # leans on the 15th
+
+
+def test_positions_that_accept_less_get_fewer_drafts():
+    # one chain probability and per-position ones tell different lengths
+    cost = StepCost(fixed_ms=10.0, row_ms=1.0, expert_ms=0.0)
+    chain = _problem([0.8], [3])
+    late = dataclasses.replace(chain, accept=np.array([[0.95, 0.9, 0.1]]))
+    assert choose(chain, cost) == [3]
+    assert choose(late, cost) == [2]  # a third draft that is rarely accepted does not pay
+    np.testing.assert_allclose(gains(late.accept, 3), [[0, 0.95, 0.95 + 0.855,
+                                                        0.95 + 0.855 + 0.0855]])
+    np.testing.assert_allclose(gains(chain.accept, 3), [[0, 0.8, 1.44, 1.952]])
 
 
 def test_routing_persistence_is_measured_over_chance():
