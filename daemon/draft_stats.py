@@ -43,7 +43,7 @@ SOURCE_PRIOR = (1.6, 2.0)
 MAX_POSITIONS = 16  # draft positions measured (speculation.num_drafts <= 15)
 REQUEST_PRIOR_TRIALS = 4.0  # how much a request's estimate leans on its source's
 REQUEST_DECAY = 0.8  # a request's counts, per verify
-PROBE_STEPS = 8  # a slot left without drafts this many steps gets one (to re-measure a)
+PROBE_STEPS = 8  # a slot left without drafts this many steps gets one (re-measured)
 EMA = 0.1  # weight of a new step in the persistence and picks-per-row averages
 MIN_STEPS = 16  # decode-only steps before the fitted step cost replaces the config's
 
@@ -128,7 +128,8 @@ class RoutingStats:
         history = np.array([h is not None for h in hist])
         p0 = self.picks_per_row / self.universe if self.universe else 0.0
         base = 1 + max((h[2] for h in hist if h is not None), default=0)
-        if not history.any() or base ** S >= 2 ** 62:  # no history / keys too wide
+        if (not history.any() or base ** S >= 2 ** 62  # no history / keys too wide
+                or not any(len(h[0]) for h in hist if h is not None)):
             return self._patterns_by_rows(hist, history, p0)
         if self.universe <= 0 or p0 <= 0:
             return np.zeros((0, S)), np.zeros(0)
