@@ -11,7 +11,9 @@ size from the shapes alone. Then, in phases (one log line each, one tqdm bar ove
   they arrive: the host never holds the stack in float32).
 * ``experts CPU``: each MoE layer's CPU experts, a run at a time, quantized straight into
   the workers' shared-memory shards.
-* ``workers ready``: the worker processes start on the filled shards.
+* ``workers ready``: the worker processes start on the filled shards (shards kept by an
+  earlier load, ``[experts] shard_cache``: started before ``dense`` and awaited after
+  ``experts GPU``, so they come up while the backend's weights are read).
 
 The runs of experts are read, rounded or quantized and tiled on :data:`THREADS` threads at
 once (synthetic generation, Numba's quantizer and bf16 rounding and NumPy's copies release
