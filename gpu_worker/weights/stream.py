@@ -81,10 +81,12 @@ def stream_load(source: WeightSource, split: ExpertSplit | None, *, xp: Any, dty
         # Shards made by an earlier load need nothing from this one: the workers start on
         # them while the backend's weights are read (their start is seconds of one core).
         # (spawned from this thread: a worker dies with the thread that started it)
-        early = None
+        early = ready = None
         if pool is not None and pool.cached:
             pool.launch(wait=False)
-            early = _Background(pool.await_launch)
+            early = ThreadPoolExecutor(1, thread_name_prefix="tandem-early-workers")
+            started = time.perf_counter()
+            ready = early.submit(lambda: pool.await_launch() or time.perf_counter())
         try:
             with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {name}",
                       disable=not show, file=sys.stderr) as bar:
@@ -95,17 +97,22 @@ def stream_load(source: WeightSource, split: ExpertSplit | None, *, xp: Any, dty
                     loader.fill_cpu(pool)
         except BaseException:
             if early is not None:
-                early.join(raise_error=False)  # the pool closes below, its workers too
+                early.shutdown()  # waits for it; the pool closes below, its workers too
             raise
         experts = None
         if pool is not None:
             from gpu_worker.experts.placement import ExpertPlacement  # noqa: PLC0415 (numba)
 
             if early is not None:
-                waited = early.join()
-                loader.log("load workers ready", bytes=0, seconds=round(early.seconds, 3),
-                           workers=pool.num_workers, during_load=True,
-                           waited_after_load=round(waited, 3))
+                loaded = time.perf_counter()
+                try:
+                    ready_at = ready.result()  # its error, if any, is raised here
+                finally:
+                    early.shutdown()
+                loader.log("load workers ready", bytes=0,
+                           seconds=round(ready_at - started, 3), workers=pool.num_workers,
+                           during_load=True,
+                           waited_after_load=round(max(ready_at - loaded, 0.0), 3))
             else:
                 with loader.phase("workers ready", 0, workers=pool.num_workers):
                     pool.launch()
@@ -131,33 +138,6 @@ def resident_bytes(model: Model) -> int:
     for a in parts:
         arrays[id(a)] = a
     return sum(int(a.nbytes) for a in arrays.values())
-
-
-class _Background:
-    """``fn()`` on a thread, timed; :meth:`join` waits for it and raises what it raised."""
-
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self._error: BaseException | None = None
-        self.seconds = 0.0
-
-        def run() -> None:
-            t0 = time.perf_counter()
-            try:
-                fn()
-            except BaseException as e:  # noqa: BLE001 (re-raised by join)
-                self._error = e
-            self.seconds = time.perf_counter() - t0
-
-        self._thread = threading.Thread(target=run, name="tandem-early-workers", daemon=True)
-        self._thread.start()
-
-    def join(self, raise_error: bool = True) -> float:
-        """Seconds spent waiting here."""
-        t0 = time.perf_counter()
-        self._thread.join()
-        if raise_error and self._error is not None:
-            raise self._error
-        return time.perf_counter() - t0
 
 
 class _Loader:
