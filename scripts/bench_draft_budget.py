@@ -1,0 +1,91 @@
+"""Host time of the adaptive draft budget's bookkeeping per step, at a real model's shape.
+
+Between one step's result and the next step's plan, the adaptive budget (``draft_budget =
+"adaptive"``) runs on the critical path twice: the worker's
+``ExpertCounters.take_slot_experts`` (each decode slot's distinct CPU experts, NumPy part)
+and the daemon's ``DraftBudget.choose`` (routing patterns and the choice of lengths). This
+times both for ``--slots`` slots of ``--rows`` rows each on the synthetic 80B's routed layers
+(random routing of top-k over E experts, ``--cpu`` of them per layer on the CPU), medians of
+``--reps`` steps::
+
+    python -m scripts.bench_draft_budget --out docs/bench/draft_budget_host_devvm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from daemon.config import load_config
+from daemon.draft_stats import DraftBudget
+from gpu_worker.experts.counters import ExpertCounters
+from protocol.messages import DraftSource, SamplingParams, SlotWork, WorkKind
+from scripts.bench_common import command_line, machine
+
+
+def _route(counters: ExpertCounters, rng: np.random.Generator, args: argparse.Namespace) -> None:
+    """One pass's routing, as the forward records it layer by layer."""
+    rows = args.slots * args.rows
+    counters.track_rows(np.repeat(np.arange(args.slots), args.rows))
+    for layer in range(args.layers):
+        ids = np.argsort(rng.random((rows, args.experts)), axis=1)[:, :args.topk]
+        counters.add_routes(layer, args.experts, ids.astype(np.int32),
+                            ids >= args.experts - args.cpu)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--slots", type=int, default=4)
+    p.add_argument("--rows", type=int, default=4, help="rows a slot ran last step")
+    p.add_argument("--drafts", type=int, default=3, help="fitted drafts a slot offers")
+    p.add_argument("--layers", type=int, default=49, help="routed layers (80B: 48 + MTP)")
+    p.add_argument("--experts", type=int, default=512)
+    p.add_argument("--topk", type=int, default=10)
+    p.add_argument("--cpu", type=int, default=467, help="CPU experts per layer")
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    rng = np.random.default_rng(0)
+    counters = ExpertCounters(1.0)
+    budget = DraftBudget(load_config(None, {"speculation.mode": "wide",
+                                            "speculation.draft_budget": "adaptive"}).speculation)
+    universe = args.layers * args.cpu
+    work = [SlotWork(slot=s, request_id=f"r{s}", kind=WorkKind.DECODE, input_ids=np.array([5]),
+                     start_pos=100, num_tokens=1, needs_logits=True,
+                     sampling=SamplingParams(temperature=0.0, seed=1),
+                     draft_ids=np.arange(1, args.drafts + 1),
+                     draft_sources=np.full(args.drafts, int(DraftSource.MTP)), prompt_len=50)
+            for s in range(args.slots)]
+    take, choose = [], []
+    for _ in range(args.reps + 2):  # two steps of history first
+        _route(counters, rng, args)
+        t0 = time.perf_counter()
+        routes = counters.take_slot_experts()
+        t1 = time.perf_counter()
+        for s, (ids, rows) in routes.items():
+            budget.routing.observe(f"r{s}", args.rows, ids.astype(np.int64), rows, universe)
+        t2 = time.perf_counter()
+        counts = budget.choose(work, [args.drafts] * args.slots, True)
+        t3 = time.perf_counter()
+        take.append(t1 - t0)
+        choose.append(t3 - t2)
+    record = {
+        "machine": machine(), "command": command_line(), "args": vars(args) | {"out": None},
+        "take_slot_experts_ms": round(float(np.median(take[2:])) * 1e3, 3),
+        "choose_ms": round(float(np.median(choose[2:])) * 1e3, 3),
+        "experts_per_slot": {int(s): len(v[0]) for s, v in routes.items()},
+        "chosen": counts,
+    }
+    print(json.dumps({k: record[k] for k in ("take_slot_experts_ms", "choose_ms", "chosen")}))
+    if args.out:
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
