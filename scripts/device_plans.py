@@ -62,7 +62,8 @@ H200_ONLY = ("if [ -z \"$MATRIX_ANY_GPU\" ] && ! nvidia-smi --query-gpu=name --f
              "exit 3; fi; ")
 
 
-def matrix(budget: str, arms: str = "off,narrow,wide,adaptive", name: str = "") -> Check:
+def matrix(budget: str, arms: str = "off,narrow,wide,adaptive", name: str = "",
+           workloads: str = "essay,coding") -> Check:
     """Issue 15's whole matrix at GPU budget ``budget`` (32 or whole): essays and coding,
     off, narrow, wide and adaptive, three pairs, resumable across calls. The runs so far stay
     in /tmp/m<budget> on a machine kept warm between calls; a fresh machine restores them from
@@ -88,7 +89,7 @@ def matrix(budget: str, arms: str = "off,narrow,wide,adaptive", name: str = "") 
                  f"--dram-gbs {m}/work/cpu_experts_int8_1row.json "
                  f"--proposer replay --replay-source mtp {SHARDS}"
                  f"--set scheduler.prefix_cache_host_mb=8192 --arms {arms} "
-                 "--pairs 3 --workloads essay,coding --essay-tokens 128 --coding-turns 3 "
+                 f"--pairs 3 --workloads {workloads} --essay-tokens 128 --coding-turns 3 "
                  "--coding-tokens 64 --resume --time-budget ${MATRIX_BUDGET:-510} "
                  f"--out-dir {m}/out "
                  f"--work-dir {m}/work; rc=$?; "
@@ -293,8 +294,11 @@ PLANS: dict[str, list[Check]] = {
     # by session 22's run times): see matrix()
     "matrix_32": [matrix("32")],
     "matrix_whole": [matrix("whole")],
-    # the fixed draft lengths beside adaptive (issue 15: adaptive >= the best of them)
-    "matrix_32_fixed": [matrix("32", "off,wide@1,wide@2,wide@3", "matrix_32_fixed")],
+    # the fixed draft lengths beside adaptive (issue 15: adaptive >= the best of them); with
+    # four streams, plain wide's drafts are trimmed to 3 a slot (16 rows): wide stands for wide@3
+    "matrix_32_fixed": [matrix("32", "off,wide@1,wide@2", "matrix_32_fixed")],
+    # the essays' question first (one call): adaptive beside the fixed lengths 1 and 2
+    "matrix_32_essay": [matrix("32", "off,adaptive,wide@2,wide@1", "matrix_32_essay", "essay")],
     # a prefill chunk's rows several to a warp (session 20): the kernels' bits (decode rows
     # and R-row launches), the model's chunking and every-layout invariance with both
     # architectures and the GPU experts' row cap, then each launch shape's speed
