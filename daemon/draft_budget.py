@@ -28,6 +28,7 @@ model's tens of thousands of experts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 
@@ -116,7 +117,7 @@ def choose(problem: BudgetProblem, cost: StepCost) -> list[int]:
     if not limits.any():
         return [0] * len(limits)
     if math.prod(int(n) + 1 for n in limits) <= MAX_CANDIDATES:
-        cands = np.array(list(itertools.product(*(range(int(n) + 1) for n in limits))))
+        cands = _candidates(tuple(int(n) for n in limits))
         return [int(k) for k in cands[_best(problem, cost, cands)]]
     best = limits.copy()
     for _ in range(MAX_ROUNDS):
@@ -128,6 +129,14 @@ def choose(problem: BudgetProblem, cost: StepCost) -> list[int]:
         if np.array_equal(best, before):
             break
     return [int(k) for k in best]
+
+
+@functools.lru_cache(maxsize=64)
+def _candidates(limits: tuple[int, ...]) -> np.ndarray:
+    """[C, S]: every combination of 0..limits[s] drafts (read-only: shared between steps)."""
+    cands = np.array(list(itertools.product(*(range(n + 1) for n in limits))))
+    cands.setflags(write=False)
+    return cands
 
 
 def _best(problem: BudgetProblem, cost: StepCost, cands: np.ndarray) -> int:

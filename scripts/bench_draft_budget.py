@@ -1,11 +1,12 @@
 """Host time of the adaptive draft budget's bookkeeping per step, at a real model's shape.
 
 Between one step's result and the next step's plan, the adaptive budget (``draft_budget =
-"adaptive"``) runs on the critical path twice: the worker's
-``ExpertCounters.take_slot_experts`` (each decode slot's distinct CPU experts, NumPy part)
-and the daemon's ``DraftBudget.choose`` (routing patterns and the choice of lengths). This
-times both for ``--slots`` slots of ``--rows`` rows each on the synthetic 80B's routed layers
-(random routing of top-k over E experts, ``--cpu`` of them per layer on the CPU), medians of
+"adaptive"``) runs on the critical path: the worker's ``ExpertCounters.take_slot_experts``
+(each decode slot's distinct CPU experts, NumPy part), then the daemon's
+``RoutingStats.observe`` of each slot's experts (``observe_ms``, all slots) and
+``DraftBudget.choose`` (routing patterns and the choice of lengths). This times them for
+``--slots`` slots of ``--rows`` rows each on the synthetic 80B's routed layers (random
+routing of top-k over E experts, ``--cpu`` of them per layer on the CPU), medians of
 ``--reps`` steps::
 
     python -m scripts.bench_draft_budget --out docs/bench/draft_budget_host_devvm.json
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                      draft_ids=np.arange(1, args.drafts + 1),
                      draft_sources=np.full(args.drafts, int(DraftSource.MTP)), prompt_len=50)
             for s in range(args.slots)]
-    take, choose = [], []
+    take, observe, choose = [], [], []
     for _ in range(args.reps + 2):  # two steps of history first
         _route(counters, rng, args)
         t0 = time.perf_counter()
@@ -73,15 +74,18 @@ def main(argv: list[str] | None = None) -> int:
         counts = budget.choose(work, [args.drafts] * args.slots, True)
         t3 = time.perf_counter()
         take.append(t1 - t0)
+        observe.append(t2 - t1)
         choose.append(t3 - t2)
     record = {
         "machine": machine(), "command": command_line(), "args": vars(args) | {"out": None},
         "take_slot_experts_ms": round(float(np.median(take[2:])) * 1e3, 3),
+        "observe_ms": round(float(np.median(observe[2:])) * 1e3, 3),
         "choose_ms": round(float(np.median(choose[2:])) * 1e3, 3),
         "experts_per_slot": {int(s): len(v[0]) for s, v in routes.items()},
         "chosen": counts,
     }
-    print(json.dumps({k: record[k] for k in ("take_slot_experts_ms", "choose_ms", "chosen")}))
+    print(json.dumps({k: record[k] for k in ("take_slot_experts_ms", "observe_ms", "choose_ms",
+                                              "chosen")}))
     if args.out:
         args.out.write_text(json.dumps(record, indent=1) + "\n")
     return 0

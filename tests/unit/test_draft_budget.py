@@ -249,6 +249,33 @@ def test_routing_persistence_is_measured_over_chance():
     assert weight.sum() == universe and log_miss.shape == (2, 2)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_routing_observe_sorts_what_it_keeps_and_measures_as_isin_would(seed):
+    # observe keeps a slot's experts sorted (the worker sends them so) and finds last
+    # step's by binary search: the same persistence as np.isin, whatever the input order
+    rng = np.random.default_rng(seed)
+    universe = 3000
+    steps = [rng.choice(universe, int(rng.integers(0, 600)), replace=False) for _ in range(6)]
+    counts = [rng.integers(1, 5, len(ids)) for ids in steps]
+    shuffled, ordered = RoutingStats(), RoutingStats()
+    persistence, prev = 0.5, None
+    for ids, c in zip(steps, counts, strict=True):
+        shuffled.observe("r", 4, ids, c, universe)
+        order = np.argsort(ids)
+        ordered.observe("r", 4, ids[order], c[order], universe)
+        if prev is not None and len(ids):
+            hit = c[np.isin(ids, prev)].sum() / c.sum()
+            chance = len(prev) / universe
+            persistence += 0.1 * (min(max((hit - chance) / (1 - chance), 0), 1) - persistence)
+        prev = ids if len(ids) else prev
+        kept_ids, kept_counts, _ = shuffled.last["r"] if len(ids) else (None, None, None)
+        if len(ids):
+            assert np.array_equal(kept_ids, ids[order]) and np.array_equal(kept_counts,
+                                                                           c[order])
+    assert shuffled.persistence == ordered.persistence == pytest.approx(persistence)
+    assert shuffled.persistence != 0.5  # measured
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_keyed_patterns_equal_the_row_sort_bit_for_bit(seed):
     # RoutingStats.patterns keys each expert's counts as one integer; the reference sorts
