@@ -13,7 +13,7 @@ metrics gets `NullMetrics`, whose calls do nothing.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -34,6 +34,8 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12,
                 10.24)
 ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# the worker's timings (StepResult.timings_ms) counted per steady decode step
+STEADY_PARTS = ("forward", "slot_routing")
 CPU_LAYER_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 0.0016, 0.0032, 0.0064,
                      0.0128, 0.0256, 0.0512)
 
@@ -53,6 +55,9 @@ class StepStats:
     steady_slots: int  # slots of the step
     counters: Mapping[str, int]  # the worker's StepResult.counters (KV blocks, experts)
     cpu_expert_seconds: float  # the worker's CPU expert time in this step
+    # the worker's account of the step (StepResult.timings_ms), ms: "forward", "cache_ops",
+    # "slot_routing" (the adaptive budget's per-slot experts), ...
+    worker_ms: Mapping[str, float] = field(default_factory=dict)
 
 
 class _StaleAbsentGauge(Collector):
@@ -167,6 +172,13 @@ class Metrics:
         self._steady_cpu_s = Counter(f"{p}_steady_decode_cpu_experts_seconds",
                                      "CPU expert time of those steps (as cpu_experts_seconds), "
                                      "by active slots", ["slots"], registry=r)
+        self._steady_parts = Counter(f"{p}_steady_decode_part_seconds",
+                                     "Parts of those steps' time, by active slots: worker "
+                                     "(plan sent to result received), forward (the worker's "
+                                     "passes), slot_routing (the worker's per-slot experts for "
+                                     "the adaptive draft budget); the rest of "
+                                     "steady_decode_seconds is the daemon's planning and commit",
+                                     ["slots", "part"], registry=r)
         self._experts = Gauge(f"{p}_distinct_experts_per_step",
                               "Distinct routed experts touched by the last step, summed over "
                               "MoE layers, by where they ran", ["device"], registry=r)
@@ -267,11 +279,15 @@ class Metrics:
         self._step_decode.inc(decode_tokens)
 
     def observe_steady_decode(self, slots: int, seconds: float, tokens: int,
-                              cpu_bytes: int = 0, cpu_seconds: float = 0.0) -> None:
+                              cpu_bytes: int = 0, cpu_seconds: float = 0.0,
+                              parts: Mapping[str, float] | None = None) -> None:
         """A step in which all ``slots`` active slots decoded and none took prompt tokens:
         its time, tokens and CPU experts' bytes and time (the decode passes' own figures,
-        apart from the prompt chunks' in the whole-run counters)."""
+        apart from the prompt chunks' in the whole-run counters), and ``parts`` of its time
+        (seconds: worker, forward, slot_routing)."""
         label = str(slots)
+        for part, value in (parts or {}).items():
+            self._steady_parts.labels(slots=label, part=part).inc(max(value, 0.0))
         self._steady_s.labels(slots=label).inc(seconds)
         self._steady_tokens.labels(slots=label).inc(tokens)
         self._steady_steps.labels(slots=label).inc()
@@ -316,9 +332,11 @@ class Metrics:
                           c.get("kv_total_blocks", 0))
         if step.steady_seconds is not None:
             moe = bool(c.get("moe_layers"))
+            parts = {"worker": step.seconds} | {k: step.worker_ms[k] / 1e3 for k in STEADY_PARTS
+                                                 if k in step.worker_ms}
             self.observe_steady_decode(step.steady_slots, step.steady_seconds, step.emitted,
                                        c.get("cpu_expert_bytes", 0) if moe else 0,
-                                       step.cpu_expert_seconds if moe else 0.0)
+                                       step.cpu_expert_seconds if moe else 0.0, parts)
         for counter, outcomes in ((self._graph_passes, GRAPH_OUTCOMES),
                                   (self._mtp_graphs, MTP_GRAPH_OUTCOMES)):
             for outcome, key in outcomes.items():

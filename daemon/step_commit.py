@@ -61,7 +61,8 @@ def commit_step(sched: Any, plan: StepPlan, result: StepResult, seconds: float,
         active_slots=sum(s is not None for s in sched.slots), queue_depth=len(sched.queue),
         steady_seconds=time.monotonic() - t_plan if steady else None,
         steady_slots=len(plan.slots), counters=result.counters,
-        cpu_expert_seconds=result.timings_ms.get("cpu_experts", 0.0) / 1e3))
+        cpu_expert_seconds=result.timings_ms.get("cpu_experts", 0.0) / 1e3,
+        worker_ms=result.timings_ms))
     sched.metrics.set_request_states(
         progress.counts([s for s in sched.slots if s is not None] + waiting))
 

@@ -149,10 +149,12 @@ class Runner:
                     "kv_free_blocks": self.kv.allocator.num_free,
                     "kv_total_blocks": self.kv.num_blocks}
         if self.slot_routing:  # for the daemon's adaptive draft budget
+            t3 = time.perf_counter()
             routes = self.experts.take_slot_experts()
             for res in results:
                 res.cpu_experts, res.cpu_expert_rows = routes.get(res.slot, _NO_ROUTES)
             counters["cpu_experts_held"] = self.experts.cpu_experts_held
+            timings["slot_routing"] = (time.perf_counter() - t3) * 1e3
         if self.overlap is not None:
             draft_ms, draft_counts = self.overlap.take_stats()
             timings.update(draft_ms)

@@ -291,6 +291,8 @@ def steady_figures(after: Samples, before: Samples, per_expert: float | None,
     cpu_bytes = delta(after, before, "tandem_steady_decode_cpu_expert_weight_bytes_total",
                       slots=label) / steps
     step_ms = delta(after, before, "tandem_steady_decode_seconds_total", slots=label) / steps * 1e3
+    parts = {part: delta(after, before, "tandem_steady_decode_part_seconds_total", slots=label,
+                         part=part) / steps * 1e3 for part in ("worker", "forward", "slot_routing")}
     return {
         "steps": steps, "step_ms": step_ms,
         "tokens_per_step": delta(after, before, "tandem_steady_decode_tokens_total",
@@ -299,7 +301,12 @@ def steady_figures(after: Samples, before: Samples, per_expert: float | None,
         "cpu_experts_per_step": cpu_bytes / per_expert if per_expert else None,
         **_cpu_floor(step_ms, cpu_bytes, dram_gbs),
         "cpu_kernel_ms": delta(after, before, "tandem_steady_decode_cpu_experts_seconds_total",
-                               slots=label) / steps * 1e3}
+                               slots=label) / steps * 1e3,
+        # where the step went: the daemon's planning and commit (step_ms - worker), the
+        # worker's passes, its per-slot experts (adaptive budget) and the rest of the
+        # worker's round trip (transport, cache commands)
+        "daemon_ms": step_ms - parts["worker"] if parts["worker"] else None,
+        **{f"{part}_ms": ms for part, ms in parts.items()}}
 
 
 def _cpu_floor(step_ms: float, cpu_bytes: float, dram_gbs: float) -> dict[str, float | None]:

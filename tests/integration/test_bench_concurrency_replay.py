@@ -43,6 +43,9 @@ def test_replay_arms_give_the_plain_tokens(tmp_path):
             if run["four_stream_decode_tps"]:  # the decode windows' own steps were counted
                 four = run["steps"]["four_stream"]
                 assert four["steps"] > 0 and four["tokens_per_step"] >= 4, (name, arm, four)
+                # the step's parts: the daemon's share, the worker's round trip and passes
+                assert four["step_ms"] > four["worker_ms"] >= four["forward_ms"] > 0, four
+                assert four["daemon_ms"] == pytest.approx(four["step_ms"] - four["worker_ms"])
             hits = run["prefix_cache_hits"]  # no host tier here
             assert hits["host"] == 0 and (hits["gpu"] > 0) == (run["prompt_cached_tokens"] > 0)
             if name == "coding":  # later turns start from their history's checkpoint

@@ -120,6 +120,23 @@ def test_record_step_updates_every_figure_of_a_step():
     assert _value(m, "tandem_kv_blocks_total") == 0
 
 
+def test_steady_steps_split_their_time_into_the_workers_parts():
+    """A steady step's worker round trip, passes and per-slot routing (the adaptive
+    budget's) are counted apart; the daemon's share is the rest; other steps add nothing."""
+    m = Metrics()
+    timings = {"forward": 400.0, "slot_routing": 2.0, "cache_ops": 1.0, "cpu_experts": 300.0}
+    m.record_step(_step(worker_ms=timings))
+    m.record_step(_step(worker_ms=timings, steady_seconds=None))  # a step with prompt work
+    m.record_step(_step(worker_ms={"forward": 100.0}, steady_slots=2, steady_seconds=0.2,
+                        seconds=0.15))
+    parts = {p: _value(m, "tandem_steady_decode_part_seconds_total", slots="4", part=p)
+             for p in ("worker", "forward", "slot_routing", "cache_ops")}
+    assert parts == {"worker": 0.5, "forward": 0.4, "slot_routing": 0.002, "cache_ops": None}
+    assert _value(m, "tandem_steady_decode_part_seconds_total", slots="2", part="forward") == 0.1
+    assert _value(m, "tandem_steady_decode_part_seconds_total", slots="2",
+                  part="slot_routing") is None
+
+
 def test_cuda_graph_passes_are_counted_by_outcome():
     """The worker's per-step graph counts (gpu_worker/step_graph.py) add up across steps."""
     m = Metrics()
