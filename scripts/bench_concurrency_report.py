@@ -12,6 +12,8 @@ from pathlib import Path
 RATIO_KEYS = ("four_stream_decode_tps", "whole_run_tps")
 STEP_KEYS = ("step_ms", "cpu_floor_ms", "step_over_cpu_floor", "cpu_experts_per_step",
              "cpu_kernel_ms")
+# the four-stream steps' parts (bench_concurrency_serve.steady_figures; absent in older runs)
+PART_KEYS = ("daemon_ms", "worker_ms", "forward_ms", "slot_routing_ms")
 
 
 def _median(values: list) -> float | None:
@@ -35,9 +37,10 @@ def summarize(runs: list[dict], arms: list[str], base: str | None = None) -> dic
                     and x[key] and y[key]]
                 for a in arms if a != base}
         if any("steps" in r for r in mine):
-            for key in STEP_KEYS:
-                entry[key] = {a: _median([r.get("steps", {}).get(key) for r in mine
-                                          if r["arm"] == a]) for a in arms}
+            for key in STEP_KEYS + PART_KEYS:
+                if key in STEP_KEYS:
+                    entry[key] = {a: _median([r.get("steps", {}).get(key) for r in mine
+                                              if r["arm"] == a]) for a in arms}
                 # the four-stream decode windows' steps alone (no prompt chunks among them)
                 entry["four_stream_" + key] = {
                     a: _median([r.get("steps", {}).get("four_stream", {}).get(key)

@@ -132,6 +132,26 @@ def test_summary_after_each_run_names_the_machine_the_runs_ran_on(tmp_path):
     assert s["machine"] == device and "summarized_on" not in s
 
 
+def test_summary_gives_the_four_stream_steps_parts_where_runs_have_them():
+    from scripts.bench_concurrency_report import summarize
+
+    def run(arm: str, pair: int, four: dict) -> dict:
+        return {"workload": "essay", "arm": arm, "pair": pair, "four_stream_decode_tps": 50.0,
+                "whole_run_tps": 40.0, "steps": {"step_ms": 100.0, "four_stream": four}}
+
+    parts = lambda d, w: {"step_ms": 100.0, "daemon_ms": d, "worker_ms": w,  # noqa: E731
+                          "forward_ms": w - 2, "slot_routing_ms": 0.5}
+    runs = [run("adaptive", 1, parts(6.0, 94.0)), run("adaptive", 2, parts(4.0, 96.0)),
+            run("adaptive", 3, parts(5.0, 95.0)), run("wide@2", 1, {"step_ms": 90.0})]
+    e = summarize(runs, ["adaptive", "wide@2"])["essay"]
+    assert e["four_stream_daemon_ms"] == {"adaptive": 5.0, "wide@2": None}  # an older run
+    assert e["four_stream_worker_ms"]["adaptive"] == 95.0
+    assert e["four_stream_forward_ms"]["adaptive"] == 93.0
+    assert e["four_stream_slot_routing_ms"]["adaptive"] == 0.5
+    assert "daemon_ms" not in e and e["four_stream_step_ms"] == {"adaptive": 100.0,
+                                                                 "wide@2": 90.0}
+
+
 def test_wait_gone_waits_for_processes_and_kills_what_stays():
     import subprocess
     import sys
