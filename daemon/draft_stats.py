@@ -41,10 +41,11 @@ ONE_OFF_COUNTERS = ("graph_captures", "graph_first_runs", "graph_refused")
 # later position leans on the one before it with the same weight (trials)
 SOURCE_PRIOR = (1.6, 2.0)
 MAX_POSITIONS = 16  # draft positions measured (speculation.num_drafts <= 15)
-REQUEST_PRIOR_TRIALS = 4.0  # how much a request's estimate leans on its source's
-REQUEST_DECAY = 0.8  # a request's counts, per verify
+REQUEST_PRIOR_TRIALS = 16.0  # how much a request's estimate leans on its source's
+REQUEST_DECAY = 0.95  # a request's counts, per verify
 PROBE_STEPS = 8  # a slot left without drafts this many steps gets one (re-measured)
 EMA = 0.1  # weight of a new step in the persistence and picks-per-row averages
+POPULARITY_EMA = 0.01  # weight of a slot's step in each CPU expert's share of the picks
 MIN_STEPS = 16  # decode-only steps before the fitted step cost replaces the config's
 
 
@@ -95,6 +96,11 @@ class RoutingStats:
         self.universe = 0  # CPU experts held, over all MoE layers
         self.picks_per_row = 0.0  # CPU (layer, expert) picks of one row, over layers
         self.persistence = 0.5
+        # each CPU expert's share of the picks (``POPULARITY_EMA`` per slot's step), as the
+        # shares seen (by global id) plus what is left of a uniform prior over the universe
+        self._seen = np.zeros(0)
+        self._prior = 1.0
+        self._noise = 0.0  # what sampling adds to the sum of the squared shares
 
     def observe(self, request_id: str, rows: int, ids: np.ndarray, counts: np.ndarray,
                 universe: int) -> None:
@@ -114,10 +120,35 @@ class RoutingStats:
         prev = self.last.get(request_id)
         if prev is not None and len(prev[0]) < universe:
             hit = float(counts[_members(prev[0], ids)].sum()) / picks
-            chance = len(prev[0]) / universe
+            chance = min(self._share(prev[0]), 0.99)  # a fresh pick lands among them
             seen = min(max((hit - chance) / (1.0 - chance), 0.0), 1.0)
             self.persistence += EMA * (seen - self.persistence)
         self.last[request_id] = (ids, counts, rows)
+        a = POPULARITY_EMA
+        if ids[-1] >= len(self._seen):
+            self._seen = np.concatenate([self._seen, np.zeros(int(ids[-1]) + 1 - len(self._seen))])
+        self._seen *= 1.0 - a
+        self._seen[ids] += a * counts / picks
+        self._prior *= 1.0 - a
+        self._noise = (1.0 - a) ** 2 * self._noise + a * a / picks
+
+    def _share(self, ids: np.ndarray) -> float:
+        """The share of all CPU picks that experts ``ids`` (distinct) take."""
+        inside = ids[ids < len(self._seen)]
+        return float(self._seen[inside].sum()) + self._prior * len(ids) / max(self.universe, 1)
+
+    @property
+    def effective(self) -> int:
+        """How many CPU experts a fresh pick spreads over, as far as two picks collide:
+        1 / (sum of the squared shares), less what sampling adds to it. The universe when
+        every expert is as likely; fewer where some are hotter (a real router's skew), which
+        makes a step's rows share more experts than uniform picks would."""
+        u = self.universe
+        if u <= 0:
+            return 0
+        seen, p = self._seen, self._prior
+        squares = float(seen @ seen) + 2.0 * p / u * float(seen.sum()) + p * p / u
+        return int(min(u, 1.0 / max(squares - self._noise, 1.0 / u)))
 
     def keep(self, live: set[str]) -> None:
         self.last = {k: v for k, v in self.last.items() if k in live}
@@ -130,12 +161,13 @@ class RoutingStats:
         hist = [self.last.get(r) if r is not None else None for r in request_ids]
         S = len(hist)
         history = np.array([h is not None for h in hist])
-        p0 = self.picks_per_row / self.universe if self.universe else 0.0
+        universe = self.effective
+        p0 = self.picks_per_row / universe if universe else 0.0
         base = 1 + max((h[2] for h in hist if h is not None), default=0)
         if (not history.any() or base ** S >= 2 ** 62  # no history / keys too wide
                 or not any(len(h[0]) for h in hist if h is not None)):
             return self._patterns_by_rows(hist, history, p0)
-        if self.universe <= 0 or p0 <= 0:
+        if universe <= 0 or p0 <= 0:
             return np.zeros((0, S)), np.zeros(0)
         digit = base ** np.arange(S - 1, -1, -1, dtype=np.int64)  # [S]
         ids = np.concatenate([h[0] for h in hist if h is not None])
@@ -144,7 +176,7 @@ class RoutingStats:
         srt = ids[order]
         first = np.flatnonzero(np.concatenate([[True], srt[1:] != srt[:-1]]))
         keys = np.add.reduceat(codes[order], first)  # [K] one per distinct expert, all > 0
-        rest = max(self.universe - len(keys), 0)
+        rest = max(universe - len(keys), 0)
         keys = np.sort(np.concatenate([[0], keys]) if rest else keys)
         new = np.concatenate([[True], keys[1:] != keys[:-1]])
         counts = np.diff(np.append(np.flatnonzero(new), len(keys))).astype(np.float64)
@@ -162,7 +194,7 @@ class RoutingStats:
         for s, h in enumerate(hist):
             if h is not None:
                 frac[np.searchsorted(union, h[0]), s] = h[1] / h[2]
-        return patterns(frac, history, self.persistence, p0, self.universe)
+        return patterns(frac, history, self.persistence, p0, self.effective)
 
 
 def _members(ref: np.ndarray, ids: np.ndarray) -> np.ndarray:

@@ -26,7 +26,16 @@ from daemon.draft_budget import (
     patterns,
     ratio,
 )
-from daemon.draft_stats import MIN_STEPS, AcceptanceStats, CostFit, DraftBudget, RoutingStats
+from daemon.draft_stats import (
+    MIN_STEPS,
+    POPULARITY_EMA,
+    REQUEST_DECAY,
+    REQUEST_PRIOR_TRIALS,
+    AcceptanceStats,
+    CostFit,
+    DraftBudget,
+    RoutingStats,
+)
 from daemon.lifecycle import worker_config
 from gpu_worker.experts.counters import ExpertCounters
 from protocol.codec import decode, encode
@@ -207,14 +216,15 @@ def test_acceptance_is_measured_per_draft_position_leaning_on_its_source():
     src = _chained([2, 1, 1, 1, 0], [2, 2, 1, 1, 0])
     np.testing.assert_allclose(src[:4], [0.9, 0.7, 0.8, 2.6 / 3])  # by hand
     np.testing.assert_allclose(acc.source_rate(2)[:5], src, rtol=1e-15)
-    np.testing.assert_allclose(acc.rate("r0", 2)[:5], (np.r_[1, 1, 1, 1, 0] + 4 * src)
-                               / (np.r_[1, 1, 1, 1, 0] + 4), rtol=1e-15)
-    np.testing.assert_allclose(acc.rate("r1", 2)[:5], (np.r_[1, 0, 0, 0, 0] + 4 * src)
-                               / (np.r_[1, 1, 0, 0, 0] + 4), rtol=1e-15)
-    acc.observe("r1", 2, drafts=2, accepted=2)  # r1's old counts decay by 0.8
+    w, d = REQUEST_PRIOR_TRIALS, REQUEST_DECAY  # a request leans on its source
+    np.testing.assert_allclose(acc.rate("r0", 2)[:5], (np.r_[1, 1, 1, 1, 0] + w * src)
+                               / (np.r_[1, 1, 1, 1, 0] + w), rtol=1e-15)
+    np.testing.assert_allclose(acc.rate("r1", 2)[:5], (np.r_[1, 0, 0, 0, 0] + w * src)
+                               / (np.r_[1, 1, 0, 0, 0] + w), rtol=1e-15)
+    acc.observe("r1", 2, drafts=2, accepted=2)  # r1's old counts decay
     src = _chained([3, 2, 1, 1], [3, 3, 1, 1])
-    np.testing.assert_allclose(acc.rate("r1", 2)[:4], (np.r_[1.8, 1, 0, 0] + 4 * src)
-                               / (np.r_[1.8, 1.8, 0, 0] + 4), rtol=1e-15)
+    np.testing.assert_allclose(acc.rate("r1", 2)[:4], (np.r_[1 + d, 1, 0, 0] + w * src)
+                               / (np.r_[1 + d, 1 + d, 0, 0] + w), rtol=1e-15)
     assert np.all(acc.rate("r0", 1) == 0.8)  # another source
     acc.keep({"r1"})
     np.testing.assert_allclose(acc.rate("r0", 2)[:4], src, rtol=1e-15)  # the source alone
@@ -246,7 +256,9 @@ def test_routing_persistence_is_measured_over_chance():
     assert same.persistence > 0.95 and fresh.persistence < 0.1
     assert same.picks_per_row == 40.0
     log_miss, weight = same.patterns(["r", None])
-    assert weight.sum() == universe and log_miss.shape == (2, 2)
+    # the same 40 experts every step: picks spread over far fewer than the universe
+    assert weight.sum() == same.effective < universe / 2 and log_miss.shape == (2, 2)
+    assert fresh.effective > 0.8 * universe  # fresh picks: about the universe
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -259,14 +271,18 @@ def test_routing_observe_sorts_what_it_keeps_and_measures_as_isin_would(seed):
     counts = [rng.integers(1, 5, len(ids)) for ids in steps]
     shuffled, ordered = RoutingStats(), RoutingStats()
     persistence, prev = 0.5, None
+    share = np.full(universe, 1.0 / universe)  # each expert's share of the picks (EMA)
     for ids, c in zip(steps, counts, strict=True):
         shuffled.observe("r", 4, ids, c, universe)
         order = np.argsort(ids)
         ordered.observe("r", 4, ids[order], c[order], universe)
         if prev is not None and len(ids):
             hit = c[np.isin(ids, prev)].sum() / c.sum()
-            chance = len(prev) / universe
+            chance = share[prev].sum()  # where a fresh pick lands by the shares so far
             persistence += 0.1 * (min(max((hit - chance) / (1 - chance), 0), 1) - persistence)
+        if len(ids):
+            share *= 1 - POPULARITY_EMA
+            share[ids] += POPULARITY_EMA * c / c.sum()
         prev = ids if len(ids) else prev
         kept_ids, kept_counts, _ = shuffled.last["r"] if len(ids) else (None, None, None)
         if len(ids):
@@ -274,6 +290,23 @@ def test_routing_observe_sorts_what_it_keeps_and_measures_as_isin_would(seed):
                                                                            c[order])
     assert shuffled.persistence == ordered.persistence == pytest.approx(persistence)
     assert shuffled.persistence != 0.5  # measured
+
+
+def test_the_effective_expert_count_follows_the_skew_of_the_picks():
+    # a skewed router (Zipf shares) makes rows collide as often as uniform picks over
+    # 1 / sum(share^2) experts would: the count the union of a step's rows is predicted on
+    universe, rng = 5000, np.random.default_rng(3)
+    for skew in (0.0, 0.7, 1.0):
+        share = np.arange(1, universe + 1) ** -skew
+        share /= share.sum()
+        stats = RoutingStats()
+        assert stats.effective == 0
+        for step in range(600):
+            picks = rng.choice(universe, 1200, p=share)
+            ids, counts = np.unique(picks, return_counts=True)
+            stats.observe(f"r{step % 4}", 3, ids, counts, universe)
+        want = min(universe, 1.0 / (share @ share))
+        assert stats.effective == pytest.approx(want, rel=0.1), skew
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -293,7 +326,7 @@ def test_keyed_patterns_equal_the_row_sort_bit_for_bit(seed):
     slots = [n if rng.random() < 0.8 else None for n in names] + [None]
     hist = [stats.last.get(r) if r is not None else None for r in slots]
     history = np.array([h is not None for h in hist])
-    p0 = stats.picks_per_row / stats.universe
+    p0 = stats.picks_per_row / stats.effective
     want = stats._patterns_by_rows(hist, history, p0)
     got = stats.patterns(slots)
     for g, w in zip(got, want, strict=True):
