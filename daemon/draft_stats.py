@@ -244,6 +244,7 @@ class DraftBudget:
                                       spec.cost_expert_ms))
         self.fit_costs = True  # False: the config's constants only (tests)
         self._idle: dict[str, int] = {}  # request -> steps its proposals were all cut
+        self.chosen = np.zeros(MAX_POSITIONS + 1, np.int64)  # drafted slots by drafts chosen
 
     def choose(self, work: list[SlotWork], counts: list[int], wide: bool) -> list[int]:
         """Draft counts (each <= ``counts``, the trimmed ones) for ``work``'s slots."""
@@ -270,7 +271,16 @@ class DraftBudget:
                     out[i] = 1
             if out[i]:
                 self._idle.pop(w.request_id, None)
+            if n:
+                self.chosen[min(out[i], MAX_POSITIONS)] += 1
         return out
+
+    def figures(self) -> dict[str, float]:
+        """The estimates the choice runs on now (daemon/metrics_budget.py)."""
+        cost, r = self.cost, self.routing
+        return {"fixed_ms": cost.fixed_ms, "row_ms": cost.row_ms, "expert_ms": cost.expert_ms,
+                "fitted_steps": self.costs.n, "persistence": r.persistence,
+                "effective_experts": float(r.effective), "picks_per_row": r.picks_per_row}
 
     @property
     def cost(self) -> StepCost:

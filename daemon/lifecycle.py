@@ -17,6 +17,7 @@ from daemon.api_zmq import ZmqApi
 from daemon.config import Config
 from daemon.logs import configure_logging, get_logger
 from daemon.metrics import Metrics
+from daemon.metrics_budget import BudgetFigures
 from daemon.prefix_cache import PrefixCache
 from daemon.scheduler import Scheduler
 from daemon.tokenizer import Tokenizer, TokenizerError
@@ -115,6 +116,7 @@ class Daemon:
             metrics=self.metrics, model_name=config.model.served_name,
             preemption=sched.preemption, speculation=config.speculation,
             backend=config.model.backend, placement=config.experts.placement)
+        self.metrics.registry.register(BudgetFigures(lambda: self.scheduler.draft_plan.budget))
         self.stopping = asyncio.Event()
         self.worker: WorkerProcess | None = None
         self.apis: list = []  # the front ends, told of each READY's ModelInfo

@@ -69,6 +69,7 @@ from scripts.bench_concurrency_report import table, write_summary
 from scripts.bench_concurrency_serve import (
     arm_speculation,
     base_config,
+    budget_figures,
     cpu_bytes_per_expert,
     draft_figures,
     exactness,
@@ -148,6 +149,7 @@ def one_run(args: argparse.Namespace, ctx: dict, name: str, arm: str, pair: int,
             # coding: each agent's turns' [prompt tokens, of them from the prefix cache]
             "turn_prompts": [s["turn_prompts"] for s in streams if "turn_prompts" in s],
             "drafts": draft_figures(after, before),
+            "budget": budget_figures(after, before),  # adaptive: its estimates and choices
             "steps": step_figures(after, before, ctx["per_expert"], args.dram_gbs),
             "records": str(records),
             # where the run's time went: the server's start (load), warm-up and workload,

@@ -40,6 +40,13 @@ def test_replay_arms_give_the_plain_tokens(tmp_path):
             assert run["server_start_s"] > 0 and run["run_s"] > 0 and run["server_stop_s"] >= 0
             if arm != "off":
                 assert run["drafts"]["mtp"]["accepted_per_verify"] > 0, (name, arm)
+                budget = run["budget"]  # the adaptive budget's estimates and choices
+                assert budget["figures"]["fixed_ms"] > 0 and budget["figures"]["persistence"] >= 0
+                assert budget["figures"]["effective_experts"] >= 0, budget  # (no CPU experts)
+                assert sum(budget["drafts_chosen"].values()) > 0
+                assert set(budget["drafts_chosen"]) <= {"0", "1", "2"}, budget  # adaptive@2
+            else:
+                assert run["budget"] is None
             if run["four_stream_decode_tps"]:  # the decode windows' own steps were counted
                 four = run["steps"]["four_stream"]
                 assert four["steps"] > 0 and four["tokens_per_step"] >= 4, (name, arm, four)

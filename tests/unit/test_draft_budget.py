@@ -40,6 +40,7 @@ from daemon.lifecycle import worker_config
 from gpu_worker.experts.counters import ExpertCounters
 from protocol.codec import decode, encode
 from protocol.messages import (
+    DraftSource,
     PromptPhase,
     SamplingParams,
     SlotResult,
@@ -373,6 +374,22 @@ def test_steps_that_capture_or_first_run_a_graph_do_not_teach_the_cost():
     budget.observe(plan, StepResult(step_id=2, slots=[res], counters={"graph_replays": 1}),
                    0.05)
     assert budget.costs.n == 1 and budget.costs.b[0] == pytest.approx(50.0)
+
+
+def test_the_budget_counts_its_choices_for_drafted_slots():
+    budget = DraftBudget(SpeculationSection(mode="wide", draft_budget="adaptive"))
+    budget.fit_costs = False
+    work = [SlotWork(slot=s, request_id=f"r{s}", kind=WorkKind.DECODE,
+                     input_ids=np.array([5], np.int32), start_pos=3, num_tokens=1,
+                     needs_logits=True, sampling=SamplingParams(seed=1), prompt_len=3,
+                     draft_ids=np.array([7, 8, 9], np.int32),
+                     draft_sources=np.full(3, int(DraftSource.MTP), np.uint8))
+            for s in range(3)]
+    out = budget.choose(work, [3, 2, 0], True)  # the third slot offers none: not counted
+    assert budget.chosen.sum() == 2 and budget.chosen[out[0]] >= 1
+    assert budget.chosen[out[1]] >= 1 and out[2] == 0
+    assert set(budget.figures()) == {"fixed_ms", "row_ms", "expert_ms", "fitted_steps",
+                                     "persistence", "effective_experts", "picks_per_row"}
 
 
 # ---- the worker's record and the wire ----------------------------------------------------------

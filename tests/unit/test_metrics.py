@@ -214,3 +214,24 @@ def test_prefix_cache_figures_are_read_at_scrape_time_and_hits_outlive_a_restart
     holder["cache"] = cache.emptied()  # the worker restarted
     assert _value(m, "tandem_prefix_cache_entries", tier="host") == 0
     assert _value(m, "tandem_prefix_cache_hits_total", tier="host") == 1
+
+
+def test_the_adaptive_budgets_figures_are_read_at_each_scrape():
+    from daemon.config import load_config
+    from daemon.draft_stats import DraftBudget
+    from daemon.metrics_budget import BudgetFigures
+
+    m, holder = Metrics(), {"budget": None}
+    m.registry.register(BudgetFigures(lambda: holder["budget"]))
+    assert _value(m, "tandem_draft_budget", figure="fixed_ms") is None  # no adaptive budget
+    spec = load_config(None, {"speculation.mode": "wide",
+                              "speculation.draft_budget": "adaptive"}).speculation
+    budget = holder["budget"] = DraftBudget(spec)
+    budget.chosen[[0, 2, 2, 3]] += 1
+    budget.chosen[2] += 1
+    assert _value(m, "tandem_draft_budget", figure="fixed_ms") == spec.cost_fixed_ms
+    assert _value(m, "tandem_draft_budget", figure="expert_ms") == spec.cost_expert_ms
+    assert _value(m, "tandem_draft_budget", figure="persistence") == 0.5
+    assert _value(m, "tandem_draft_budget_choices_total", drafts="2") == 2  # read now
+    assert _value(m, "tandem_draft_budget_choices_total", drafts="3") == 1
+    assert _value(m, "tandem_draft_budget_choices_total", drafts="1") is None

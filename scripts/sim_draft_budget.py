@@ -1,0 +1,162 @@
+"""The draft budget's policies on the synthetic 80B's routing, simulated on the host.
+
+A device run of the concurrency benchmark costs minutes of a lent GPU and its figures carry
+the machine's noise (docs/benchmarks.md); this replays the decisions alone. Four streams
+decode; each step every slot verifies ``k`` drafts (a fixed policy) or what the adaptive
+budget (daemon/draft_stats.DraftBudget, the daemon's own code) chooses. A step's rows route
+by the synthetic model's routing (gpu_worker/weights/routing.py: the stream's key and
+position, ``--skew``, ``--locality``), the first ``--gpu-experts`` ids of each layer on the
+GPU (the bench's split, no hot-expert file), the rest on the CPU. Its time is the cost model
+
+    ms = fixed + row * rows + expert * distinct CPU experts
+
+with constants fitted to the H100 machine's four-stream steps (session 24:
+``docs/bench/concurrency_h100/32_essays_fixed_fb60779/``, 1,527-4,562 CPU experts a step),
+and each draft is accepted, given the ones before it were, with its position's probability
+(``--accept``: that run's replay profile, 0.853, 0.853, 0.608). The budget learns acceptance,
+routing and step cost from the simulated steps as it would from the worker's. Reports tokens
+per ms per policy and seed, the draft counts chosen, and the CPU experts per token::
+
+    python -m scripts.sim_draft_budget --out docs/bench/draft_budget_sim.json
+
+What it cannot say: the host time a policy adds (``scripts/bench_draft_budget.py`` times it),
+and how a real router's routing differs from the synthetic one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from daemon.config import load_config
+from daemon.draft_stats import DraftBudget
+from gpu_worker.weights.routing import RoutingModel, RoutingParams
+from protocol.messages import DraftSource, SamplingParams, SlotWork, WorkKind
+from scripts.bench_common import command_line, machine
+
+SLOTS = 4
+WARM_UP = 20  # steps before the figures count (the budget's estimates start from priors)
+
+
+class Routing:
+    """CPU experts of a step's rows (global ids: layer * experts + expert)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.model = RoutingModel(args.experts, args.topk,
+                                  RoutingParams(args.skew, args.locality), seed=args.seed)
+        self.layers, self.experts = args.layers, args.experts
+        self.on_cpu = np.ones((args.layers, args.experts), bool)
+        self.on_cpu[:, :args.gpu_experts] = False
+        self.universe = int(self.on_cpu.sum())
+
+    def cpu_ids(self, keys: np.ndarray, positions: np.ndarray) -> list[np.ndarray]:
+        """Per row: its CPU experts' global ids over every layer."""
+        ids = self.model.choose_layers(np.arange(self.layers), keys, positions)  # [L, R, k]
+        glob = np.arange(self.layers)[:, None, None] * self.experts + ids
+        cpu = np.take_along_axis(self.on_cpu[:, None, :], ids, axis=2)
+        return [glob[:, r][cpu[:, r]] for r in range(len(keys))]
+
+
+def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
+    """``steps`` steps of four streams under ``policy`` ("0".."N": fixed drafts a slot, or
+    "adaptive"), the first ``WARM_UP`` left out of the figures."""
+    rng = np.random.default_rng(seed)
+    routing = Routing(args)
+    accept = np.array(args.accept)
+    spec = load_config(None, {"speculation.mode": "wide",
+                              "speculation.draft_budget": "adaptive"}).speculation
+    budget = DraftBudget(spec)
+    keys = (np.arange(SLOTS) + 1) * 7919 + seed * 104729
+    pos = 40 + 5 * np.arange(SLOTS)
+    most = len(accept)
+    time_ms = tokens = experts = 0.0
+    chosen = np.zeros(most + 1, np.int64)
+    for step in range(args.steps):
+        if policy == "adaptive":
+            work = [SlotWork(slot=s, request_id=f"r{s}", kind=WorkKind.DECODE,
+                             input_ids=np.array([5]), start_pos=int(pos[s]), num_tokens=1,
+                             needs_logits=True, sampling=SamplingParams(temperature=0.0, seed=1),
+                             draft_ids=np.arange(1, most + 1),
+                             draft_sources=np.full(most, int(DraftSource.MTP)), prompt_len=30)
+                    for s in range(SLOTS)]
+            drafts = budget.choose(work, [most] * SLOTS, True)
+        else:
+            drafts = [int(policy)] * SLOTS
+        rows = [1 + k for k in drafts]
+        per_row = routing.cpu_ids(np.repeat(keys, rows),
+                                  np.concatenate([pos[s] + np.arange(n)
+                                                  for s, n in enumerate(rows)]))
+        union = len(np.unique(np.concatenate(per_row)))
+        ms = args.fixed_ms + args.row_ms * sum(rows) + args.expert_ms * union
+        accepted = []
+        for k in drafts:
+            a = 0
+            while a < k and rng.random() < accept[a]:
+                a += 1
+            accepted.append(a)
+        if step >= WARM_UP:
+            time_ms += ms
+            tokens += SLOTS + sum(accepted)
+            experts += union
+            np.add.at(chosen, drafts, 1)
+        if policy == "adaptive":  # as DraftBudget.observe, from the step's own figures
+            first = np.cumsum([0] + rows)
+            for s, k in enumerate(drafts):
+                if k:
+                    budget.accept.observe(f"r{s}", int(DraftSource.MTP), k, accepted[s])
+                ids, counts = np.unique(np.concatenate(per_row[first[s]:first[s + 1]]),
+                                        return_counts=True)
+                budget.routing.observe(f"r{s}", rows[s], ids, counts, routing.universe)
+            budget.costs.observe(1, sum(rows), union, ms)
+        pos = pos + 1 + np.array(accepted)
+    return {"policy": policy, "seed": seed, "tokens_per_ms": tokens / time_ms,
+            "tokens_per_step": tokens / (args.steps - WARM_UP),
+            "cpu_experts_per_step": experts / (args.steps - WARM_UP),
+            "cpu_experts_per_token": experts / tokens, "drafts_chosen": chosen.tolist()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--policies", default="1,2,3,adaptive")
+    p.add_argument("--seeds", default="0,1,2,3")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--accept", type=lambda s: [float(x) for x in s.split(",")],
+                   default=[0.853, 0.853, 0.608], help="acceptance per draft position")
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--experts", type=int, default=512)
+    p.add_argument("--topk", type=int, default=10)
+    p.add_argument("--gpu-experts", type=int, default=45)
+    p.add_argument("--skew", type=float, default=0.66)
+    p.add_argument("--locality", type=float, default=0.12)
+    p.add_argument("--seed", type=int, default=0, help="the routing model's")
+    p.add_argument("--fixed-ms", type=float, default=3.0)
+    p.add_argument("--row-ms", type=float, default=0.25)
+    p.add_argument("--expert-ms", type=float, default=0.034)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.steps <= WARM_UP:
+        p.error(f"--steps must be > {WARM_UP}")
+    for policy in args.policies.split(","):
+        if policy != "adaptive" and not (policy.isdigit() and int(policy) <= len(args.accept)):
+            p.error(f"policy {policy!r}: 'adaptive' or a draft count 0..{len(args.accept)}")
+    runs = [simulate(policy, args, int(seed)) for policy in args.policies.split(",")
+            for seed in args.seeds.split(",")]
+    by_policy: dict[str, list[float]] = {}
+    for r in runs:
+        by_policy.setdefault(r["policy"], []).append(r["tokens_per_ms"])
+        print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in r.items()}))
+    means = {k: float(np.mean(v)) for k, v in by_policy.items()}
+    print(json.dumps({"mean_tokens_per_ms": {k: round(v, 5) for k, v in means.items()}}))
+    if args.out:
+        args.out.write_text(json.dumps({"machine": machine(), "command": command_line(),
+                                        "args": vars(args) | {"out": None},
+                                        "mean_tokens_per_ms": means, "runs": runs},
+                                       indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
