@@ -63,7 +63,8 @@ class Routing:
 def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
     """``steps`` steps of four streams under ``policy`` ("0".."N": fixed drafts a slot, or
     "adaptive"), the first ``WARM_UP`` left out of the figures."""
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed)  # acceptance
+    jitter = np.random.default_rng([seed, 1])  # step times (apart: the same drafts accepted)
     routing = Routing(args)
     accept = np.array(args.accept)
     spec = load_config(None, {"speculation.mode": "wide",
@@ -91,6 +92,8 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
                                                   for s, n in enumerate(rows)]))
         union = len(np.unique(np.concatenate(per_row)))
         ms = args.fixed_ms + args.row_ms * sum(rows) + args.expert_ms * union
+        if args.noise:  # the machine's jitter: the budget fits noisy times, figures count them
+            ms *= max(1.0 + args.noise * jitter.standard_normal(), 0.5)
         accepted = []
         for k in drafts:
             a = 0
@@ -118,7 +121,7 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
             "cpu_experts_per_token": experts / tokens, "drafts_chosen": chosen.tolist()}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--policies", default="1,2,3,adaptive")
     p.add_argument("--seeds", default="0,1,2,3")
@@ -135,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fixed-ms", type=float, default=3.0)
     p.add_argument("--row-ms", type=float, default=0.25)
     p.add_argument("--expert-ms", type=float, default=0.034)
+    p.add_argument("--noise", type=float, default=0.0,
+                   help="relative standard deviation of a step's time (0: none)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.steps <= WARM_UP:
@@ -142,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     for policy in args.policies.split(","):
         if policy != "adaptive" and not (policy.isdigit() and int(policy) <= len(args.accept)):
             p.error(f"policy {policy!r}: 'adaptive' or a draft count 0..{len(args.accept)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     runs = [simulate(policy, args, int(seed)) for policy in args.policies.split(",")
             for seed in args.seeds.split(",")]
     by_policy: dict[str, list[float]] = {}

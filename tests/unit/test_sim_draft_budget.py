@@ -27,6 +27,15 @@ def test_the_simulation_reports_each_policy_and_seed(tmp_path):
     assert set(data["mean_tokens_per_ms"]) == {"0", "2", "adaptive"}
 
 
+def test_noise_moves_the_times_not_the_tokens_of_a_fixed_policy():
+    base = ["--layers", "3", "--steps", "30", "--seeds", "0", "--policies", "2"]
+    quiet = sim_draft_budget.simulate("2", sim_draft_budget.parse_args(base), 0)
+    noisy = sim_draft_budget.simulate("2", sim_draft_budget.parse_args([*base, "--noise", "0.1"]),
+                                      0)
+    assert noisy["tokens_per_step"] == quiet["tokens_per_step"]
+    assert noisy["tokens_per_ms"] != quiet["tokens_per_ms"]
+
+
 @pytest.mark.parametrize("bad", [["--policies", "4"], ["--policies", "x"], ["--steps", "5"]])
 def test_bad_arguments_are_refused(bad):
     with pytest.raises(SystemExit):
