@@ -13,9 +13,11 @@ GPU (the bench's split, no hot-expert file), the rest on the CPU. Its time is th
 with constants fitted to the H100 machine's four-stream steps (session 24:
 ``docs/bench/concurrency_h100/32_essays_fixed_fb60779/``, 1,527-4,562 CPU experts a step),
 and each draft is accepted, given the ones before it were, with its position's probability
-(``--accept``: that run's replay profile, 0.853, 0.853, 0.608). The budget learns acceptance,
-routing and step cost from the simulated steps as it would from the worker's. Reports tokens
-per ms per policy and seed, the draft counts chosen, and the CPU experts per token::
+(``--accept``: that run's replay profile: 0.853 of verifies accepted a first draft, 0.853
+a second, 0.608 a third, so 0.853, 1.0 and 0.713 given the drafts before). The budget
+learns acceptance, routing and step cost from the simulated steps as it would from the
+worker's. Reports tokens per ms per policy and seed, the draft counts chosen, and the CPU
+experts per token::
 
     python -m scripts.sim_draft_budget --out docs/bench/draft_budget_sim.json
 
@@ -127,7 +129,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", default="0,1,2,3")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--accept", type=lambda s: [float(x) for x in s.split(",")],
-                   default=[0.853, 0.853, 0.608], help="acceptance per draft position")
+                   default=[0.853, 1.0, 0.713],
+                   help="acceptance per draft position, given the drafts before it were")
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--experts", type=int, default=512)
     p.add_argument("--topk", type=int, default=10)
