@@ -11,9 +11,10 @@
   lean on its source's, position by position.
 * Routing per request: the CPU experts its rows picked in its last decode step
   (``SlotResult.cpu_experts`` / ``cpu_expert_rows``, sent when the WorkerConfig asks), the
-  CPU picks per row, the experts held (``counters["cpu_experts_held"]``) and the
-  *persistence*: how much more than chance a row picks the experts its slot picked the step
-  before.
+  CPU picks per row, the experts held (``counters["cpu_experts_held"]``), each expert's
+  share of all picks (so the *effective* count of experts picks spread over: fewer than
+  those held where the router favours some) and the *persistence*: how much more than
+  chance a row picks the experts its slot picked the step before.
 * Step cost: least squares, with forgetting, of each decode-only step's wall time on
   (passes, rows, distinct CPU experts); the config's constants until ``MIN_STEPS`` such
   steps were seen, and for what the steps cannot tell apart (a slight ridge toward them).
