@@ -125,7 +125,9 @@ def one_run(args: argparse.Namespace, ctx: dict, name: str, arm: str, pair: int,
         streams, wall = asyncio.run(workload(url, model, name, args))
         after, load = scrape(url), [load, os.getloadavg()[0]]
         t1 = time.monotonic()
-    ctx["durations"].append(time.monotonic() - begin)
+    start = start_facts(log)
+    ctx["durations"].append({"workload": name, "seconds": time.monotonic() - begin,
+                             "cached": start.get("cpu_shards_cached", True)})
     steady_s = delta(after, before, "tandem_steady_decode_seconds_total", slots=str(STREAMS))
     steady_t = delta(after, before, "tandem_steady_decode_tokens_total", slots=str(STREAMS))
     tokens = sum(s["tokens"] for s in streams)
@@ -155,7 +157,7 @@ def one_run(args: argparse.Namespace, ctx: dict, name: str, arm: str, pair: int,
             # where the run's time went: the server's start (load), warm-up and workload,
             # its stop (every process ended)
             "server_start_s": round(start_s, 1), "run_s": round(t1 - t0 - start_s, 1),
-            "server_stop_s": round(time.monotonic() - t1, 1), "start": start_facts(log)}
+            "server_stop_s": round(time.monotonic() - t1, 1), "start": start}
 
 
 def record_replay(args: argparse.Namespace, run: dict, path: Path) -> None:
@@ -176,16 +178,26 @@ def arm_order(args: argparse.Namespace) -> list[str]:
     return arms
 
 
-def fits(args: argparse.Namespace, ctx: dict, run: str) -> bool:
+def fits(args: argparse.Namespace, ctx: dict, run: str, workload: str | None = None) -> bool:
     """Whether ``run`` may start: nothing skipped yet and it fits ``--time-budget`` (seconds
-    since the start; a run is taken to last as long as the longest so far). Else it joins
-    ``ctx["skipped"]`` (the summary's), and so does every later run."""
+    since the start; a run is taken to last as long as :func:`expected_seconds`). Else it
+    joins ``ctx["skipped"]`` (the summary's), and so does every later run."""
     if not ctx["skipped"] and (args.time_budget is None or not ctx["durations"] or
-                               time.monotonic() - ctx["t0"] + max(ctx["durations"])
+                               time.monotonic() - ctx["t0"] + expected_seconds(ctx, workload)
                                <= args.time_budget):
         return True
     ctx["skipped"].append(run)
     return False
+
+
+def expected_seconds(ctx: dict, workload: str | None) -> float:
+    """How long the next run of ``workload`` is taken to last: the longest of its workload's
+    runs whose server found the CPU experts' shards kept (a server that quantized them, the
+    first of a machine, took a minute or more longer); with none of those, the longest run
+    so far of any kind."""
+    runs = ctx["durations"]
+    alike = [d for d in runs if d["workload"] == workload and d["cached"]]
+    return max(d["seconds"] for d in (alike or runs))
 
 
 def run_workload(args: argparse.Namespace, ctx: dict, name: str, arms: list[str]) -> None:
@@ -193,7 +205,7 @@ def run_workload(args: argparse.Namespace, ctx: dict, name: str, arms: list[str]
     the plain run's (the replay file's records, else ``off`` pair 1's)."""
     replay = ctx["work"] / f"replay_{name}.json" if args.proposer == "replay" else None
     if replay is not None and not replay.is_file() and "off" not in arms:
-        if not fits(args, ctx, f"{name}_off_0 (records the replay file)"):
+        if not fits(args, ctx, f"{name}_off_0 (records the replay file)", name):
             return
         record_replay(args, one_run(args, ctx, name, "off", 0, None), replay)
     ref = replay_reference(replay) if replay is not None and replay.is_file() else None
@@ -205,7 +217,7 @@ def run_workload(args: argparse.Namespace, ctx: dict, name: str, arms: list[str]
             if args.resume and out.is_file() and (replay is None or replay.is_file()):
                 done.append(json.loads(out.read_text()))
                 continue
-            if not fits(args, ctx, out.stem):
+            if not fits(args, ctx, out.stem, name):
                 continue
             run = one_run(args, ctx, name, arm, pair, replay)
             if replay is not None and ref is None:  # pair 1's off run: the first of the pair
@@ -312,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(summary))
     if ctx["skipped"]:
         print(f"skipped (--time-budget {args.time_budget:g} s): {', '.join(ctx['skipped'])}")
-    print(f"{time.monotonic() - t0:.0f} s, runs of {[round(d) for d in ctx['durations']]} s")
+    print(f"{time.monotonic() - t0:.0f} s, runs of "
+          f"{[round(d['seconds']) for d in ctx['durations']]} s")
     return 0
 
 

@@ -100,17 +100,39 @@ def test_time_budget_skips_the_run_that_would_end_late_and_every_later_one():
     import argparse
     import time
 
+    def run(seconds: float, workload: str = "essay", cached: bool = True) -> dict:
+        return {"workload": workload, "seconds": seconds, "cached": cached}
+
     args = argparse.Namespace(time_budget=100.0)
     ctx = {"t0": time.monotonic() - 50, "durations": [], "skipped": []}
-    assert bench.fits(args, ctx, "essay_off_1")  # nothing measured yet: it starts
-    ctx["durations"] = [40.0]
-    assert bench.fits(args, ctx, "essay_narrow_1")  # 50 + 40 <= 100
-    ctx["durations"] = [40.0, 60.0]
-    assert not bench.fits(args, ctx, "essay_wide_1")  # 50 + 60 > 100
-    ctx["durations"] = [1.0]
-    assert not bench.fits(args, ctx, "coding_off_1")  # later runs follow the skipped one
+    assert bench.fits(args, ctx, "essay_off_1", "essay")  # nothing measured yet: it starts
+    ctx["durations"] = [run(40.0)]
+    assert bench.fits(args, ctx, "essay_narrow_1", "essay")  # 50 + 40 <= 100
+    ctx["durations"] = [run(40.0), run(60.0)]
+    assert not bench.fits(args, ctx, "essay_wide_1", "essay")  # 50 + 60 > 100
+    ctx["durations"] = [run(1.0)]
+    assert not bench.fits(args, ctx, "coding_off_1", "coding")  # later runs follow it
     assert ctx["skipped"] == ["essay_wide_1", "coding_off_1"]
     assert bench.fits(argparse.Namespace(time_budget=None), {"skipped": []}, "x")
+
+
+def test_the_next_run_is_expected_to_last_as_its_workloads_cached_runs_did():
+    import argparse
+    import time
+
+    def run(seconds: float, workload: str = "essay", cached: bool = True) -> dict:
+        return {"workload": workload, "seconds": seconds, "cached": cached}
+
+    quantized = [run(128.0, cached=False), run(31.0), run(35.0)]  # a fresh machine's first
+    ctx = {"durations": quantized}
+    assert bench.expected_seconds(ctx, "essay") == 35.0  # the quantizing start left out
+    assert bench.expected_seconds(ctx, "coding") == 128.0  # no coding run yet: the longest
+    ctx["durations"] = [*quantized, run(80.0, "coding")]
+    assert bench.expected_seconds(ctx, "coding") == 80.0
+    assert bench.expected_seconds({"durations": [run(50.0, cached=False)]}, "essay") == 50.0
+    args = argparse.Namespace(time_budget=100.0)
+    ctx = {"t0": time.monotonic() - 60, "durations": quantized, "skipped": []}
+    assert bench.fits(args, ctx, "essay_wide_2", "essay")  # 60 + 35 <= 100 (not 60 + 128)
 
 
 def test_summary_after_each_run_names_the_machine_the_runs_ran_on(tmp_path):
