@@ -2,7 +2,8 @@
 
 Between one step's result and the next step's plan, the adaptive budget (``draft_budget =
 "adaptive"``) runs on the critical path: the worker's ``ExpertCounters.take_slot_experts``
-(each decode slot's distinct CPU experts, NumPy part), then the daemon's
+(each decode slot's distinct CPU experts; NumPy part, or with ``--device`` the route
+buffers on the GPU, stacked and copied as on the launched path), then the daemon's
 ``RoutingStats.observe`` of each slot's experts (``observe_ms``, all slots) and
 ``DraftBudget.choose`` (routing patterns and the choice of lengths). This times them for
 ``--slots`` slots of ``--rows`` rows each on the synthetic 80B's routed layers (random
@@ -28,14 +29,16 @@ from protocol.messages import DraftSource, SamplingParams, SlotWork, WorkKind
 from scripts.bench_common import command_line, machine
 
 
-def _route(counters: ExpertCounters, rng: np.random.Generator, args: argparse.Namespace) -> None:
-    """One pass's routing, as the forward records it layer by layer."""
+def _route(counters: ExpertCounters, rng: np.random.Generator, args: argparse.Namespace,
+           xp=np) -> None:
+    """One pass's routing, as the forward records it layer by layer (``xp``: where the
+    route buffers live: NumPy, or CuPy as on the launched path)."""
     rows = args.slots * args.rows
     counters.track_rows(np.repeat(np.arange(args.slots), args.rows))
     for layer in range(args.layers):
         ids = np.argsort(rng.random((rows, args.experts)), axis=1)[:, :args.topk]
-        counters.add_routes(layer, args.experts, ids.astype(np.int32),
-                            ids >= args.experts - args.cpu)
+        counters.add_routes(layer, args.experts, xp.asarray(ids.astype(np.int32)),
+                            xp.asarray(ids >= args.experts - args.cpu))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,8 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topk", type=int, default=10)
     p.add_argument("--cpu", type=int, default=467, help="CPU experts per layer")
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--device", action="store_true",
+                   help="route buffers on the GPU (CuPy), as the launched path keeps them: "
+                   "take_slot_experts then includes their stacking and copies to the host")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    xp = np
+    if args.device:
+        import cupy as xp  # noqa: PLC0415 (a GPU machine's)
 
     rng = np.random.default_rng(0)
     counters = ExpertCounters(1.0)
@@ -64,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
             for s in range(args.slots)]
     take, observe, choose = [], [], []
     for _ in range(args.reps + 2):  # two steps of history first
-        _route(counters, rng, args)
+        _route(counters, rng, args, xp)
+        if args.device:  # the forward's work done, as when the worker takes them
+            xp.cuda.Device().synchronize()
         t0 = time.perf_counter()
         routes = counters.take_slot_experts()
         t1 = time.perf_counter()

@@ -297,6 +297,10 @@ PLANS: dict[str, list[Check]] = {
     # the fixed draft lengths beside adaptive (issue 15: adaptive >= the best of them); with
     # four streams, plain wide's drafts are trimmed to 3 a slot (16 rows): wide stands for wide@3
     "matrix_32_fixed": [matrix("32", "off,wide@1,wide@2", "matrix_32_fixed")],
+    # the adaptive budget's host work per step with the route buffers on the GPU (its
+    # worker part measured 1.3-1.7 ms on an H100 machine, ~0.4 ms of NumPy on the dev VM)
+    "host_times": [Check("draft_budget_host", f"{PY} scripts.bench_draft_budget --device "
+                         "--out $OUT/draft_budget_host_device.json", 60)],
     # the essays' question first (one call): adaptive beside the fixed lengths 1 and 2
     "matrix_32_essay": [matrix("32", "off,adaptive,wide@2,wide@1", "matrix_32_essay", "essay")],
     # a prefill chunk's rows several to a warp (session 20): the kernels' bits (decode rows
