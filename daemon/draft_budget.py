@@ -155,8 +155,9 @@ def patterns(fractions: np.ndarray, history: np.ndarray, persistence: float, p0:
     slot's rows that picked it (0: none); ``history`` [S] bool: whether the slot has routing
     from last step (a prompt chunk, a new request: no). A row of a slot with history picks
     expert e with pi = persistence * fraction + (1 - persistence) * p0, one without with p0
-    (p0: CPU picks per row / ``universe``, the CPU experts held). The experts no slot picked
-    last step (``universe - K`` of them) are one more pattern."""
+    (p0: CPU picks per row / ``universe``, the CPU experts picks spread over:
+    RoutingStats.effective). The experts no slot picked last step (``universe - K`` of them)
+    are one more pattern."""
     K, S = fractions.shape
     if universe <= 0 or p0 <= 0:
         return np.zeros((0, S)), np.zeros(0)
