@@ -47,6 +47,7 @@ REQUEST_DECAY = 0.95  # a request's counts, per verify
 PROBE_STEPS = 8  # a slot left without drafts this many steps gets one (re-measured)
 EMA = 0.1  # weight of a new step in the persistence and picks-per-row averages
 POPULARITY_EMA = 0.01  # weight of a slot's step in each CPU expert's share of the picks
+MAX_SHARE_IDS = 1 << 22  # global expert ids (layer * experts + expert) the shares cover
 MIN_STEPS = 16  # decode-only steps before the fitted step cost replaces the config's
 
 
@@ -108,7 +109,7 @@ class RoutingStats:
         """One decode slot's step: ``rows`` rows picked CPU experts ``ids`` [K] (global:
         layer * experts per layer + expert), ``counts`` [K] of its rows each."""
         self.universe = universe
-        if not len(ids) or universe <= 0:
+        if not len(ids) or universe <= 0 or rows <= 0:
             return
         picks = float(counts.sum())
         per_row = picks / rows
@@ -126,6 +127,8 @@ class RoutingStats:
             self.persistence += EMA * (seen - self.persistence)
         self.last[request_id] = (ids, counts, rows)
         a = POPULARITY_EMA
+        if ids[-1] >= max(len(self._seen), MAX_SHARE_IDS):
+            return  # an id no model's layers reach: keep its routing, learn no share from it
         if ids[-1] >= len(self._seen):
             self._seen = np.concatenate([self._seen, np.zeros(int(ids[-1]) + 1 - len(self._seen))])
         self._seen *= 1.0 - a

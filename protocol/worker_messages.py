@@ -170,6 +170,9 @@ class SlotResult:
     def __post_init__(self) -> None:
         check(0 <= self.num_accepted <= max(len(self.token_ids) - 1, 0), "num_accepted too big")
         check(len(self.cpu_experts) == len(self.cpu_expert_rows), "one row count per expert")
+        check(not len(self.cpu_experts) or (int(self.cpu_experts.min()) >= 0
+                                            and int(self.cpu_expert_rows.min()) >= 1),
+              "cpu_experts must be >= 0, each picked by >= 1 row")
 
 
 @dataclass(slots=True, kw_only=True)

@@ -337,6 +337,11 @@ def test_slot_routing_travels_and_is_configured():
     with pytest.raises(ValueError, match="one row count per expert"):
         SlotResult(slot=1, request_id="r", token_ids=[5], num_accepted=0, prompt=res.prompt,
                    cpu_experts=np.array([4], np.int32))
+    for ids, rows in (([-1, 4], [1, 1]), ([4, 5], [1, 0])):  # a negative id, an unpicked one
+        with pytest.raises(ValueError, match="cpu_experts must be >= 0"):
+            SlotResult(slot=1, request_id="r", token_ids=[5], num_accepted=0,
+                       prompt=res.prompt, cpu_experts=np.array(ids, np.int32),
+                       cpu_expert_rows=np.array(rows, np.uint16))
     cfg = WorkerConfig(run_dir="/tmp/x", model="m", slot_routing=True)
     assert WorkerConfig.from_json(cfg.to_json()).slot_routing is True
     with pytest.raises(ValueError, match="slot_routing must be a bool"):

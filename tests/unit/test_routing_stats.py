@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from daemon.draft_stats import POPULARITY_EMA, RoutingStats
+from daemon.draft_stats import MAX_SHARE_IDS, POPULARITY_EMA, RoutingStats
 
 
 def test_routing_persistence_is_measured_over_chance():
@@ -98,3 +98,13 @@ def test_keyed_patterns_equal_the_row_sort_bit_for_bit(seed):
     got = stats.patterns(slots)
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and g.tobytes() == w.tobytes()
+
+
+def test_ids_past_any_models_layers_keep_their_routing_and_teach_no_share():
+    stats = RoutingStats()
+    huge = np.array([3, MAX_SHARE_IDS + 5])
+    stats.observe("r", 2, huge, np.array([1, 2]), 1000)
+    assert stats.last["r"][0].tolist() == huge.tolist()  # its routing is kept
+    assert len(stats._seen) == 0 and stats.effective == 1000  # no 32 MB+ array, no share
+    stats.observe("r", 0, np.array([3]), np.array([1]), 1000)  # no rows: nothing to learn
+    assert stats.last["r"][0].tolist() == huge.tolist()
