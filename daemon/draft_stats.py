@@ -170,7 +170,7 @@ class RoutingStats:
         base = 1 + max((h[2] for h in hist if h is not None), default=0)
         if (not history.any() or base ** S >= 2 ** 62  # no history / keys too wide
                 or not any(len(h[0]) for h in hist if h is not None)):
-            return self._patterns_by_rows(hist, history, p0)
+            return self._patterns_by_rows(hist, history, p0, universe)
         if universe <= 0 or p0 <= 0:
             return np.zeros((0, S)), np.zeros(0)
         digit = base ** np.arange(S - 1, -1, -1, dtype=np.int64)  # [S]
@@ -190,7 +190,7 @@ class RoutingStats:
         rows = np.array([h[2] if h is not None else 1 for h in hist])
         return pattern_table(digits / rows[None, :], counts, history, self.persistence, p0)
 
-    def _patterns_by_rows(self, hist: list, history: np.ndarray, p0: float
+    def _patterns_by_rows(self, hist: list, history: np.ndarray, p0: float, universe: int
                           ) -> tuple[np.ndarray, np.ndarray]:
         ids = [h[0] for h in hist if h is not None]
         union = np.unique(np.concatenate(ids)) if ids else np.zeros(0, np.int64)
@@ -198,7 +198,7 @@ class RoutingStats:
         for s, h in enumerate(hist):
             if h is not None:
                 frac[np.searchsorted(union, h[0]), s] = h[1] / h[2]
-        return patterns(frac, history, self.persistence, p0, self.effective)
+        return patterns(frac, history, self.persistence, p0, universe)
 
 
 def _members(ref: np.ndarray, ids: np.ndarray) -> np.ndarray:

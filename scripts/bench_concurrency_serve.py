@@ -315,18 +315,16 @@ def _cpu_floor(step_ms: float, cpu_bytes: float, dram_gbs: float) -> dict[str, f
     return {"cpu_floor_ms": floor, "step_over_cpu_floor": step_ms / floor if floor else None}
 
 
-BUDGET_FIGURES = ("fixed_ms", "row_ms", "expert_ms", "fitted_steps", "persistence",
-                  "effective_experts", "picks_per_row")
-
-
 def budget_figures(after: Samples, before: Samples) -> dict | None:
     """The adaptive draft budget's estimates at the run's end and the draft counts it chose
     during the run (daemon/metrics_budget.py); None for another arm."""
-    figures = {f: after.get(("tandem_draft_budget", (("figure", f),))) for f in BUDGET_FIGURES}
-    if all(v is None for v in figures.values()):
+    figures = {dict(labels)["figure"]: v for (name, labels), v in after.items()
+               if name == "tandem_draft_budget"}
+    if not figures:
         return None
-    chosen = {str(k): delta(after, before, "tandem_draft_budget_choices_total", drafts=str(k))
-              for k in range(17)}
+    chosen = {dict(labels)["drafts"]: v - before.get((name, labels), 0.0)
+              for (name, labels), v in after.items()
+              if name == "tandem_draft_budget_choices_total"}
     return {"figures": figures, "drafts_chosen": {k: v for k, v in chosen.items() if v}}
 
 

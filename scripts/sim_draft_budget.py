@@ -28,6 +28,7 @@ and how a real router's routing differs from the synthetic one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -36,7 +37,17 @@ import numpy as np
 from daemon.config import load_config
 from daemon.draft_stats import DraftBudget
 from gpu_worker.weights.routing import RoutingModel, RoutingParams
-from protocol.messages import DraftSource, SamplingParams, SlotWork, WorkKind
+from protocol.messages import (
+    DraftSource,
+    Phase,
+    PromptPhase,
+    SamplingParams,
+    SlotResult,
+    SlotWork,
+    StepPlan,
+    StepResult,
+    WorkKind,
+)
 from scripts.bench_common import command_line, machine
 
 SLOTS = 4
@@ -107,20 +118,36 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
             tokens += SLOTS + sum(accepted)
             experts += union
             np.add.at(chosen, drafts, 1)
-        if policy == "adaptive":  # as DraftBudget.observe, from the step's own figures
-            first = np.cumsum([0] + rows)
-            for s, k in enumerate(drafts):
-                if k:
-                    budget.accept.observe(f"r{s}", int(DraftSource.MTP), k, accepted[s])
-                ids, counts = np.unique(np.concatenate(per_row[first[s]:first[s + 1]]),
-                                        return_counts=True)
-                budget.routing.observe(f"r{s}", rows[s], ids, counts, routing.universe)
-            budget.costs.observe(1, sum(rows), union, ms)
+        if policy == "adaptive":  # the budget learns from the step as from the worker's
+            budget.observe(*_step_record(step, work, drafts, accepted, per_row, union,
+                                         routing.universe), ms / 1e3)
         pos = pos + 1 + np.array(accepted)
     return {"policy": policy, "seed": seed, "tokens_per_ms": tokens / time_ms,
             "tokens_per_step": tokens / (args.steps - WARM_UP),
             "cpu_experts_per_step": experts / (args.steps - WARM_UP),
             "cpu_experts_per_token": experts / tokens, "drafts_chosen": chosen.tolist()}
+
+
+def _step_record(step: int, work: list[SlotWork], drafts: list[int], accepted: list[int],
+                 per_row: list[np.ndarray], union: int, universe: int
+                 ) -> tuple[StepPlan, StepResult]:
+    """The simulated step as the daemon sees a real one: its plan (the chosen drafts) and
+    the worker's result (accepted drafts, each slot's CPU experts and the step's counters)."""
+    first = np.cumsum([0] + [1 + k for k in drafts])
+    results = []
+    for s, a in enumerate(accepted):
+        ids, counts = np.unique(np.concatenate(per_row[first[s]:first[s + 1]]),
+                                return_counts=True)
+        results.append(SlotResult(
+            slot=s, request_id=work[s].request_id, token_ids=[5] * (1 + a), num_accepted=a,
+            prompt=PromptPhase(phase=Phase.DECODE, prompt_tokens_this_step=0, prompt_len=30,
+                               cached_len=0),
+            cpu_experts=ids.astype(np.int32), cpu_expert_rows=counts.astype(np.uint16)))
+    plan = StepPlan(step_id=step + 1, slots=[
+        dataclasses.replace(w, draft_ids=w.draft_ids[:k], draft_sources=w.draft_sources[:k])
+        for w, k in zip(work, drafts, strict=True)])
+    counters = {"passes": 1, "cpu_experts": union, "cpu_experts_held": universe}
+    return plan, StepResult(step_id=step + 1, slots=results, counters=counters)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
 from gpu_worker.backend import to_numpy
@@ -130,7 +128,9 @@ def _stacked(arrays: list) -> np.ndarray:
     """``arrays`` (all NumPy, or all of one device module) stacked, on the host."""
     if isinstance(arrays[0], np.ndarray):
         return np.stack(arrays)
-    return to_numpy(sys.modules["cupy"].stack(arrays))  # a device array: cupy is imported
+    import cupy  # noqa: PLC0415 (a device array: cupy is imported already)
+
+    return to_numpy(cupy.stack(arrays))
 
 
 def _host_copy(array) -> np.ndarray:

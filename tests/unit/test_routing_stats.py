@@ -94,7 +94,7 @@ def test_keyed_patterns_equal_the_row_sort_bit_for_bit(seed):
     hist = [stats.last.get(r) if r is not None else None for r in slots]
     history = np.array([h is not None for h in hist])
     p0 = stats.picks_per_row / stats.effective
-    want = stats._patterns_by_rows(hist, history, p0)
+    want = stats._patterns_by_rows(hist, history, p0, stats.effective)
     got = stats.patterns(slots)
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and g.tobytes() == w.tobytes()
