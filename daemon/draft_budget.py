@@ -18,11 +18,14 @@ worth 1 + c_1 + c_1 c_2 + ... + c_1 ... c_k tokens (the step's own token plus th
 accepted drafts); a prompt chunk is worth 0 (it costs what it costs either way).
 
 Routing: a new row of slot s picks CPU expert e (a (layer, expert) pair) with probability
-pi[e, s]; rows pick independently, so a pass whose slots run n_s rows touches
-E[U] = sum_e 1 - prod_s (1 - pi[e, s]) ** n_s. Experts with equal probabilities in every slot
-share a *pattern* (one row of ``log_miss``, counted ``weight`` times): the experts no slot
-picked last step are one pattern, so the sum runs over a few dozen patterns, not the
-model's tens of thousands of experts.
+pi[e, s]. A slot's rows of one step are consecutive tokens, which keep some of the experts of
+the token before them (the router's *locality* l): its n rows touch the experts of about
+1 + (n - 1)(1 - l) independent rows, so a pass whose slots run n_s rows touches
+E[U] = sum_e 1 - prod_s (1 - pi[e, s]) ** (1 + (n_s - 1)(1 - l)). Experts with equal
+probabilities in every slot share a *pattern* (one row of ``log_miss``, counted ``weight``
+times): the experts no slot picked last step fall into a few patterns by how often the router
+picks them, so the sum runs over a few hundred patterns, not the model's tens of thousands of
+experts.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class BudgetProblem:
     log_miss: np.ndarray  # [P, S] float: log(1 - pi) of a row of slot s, per pattern
     weight: np.ndarray  # [P] float: CPU experts sharing each pattern
     wide: bool = True  # one pass; False (narrow): one per drafted slot, one for the rest
+    locality: float = 0.0  # a slot's row keeps this share of its previous row's experts
 
     def __post_init__(self) -> None:
         S = len(self.base_rows)
@@ -88,19 +92,26 @@ def expected_union(rows: np.ndarray, log_miss: np.ndarray, weight: np.ndarray) -
     return (1.0 - np.exp(rows @ log_miss.T)) @ weight  # [C, P] -> [C]
 
 
+def fresh_rows(rows: np.ndarray, locality: float) -> np.ndarray:
+    """The independent rows that touch as many experts as a slot's ``rows`` consecutive
+    rows do: 1 + (n - 1)(1 - locality), 0 for none."""
+    return np.where(rows > 0, 1.0 + (rows - 1) * (1.0 - locality), 0.0)
+
+
 def ratio(problem: BudgetProblem, cost: StepCost, drafts: np.ndarray) -> np.ndarray:
     """Expected tokens per ms of the step for each candidate ``drafts`` [C, S]: [C]."""
     p = problem
     table = gains(p.accept, int(p.max_drafts.max(initial=0)))  # [S, K+1]
     value = p.base_value.sum() + table[np.arange(len(p.accept))[None, :], drafts].sum(axis=1)
     rows = p.base_rows[None, :] + drafts  # [C, S]
+    fresh = fresh_rows(rows, p.locality)
     if p.wide:
         ms = (cost.fixed_ms + cost.row_ms * rows.sum(axis=1)
-              + cost.expert_ms * expected_union(rows, p.log_miss, p.weight))
+              + cost.expert_ms * expected_union(fresh, p.log_miss, p.weight))
     else:  # a slot verifying k > 0 drafts runs its own pass; the others share one
         drafted = drafts > 0  # [C, S]
-        plain = np.where(drafted, 0, rows)  # [C, S]
-        alone = (1.0 - np.exp(rows[:, :, None] * p.log_miss.T[None])) @ p.weight  # [C, S]
+        plain = np.where(drafted, 0.0, fresh)  # [C, S]
+        alone = (1.0 - np.exp(fresh[:, :, None] * p.log_miss.T[None])) @ p.weight  # [C, S]
         ms = (cost.fixed_ms * ((plain.sum(axis=1) > 0) + drafted.sum(axis=1))
               + cost.row_ms * rows.sum(axis=1)
               + cost.expert_ms * (expected_union(plain, p.log_miss, p.weight)
@@ -147,36 +158,43 @@ def _best(problem: BudgetProblem, cost: StepCost, cands: np.ndarray) -> int:
     return int(near[np.argmin(cands[near].sum(axis=1))])
 
 
-def patterns(fractions: np.ndarray, history: np.ndarray, persistence: float, p0: float,
-             universe: int) -> tuple[np.ndarray, np.ndarray]:
+def patterns(fractions: np.ndarray, chance: np.ndarray, history: np.ndarray,
+             persistence: float, rest_chance: np.ndarray, rest_count: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray]:
     """(log_miss [P, S], weight [P]) from the last step's routing.
 
     ``fractions`` [K, S]: for each CPU expert any slot picked last step, the share of the
-    slot's rows that picked it (0: none); ``history`` [S] bool: whether the slot has routing
-    from last step (a prompt chunk, a new request: no). A row of a slot with history picks
-    expert e with pi = persistence * fraction + (1 - persistence) * p0, one without with p0
-    (p0: CPU picks per row / ``universe``, the CPU experts picks spread over:
-    RoutingStats.effective). The experts no slot picked last step (``universe - K`` of them)
-    are one more pattern."""
+    slot's rows that picked it (0: none); ``chance`` [K]: the chance a fresh pick of a row
+    takes it (its share of all picks times the picks of a row); ``history`` [S] bool: whether
+    the slot has routing from last step (a prompt chunk, a new request: no). A row of a slot
+    with history picks expert e with pi = persistence * fraction + (1 - persistence) *
+    chance, one without with its chance. The experts no slot picked last step are
+    ``rest_count`` [B] experts of fresh-pick chance ``rest_chance`` [B] (a few classes of
+    popularity). Patterns come in the order of their (fraction row, chance) rows, the rest's
+    (fractions 0) first."""
     K, S = fractions.shape
-    if universe <= 0 or p0 <= 0:
+    keep = rest_count > 0
+    rows = np.concatenate([np.zeros((int(keep.sum()), S)), fractions])  # [K', S]
+    base = np.concatenate([rest_chance[keep], chance])
+    counts = np.concatenate([rest_count[keep], np.ones(K)]).astype(np.float64)
+    if not len(rows):
         return np.zeros((0, S)), np.zeros(0)
-    rest = max(universe - K, 0)
-    rows = np.concatenate([fractions, np.zeros((1, S))]) if rest else fractions  # [K(+1), S]
-    order = np.lexsort(rows.T[::-1])  # equal rows side by side (np.unique(axis=0): slower)
-    srt = rows[order]
+    full = np.concatenate([rows, base[:, None]], axis=1)
+    order = np.lexsort(full.T[::-1])  # equal rows side by side (np.unique(axis=0): slower)
+    srt = full[order]
     new = np.ones(len(srt), dtype=bool)
     new[1:] = (srt[1:] != srt[:-1]).any(axis=1)
-    group = np.cumsum(new) - 1  # [K(+1)] pattern of each sorted row
-    uniq, counts = srt[new], np.bincount(group).astype(np.float64)  # [P, S], [P]
-    if rest:  # the zero row (the last one) stands for every expert no slot picked
-        counts[group[np.flatnonzero(order == len(rows) - 1)[0]]] += rest - 1
-    return pattern_table(uniq, counts, history, persistence, p0)
+    group = np.cumsum(new) - 1
+    weight = np.bincount(group, counts[order])
+    uniq = srt[new]
+    return pattern_table(uniq[:, :S], uniq[:, S], weight, history, persistence)
 
 
-def pattern_table(uniq: np.ndarray, counts: np.ndarray, history: np.ndarray,
-                  persistence: float, p0: float) -> tuple[np.ndarray, np.ndarray]:
-    """(log_miss [P, S], weight [P]) of the distinct fraction rows ``uniq`` [P, S] held by
-    ``counts`` [P] experts each (:func:`patterns`' last part)."""
-    pi = np.where(history[None, :], persistence * uniq + (1.0 - persistence) * p0, p0)
+def pattern_table(uniq: np.ndarray, chance: np.ndarray, counts: np.ndarray,
+                  history: np.ndarray, persistence: float) -> tuple[np.ndarray, np.ndarray]:
+    """(log_miss [P, S], weight [P]) of the distinct fraction rows ``uniq`` [P, S] of fresh
+    chance ``chance`` [P], held by ``counts`` [P] experts each (:func:`patterns`' last
+    part)."""
+    fresh = chance[:, None]
+    pi = np.where(history[None, :], persistence * uniq + (1.0 - persistence) * fresh, fresh)
     return np.log1p(-np.clip(pi, 0.0, 1.0 - 1e-12)), counts

@@ -45,9 +45,16 @@ MAX_POSITIONS = 16  # draft positions measured (speculation.num_drafts <= 15)
 REQUEST_PRIOR_TRIALS = 16.0  # how much a request's estimate leans on its source's
 REQUEST_DECAY = 0.95  # a request's counts, per verify
 PROBE_STEPS = 8  # a slot left without drafts this many steps gets one (re-measured)
-EMA = 0.1  # weight of a new step in the persistence and picks-per-row averages
+EMA = 0.1  # weight of a new step in the persistence, locality and picks-per-row averages
 POPULARITY_EMA = 0.01  # weight of a slot's step in each CPU expert's share of the picks
 MAX_SHARE_IDS = 1 << 22  # global expert ids (layer * experts + expert) the shares cover
+# experts fall into popularity classes by their share of the picks, BIN_STEPS classes per
+# doubling, between 2 ** -BIN_SPAN and 2 ** BIN_SPAN times the uniform share (beyond: the
+# end classes)
+BIN_STEPS = 1
+BIN_SPAN = 10
+CLASSES = 2 * BIN_SPAN * BIN_STEPS + 1
+CLASS_REFRESH = 16
 MIN_STEPS = 16  # decode-only steps before the fitted step cost replaces the config's
 
 
@@ -98,11 +105,15 @@ class RoutingStats:
         self.universe = 0  # CPU experts held, over all MoE layers
         self.picks_per_row = 0.0  # CPU (layer, expert) picks of one row, over layers
         self.persistence = 0.5
+        self.locality = 0.0  # a row's share of experts kept from the row before (same slot)
         # each CPU expert's share of the picks (``POPULARITY_EMA`` per slot's step), as the
         # shares seen (by global id) plus what is left of a uniform prior over the universe
         self._seen = np.zeros(0)
         self._prior = 1.0
         self._noise = 0.0  # what sampling adds to the sum of the squared shares
+        self._classes: tuple[np.ndarray, np.ndarray] | None = None  # _class_table's, kept
+        self._stale = 0  # slot steps since (shares learned after) the classes were counted
+        self._snapshot = (self._seen, self._prior)  # the shares they were counted from
 
     def observe(self, request_id: str, rows: int, ids: np.ndarray, counts: np.ndarray,
                 universe: int) -> None:
@@ -125,6 +136,9 @@ class RoutingStats:
             chance = min(self._share(prev[0]), 0.99)  # a fresh pick lands among them
             seen = min(max((hit - chance) / (1.0 - chance), 0.0), 1.0)
             self.persistence += EMA * (seen - self.persistence)
+        if rows > 1:
+            kept = self._kept(rows, len(ids), per_row)
+            self.locality += EMA * (kept - self.locality)
         self.last[request_id] = (ids, counts, rows)
         a = POPULARITY_EMA
         if ids[-1] >= max(len(self._seen), MAX_SHARE_IDS):
@@ -135,18 +149,63 @@ class RoutingStats:
         self._seen[ids] += a * counts / picks
         self._prior *= 1.0 - a
         self._noise = (1.0 - a) ** 2 * self._noise + a * a / picks
+        self._stale += 1
+
+    def _kept(self, rows: int, distinct: int, per_row: float) -> float:
+        """The locality that explains ``distinct`` experts of ``rows`` consecutive rows of
+        ``per_row`` picks each: (rows - x) / (rows - 1), where x independent rows of fresh
+        picks are expected to touch ``distinct`` experts (by the popularity classes)."""
+        mean, count = self._class_table()
+        full = count > 0
+        miss = np.log1p(-np.clip(mean[full] * per_row, 0.0, 1.0 - 1e-12))
+        count = count[full]
+        x = float(rows)
+        for _ in range(8):  # Newton on the concave sum_b n_b (1 - (1 - q_b) ** x) = distinct
+            left = np.exp(x * miss)
+            f = float(count @ (1.0 - left)) - distinct
+            slope = -float(count @ (left * miss))
+            if slope <= 0 or abs(f) < 0.25:
+                break
+            x = min(max(x - f / slope, 1.0), float(rows))
+        return (rows - x) / (rows - 1)
+
+    def _class_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """(mean share [CLASSES], count [CLASSES]) of the CPU experts by popularity class
+        (:func:`popularity_class`; 0, 0: an empty class), counted again once the shares
+        learned ``CLASS_REFRESH`` slot steps more (a slot's step moves them by 1 %)."""
+        if self._classes is None or self._stale >= CLASS_REFRESH:
+            self._stale = 0
+            u = max(self.universe, 1)
+            self._snapshot = (self._seen.copy(), self._prior)
+            held = np.flatnonzero(self._seen > 0)
+            shares = np.append(self._seen[held] + self._prior / u, self._prior / u)
+            number = np.append(np.ones(len(held)), max(u - len(held), 0))
+            cls = popularity_class(shares, u)
+            count = np.bincount(cls, number, CLASSES)
+            total = np.bincount(cls, shares * number, CLASSES)
+            self._classes = (np.divide(total, count, out=np.zeros(CLASSES), where=count > 0),
+                             count)
+        return self._classes
 
     def _share(self, ids: np.ndarray) -> float:
         """The share of all CPU picks that experts ``ids`` (distinct) take."""
-        inside = ids[ids < len(self._seen)]
-        return float(self._seen[inside].sum()) + self._prior * len(ids) / max(self.universe, 1)
+        return float(self._shares(ids).sum())
+
+    def _shares(self, ids: np.ndarray, snapshot: bool = False) -> np.ndarray:
+        """Each of experts ``ids``' share of all CPU picks (``snapshot``: as the popularity
+        classes last counted them)."""
+        seen, prior = self._snapshot if snapshot else (self._seen, self._prior)
+        inside = ids < len(seen)
+        out = np.zeros(len(ids))
+        out[inside] = seen[ids[inside]]
+        return out + prior / max(self.universe, 1)
 
     @property
     def effective(self) -> int:
         """How many CPU experts a fresh pick spreads over, as far as two picks collide:
         1 / (sum of the squared shares), less what sampling adds to it. The universe when
-        every expert is as likely; fewer where some are hotter (a real router's skew), which
-        makes a step's rows share more experts than uniform picks would."""
+        every expert is as likely; fewer where some are hotter (a real router's skew). A
+        figure for /metrics: the union model uses the popularity classes themselves."""
         u = self.universe
         if u <= 0:
             return 0
@@ -159,46 +218,68 @@ class RoutingStats:
 
     def patterns(self, request_ids: list[str | None]) -> tuple[np.ndarray, np.ndarray]:
         """daemon/draft_budget.patterns for slots of these requests (None: a prompt chunk),
-        in the same order and bits, without its sort of [K, S] rows: an expert's row of
-        counts is one integer (the slots' counts as digits, the first slot the most
-        significant), so experts with equal rows are found by sorting K integers."""
+        in the same order and bits, without its sort of [K, S + 1] rows: an expert's row of
+        counts and its popularity class are one integer (the slots' counts as digits, the
+        first slot the most significant, then the class), so experts with equal rows are
+        found by sorting K integers."""
         hist = [self.last.get(r) if r is not None else None for r in request_ids]
         S = len(hist)
         history = np.array([h is not None for h in hist])
-        universe = self.effective
-        p0 = self.picks_per_row / universe if universe else 0.0
-        base = 1 + max((h[2] for h in hist if h is not None), default=0)
-        if (not history.any() or base ** S >= 2 ** 62  # no history / keys too wide
-                or not any(len(h[0]) for h in hist if h is not None)):
-            return self._patterns_by_rows(hist, history, p0, universe)
-        if universe <= 0 or p0 <= 0:
+        if self.universe <= 0 or self.picks_per_row <= 0:
             return np.zeros((0, S)), np.zeros(0)
+        mean, count = self._class_table()
+        base = 1 + max((h[2] for h in hist if h is not None), default=0)
+        if base ** S * CLASSES >= 2 ** 62:  # keys too wide
+            return self._patterns_by_rows(hist, history)
         digit = base ** np.arange(S - 1, -1, -1, dtype=np.int64)  # [S]
-        ids = np.concatenate([h[0] for h in hist if h is not None])
-        codes = np.concatenate([h[1] * digit[s] for s, h in enumerate(hist) if h is not None])
-        order = np.argsort(ids, kind="stable")
-        srt = ids[order]
-        first = np.flatnonzero(np.concatenate([[True], srt[1:] != srt[:-1]]))
-        keys = np.add.reduceat(codes[order], first)  # [K] one per distinct expert, all > 0
-        rest = max(universe - len(keys), 0)
-        keys = np.sort(np.concatenate([[0], keys]) if rest else keys)
+        past = [(h[0], h[1].astype(np.int64) * digit[s]) for s, h in enumerate(hist)
+                if h is not None and len(h[0])]
+        keys = np.zeros(0, np.int64)
+        rest = count.copy()
+        if past:
+            ids = np.concatenate([p[0] for p in past])
+            order = np.argsort(ids, kind="stable")
+            srt = ids[order]
+            first = np.flatnonzero(np.concatenate([[True], srt[1:] != srt[:-1]]))
+            cls = popularity_class(self._shares(srt[first], True), self.universe)
+            keys = np.add.reduceat(np.concatenate([p[1] for p in past])[order], first)
+            keys = keys * CLASSES + cls  # [K] one per distinct expert, all >= CLASSES
+            rest = np.maximum(rest - np.bincount(cls, minlength=CLASSES), 0)
+        keys = np.sort(np.concatenate([np.flatnonzero(rest > 0), keys]))  # the unpicked first
+        if not len(keys):
+            return np.zeros((0, S)), np.zeros(0)
         new = np.concatenate([[True], keys[1:] != keys[:-1]])
         counts = np.diff(np.append(np.flatnonzero(new), len(keys))).astype(np.float64)
-        if rest:  # key 0 (first) stands for every expert no slot picked
-            counts[0] += rest - 1
-        digits = keys[new][:, None] // digit[None, :] % base  # [P, S]
+        uniq = keys[new]
+        unpicked = uniq < CLASSES  # one key per class: its count is the class's rest
+        counts[unpicked] = rest[uniq[unpicked]]
+        digits = (uniq // CLASSES)[:, None] // digit[None, :] % base  # [P, S]
         rows = np.array([h[2] if h is not None else 1 for h in hist])
-        return pattern_table(digits / rows[None, :], counts, history, self.persistence, p0)
+        return pattern_table(digits / rows[None, :], mean[uniq % CLASSES] * self.picks_per_row,
+                             counts, history, self.persistence)
 
-    def _patterns_by_rows(self, hist: list, history: np.ndarray, p0: float, universe: int
+    def _patterns_by_rows(self, hist: list, history: np.ndarray
                           ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`patterns` by daemon/draft_budget.patterns' sort of the fraction rows."""
+        mean, count = self._class_table()
         ids = [h[0] for h in hist if h is not None]
         union = np.unique(np.concatenate(ids)) if ids else np.zeros(0, np.int64)
         frac = np.zeros((len(union), len(hist)))  # [K, S]
         for s, h in enumerate(hist):
             if h is not None:
                 frac[np.searchsorted(union, h[0]), s] = h[1] / h[2]
-        return patterns(frac, history, self.persistence, p0, universe)
+        cls = popularity_class(self._shares(union, True), self.universe)
+        rest = np.maximum(count - np.bincount(cls, minlength=CLASSES), 0)
+        return patterns(frac, mean[cls] * self.picks_per_row, history, self.persistence,
+                        mean * self.picks_per_row, rest)
+
+
+def popularity_class(shares: np.ndarray, universe: int) -> np.ndarray:
+    """The popularity class (0 .. CLASSES - 1) of experts of these shares of the picks:
+    ``BIN_STEPS`` classes per doubling of the share over the uniform 1 / ``universe``."""
+    scaled = np.maximum(np.asarray(shares) * universe, 2.0 ** -BIN_SPAN)
+    steps = np.floor(np.log2(scaled) * BIN_STEPS).astype(np.int64) + BIN_SPAN * BIN_STEPS
+    return np.clip(steps, 0, CLASSES - 1)
 
 
 def _members(ref: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -266,7 +347,7 @@ class DraftBudget:
         problem = BudgetProblem(
             base_rows=np.array([w.num_tokens for w in work]), max_drafts=np.array(counts),
             accept=np.array(rate), base_value=np.array(decode, dtype=np.float64),
-            log_miss=log_miss, weight=weight, wide=wide)
+            log_miss=log_miss, weight=weight, wide=wide, locality=self.routing.locality)
         out = choose(problem, self.cost)
         for i, (w, n) in enumerate(zip(work, counts, strict=True)):
             if n and not out[i]:
@@ -283,7 +364,7 @@ class DraftBudget:
         """The estimates the choice runs on now (daemon/metrics_budget.py)."""
         cost, r = self.cost, self.routing
         return {"fixed_ms": cost.fixed_ms, "row_ms": cost.row_ms, "expert_ms": cost.expert_ms,
-                "fitted_steps": self.costs.n, "persistence": r.persistence,
+                "fitted_steps": self.costs.n, "persistence": r.persistence, "locality": r.locality,
                 "effective_experts": float(r.effective), "picks_per_row": r.picks_per_row}
 
     @property

@@ -23,8 +23,8 @@ class BudgetFigures(Collector):
         figures = GaugeMetricFamily(
             f"{PREFIX}_draft_budget", "The adaptive draft budget's estimates now, by figure: "
             "fixed_ms, row_ms, expert_ms (its step cost model), fitted_steps (the steps the "
-            "fit has weighed), persistence, effective_experts, picks_per_row (its routing "
-            "model)", labels=["figure"])
+            "fit has weighed), persistence, locality, effective_experts, picks_per_row (its "
+            "routing model)", labels=["figure"])
         choices = CounterMetricFamily(
             f"{PREFIX}_draft_budget_choices", "Drafted slots' verifications by the draft "
             "count the budget chose for them", labels=["drafts"])

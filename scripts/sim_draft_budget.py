@@ -16,8 +16,9 @@ and each draft is accepted, given the ones before it were, with its position's p
 (``--accept``: that run's replay profile: 0.853 of verifies accepted a first draft, 0.853
 a second, 0.608 a third, so 0.853, 1.0 and 0.713 given the drafts before). The budget
 learns acceptance, routing and step cost from the simulated steps as it would from the
-worker's. Reports tokens per ms per policy and seed, the draft counts chosen, and the CPU
-experts per token::
+worker's. Reports tokens per ms per policy and seed, the draft counts chosen, the CPU
+experts per token, and (adaptive) how far the budget's predicted union of each step's rows
+was from the routed one (``union_error``: mean and spread of predicted / routed - 1)::
 
     python -m scripts.sim_draft_budget --out docs/bench/draft_budget_sim.json
 
@@ -35,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from daemon.config import load_config
+from daemon.draft_budget import expected_union, fresh_rows
 from daemon.draft_stats import DraftBudget
 from gpu_worker.weights.routing import RoutingModel, RoutingParams
 from protocol.messages import (
@@ -88,15 +90,15 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
     most = len(accept)
     time_ms = tokens = experts = 0.0
     chosen = np.zeros(most + 1, np.int64)
+    union_error: list[float] = []  # adaptive: the budget's predicted union / the routed one
     for step in range(args.steps):
         if policy == "adaptive":
-            work = [SlotWork(slot=s, request_id=f"r{s}", kind=WorkKind.DECODE,
-                             input_ids=np.array([5]), start_pos=int(pos[s]), num_tokens=1,
-                             needs_logits=True, sampling=SamplingParams(temperature=0.0, seed=1),
-                             draft_ids=np.arange(1, most + 1),
-                             draft_sources=np.full(most, int(DraftSource.MTP)), prompt_len=30)
-                    for s in range(SLOTS)]
+            work = slot_work(pos, most)
             drafts = budget.choose(work, [most] * SLOTS, True)
+            log_miss, weight = budget.routing.patterns([w.request_id for w in work])
+            predicted = expected_union(fresh_rows(np.array([[1 + k for k in drafts]]),
+                                                  budget.routing.locality),
+                                       log_miss, weight)[0]
         else:
             drafts = [int(policy)] * SLOTS
         rows = [1 + k for k in drafts]
@@ -114,21 +116,35 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
                 a += 1
             accepted.append(a)
         if step >= WARM_UP:
+            if policy == "adaptive":
+                union_error.append(predicted / union - 1.0)
             time_ms += ms
             tokens += SLOTS + sum(accepted)
             experts += union
             np.add.at(chosen, drafts, 1)
         if policy == "adaptive":  # the budget learns from the step as from the worker's
-            budget.observe(*_step_record(step, work, drafts, accepted, per_row, union,
+            budget.observe(*step_record(step, work, drafts, accepted, per_row, union,
                                          routing.universe), ms / 1e3)
         pos = pos + 1 + np.array(accepted)
     return {"policy": policy, "seed": seed, "tokens_per_ms": tokens / time_ms,
             "tokens_per_step": tokens / (args.steps - WARM_UP),
             "cpu_experts_per_step": experts / (args.steps - WARM_UP),
-            "cpu_experts_per_token": experts / tokens, "drafts_chosen": chosen.tolist()}
+            "cpu_experts_per_token": experts / tokens, "drafts_chosen": chosen.tolist(),
+            "union_error": ({"mean": float(np.mean(union_error)),
+                             "std": float(np.std(union_error))} if union_error else None)}
 
 
-def _step_record(step: int, work: list[SlotWork], drafts: list[int], accepted: list[int],
+def slot_work(pos: np.ndarray, most: int) -> list[SlotWork]:
+    """The four decode slots at positions ``pos``, each offering ``most`` MTP drafts."""
+    return [SlotWork(slot=s, request_id=f"r{s}", kind=WorkKind.DECODE,
+                     input_ids=np.array([5]), start_pos=int(pos[s]), num_tokens=1,
+                     needs_logits=True, sampling=SamplingParams(temperature=0.0, seed=1),
+                     draft_ids=np.arange(1, most + 1),
+                     draft_sources=np.full(most, int(DraftSource.MTP)), prompt_len=30)
+            for s in range(SLOTS)]
+
+
+def step_record(step: int, work: list[SlotWork], drafts: list[int], accepted: list[int],
                  per_row: list[np.ndarray], union: int, universe: int
                  ) -> tuple[StepPlan, StepResult]:
     """The simulated step as the daemon sees a real one: its plan (the chosen drafts) and

@@ -117,8 +117,8 @@ def _step_ms(p: BudgetProblem, cost: StepCost, ks) -> float:
         union = 0.0
         for e in range(len(p.weight)):
             miss = 1.0
-            for s in g:
-                miss *= math.exp(p.log_miss[e, s]) ** rows[s]
+            for s in g:  # consecutive rows: 1 + (n - 1)(1 - locality) independent ones
+                miss *= math.exp(p.log_miss[e, s]) ** (1 + (rows[s] - 1) * (1 - p.locality))
             union += p.weight[e] * (1 - miss)
         ms += cost.fixed_ms + cost.row_ms * sum(rows.values()) + cost.expert_ms * union
     return ms
@@ -150,7 +150,8 @@ def test_the_chooser_finds_the_brute_force_optimum(wide):
             accept=np.array([rng.random() for _ in range(S)]), base_value=np.ones(S),
             log_miss=np.log(np.array([[rng.uniform(0.3, 1.0) for _ in range(S)]
                                       for _ in range(P)]).reshape(P, S)),
-            weight=np.array([rng.randrange(1, 200) for _ in range(P)], np.float64), wide=wide)
+            weight=np.array([rng.randrange(1, 200) for _ in range(P)], np.float64), wide=wide,
+            locality=rng.choice([0.0, 0.0, 0.3, 0.9]))
         cost = StepCost(rng.uniform(1, 20), rng.uniform(0, 2), rng.uniform(0, 0.5))
         got = choose(p, cost)
         want = _brute_force(p, cost)
@@ -186,13 +187,16 @@ def test_patterns_give_the_per_expert_expected_union():
     frac[np.arange(K), rng.integers(0, S, K)] = 0.5  # every listed expert picked by a slot
     history = np.array([True, True, False])
     frac[:, 2] = 0.0
-    log_miss, weight = patterns(frac, history, lam, p0, universe)
-    assert len(weight) < K and weight.sum() == universe
+    chance = rng.choice([p0, 2 * p0], K)  # two popularity classes
+    rest_chance, rest_count = np.array([p0 / 2, p0, 2 * p0]), np.array([100, 0, 70])
+    log_miss, weight = patterns(frac, chance, history, lam, rest_chance, rest_count)
+    assert len(weight) < K + 2 and weight.sum() == universe
     rows = np.array([[1, 3, 1], [5, 1, 16], [2, 2, 2]])
     # reference: every one of the universe's experts on its own
-    pi = np.full((universe, S), p0)
-    pi[:K, :2] = lam * frac[:, :2] + (1 - lam) * p0
-    pi[K:, :2] = (1 - lam) * p0
+    fresh = np.concatenate([chance, np.full(100, p0 / 2), np.full(70, 2 * p0)])
+    pi = np.repeat(fresh[:, None], S, axis=1)
+    pi[:K, :2] = lam * frac[:, :2] + (1 - lam) * chance[:, None]
+    pi[K:, :2] = (1 - lam) * fresh[K:, None]
     want = [(1 - np.prod((1 - pi) ** r, axis=1)).sum() for r in rows]
     np.testing.assert_allclose(expected_union(rows, log_miss, weight), want, rtol=1e-12)
 
@@ -298,7 +302,8 @@ def test_the_budget_counts_its_choices_for_drafted_slots():
     assert budget.chosen.sum() == 2 and budget.chosen[out[0]] >= 1
     assert budget.chosen[out[1]] >= 1 and out[2] == 0
     assert set(budget.figures()) == {"fixed_ms", "row_ms", "expert_ms", "fitted_steps",
-                                     "persistence", "effective_experts", "picks_per_row"}
+                                     "persistence", "locality", "effective_experts",
+                                     "picks_per_row"}
 
 
 # ---- the worker's record and the wire ----------------------------------------------------------

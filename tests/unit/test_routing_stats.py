@@ -24,8 +24,15 @@ def test_routing_persistence_is_measured_over_chance():
     assert same.picks_per_row == 40.0
     log_miss, weight = same.patterns(["r", None])
     # the same 40 experts every step: picks spread over far fewer than the universe
-    assert weight.sum() == same.effective < universe / 2 and log_miss.shape == (2, 2)
-    assert fresh.effective > 0.8 * universe  # fresh picks: about the universe
+    assert same.effective < universe / 2 and fresh.effective > 0.8 * universe
+    assert weight.sum() == universe and log_miss.shape[1] == 2
+    # the 40 are the hot class: a row of a fresh slot picks one of them far likelier than
+    # one of the rest, and a row of the slot itself likelier still (persistence)
+    pick = 1 - np.exp(log_miss)  # [P, S]: a row's chance to pick an expert of a pattern
+    hot = pick[:, 1].argmax()
+    uniform = same.picks_per_row / universe
+    assert weight[hot] == 40 and pick[hot, 1] > 5 * uniform
+    assert np.delete(pick[:, 1], hot).max() < uniform and pick[hot, 0] > pick[hot, 1]
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -78,8 +85,9 @@ def test_the_effective_expert_count_follows_the_skew_of_the_picks():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_keyed_patterns_equal_the_row_sort_bit_for_bit(seed):
-    # RoutingStats.patterns keys each expert's counts as one integer; the reference sorts
-    # the [K, S] fraction rows (draft_budget.patterns): the same patterns, order and bits
+    # RoutingStats.patterns keys each expert's counts and popularity class as one integer;
+    # the reference sorts the [K, S + 1] rows of fractions and fresh-pick chance
+    # (draft_budget.patterns): the same patterns, order and bits
     rng = np.random.default_rng(seed)
     universe = int(rng.integers(50, 3000))
     stats = RoutingStats()
@@ -93,8 +101,7 @@ def test_keyed_patterns_equal_the_row_sort_bit_for_bit(seed):
     slots = [n if rng.random() < 0.8 else None for n in names] + [None]
     hist = [stats.last.get(r) if r is not None else None for r in slots]
     history = np.array([h is not None for h in hist])
-    p0 = stats.picks_per_row / stats.effective
-    want = stats._patterns_by_rows(hist, history, p0, stats.effective)
+    want = stats._patterns_by_rows(hist, history)
     got = stats.patterns(slots)
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and g.tobytes() == w.tobytes()
@@ -108,3 +115,61 @@ def test_ids_past_any_models_layers_keep_their_routing_and_teach_no_share():
     assert len(stats._seen) == 0 and stats.effective == 1000  # no 32 MB+ array, no share
     stats.observe("r", 0, np.array([3]), np.array([1]), 1000)  # no rows: nothing to learn
     assert stats.last["r"][0].tolist() == huge.tolist()
+
+
+def _chain(rng, share, picks, rows, prev, keep):
+    """``rows`` consecutive rows of ``picks`` distinct experts each, every row keeping each
+    expert of the row before (``prev`` for the first) with chance ``keep``, the rest fresh
+    picks by ``share``."""
+    out = []
+    for _ in range(rows):
+        kept = prev[rng.random(len(prev)) < keep] if prev is not None else prev
+        row = set(kept.tolist()) if kept is not None else set()
+        while len(row) < picks:
+            row.update(rng.choice(len(share), picks - len(row), p=share).tolist())
+        prev = np.array(sorted(row))[:picks]
+        out.append(prev)
+    return out
+
+
+def _learned(rng, share, keep, rows=3, steps=150, slots=4, picks=60):
+    """RoutingStats after ``steps`` steps of ``slots`` chained slots of ``rows`` rows."""
+    stats, last = RoutingStats(), [None] * slots
+    for _ in range(steps):
+        for s in range(slots):
+            chain = _chain(rng, share, picks, rows, last[s], keep)
+            last[s] = chain[-1]
+            ids, counts = np.unique(np.concatenate(chain), return_counts=True)
+            stats.observe(f"r{s}", rows, ids, counts, len(share))
+    return stats, last
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.3, 0.6])
+def test_the_locality_of_consecutive_rows_is_measured(keep):
+    # rows that keep a share of the row before's experts touch fewer than independent rows;
+    # the budget learns that share from each slot's distinct experts (Zipf-skewed picks)
+    rng = np.random.default_rng(5)
+    share = np.arange(1, 3001) ** -0.7
+    stats, _ = _learned(rng, share / share.sum(), keep)
+    assert stats.locality == pytest.approx(keep, abs=0.05)
+
+
+def test_the_predicted_union_follows_skewed_chained_rows():
+    # the union of a step's rows as the budget predicts it (popularity classes, persistence,
+    # locality) against the mean of many such steps drawn the same way, 1 to 4 rows a slot:
+    # within 5 %, and so its growth from one draft row to the next (what a draft costs)
+    from daemon.draft_budget import expected_union, fresh_rows  # noqa: PLC0415
+
+    rng = np.random.default_rng(6)
+    share = np.arange(1, 3001) ** -0.8
+    share /= share.sum()
+    stats, last = _learned(rng, share, 0.3)
+    log_miss, weight = stats.patterns([f"r{s}" for s in range(4)])
+    for rows in (1, 2, 3, 4):
+        drawn = [len(np.unique(np.concatenate(
+            [np.concatenate(_chain(rng, share, 60, rows, last[s], 0.3)) for s in range(4)])))
+            for _ in range(40)]
+        want = np.mean(drawn)
+        got = expected_union(fresh_rows(np.full((1, 4), rows), stats.locality), log_miss,
+                             weight)[0]
+        assert got == pytest.approx(want, rel=0.05), rows

@@ -40,3 +40,24 @@ def test_noise_moves_the_times_not_the_tokens_of_a_fixed_policy():
 def test_bad_arguments_are_refused(bad):
     with pytest.raises(SystemExit):
         sim_draft_budget.main(["--layers", "2", *bad])
+
+
+def test_adaptive_reports_how_far_its_predicted_union_was():
+    r = sim_draft_budget.simulate("adaptive", sim_draft_budget.parse_args(
+        ["--layers", "6", "--steps", "60", "--policies", "adaptive"]), 0)
+    assert abs(r["union_error"]["mean"]) < 0.05 and r["union_error"]["std"] > 0
+
+
+def test_the_union_check_predicts_each_draft_rows_growth(tmp_path):
+    # scripts/check_union_model.py: the budget's predicted union against the routed one at
+    # 0-3 drafts a slot; its growth per draft row (a draft's cost) within a few per cent
+    from scripts import check_union_model  # noqa: PLC0415
+
+    out = tmp_path / "union.json"
+    assert check_union_model.main(["--layers", "12", "--steps", "120", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert len(data["predicted"]) == len(data["routed"]) == 4
+    assert all(abs(e) < 0.06 for e in data["growth_error"]), data["growth_error"]
+    assert data["learned"]["locality"] == pytest.approx(0.12, abs=0.04)  # the routing's own
+    with pytest.raises(SystemExit):
+        check_union_model.main(["--drafts", "7"])
