@@ -12,15 +12,22 @@
 * Routing per request: the CPU experts its rows picked in its last decode step
   (``SlotResult.cpu_experts`` / ``cpu_expert_rows``, sent when the WorkerConfig asks), the
   CPU picks per row, the experts held (``counters["cpu_experts_held"]``), each expert's
-  share of all picks (so the *effective* count of experts picks spread over: fewer than
-  those held where the router favours some) and the *persistence*: how much more than
-  chance a row picks the experts its slot picked the step before.
-* Step cost: least squares, with forgetting, of each decode-only step's wall time on
-  (passes, rows, distinct CPU experts); the config's constants until ``MIN_STEPS`` such
-  steps were seen, and for what the steps cannot tell apart (a slight ridge toward them).
-  Steps that captured a CUDA graph or ran a layout's first (eager, compiling) pass are left
-  out: they cost more than their layout does, and a budget that changes lengths meets new
-  layouts often, so fitting them would make every row look dearer and cut later drafts.
+  share of all picks (its popularity class: a router favours some experts), the
+  *persistence* (how much more than chance a row picks the experts its slot picked the
+  step before) and the *locality* (how many of the experts of the row before a slot's next
+  row of the same step keeps).
+* Step cost. A CPU expert's: the worker's CPU expert time of a decode-only step over its
+  distinct CPU experts (``timings_ms["cpu_experts"]``, ``counters["cpu_experts"]``), with
+  forgetting, from the first such step: the experts are read while the GPU waits, and the
+  steps' experts and rows rise together, so a fit of the step time alone cannot tell an
+  expert's cost from a row's. The pass's and a row's: least squares, with forgetting, of
+  what the CPU experts leave of each decode-only step's wall time, on (passes, rows); the
+  config's constants until ``MIN_STEPS`` such steps were seen, and for what the steps cannot
+  tell apart (a slight ridge toward them). Without the worker's CPU time (no CPU experts),
+  all three by the fit of the step time. Steps that captured a CUDA graph or ran a layout's
+  first (eager, compiling) pass are left out: they cost more than their layout does, and a
+  budget that changes lengths meets new layouts often, so fitting them would make every row
+  look dearer and cut later drafts.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from daemon.draft_budget import BudgetProblem, StepCost, choose, pattern_table, patterns
+from daemon.draft_cost import CostFit
 from protocol.messages import SlotWork, StepPlan, StepResult, WorkKind
 
 if TYPE_CHECKING:
@@ -55,7 +63,6 @@ BIN_STEPS = 1
 BIN_SPAN = 10
 CLASSES = 2 * BIN_SPAN * BIN_STEPS + 1
 CLASS_REFRESH = 16
-MIN_STEPS = 16  # decode-only steps before the fitted step cost replaces the config's
 
 
 class AcceptanceStats:
@@ -291,34 +298,6 @@ def _members(ref: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return ref[at] == ids
 
 
-class CostFit:
-    """``StepCost`` fitted to decode-only steps: ms ~ fixed * passes + row * rows + expert *
-    cpu_experts. A ridge of ``strength`` steps' weight (scaled per feature) pulls what the
-    steps leave undetermined (no CPU experts: their cost) to the config's constants; old
-    steps fade by ``forget`` per step."""
-
-    def __init__(self, prior: StepCost, strength: float = 0.01, forget: float = 0.99) -> None:
-        self.prior = np.array([prior.fixed_ms, prior.row_ms, prior.expert_ms])
-        self.strength, self.forget = strength, forget
-        self.A = np.zeros((3, 3))
-        self.b = np.zeros(3)
-        self.n = 0.0
-
-    def observe(self, passes: int, rows: int, experts: int, ms: float) -> None:
-        x = np.array([passes, rows, experts], dtype=np.float64)
-        self.A = self.forget * self.A + np.outer(x, x)
-        self.b = self.forget * self.b + x * ms
-        self.n = self.forget * self.n + 1.0
-
-    def cost(self) -> StepCost:
-        if self.n < MIN_STEPS:
-            return StepCost(*self.prior)
-        R = np.diag(self.strength * np.diag(self.A) / self.n + 1e-9)
-        theta = np.linalg.solve(self.A + R, self.b + R @ self.prior)
-        fixed, row, expert = np.maximum(theta, 0.0)
-        return StepCost(max(fixed, 1e-3), row, expert)
-
-
 class DraftBudget:
     """The adaptive budget of daemon/draft_plan.DraftPlanner (``draft_budget = "adaptive"``)."""
 
@@ -387,4 +366,5 @@ class DraftBudget:
         if (plan.slots and all(w.kind == WorkKind.DECODE for w in plan.slots)
                 and not any(c.get(k, 0) for k in ONE_OFF_COUNTERS)):
             self.costs.observe(int(c.get("passes", 1)), plan.num_rows,
-                               int(c.get("cpu_experts", 0)), seconds * 1e3)
+                               int(c.get("cpu_experts", 0)), seconds * 1e3,
+                               float(result.timings_ms.get("cpu_experts", 0.0)))

@@ -106,9 +106,11 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
                                   np.concatenate([pos[s] + np.arange(n)
                                                   for s, n in enumerate(rows)]))
         union = len(np.unique(np.concatenate(per_row)))
-        ms = args.fixed_ms + args.row_ms * sum(rows) + args.expert_ms * union
+        cpu_ms = args.expert_ms * union  # the worker's CPU expert time
+        ms = args.fixed_ms + args.row_ms * sum(rows) + cpu_ms
         if args.noise:  # the machine's jitter: the budget fits noisy times, figures count them
-            ms *= max(1.0 + args.noise * jitter.standard_normal(), 0.5)
+            factor = max(1.0 + args.noise * jitter.standard_normal(), 0.5)
+            ms, cpu_ms = ms * factor, cpu_ms * factor
         accepted = []
         for k in drafts:
             a = 0
@@ -124,7 +126,8 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
             np.add.at(chosen, drafts, 1)
         if policy == "adaptive":  # the budget learns from the step as from the worker's
             budget.observe(*step_record(step, work, drafts, accepted, per_row, union,
-                                         routing.universe), ms / 1e3)
+                                        routing.universe, 0.0 if args.no_cpu_time else cpu_ms),
+                           ms / 1e3)
         pos = pos + 1 + np.array(accepted)
     return {"policy": policy, "seed": seed, "tokens_per_ms": tokens / time_ms,
             "tokens_per_step": tokens / (args.steps - WARM_UP),
@@ -145,8 +148,8 @@ def slot_work(pos: np.ndarray, most: int) -> list[SlotWork]:
 
 
 def step_record(step: int, work: list[SlotWork], drafts: list[int], accepted: list[int],
-                 per_row: list[np.ndarray], union: int, universe: int
-                 ) -> tuple[StepPlan, StepResult]:
+                per_row: list[np.ndarray], union: int, universe: int, cpu_ms: float = 0.0
+                ) -> tuple[StepPlan, StepResult]:
     """The simulated step as the daemon sees a real one: its plan (the chosen drafts) and
     the worker's result (accepted drafts, each slot's CPU experts and the step's counters)."""
     first = np.cumsum([0] + [1 + k for k in drafts])
@@ -163,7 +166,8 @@ def step_record(step: int, work: list[SlotWork], drafts: list[int], accepted: li
         dataclasses.replace(w, draft_ids=w.draft_ids[:k], draft_sources=w.draft_sources[:k])
         for w, k in zip(work, drafts, strict=True)])
     counters = {"passes": 1, "cpu_experts": union, "cpu_experts_held": universe}
-    return plan, StepResult(step_id=step + 1, slots=results, counters=counters)
+    return plan, StepResult(step_id=step + 1, slots=results, counters=counters,
+                            timings_ms={"cpu_experts": cpu_ms} if cpu_ms else {})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -186,6 +190,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--expert-ms", type=float, default=0.034)
     p.add_argument("--noise", type=float, default=0.0,
                    help="relative standard deviation of a step's time (0: none)")
+    p.add_argument("--no-cpu-time", action="store_true",
+                   help="the worker reports no CPU expert time: the budget fits an expert's "
+                   "cost from the step times alone")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.steps <= WARM_UP:

@@ -27,11 +27,9 @@ from daemon.draft_budget import (
     ratio,
 )
 from daemon.draft_stats import (
-    MIN_STEPS,
     REQUEST_DECAY,
     REQUEST_PRIOR_TRIALS,
     AcceptanceStats,
-    CostFit,
     DraftBudget,
 )
 from daemon.lifecycle import worker_config
@@ -43,7 +41,6 @@ from protocol.messages import (
     SamplingParams,
     SlotResult,
     SlotWork,
-    StepPlan,
     StepResult,
     WorkKind,
 )
@@ -245,48 +242,6 @@ def test_positions_that_accept_less_get_fewer_drafts():
     np.testing.assert_allclose(gains(late.accept, 3), [[0, 0.95, 0.95 + 0.855,
                                                         0.95 + 0.855 + 0.0855]])
     np.testing.assert_allclose(gains(chain.accept, 3), [[0, 0.8, 1.44, 1.952]])
-
-
-def test_the_cost_fit_recovers_the_step_constants():
-    prior = StepCost(20.0, 2.0, 0.2)
-    fit = CostFit(prior)
-    rng = np.random.default_rng(4)
-    for i in range(400):
-        if i < MIN_STEPS:
-            assert fit.cost() == prior  # too few steps: the config's constants
-        rows = int(rng.integers(1, 17))
-        experts = int(rows * 30 + rng.integers(0, 200))  # correlated with rows, as in a step
-        noise = 0.5 * rng.standard_normal()
-        fit.observe(1, rows, experts, 5.0 + 0.5 * rows + 0.03 * experts + noise)
-    got = fit.cost()
-    assert got.fixed_ms == pytest.approx(5.0, rel=0.15)
-    assert got.row_ms == pytest.approx(0.5, rel=0.15)
-    assert got.expert_ms == pytest.approx(0.03, rel=0.15)
-    gpu_only = CostFit(prior)  # never a CPU expert: that constant stays the prior's
-    for rows in range(1, 33):
-        gpu_only.observe(1, rows % 16 + 1, 0, 5.0 + 0.5 * (rows % 16 + 1))
-    got = gpu_only.cost()
-    assert got.expert_ms == pytest.approx(0.2)
-    assert (got.fixed_ms, got.row_ms) == (pytest.approx(5.0, rel=0.05),
-                                          pytest.approx(0.5, rel=0.05))
-
-
-def test_steps_that_capture_or_first_run_a_graph_do_not_teach_the_cost():
-    """A capture or a layout's eager first pass (compiling) is a one-off: the fit skips it."""
-    budget = DraftBudget(SpeculationSection(mode="wide", draft_budget="adaptive"))
-    work = SlotWork(slot=0, request_id="r", kind=WorkKind.DECODE,
-                    input_ids=np.array([5], np.int32), start_pos=3, num_tokens=1,
-                    needs_logits=True, sampling=SamplingParams(seed=1), prompt_len=3)
-    res = SlotResult(slot=0, request_id="r", token_ids=[6], num_accepted=0,
-                     prompt=PromptPhase(phase=2, prompt_tokens_this_step=0, prompt_len=3,
-                                        cached_len=0))
-    plan = StepPlan(step_id=1, slots=[work])
-    for counters in ({"graph_captures": 1}, {"graph_first_runs": 1}, {"graph_refused": 1}):
-        budget.observe(plan, StepResult(step_id=1, slots=[res], counters=counters), 5.0)
-    assert budget.costs.n == 0
-    budget.observe(plan, StepResult(step_id=2, slots=[res], counters={"graph_replays": 1}),
-                   0.05)
-    assert budget.costs.n == 1 and budget.costs.b[0] == pytest.approx(50.0)
 
 
 def test_the_budget_counts_its_choices_for_drafted_slots():

@@ -1,0 +1,92 @@
+"""The adaptive draft budget's step cost (daemon/draft_cost.py): a CPU expert's cost from
+the worker's CPU time, the pass's and a row's fitted, one-off steps left out."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from daemon.config import SpeculationSection
+from daemon.draft_budget import StepCost
+from daemon.draft_cost import MIN_STEPS, CostFit
+from daemon.draft_stats import DraftBudget
+from protocol.messages import (
+    PromptPhase,
+    SamplingParams,
+    SlotResult,
+    SlotWork,
+    StepPlan,
+    StepResult,
+    WorkKind,
+)
+
+
+def test_the_cost_fit_recovers_the_step_constants():
+    prior = StepCost(20.0, 2.0, 0.2)
+    fit = CostFit(prior)
+    rng = np.random.default_rng(4)
+    for i in range(400):
+        if i < MIN_STEPS:
+            assert fit.cost() == prior  # too few steps: the config's constants
+        rows = int(rng.integers(1, 17))
+        experts = int(rows * 30 + rng.integers(0, 200))  # correlated with rows, as in a step
+        noise = 0.5 * rng.standard_normal()
+        fit.observe(1, rows, experts, 5.0 + 0.5 * rows + 0.03 * experts + noise)
+    got = fit.cost()
+    assert got.fixed_ms == pytest.approx(5.0, rel=0.15)
+    assert got.row_ms == pytest.approx(0.5, rel=0.15)
+    assert got.expert_ms == pytest.approx(0.03, rel=0.15)
+    gpu_only = CostFit(prior)  # never a CPU expert: that constant stays the prior's
+    for rows in range(1, 33):
+        gpu_only.observe(1, rows % 16 + 1, 0, 5.0 + 0.5 * (rows % 16 + 1))
+    got = gpu_only.cost()
+    assert got.expert_ms == pytest.approx(0.2)
+    assert (got.fixed_ms, got.row_ms) == (pytest.approx(5.0, rel=0.05),
+                                          pytest.approx(0.5, rel=0.05))
+
+
+def test_a_cpu_experts_cost_is_the_workers_time_for_them_from_the_first_step():
+    # the steps' rows and experts rise together: the expert's cost is the worker's CPU
+    # expert time over the experts, the pass's and a row's fitted to what is left
+    prior = StepCost(20.0, 2.0, 0.2)
+    fit = CostFit(prior)
+    rng = np.random.default_rng(5)
+    for i in range(200):
+        rows = int(rng.integers(12, 17))
+        experts = int(rows * 290 + rng.integers(-150, 150))
+        cpu = 0.034 * experts * (1 + 0.02 * rng.standard_normal())
+        fit.observe(1, rows, experts, 12.0 + 0.3 * rows + cpu + 3.0 * rng.standard_normal(),
+                    cpu)
+        got = fit.cost()
+        assert got.expert_ms == pytest.approx(fit.cpu[0] / fit.cpu[1])  # from step one
+        if i < MIN_STEPS - 1:
+            assert (got.fixed_ms, got.row_ms) == (prior.fixed_ms, prior.row_ms)
+    assert got.expert_ms == pytest.approx(0.034, rel=0.01)
+    assert got.fixed_ms + 14 * got.row_ms == pytest.approx(12.0 + 0.3 * 14, rel=0.1)
+    # the step time alone (no CPU time reported), the same steps: the rows' cost and the
+    # experts' cannot be told apart, and the fit puts far more on each expert than it costs
+    alone, rng = CostFit(prior), np.random.default_rng(5)
+    for _ in range(200):
+        rows = int(rng.integers(12, 17))
+        experts = int(rows * 290 + rng.integers(-150, 150))
+        alone.observe(1, rows, experts, 12.0 + 0.3 * rows + 0.034 * experts
+                      + 3.0 * rng.standard_normal())
+    assert alone.cost().expert_ms > 1.3 * 0.034
+
+
+def test_steps_that_capture_or_first_run_a_graph_do_not_teach_the_cost():
+    """A capture or a layout's eager first pass (compiling) is a one-off: the fit skips it."""
+    budget = DraftBudget(SpeculationSection(mode="wide", draft_budget="adaptive"))
+    work = SlotWork(slot=0, request_id="r", kind=WorkKind.DECODE,
+                    input_ids=np.array([5], np.int32), start_pos=3, num_tokens=1,
+                    needs_logits=True, sampling=SamplingParams(seed=1), prompt_len=3)
+    res = SlotResult(slot=0, request_id="r", token_ids=[6], num_accepted=0,
+                     prompt=PromptPhase(phase=2, prompt_tokens_this_step=0, prompt_len=3,
+                                        cached_len=0))
+    plan = StepPlan(step_id=1, slots=[work])
+    for counters in ({"graph_captures": 1}, {"graph_first_runs": 1}, {"graph_refused": 1}):
+        budget.observe(plan, StepResult(step_id=1, slots=[res], counters=counters), 5.0)
+    assert budget.costs.n == 0
+    budget.observe(plan, StepResult(step_id=2, slots=[res], counters={"graph_replays": 1}),
+                   0.05)
+    assert budget.costs.n == 1 and budget.costs.b[0] == pytest.approx(50.0)
