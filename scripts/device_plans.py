@@ -303,13 +303,13 @@ PLANS: dict[str, list[Check]] = {
                          "--out $OUT/draft_budget_host_device.json", 60)],
     # the essays' question first (one call): adaptive beside the fixed lengths 1 and 2
     "matrix_32_essay": [matrix("32", "off,adaptive,wide@2,wide@1", "matrix_32_essay", "essay")],
-    # the same matrix split by what the adaptive budget's code does not touch: the fixed
-    # arms first (essays, then coding), adaptive last (both workloads)
-    "matrix_32_essay_fixed": [matrix("32", "off,wide@2,wide@1", "matrix_32_essay_fixed",
+    # the essays again under the name a session's queued calls used (session 26: the
+    # adaptive budget's new code landed before the call, so adaptive runs in it too)
+    "matrix_32_essay_fixed": [matrix("32", "off,adaptive,wide@2,wide@1", "matrix_32_essay",
                                      "essay")],
-    "matrix_32_coding": [matrix("32", "off,narrow,wide,wide@2,wide@1", "matrix_32_coding",
-                                "coding")],
-    "matrix_32_adaptive": [matrix("32", "off,adaptive", "matrix_32_adaptive")],
+    # the coding workload's arms, adaptive and the fixed lengths after plain wide
+    "matrix_32_coding": [matrix("32", "off,narrow,wide,adaptive,wide@2,wide@1",
+                                "matrix_32_coding", "coding")],
     # a prefill chunk's rows several to a warp (session 20): the kernels' bits (decode rows
     # and R-row launches), the model's chunking and every-layout invariance with both
     # architectures and the GPU experts' row cap, then each launch shape's speed
