@@ -178,8 +178,8 @@ class RoutingStats:
 
     def _class_table(self) -> tuple[np.ndarray, np.ndarray]:
         """(mean share [CLASSES], count [CLASSES]) of the CPU experts by popularity class
-        (:func:`popularity_class`; 0, 0: an empty class), counted again once the shares
-        learned ``CLASS_REFRESH`` slot steps more (a slot's step moves them by 1 %)."""
+        (:func:`popularity_class`; an empty class: its middle share, 0), counted again once
+        the shares learned ``CLASS_REFRESH`` slot steps more (a step moves them by 1 %)."""
         if self._classes is None or self._stale >= CLASS_REFRESH:
             self._stale = 0
             u = max(self.universe, 1)
@@ -190,8 +190,8 @@ class RoutingStats:
             cls = popularity_class(shares, u)
             count = np.bincount(cls, number, CLASSES)
             total = np.bincount(cls, shares * number, CLASSES)
-            self._classes = (np.divide(total, count, out=np.zeros(CLASSES), where=count > 0),
-                             count)
+            nominal = 2.0 ** ((np.arange(CLASSES) + 0.5) / BIN_STEPS - BIN_SPAN) / u
+            self._classes = (np.divide(total, count, out=nominal, where=count > 0), count)
         return self._classes
 
     def _share(self, ids: np.ndarray) -> float:
