@@ -1,5 +1,12 @@
 """The adaptive draft budget's step cost (daemon/draft_stats.py's module doc, "Step cost"):
-what a forward pass, a row and a distinct CPU expert cost, from the decode-only steps."""
+what a forward pass, a row and a distinct CPU expert cost, from the decode-only steps.
+
+A step's cost is not one line over every layout: a pass of one slot spreads its few experts
+per layer over the CPU workers worse than four slots' many, so an expert costs more there,
+and what the CPU experts leave of the step (the GPU's work, the layers' hand-offs) is a
+larger share. The choice is made among the layouts of the step at hand (its slots), so the
+cost is kept per number of slots, from the steps of that many slots once there are
+``MIN_LOCAL_STEPS`` of them, else from all."""
 
 from __future__ import annotations
 
@@ -8,45 +15,80 @@ import numpy as np
 from daemon.draft_budget import StepCost
 
 MIN_STEPS = 16  # decode-only steps before the fitted step cost replaces the config's
+MIN_LOCAL_STEPS = 4  # steps of one slot count before their own fit is used for it
+
+
+class StepSums:
+    """Decode-only steps' sums for a least-squares fit, old steps fading by ``forget``."""
+
+    def __init__(self, forget: float) -> None:
+        self.forget = forget
+        self.A = np.zeros((3, 3))  # over (passes, rows, CPU experts)
+        self.b = np.zeros(3)
+        self.n = 0.0
+        self.cpu = np.zeros(2)  # CPU expert ms and CPU experts of the steps
+
+    def add(self, x: np.ndarray, ms: float, cpu_ms: float) -> None:
+        self.A = self.forget * self.A + np.outer(x, x)
+        self.b = self.forget * self.b + x * ms
+        self.n = self.forget * self.n + 1.0
+        if cpu_ms > 0 and x[2] > 0:
+            self.cpu = self.forget * self.cpu + np.array([cpu_ms, x[2]])
 
 
 class CostFit:
     """``StepCost`` of decode-only steps: ms ~ fixed * passes + row * rows + expert *
     cpu_experts, ``expert`` measured (the worker's CPU expert time over the experts) where
-    the worker reports that time, else fitted with the rest. A ridge of ``strength`` steps'
-    weight (scaled per feature) pulls what the steps leave undetermined (no CPU experts:
-    their cost) to the config's constants; old steps fade by ``forget`` per step."""
+    the worker reports that time, else fitted with the rest; per number of slots (the module
+    doc). A ridge of ``strength`` steps' weight (scaled per feature) pulls what the steps
+    leave undetermined (no CPU experts: their cost) to the config's constants; old steps fade
+    by ``forget`` per step."""
 
     def __init__(self, prior: StepCost, strength: float = 0.01, forget: float = 0.99) -> None:
         self.prior = np.array([prior.fixed_ms, prior.row_ms, prior.expert_ms])
         self.strength, self.forget = strength, forget
-        self.A = np.zeros((3, 3))
-        self.b = np.zeros(3)
-        self.n = 0.0
-        self.cpu = np.zeros(2)  # CPU expert ms and CPU experts of the steps, with forgetting
+        self.pooled = StepSums(forget)  # every decode-only step
+        self.by_slots: dict[int, StepSums] = {}
+
+    @property
+    def n(self) -> float:
+        """The steps the pooled fit weighs (old ones counted by what is left of them)."""
+        return self.pooled.n
 
     def observe(self, passes: int, rows: int, experts: int, ms: float,
-                cpu_ms: float = 0.0) -> None:
-        """A decode-only step: its passes, rows, distinct CPU experts, wall time and the
-        worker's CPU expert time (0: not reported)."""
+                cpu_ms: float = 0.0, slots: int = 0) -> None:
+        """A decode-only step of ``slots`` slots: its passes, rows, distinct CPU experts, wall
+        time and the worker's CPU expert time (0: not reported)."""
         x = np.array([passes, rows, experts], dtype=np.float64)
-        self.A = self.forget * self.A + np.outer(x, x)
-        self.b = self.forget * self.b + x * ms
-        self.n = self.forget * self.n + 1.0
-        if cpu_ms > 0 and experts > 0:
-            self.cpu = self.forget * self.cpu + np.array([cpu_ms, experts], dtype=np.float64)
+        self.pooled.add(x, ms, cpu_ms)
+        self.by_slots.setdefault(slots, StepSums(self.forget)).add(x, ms, cpu_ms)
 
-    def cost(self) -> StepCost:
-        expert = self.cpu[0] / self.cpu[1] if self.cpu[1] > 0 else None
-        if self.n < MIN_STEPS:
+    def cost(self, slots: int | None = None) -> StepCost:
+        """The cost for a step of ``slots`` slots (None: over all steps)."""
+        local = self.by_slots.get(slots) if slots is not None else None
+        if local is not None and local.n >= MIN_LOCAL_STEPS:
+            return self._fit(local)
+        if self.pooled.n < MIN_STEPS:
+            expert = _measured(local) or _measured(self.pooled)
             fixed, row, prior_expert = self.prior
             return StepCost(fixed, row, prior_expert if expert is None else expert)
-        R = np.diag(self.strength * np.diag(self.A) / self.n + 1e-9)
+        return self._fit(self.pooled)
+
+    def _fit(self, s: StepSums) -> StepCost:
+        R = np.diag(self.strength * np.diag(s.A) / s.n + 1e-9)
+        expert = _measured(s)
         if expert is None:
-            theta = np.linalg.solve(self.A + R, self.b + R @ self.prior)
+            theta = np.linalg.solve(s.A + R, s.b + R @ self.prior)
             fixed, row, expert = np.maximum(theta, 0.0)
-        else:  # fixed and row on what the measured CPU experts leave of each step
-            A, b = self.A[:2, :2], self.b[:2] - expert * self.A[:2, 2]
-            fixed, row = np.maximum(np.linalg.solve(A + R[:2, :2], b + R[:2, :2]
-                                                    @ self.prior[:2]), 0.0)
+            return StepCost(max(float(fixed), 1e-3), float(row), float(expert))
+        # fixed and row on what the measured CPU experts leave of each step
+        A, b = s.A[:2, :2] + R[:2, :2], s.b[:2] - expert * s.A[:2, 2] + R[:2, :2] @ self.prior[:2]
+        fixed, row = np.linalg.solve(A, b)
+        if row < 0:  # rows never make a step cheaper: the best fit with row = 0
+            fixed, row = b[0] / A[0, 0], 0.0
         return StepCost(max(float(fixed), 1e-3), float(row), float(expert))
+
+
+def _measured(s: StepSums | None) -> float | None:
+    """A CPU expert's measured cost over ``s``'s steps (None: no CPU time reported)."""
+    return float(s.cpu[0] / s.cpu[1]) if s is not None and s.cpu[1] > 0 else None

@@ -24,7 +24,8 @@
   what the CPU experts leave of each decode-only step's wall time, on (passes, rows); the
   config's constants until ``MIN_STEPS`` such steps were seen, and for what the steps cannot
   tell apart (a slight ridge toward them). Without the worker's CPU time (no CPU experts),
-  all three by the fit of the step time. Steps that captured a CUDA graph or ran a layout's
+  all three by the fit of the step time. All of it per number of slots (daemon/draft_cost.py).
+  Steps that captured a CUDA graph or ran a layout's
   first (eager, compiling) pass are left out: they cost more than their layout does, and a
   budget that changes lengths meets new layouts often, so fitting them would make every row
   look dearer and cut later drafts.
@@ -309,6 +310,7 @@ class DraftBudget:
         self.fit_costs = True  # False: the config's constants only (tests)
         self._idle: dict[str, int] = {}  # request -> steps its proposals were all cut
         self.chosen = np.zeros(MAX_POSITIONS + 1, np.int64)  # drafted slots by drafts chosen
+        self._slots: int | None = None  # the last step's, chosen for
 
     def choose(self, work: list[SlotWork], counts: list[int], wide: bool) -> list[int]:
         """Draft counts (each <= ``counts``, the trimmed ones) for ``work``'s slots."""
@@ -327,6 +329,7 @@ class DraftBudget:
             base_rows=np.array([w.num_tokens for w in work]), max_drafts=np.array(counts),
             accept=np.array(rate), base_value=np.array(decode, dtype=np.float64),
             log_miss=log_miss, weight=weight, wide=wide, locality=self.routing.locality)
+        self._slots = len(work)
         out = choose(problem, self.cost)
         for i, (w, n) in enumerate(zip(work, counts, strict=True)):
             if n and not out[i]:
@@ -348,7 +351,10 @@ class DraftBudget:
 
     @property
     def cost(self) -> StepCost:
-        return self.costs.cost() if self.fit_costs else StepCost(*self.costs.prior)
+        """The step cost for as many slots as the last step chosen for had."""
+        if not self.fit_costs:
+            return StepCost(*self.costs.prior)
+        return self.costs.cost(self._slots)
 
     def observe(self, plan: StepPlan, result: StepResult, seconds: float) -> None:
         """A step's outcome: acceptance per verify, routing per decode slot, the step time
@@ -367,4 +373,5 @@ class DraftBudget:
                 and not any(c.get(k, 0) for k in ONE_OFF_COUNTERS)):
             self.costs.observe(int(c.get("passes", 1)), plan.num_rows,
                                int(c.get("cpu_experts", 0)), seconds * 1e3,
-                               float(result.timings_ms.get("cpu_experts", 0.0)))
+                               float(result.timings_ms.get("cpu_experts", 0.0)),
+                               len(plan.slots))
