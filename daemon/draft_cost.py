@@ -55,6 +55,10 @@ class CostFit:
         """The steps the pooled fit weighs (old ones counted by what is left of them)."""
         return self.pooled.n
 
+    def usual_slots(self) -> int | None:
+        """The number of slots the most (faded) steps had (None: no step yet)."""
+        return max(self.by_slots, key=lambda k: self.by_slots[k].n, default=None)
+
     def observe(self, passes: int, rows: int, experts: int, ms: float,
                 cpu_ms: float = 0.0, slots: int = 0) -> None:
         """A decode-only step of ``slots`` slots: its passes, rows, distinct CPU experts, wall

@@ -37,7 +37,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from daemon.draft_budget import BudgetProblem, StepCost, choose, pattern_table, patterns
+from daemon.draft_accept import MAX_POSITIONS, AcceptanceStats
+from daemon.draft_budget import (
+    BudgetProblem,
+    StepCost,
+    choose,
+    expected_union,
+    fresh_rows,
+    pattern_table,
+    patterns,
+)
 from daemon.draft_cost import CostFit
 from protocol.messages import SlotWork, StepPlan, StepResult, WorkKind
 
@@ -46,13 +55,6 @@ if TYPE_CHECKING:
 
 # a step's counters (gpu_worker/step_graph.py) that mark its time as not its layout's cost
 ONE_OFF_COUNTERS = ("graph_captures", "graph_first_runs", "graph_refused")
-# (successes, trials) a source's first draft position starts from: 0.8, optimistic, so that
-# drafts run (and are measured) until the source's own figures say they do not pay; each
-# later position leans on the one before it with the same weight (trials)
-SOURCE_PRIOR = (1.6, 2.0)
-MAX_POSITIONS = 16  # draft positions measured (speculation.num_drafts <= 15)
-REQUEST_PRIOR_TRIALS = 16.0  # how much a request's estimate leans on its source's
-REQUEST_DECAY = 0.95  # a request's counts, per verify
 PROBE_STEPS = 8  # a slot left without drafts this many steps gets one (re-measured)
 EMA = 0.1  # weight of a new step in the persistence, locality and picks-per-row averages
 POPULARITY_EMA = 0.01  # weight of a slot's step in each CPU expert's share of the picks
@@ -64,43 +66,6 @@ BIN_STEPS = 1
 BIN_SPAN = 10
 CLASSES = 2 * BIN_SPAN * BIN_STEPS + 1
 CLASS_REFRESH = 16
-
-
-class AcceptanceStats:
-    """Acceptance probability per (request, source) and draft position, each given the
-    drafts before it were accepted: :meth:`rate` gives them as ``[MAX_POSITIONS]``."""
-
-    def __init__(self) -> None:
-        self.sources: dict[int, np.ndarray] = {}  # source -> [2, positions]: successes, trials
-        self.requests: dict[tuple[str, int], np.ndarray] = {}
-
-    def observe(self, request_id: str, source: int, drafts: int, accepted: int) -> None:
-        seen = np.zeros((2, MAX_POSITIONS))
-        seen[0, :accepted] = 1.0
-        seen[1, :min(accepted + (accepted < drafts), MAX_POSITIONS)] = 1.0
-        src = self.sources.setdefault(source, np.zeros((2, MAX_POSITIONS)))
-        src += seen
-        req = self.requests.get((request_id, source))
-        self.requests[(request_id, source)] = seen if req is None else REQUEST_DECAY * req + seen
-
-    def source_rate(self, source: int) -> np.ndarray:
-        """``[MAX_POSITIONS]``: the source's probability at each position, over requests."""
-        s, t = self.sources.get(source, np.zeros((2, MAX_POSITIONS)))
-        out = np.empty(MAX_POSITIONS)
-        before, weight = SOURCE_PRIOR[0] / SOURCE_PRIOR[1], SOURCE_PRIOR[1]
-        for j in range(MAX_POSITIONS):
-            before = out[j] = (s[j] + weight * before) / (t[j] + weight)
-        return out
-
-    def rate(self, request_id: str, source: int) -> np.ndarray:
-        prior = self.source_rate(source)
-        req = self.requests.get((request_id, source))
-        if req is None:
-            return prior
-        return (req[0] + REQUEST_PRIOR_TRIALS * prior) / (req[1] + REQUEST_PRIOR_TRIALS)
-
-    def keep(self, live: set[str]) -> None:
-        self.requests = {k: v for k, v in self.requests.items() if k[0] in live}
 
 
 class RoutingStats:
@@ -311,6 +276,10 @@ class DraftBudget:
         self._idle: dict[str, int] = {}  # request -> steps its proposals were all cut
         self.chosen = np.zeros(MAX_POSITIONS + 1, np.int64)  # drafted slots by drafts chosen
         self._slots: int | None = None  # the last step's, chosen for
+        # the last choice's expected CPU experts and ms (a wide pass), and the average
+        # relative error of such forecasts against the steps' own (union, step time)
+        self._forecast: tuple[float, float] | None = None
+        self.errors = np.zeros(2)
 
     def choose(self, work: list[SlotWork], counts: list[int], wide: bool) -> list[int]:
         """Draft counts (each <= ``counts``, the trimmed ones) for ``work``'s slots."""
@@ -340,14 +309,24 @@ class DraftBudget:
                 self._idle.pop(w.request_id, None)
             if n:
                 self.chosen[min(out[i], MAX_POSITIONS)] += 1
+        if wide:  # what it expects of the chosen pass, against the worker's (observe)
+            rows = problem.base_rows + np.array(out)
+            union = float(expected_union(fresh_rows(rows[None, :], problem.locality),
+                                         log_miss, weight)[0])
+            self._forecast = (union, self.cost.pass_ms(float(rows.sum()), union))
         return out
 
     def figures(self) -> dict[str, float]:
-        """The estimates the choice runs on now (daemon/metrics_budget.py)."""
-        cost, r = self.cost, self.routing
+        """The estimates the choice runs on (daemon/metrics_budget.py): the step cost for the
+        number of slots most of the fitted steps had (``cost_slots``; a run's steady state,
+        not its last few steps as streams end), the routing model now."""
+        slots = self.costs.usual_slots()
+        cost, r = (self.costs.cost(slots) if self.fit_costs else self.cost), self.routing
         return {"fixed_ms": cost.fixed_ms, "row_ms": cost.row_ms, "expert_ms": cost.expert_ms,
-                "fitted_steps": self.costs.n, "persistence": r.persistence, "locality": r.locality,
-                "effective_experts": float(r.effective), "picks_per_row": r.picks_per_row}
+                "cost_slots": float(slots or 0), "fitted_steps": self.costs.n,
+                "persistence": r.persistence, "locality": r.locality,
+                "effective_experts": float(r.effective), "picks_per_row": r.picks_per_row,
+                "union_error": float(self.errors[0]), "step_error": float(self.errors[1])}
 
     @property
     def cost(self) -> StepCost:
@@ -369,8 +348,13 @@ class DraftBudget:
             self.routing.observe(w.request_id, w.num_rows, res.cpu_experts,
                                  res.cpu_expert_rows, universe)
         c = result.counters
+        forecast, self._forecast = self._forecast, None
         if (plan.slots and all(w.kind == WorkKind.DECODE for w in plan.slots)
                 and not any(c.get(k, 0) for k in ONE_OFF_COUNTERS)):
+            if forecast is not None and c.get("cpu_experts", 0) > 0 and seconds > 0:
+                self.errors += EMA * (np.array([forecast[0] / c["cpu_experts"],
+                                                forecast[1] / (seconds * 1e3)]) - 1.0
+                                      - self.errors)
             self.costs.observe(int(c.get("passes", 1)), plan.num_rows,
                                int(c.get("cpu_experts", 0)), seconds * 1e3,
                                float(result.timings_ms.get("cpu_experts", 0.0)),

@@ -22,9 +22,11 @@ class BudgetFigures(Collector):
     def collect(self):
         figures = GaugeMetricFamily(
             f"{PREFIX}_draft_budget", "The adaptive draft budget's estimates now, by figure: "
-            "fixed_ms, row_ms, expert_ms (its step cost model), fitted_steps (the steps the "
-            "fit has weighed), persistence, locality, effective_experts, picks_per_row (its "
-            "routing model)", labels=["figure"])
+            "fixed_ms, row_ms, expert_ms (its step cost model for cost_slots slots, the "
+            "slot count most steps had), fitted_steps (the steps the fit has weighed), "
+            "persistence, locality, effective_experts, picks_per_row (its routing model), "
+            "union_error and step_error (its forecasts' average relative error)",
+            labels=["figure"])
         choices = CounterMetricFamily(
             f"{PREFIX}_draft_budget_choices", "Drafted slots' verifications by the draft "
             "count the budget chose for them", labels=["drafts"])

@@ -17,6 +17,7 @@ from daemon.cli import build_parser
 from daemon.commands import config_from_args
 from daemon.config import SpeculationSection, load_config
 from daemon.config_checks import ConfigError
+from daemon.draft_accept import REQUEST_DECAY, REQUEST_PRIOR_TRIALS, AcceptanceStats
 from daemon.draft_budget import (
     BudgetProblem,
     StepCost,
@@ -26,12 +27,7 @@ from daemon.draft_budget import (
     patterns,
     ratio,
 )
-from daemon.draft_stats import (
-    REQUEST_DECAY,
-    REQUEST_PRIOR_TRIALS,
-    AcceptanceStats,
-    DraftBudget,
-)
+from daemon.draft_stats import DraftBudget
 from daemon.lifecycle import worker_config
 from gpu_worker.experts.counters import ExpertCounters
 from protocol.codec import decode, encode
@@ -256,9 +252,10 @@ def test_the_budget_counts_its_choices_for_drafted_slots():
     out = budget.choose(work, [3, 2, 0], True)  # the third slot offers none: not counted
     assert budget.chosen.sum() == 2 and budget.chosen[out[0]] >= 1
     assert budget.chosen[out[1]] >= 1 and out[2] == 0
-    assert set(budget.figures()) == {"fixed_ms", "row_ms", "expert_ms", "fitted_steps",
-                                     "persistence", "locality", "effective_experts",
-                                     "picks_per_row"}
+    assert set(budget.figures()) == {"fixed_ms", "row_ms", "expert_ms", "cost_slots",
+                                     "fitted_steps", "persistence", "locality",
+                                     "effective_experts", "picks_per_row", "union_error",
+                                     "step_error"}
 
 
 # ---- the worker's record and the wire ----------------------------------------------------------

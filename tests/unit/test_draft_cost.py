@@ -3,6 +3,8 @@ the worker's CPU time, the pass's and a row's fitted, one-off steps left out."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -11,6 +13,7 @@ from daemon.draft_budget import StepCost
 from daemon.draft_cost import MIN_STEPS, CostFit
 from daemon.draft_stats import DraftBudget
 from protocol.messages import (
+    DraftSource,
     PromptPhase,
     SamplingParams,
     SlotResult,
@@ -116,3 +119,38 @@ def test_the_cost_is_kept_per_number_of_slots():
     assert abs(step_ms(fit.cost()) / want - 1) > 0.1  # all steps pooled
     assert fit.cost(1).expert_ms == pytest.approx(0.06)
     assert fit.cost(3) == fit.cost()  # no steps of three slots: the pooled fit
+    fit.observe(1, 4, 1300, 90.0, 70.0, 1)
+    assert fit.usual_slots() == 1  # as many steps of one slot as of four, and one more
+
+
+def test_the_budget_tracks_how_far_its_forecasts_were():
+    # each wide choice's expected CPU experts and step time against the step's own, on
+    # /metrics as union_error and step_error (averages of forecast / actual - 1)
+    budget = DraftBudget(SpeculationSection(mode="wide", draft_budget="adaptive"))
+    budget.fit_costs = False
+    budget.routing.observe("r", 1, np.arange(40), np.ones(40, np.int64), 1000)
+    work = SlotWork(slot=0, request_id="r", kind=WorkKind.DECODE,
+                    input_ids=np.array([5], np.int32), start_pos=3, num_tokens=1,
+                    needs_logits=True, sampling=SamplingParams(seed=1), prompt_len=3,
+                    draft_ids=np.array([7, 8], np.int32),
+                    draft_sources=np.full(2, int(DraftSource.MTP), np.uint8))
+    k = budget.choose([work], [2], True)[0]
+    union, ms = budget._forecast
+    rows = 1 + k
+    assert ms == pytest.approx(8.0 + 0.25 * rows + 0.03 * union) and 40 <= union
+    work = dataclasses.replace(work, draft_ids=work.draft_ids[:k],
+                               draft_sources=work.draft_sources[:k])
+    res = SlotResult(slot=0, request_id="r", token_ids=[6], num_accepted=0,
+                     prompt=PromptPhase(phase=2, prompt_tokens_this_step=0, prompt_len=3,
+                                        cached_len=0),
+                     cpu_experts=np.arange(50, dtype=np.int32),
+                     cpu_expert_rows=np.ones(50, np.uint16))
+    step = StepResult(step_id=1, slots=[res], counters={"cpu_experts": 50,
+                                                        "cpu_experts_held": 1000})
+    budget.observe(StepPlan(step_id=1, slots=[work]), step, 0.02)
+    want = 0.1 * np.array([union / 50 - 1, ms / 20.0 - 1])
+    np.testing.assert_allclose(budget.errors, want)
+    figures = budget.figures()
+    assert (figures["union_error"], figures["step_error"]) == tuple(want)
+    budget.observe(StepPlan(step_id=2, slots=[work]), step, 0.02)  # no choice: no forecast
+    np.testing.assert_allclose(budget.errors, want)
