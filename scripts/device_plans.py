@@ -303,11 +303,8 @@ PLANS: dict[str, list[Check]] = {
                          "--out $OUT/draft_budget_host_device.json", 60)],
     # the essays' question first (one call): adaptive beside the fixed lengths 1 and 2
     "matrix_32_essay": [matrix("32", "off,adaptive,wide@2,wide@1", "matrix_32_essay", "essay")],
-    # the essays again under the name a session's queued calls used (session 26: the
-    # adaptive budget's new code landed before the call, so adaptive runs in it too)
-    "matrix_32_essay_fixed": [matrix("32", "off,adaptive,wide@2,wide@1", "matrix_32_essay",
-                                     "essay")],
-    # the coding workload's arms, adaptive and the fixed lengths after plain wide
+    # the coding workload's arms in one call after another: adaptive and the fixed lengths
+    # after plain wide (its off runs record the coding replay file)
     "matrix_32_coding": [matrix("32", "off,narrow,wide,adaptive,wide@2,wide@1",
                                 "matrix_32_coding", "coding")],
     # a prefill chunk's rows several to a warp (session 20): the kernels' bits (decode rows
