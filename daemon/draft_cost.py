@@ -85,8 +85,10 @@ class CostFit:
             theta = np.linalg.solve(s.A + R, s.b + R @ self.prior)
             fixed, row, expert = np.maximum(theta, 0.0)
             return StepCost(max(float(fixed), 1e-3), float(row), float(expert))
-        # fixed and row on what the measured CPU experts leave of each step
-        A, b = s.A[:2, :2] + R[:2, :2], s.b[:2] - expert * s.A[:2, 2] + R[:2, :2] @ self.prior[:2]
+        # fixed and row on what the measured CPU experts leave of each step; where the steps'
+        # rows hardly vary, what they leave is the pass's (the ridge holds the row's cost)
+        R = np.diag([1e-9, self.strength * s.A[1, 1] / s.n + 1e-9])
+        A, b = s.A[:2, :2] + R, s.b[:2] - expert * s.A[:2, 2] + R @ self.prior[:2]
         fixed, row = np.linalg.solve(A, b)
         if row < 0:  # rows never make a step cheaper: the best fit with row = 0
             fixed, row = b[0] / A[0, 0], 0.0

@@ -22,8 +22,8 @@
   steps' experts and rows rise together, so a fit of the step time alone cannot tell an
   expert's cost from a row's. The pass's and a row's: least squares, with forgetting, of
   what the CPU experts leave of each decode-only step's wall time, on (passes, rows); the
-  config's constants until ``MIN_STEPS`` such steps were seen, and for what the steps cannot
-  tell apart (a slight ridge toward them). Without the worker's CPU time (no CPU experts),
+  config's constants until ``MIN_STEPS`` such steps were seen, and a row's where the steps'
+  rows cannot tell it (a slight ridge toward it). Without the worker's CPU time (no CPU experts),
   all three by the fit of the step time. All of it per number of slots (daemon/draft_cost.py).
   Steps that captured a CUDA graph or ran a layout's
   first (eager, compiling) pass are left out: they cost more than their layout does, and a

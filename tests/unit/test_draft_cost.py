@@ -154,3 +154,16 @@ def test_the_budget_tracks_how_far_its_forecasts_were():
     assert (figures["union_error"], figures["step_error"]) == tuple(want)
     budget.observe(StepPlan(step_id=2, slots=[work]), step, 0.02)  # no choice: no forecast
     np.testing.assert_allclose(budget.errors, want)
+
+
+def test_steps_of_one_row_count_leave_the_rows_cost_to_the_config():
+    # a budget that settles on one draft count runs steps of one row count: what the CPU
+    # experts leave of them is the pass's cost, a row's stays the config's (a split by the
+    # ridge alone put 1.6 ms on a row in the simulation and kept drafts from paying)
+    fit, rng = CostFit(StepCost(8.0, 0.25, 0.03)), np.random.default_rng(8)
+    for _ in range(40):
+        experts = int(3600 + rng.integers(-100, 100))
+        fit.observe(1, 12, experts, 40.0 + 0.25 * 12 + 0.04 * experts, 0.04 * experts, 4)
+    got = fit.cost(4)
+    assert got.row_ms == pytest.approx(0.25, rel=0.01)
+    assert got.fixed_ms == pytest.approx(40.0, rel=0.01)
