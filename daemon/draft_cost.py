@@ -79,9 +79,9 @@ class CostFit:
         return self._fit(self.pooled)
 
     def _fit(self, s: StepSums) -> StepCost:
-        R = np.diag(self.strength * np.diag(s.A) / s.n + 1e-9)
         expert = _measured(s)
         if expert is None:
+            R = np.diag(self.strength * np.diag(s.A) / s.n + 1e-9)
             theta = np.linalg.solve(s.A + R, s.b + R @ self.prior)
             fixed, row, expert = np.maximum(theta, 0.0)
             return StepCost(max(float(fixed), 1e-3), float(row), float(expert))

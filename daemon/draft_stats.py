@@ -276,9 +276,10 @@ class DraftBudget:
         self._idle: dict[str, int] = {}  # request -> steps its proposals were all cut
         self.chosen = np.zeros(MAX_POSITIONS + 1, np.int64)  # drafted slots by drafts chosen
         self._slots: int | None = None  # the last step's, chosen for
-        # the last choice's expected CPU experts and ms (a wide pass), and the average
+        # the last choice's expected CPU experts and ms (a wide pass; None once observed or
+        # without one), and the average
         # relative error of such forecasts against the steps' own (union, step time)
-        self._forecast: tuple[float, float] | None = None
+        self.forecast: tuple[float, float] | None = None
         self.errors = np.zeros(2)
 
     def choose(self, work: list[SlotWork], counts: list[int], wide: bool) -> list[int]:
@@ -299,7 +300,8 @@ class DraftBudget:
             accept=np.array(rate), base_value=np.array(decode, dtype=np.float64),
             log_miss=log_miss, weight=weight, wide=wide, locality=self.routing.locality)
         self._slots = len(work)
-        out = choose(problem, self.cost)
+        cost = self.cost
+        out = choose(problem, cost)
         for i, (w, n) in enumerate(zip(work, counts, strict=True)):
             if n and not out[i]:
                 self._idle[w.request_id] = self._idle.get(w.request_id, 0) + 1
@@ -313,7 +315,7 @@ class DraftBudget:
             rows = problem.base_rows + np.array(out)
             union = float(expected_union(fresh_rows(rows[None, :], problem.locality),
                                          log_miss, weight)[0])
-            self._forecast = (union, self.cost.pass_ms(float(rows.sum()), union))
+            self.forecast = (union, cost.pass_ms(float(rows.sum()), union))
         return out
 
     def figures(self) -> dict[str, float]:
@@ -348,7 +350,7 @@ class DraftBudget:
             self.routing.observe(w.request_id, w.num_rows, res.cpu_experts,
                                  res.cpu_expert_rows, universe)
         c = result.counters
-        forecast, self._forecast = self._forecast, None
+        forecast, self.forecast = self.forecast, None
         if (plan.slots and all(w.kind == WorkKind.DECODE for w in plan.slots)
                 and not any(c.get(k, 0) for k in ONE_OFF_COUNTERS)):
             if forecast is not None and c.get("cpu_experts", 0) > 0 and seconds > 0:

@@ -44,11 +44,10 @@ def check(args: argparse.Namespace) -> dict:
     for step in range(args.steps):
         work = slot_work(pos, MOST)
         log_miss, weight = budget.routing.patterns([w.request_id for w in work])
-        locality = getattr(budget.routing, "locality", 0.0)
         for k in range(MOST + 1):
             rows = np.full((1, SLOTS), 1 + k)
             if step >= WARM_UP:
-                fresh = 1 + (rows - 1) * (1 - locality)
+                fresh = draft_budget.fresh_rows(rows, budget.routing.locality)
                 predicted[step - WARM_UP, k] = draft_budget.expected_union(fresh, log_miss,
                                                                            weight)[0]
                 routed[step - WARM_UP, k] = len(np.unique(np.concatenate(
@@ -72,7 +71,7 @@ def check(args: argparse.Namespace) -> dict:
             "routed_growth": np.diff(r).tolist(),
             "growth_error": (np.diff(p) / np.diff(r) - 1.0).tolist(),
             "learned": {"persistence": budget.routing.persistence,
-                        "locality": getattr(budget.routing, "locality", None),
+                        "locality": budget.routing.locality,
                         "effective_experts": budget.routing.effective}}
 
 

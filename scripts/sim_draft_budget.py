@@ -36,7 +36,6 @@ from pathlib import Path
 import numpy as np
 
 from daemon.config import load_config
-from daemon.draft_budget import expected_union, fresh_rows
 from daemon.draft_stats import DraftBudget
 from gpu_worker.weights.routing import RoutingModel, RoutingParams
 from protocol.messages import (
@@ -95,10 +94,7 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
         if policy == "adaptive":
             work = slot_work(pos, most)
             drafts = budget.choose(work, [most] * SLOTS, True)
-            log_miss, weight = budget.routing.patterns([w.request_id for w in work])
-            predicted = expected_union(fresh_rows(np.array([[1 + k for k in drafts]]),
-                                                  budget.routing.locality),
-                                       log_miss, weight)[0]
+            predicted = budget.forecast[0]  # the chosen pass's expected CPU experts
         else:
             drafts = [int(policy)] * SLOTS
         rows = [1 + k for k in drafts]

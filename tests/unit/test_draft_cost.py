@@ -135,7 +135,7 @@ def test_the_budget_tracks_how_far_its_forecasts_were():
                     draft_ids=np.array([7, 8], np.int32),
                     draft_sources=np.full(2, int(DraftSource.MTP), np.uint8))
     k = budget.choose([work], [2], True)[0]
-    union, ms = budget._forecast
+    union, ms = budget.forecast
     rows = 1 + k
     assert ms == pytest.approx(8.0 + 0.25 * rows + 0.03 * union) and 40 <= union
     work = dataclasses.replace(work, draft_ids=work.draft_ids[:k],
