@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from daemon.draft_stats import DraftBudget
+from daemon.draft_adaptive import DraftBudget
 from daemon.proposers.global_suffix import GlobalSuffixIndex
 from daemon.proposers.replay import ReplayProposer
 from protocol.messages import DraftSource, SlotWork, StepPlan, StepResult, WorkKind
@@ -113,6 +113,9 @@ class DraftPlanner:
         self.last_capacity: int | None = None  # of the latest wide pass with drafts
         self.budget = (DraftBudget(spec) if spec is not None
                        and spec.draft_budget == "adaptive" else None)
+        # whether the step just fitted asks the worker for its slots' CPU experts
+        # (StepPlan.slot_routing; the adaptive budget's, daemon/draft_adaptive.py)
+        self.routes_wanted = True
         log.info("speculation eligibility", batching=self.eligibility.batching,
                  reason=self.eligibility.reason, mode=spec.mode if spec else "off",
                  max_slots=max_slots, backend=backend, placement=placement,
@@ -181,6 +184,7 @@ class DraftPlanner:
         counts = trim_fair(counts, budget)
         if self.budget is not None:
             counts = self.budget.choose(work, counts, self.wide)
+            self.routes_wanted = self.budget.wants_routes()
         self.last_capacity = (capacity_for(decode_rows + sum(counts))
                               if self.wide and any(counts) else None)
         out = []

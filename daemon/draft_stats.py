@@ -1,5 +1,5 @@
-"""The online estimates behind the adaptive draft budget (daemon/draft_budget.py), and
-``DraftBudget``, which daemon/draft_plan.py asks after trimming and tells every step's result.
+"""The online estimates behind the adaptive draft budget (daemon/draft_budget.py; the budget
+itself, ``DraftBudget``, is daemon/draft_adaptive.py), and where each of them lives.
 
 * Acceptance per request, draft source and draft position: a verify of k drafts with A
   accepted is a success at positions 1..A and, when A < k, a failure at position A + 1 (the
@@ -33,29 +33,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from daemon.draft_accept import MAX_POSITIONS, AcceptanceStats
-from daemon.draft_budget import (
-    BudgetProblem,
-    StepCost,
-    choose,
-    expected_union,
-    fresh_rows,
-    pattern_table,
-    patterns,
-)
-from daemon.draft_cost import CostFit
-from protocol.messages import SlotWork, StepPlan, StepResult, WorkKind
+from daemon.draft_budget import pattern_table, patterns
 
-if TYPE_CHECKING:
-    from daemon.config import SpeculationSection
-
-# a step's counters (gpu_worker/step_graph.py) that mark its time as not its layout's cost
-ONE_OFF_COUNTERS = ("graph_captures", "graph_first_runs", "graph_refused")
-PROBE_STEPS = 8  # a slot left without drafts this many steps gets one (re-measured)
 EMA = 0.1  # weight of a new step in the persistence, locality and picks-per-row averages
 POPULARITY_EMA = 0.01  # weight of a slot's step in each CPU expert's share of the picks
 MAX_SHARE_IDS = 1 << 22  # global expert ids (layer * experts + expert) the shares cover
@@ -66,6 +47,7 @@ BIN_STEPS = 1
 BIN_SPAN = 10
 CLASSES = 2 * BIN_SPAN * BIN_STEPS + 1
 CLASS_REFRESH = 16
+MAX_STEP_GAP = 8  # steps without routes a step's routes stand for in the shares, at most
 
 
 class RoutingStats:
@@ -75,6 +57,7 @@ class RoutingStats:
     def __init__(self) -> None:
         self.last: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}  # ids [K], rows [K]
         # that picked each, the step's rows
+        self.seen_at: dict[str, int] = {}  # the step (observe's ``step``) of each one's last
         self.universe = 0  # CPU experts held, over all MoE layers
         self.picks_per_row = 0.0  # CPU (layer, expert) picks of one row, over layers
         self.persistence = 0.5
@@ -86,12 +69,15 @@ class RoutingStats:
         self._noise = 0.0  # what sampling adds to the sum of the squared shares
         self._classes: tuple[np.ndarray, np.ndarray] | None = None  # _class_table's, kept
         self._stale = 0  # slot steps since (shares learned after) the classes were counted
+        self._step, self._gap = -1, 1  # the last step with routes, steps since the one before
         self._snapshot = (self._seen, self._prior)  # the shares they were counted from
 
     def observe(self, request_id: str, rows: int, ids: np.ndarray, counts: np.ndarray,
-                universe: int) -> None:
+                universe: int, step: int | None = None) -> None:
         """One decode slot's step: ``rows`` rows picked CPU experts ``ids`` [K] (global:
-        layer * experts per layer + expert), ``counts`` [K] of its rows each."""
+        layer * experts per layer + expert), ``counts`` [K] of its rows each. ``step``: the
+        step's number, where not every step's routes are observed (the persistence is
+        learned only from a slot's consecutive steps); None: every step's are."""
         self.universe = universe
         if not len(ids) or universe <= 0 or rows <= 0:
             return
@@ -104,6 +90,8 @@ class RoutingStats:
             order = np.argsort(ids, kind="stable")
             ids, counts = ids[order], counts[order]
         prev = self.last.get(request_id)
+        if step is not None and self.seen_at.get(request_id) != step - 1:
+            prev = None  # not the step before this one
         if prev is not None and len(prev[0]) < universe:
             hit = float(counts[_members(prev[0], ids)].sum()) / picks
             chance = min(self._share(prev[0]), 0.99)  # a fresh pick lands among them
@@ -113,7 +101,14 @@ class RoutingStats:
             kept = self._kept(rows, len(ids), per_row)
             self.locality += EMA * (kept - self.locality)
         self.last[request_id] = (ids, counts, rows)
-        a = POPULARITY_EMA
+        if step is not None:
+            self.seen_at[request_id] = step
+        # a step with routes stands for the steps without since the last one (up to
+        # MAX_STEP_GAP of them): the shares fade per step, however few steps are read
+        if step is not None and step != self._step:
+            self._gap = min(step - self._step, MAX_STEP_GAP) if self._step >= 0 else 1
+            self._step = step
+        a = 1.0 - (1.0 - POPULARITY_EMA) ** self._gap
         if ids[-1] >= max(len(self._seen), MAX_SHARE_IDS):
             return  # an id no model's layers reach: keep its routing, learn no share from it
         if ids[-1] >= len(self._seen):
@@ -188,14 +183,19 @@ class RoutingStats:
 
     def keep(self, live: set[str]) -> None:
         self.last = {k: v for k, v in self.last.items() if k in live}
+        self.seen_at = {k: v for k, v in self.seen_at.items() if k in live}
 
-    def patterns(self, request_ids: list[str | None]) -> tuple[np.ndarray, np.ndarray]:
+    def patterns(self, request_ids: list[str | None], step: int | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
         """daemon/draft_budget.patterns for slots of these requests (None: a prompt chunk),
         in the same order and bits, without its sort of [K, S + 1] rows: an expert's row of
         counts and its popularity class are one integer (the slots' counts as digits, the
         first slot the most significant, then the class), so experts with equal rows are
-        found by sorting K integers."""
-        hist = [self.last.get(r) if r is not None else None for r in request_ids]
+        found by sorting K integers. ``step``: the last step; a slot whose routes are older
+        is taken to have none (its experts then persist no more than chance)."""
+        hist = [self.last.get(r) if r is not None and (step is None or self.seen_at.get(r)
+                                                        == step) else None
+                for r in request_ids]
         S = len(hist)
         history = np.array([h is not None for h in hist])
         if self.universe <= 0 or self.picks_per_row <= 0:
@@ -262,102 +262,3 @@ def _members(ref: np.ndarray, ids: np.ndarray) -> np.ndarray:
         return np.zeros(len(ids), dtype=bool)
     at = np.minimum(np.searchsorted(ref, ids), len(ref) - 1)
     return ref[at] == ids
-
-
-class DraftBudget:
-    """The adaptive budget of daemon/draft_plan.DraftPlanner (``draft_budget = "adaptive"``)."""
-
-    def __init__(self, spec: SpeculationSection) -> None:
-        self.accept = AcceptanceStats()
-        self.routing = RoutingStats()
-        self.costs = CostFit(StepCost(spec.cost_fixed_ms, spec.cost_row_ms,
-                                      spec.cost_expert_ms))
-        self.fit_costs = True  # False: the config's constants only (tests)
-        self._idle: dict[str, int] = {}  # request -> steps its proposals were all cut
-        self.chosen = np.zeros(MAX_POSITIONS + 1, np.int64)  # drafted slots by drafts chosen
-        self._slots: int | None = None  # the last step's, chosen for
-        # the last choice's expected CPU experts and ms (a wide pass; None once observed or
-        # without one), and the average
-        # relative error of such forecasts against the steps' own (union, step time)
-        self.forecast: tuple[float, float] | None = None
-        self.errors = np.zeros(2)
-
-    def choose(self, work: list[SlotWork], counts: list[int], wide: bool) -> list[int]:
-        """Draft counts (each <= ``counts``, the trimmed ones) for ``work``'s slots."""
-        live = {w.request_id for w in work}
-        self.accept.keep(live)
-        self.routing.keep(live)
-        self._idle = {r: n for r, n in self._idle.items() if r in live}
-        if not any(counts):
-            return list(counts)
-        decode = [w.kind == WorkKind.DECODE for w in work]
-        rate = [self.accept.rate(w.request_id, int(w.draft_sources[0])) if n
-                else np.zeros(MAX_POSITIONS) for w, n in zip(work, counts, strict=True)]
-        log_miss, weight = self.routing.patterns(
-            [w.request_id if d else None for w, d in zip(work, decode, strict=True)])
-        problem = BudgetProblem(
-            base_rows=np.array([w.num_tokens for w in work]), max_drafts=np.array(counts),
-            accept=np.array(rate), base_value=np.array(decode, dtype=np.float64),
-            log_miss=log_miss, weight=weight, wide=wide, locality=self.routing.locality)
-        self._slots = len(work)
-        cost = self.cost
-        out = choose(problem, cost)
-        for i, (w, n) in enumerate(zip(work, counts, strict=True)):
-            if n and not out[i]:
-                self._idle[w.request_id] = self._idle.get(w.request_id, 0) + 1
-                if self._idle[w.request_id] >= PROBE_STEPS:  # re-measure its acceptance
-                    out[i] = 1
-            if out[i]:
-                self._idle.pop(w.request_id, None)
-            if n:
-                self.chosen[min(out[i], MAX_POSITIONS)] += 1
-        if wide:  # what it expects of the chosen pass, against the worker's (observe)
-            rows = problem.base_rows + np.array(out)
-            union = float(expected_union(fresh_rows(rows[None, :], problem.locality),
-                                         log_miss, weight)[0])
-            self.forecast = (union, cost.pass_ms(float(rows.sum()), union))
-        return out
-
-    def figures(self) -> dict[str, float]:
-        """The estimates the choice runs on (daemon/metrics_budget.py): the step cost for the
-        number of slots most of the fitted steps had (``cost_slots``; a run's steady state,
-        not its last few steps as streams end), the routing model now."""
-        slots = self.costs.usual_slots()
-        cost, r = (self.costs.cost(slots) if self.fit_costs else self.cost), self.routing
-        return {"fixed_ms": cost.fixed_ms, "row_ms": cost.row_ms, "expert_ms": cost.expert_ms,
-                "cost_slots": float(slots or 0), "fitted_steps": self.costs.n,
-                "persistence": r.persistence, "locality": r.locality,
-                "effective_experts": float(r.effective), "picks_per_row": r.picks_per_row,
-                "union_error": float(self.errors[0]), "step_error": float(self.errors[1])}
-
-    @property
-    def cost(self) -> StepCost:
-        """The step cost for as many slots as the last step chosen for had."""
-        if not self.fit_costs:
-            return StepCost(*self.costs.prior)
-        return self.costs.cost(self._slots)
-
-    def observe(self, plan: StepPlan, result: StepResult, seconds: float) -> None:
-        """A step's outcome: acceptance per verify, routing per decode slot, the step time
-        of a decode-only step."""
-        universe = int(result.counters.get("cpu_experts_held", 0))
-        for w, res in zip(plan.slots, result.slots, strict=True):
-            if w.kind != WorkKind.DECODE:
-                continue
-            if len(w.draft_ids):
-                self.accept.observe(w.request_id, int(w.draft_sources[0]), len(w.draft_ids),
-                                    res.num_accepted)
-            self.routing.observe(w.request_id, w.num_rows, res.cpu_experts,
-                                 res.cpu_expert_rows, universe)
-        c = result.counters
-        forecast, self.forecast = self.forecast, None
-        if (plan.slots and all(w.kind == WorkKind.DECODE for w in plan.slots)
-                and not any(c.get(k, 0) for k in ONE_OFF_COUNTERS)):
-            if forecast is not None and c.get("cpu_experts", 0) > 0 and seconds > 0:
-                self.errors += EMA * (np.array([forecast[0] / c["cpu_experts"],
-                                                forecast[1] / (seconds * 1e3)]) - 1.0
-                                      - self.errors)
-            self.costs.observe(int(c.get("passes", 1)), plan.num_rows,
-                               int(c.get("cpu_experts", 0)), seconds * 1e3,
-                               float(result.timings_ms.get("cpu_experts", 0.0)),
-                               len(plan.slots))

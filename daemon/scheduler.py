@@ -240,7 +240,7 @@ class Scheduler:
         self._step_id += 1
         work, wide = self.draft_plan.fit(work)  # wide: one pass; narrow: one per drafted slot
         return StepPlan(step_id=self._step_id, slots=work, cache_ops=ops, cache_ops_after=after,
-                        wide=wide)
+                        wide=wide, slot_routing=self.draft_plan.routes_wanted)
 
     def commit(self, plan: StepPlan, result: StepResult, seconds: float,
                t_plan: float | None = None) -> None:

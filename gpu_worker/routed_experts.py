@@ -51,8 +51,9 @@ class RoutedExperts(Protocol):
         """The coming pass's row -> slot map [R] (-1: untracked rows) for take_slot_experts."""
         ...
 
-    def take_slot_experts(self) -> dict[int, tuple[Any, Any]]:
-        """Per tracked slot: its distinct CPU experts (int32 [K]) and rows per expert."""
+    def take_slot_experts(self, keep: bool = True) -> dict[int, tuple[Any, Any]]:
+        """Per tracked slot: its distinct CPU experts (int32 [K]) and rows per expert
+        (``keep=False``: none; the tracked routes are dropped unread)."""
         ...
 
     @property

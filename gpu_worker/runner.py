@@ -150,7 +150,7 @@ class Runner:
                     "kv_total_blocks": self.kv.num_blocks}
         if self.slot_routing:  # for the daemon's adaptive draft budget
             t3 = time.perf_counter()
-            routes = self.experts.take_slot_experts()
+            routes = self.experts.take_slot_experts(keep=plan.slot_routing)
             for res in results:
                 res.cpu_experts, res.cpu_expert_rows = routes.get(res.slot, _NO_ROUTES)
             counters["cpu_experts_held"] = self.experts.cpu_experts_held

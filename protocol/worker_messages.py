@@ -129,6 +129,9 @@ class StepPlan:
     cache_ops: list[CacheOp] = field(default_factory=list)
     cache_ops_after: list[CacheOp] = field(default_factory=list)  # e.g. end-of-prompt checkpoint
     wide: bool = True  # drafted slots in the one forward pass; False: one pass each (narrow)
+    # report each decode slot's CPU experts (SlotResult.cpu_experts) where the WorkerConfig's
+    # slot_routing allows: the adaptive draft budget asks on the steps before it chooses again
+    slot_routing: bool = True
 
     def __post_init__(self) -> None:
         ids = [s.slot for s in self.slots]
@@ -163,7 +166,8 @@ class SlotResult:
     prompt: PromptPhase
     drafts: list[int] = field(default_factory=list)  # MTP drafts for the slot's next step
     # a decode slot's distinct CPU experts this step (layer * experts per layer + expert) and
-    # how many of its rows picked each; sent only when WorkerConfig.slot_routing asks
+    # how many of its rows picked each; sent only when WorkerConfig.slot_routing and the
+    # StepPlan's ask
     cpu_experts: np.ndarray = array_field(np.int32, 1, empty=True)  # [K]
     cpu_expert_rows: np.ndarray = array_field(np.uint16, 1, empty=True)  # [K]
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from daemon.config import load_config
-from daemon.draft_stats import DraftBudget
+from daemon.draft_adaptive import DraftBudget
 from gpu_worker.experts.counters import ExpertCounters
 from protocol.messages import DraftSource, SamplingParams, SlotWork, WorkKind
 from scripts.bench_common import command_line, machine

@@ -23,7 +23,7 @@ import numpy as np
 
 from daemon import draft_budget
 from daemon.config import load_config
-from daemon.draft_stats import DraftBudget
+from daemon.draft_adaptive import DraftBudget
 from scripts.bench_common import command_line, machine
 from scripts.sim_draft_budget import SLOTS, WARM_UP, Routing, slot_work, step_record
 from scripts.sim_draft_budget import parse_args as sim_args

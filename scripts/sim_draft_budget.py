@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from daemon.config import load_config
-from daemon.draft_stats import DraftBudget
+from daemon.draft_adaptive import DraftBudget
 from gpu_worker.weights.routing import RoutingModel, RoutingParams
 from protocol.messages import (
     DraftSource,
@@ -91,10 +91,13 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
     chosen = np.zeros(most + 1, np.int64)
     union_error: list[float] = []  # adaptive: the budget's predicted union / the routed one
     for step in range(args.steps):
+        predicted, routes = None, True
         if policy == "adaptive":
             work = slot_work(pos, most)
             drafts = budget.choose(work, [most] * SLOTS, True)
-            predicted = budget.forecast[0]  # the chosen pass's expected CPU experts
+            # the chosen pass's expected CPU experts (None: a kept choice, no forecast)
+            predicted = budget.forecast[0] if budget.forecast is not None else None
+            routes = budget.wants_routes()  # the slots' CPU experts, as the worker sends
         else:
             drafts = [int(policy)] * SLOTS
         rows = [1 + k for k in drafts]
@@ -114,7 +117,7 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
                 a += 1
             accepted.append(a)
         if step >= WARM_UP:
-            if policy == "adaptive":
+            if predicted is not None:
                 union_error.append(predicted / union - 1.0)
             time_ms += ms
             tokens += SLOTS + sum(accepted)
@@ -122,8 +125,8 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
             np.add.at(chosen, drafts, 1)
         if policy == "adaptive":  # the budget learns from the step as from the worker's
             budget.observe(*step_record(step, work, drafts, accepted, per_row, union,
-                                        routing.universe, 0.0 if args.no_cpu_time else cpu_ms),
-                           ms / 1e3)
+                                        routing.universe, 0.0 if args.no_cpu_time else cpu_ms,
+                                        routes), ms / 1e3)
         pos = pos + 1 + np.array(accepted)
     return {"policy": policy, "seed": seed, "tokens_per_ms": tokens / time_ms,
             "tokens_per_step": tokens / (args.steps - WARM_UP),
@@ -144,21 +147,24 @@ def slot_work(pos: np.ndarray, most: int) -> list[SlotWork]:
 
 
 def step_record(step: int, work: list[SlotWork], drafts: list[int], accepted: list[int],
-                per_row: list[np.ndarray], union: int, universe: int, cpu_ms: float = 0.0
-                ) -> tuple[StepPlan, StepResult]:
+                per_row: list[np.ndarray], union: int, universe: int, cpu_ms: float = 0.0,
+                routes: bool = True) -> tuple[StepPlan, StepResult]:
     """The simulated step as the daemon sees a real one: its plan (the chosen drafts) and
-    the worker's result (accepted drafts, each slot's CPU experts and the step's counters)."""
+    the worker's result (accepted drafts, each slot's CPU experts where ``routes``: the
+    plan asked for them, and the step's counters)."""
     first = np.cumsum([0] + [1 + k for k in drafts])
     results = []
     for s, a in enumerate(accepted):
         ids, counts = np.unique(np.concatenate(per_row[first[s]:first[s + 1]]),
                                 return_counts=True)
+        if not routes:
+            ids, counts = ids[:0], counts[:0]
         results.append(SlotResult(
             slot=s, request_id=work[s].request_id, token_ids=[5] * (1 + a), num_accepted=a,
             prompt=PromptPhase(phase=Phase.DECODE, prompt_tokens_this_step=0, prompt_len=30,
                                cached_len=0),
             cpu_experts=ids.astype(np.int32), cpu_expert_rows=counts.astype(np.uint16)))
-    plan = StepPlan(step_id=step + 1, slots=[
+    plan = StepPlan(step_id=step + 1, slot_routing=routes, slots=[
         dataclasses.replace(w, draft_ids=w.draft_ids[:k], draft_sources=w.draft_sources[:k])
         for w, k in zip(work, drafts, strict=True)])
     counters = {"passes": 1, "cpu_experts": union, "cpu_experts_held": universe}

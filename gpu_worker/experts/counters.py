@@ -79,13 +79,18 @@ class ExpertCounters:
         self._routes += [(base, ids, cpu, self._row_slot) for base, ids, cpu in captured
                          if len(self._row_slot) == ids.shape[0]]
 
-    def take_slot_experts(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    def take_slot_experts(self, keep: bool = True) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Per tracked slot since the last call: its distinct CPU experts (int32 [K], layer *
         experts per layer + expert) and how many of its rows picked each (uint16 [K]). A row
         picks an expert at most once per layer, so a count is a number of rows. The layers
         of a pass are stacked where they live and copied to the host at once (two copies a
-        pass, not two a layer: this runs between a step's forward and its result)."""
+        pass, not two a layer: this runs between a step's forward and its result).
+        ``keep=False``: the routes are dropped unread (a step whose plan did not ask: no
+        copy, no host work; the forward still records them, so that a CUDA graph captured
+        on such a step has its routes for the steps that ask)."""
         routes, self._routes, self._row_slot = self._routes, [], None
+        if not keep:
+            return {}
         slots, gids = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
         i = 0
         while i < len(routes):

@@ -152,9 +152,10 @@ class ExpertPlacement:
         padding (gpu_worker/graph_buckets.py): no slot's."""
         self.counters.pad_rows(rows)
 
-    def take_slot_experts(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Per tracked slot: its CPU experts and rows per expert since the last call."""
-        return self.counters.take_slot_experts()
+    def take_slot_experts(self, keep: bool = True) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Per tracked slot: its CPU experts and rows per expert since the last call
+        (``keep=False``: none, the routes dropped unread)."""
+        return self.counters.take_slot_experts(keep)
 
     @property
     def cpu_experts_held(self) -> int:

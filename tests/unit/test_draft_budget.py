@@ -18,6 +18,7 @@ from daemon.commands import config_from_args
 from daemon.config import SpeculationSection, load_config
 from daemon.config_checks import ConfigError
 from daemon.draft_accept import REQUEST_DECAY, REQUEST_PRIOR_TRIALS, AcceptanceStats
+from daemon.draft_adaptive import DraftBudget
 from daemon.draft_budget import (
     BudgetProblem,
     StepCost,
@@ -27,7 +28,6 @@ from daemon.draft_budget import (
     patterns,
     ratio,
 )
-from daemon.draft_stats import DraftBudget
 from daemon.lifecycle import worker_config
 from gpu_worker.experts.counters import ExpertCounters
 from protocol.codec import decode, encode

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from daemon.config import SpeculationSection
+from daemon.draft_adaptive import DraftBudget
 from daemon.draft_budget import StepCost
 from daemon.draft_cost import MIN_STEPS, CostFit
-from daemon.draft_stats import DraftBudget
 from protocol.messages import (
     DraftSource,
     PromptPhase,

@@ -218,7 +218,7 @@ def test_prefix_cache_figures_are_read_at_scrape_time_and_hits_outlive_a_restart
 
 def test_the_adaptive_budgets_figures_are_read_at_each_scrape():
     from daemon.config import load_config
-    from daemon.draft_stats import DraftBudget
+    from daemon.draft_adaptive import DraftBudget
     from daemon.metrics_budget import BudgetFigures
 
     m, holder = Metrics(), {"budget": None}

@@ -1,0 +1,179 @@
+"""``DraftBudget``: the adaptive draft budget (``draft_budget = "adaptive"``), which
+daemon/draft_plan.py asks after trimming and tells every step's result; its estimates live
+in daemon/draft_stats.py (routing), draft_accept.py (acceptance) and draft_cost.py (step
+cost), the choice in daemon/draft_budget.py.
+
+A choice serves a few steps. While a step's slots, their kinds and their offered drafts stay
+those of the last choice and no slot's acceptance estimate moved by more than
+``ACCEPT_TOLERANCE`` (a request's first verifies move it most), the budget keeps that choice
+for up to ``REUSE_STEPS`` steps, then chooses again. It asks the worker for the slots' CPU
+experts (``StepPlan.slot_routing``) only on the two steps before it chooses again (the
+history the choice starts from, and the step before it, for the persistence) and on a step
+whose slots changed. Reading a step's routes costs the worker a copy and a sort, and the
+choice its routing patterns: a few ms of a four-stream step in all, on the critical path
+between one step and the next, while the choice moves slowly (acceptance and routing are
+averages over many steps). A choice made without the last step's routes (the slots
+changed) takes its slots as having no history, and the budget chooses again two steps
+later, from fresh routes. The experts' shares fade per step, not per step read
+(RoutingStats.observe's ``step``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from daemon.draft_accept import MAX_POSITIONS, AcceptanceStats
+from daemon.draft_budget import BudgetProblem, StepCost, choose, expected_union, fresh_rows
+from daemon.draft_cost import CostFit
+from daemon.draft_stats import EMA, RoutingStats
+from protocol.messages import SlotWork, StepPlan, StepResult, WorkKind
+
+if TYPE_CHECKING:
+    from daemon.config import SpeculationSection
+
+# a step's counters (gpu_worker/step_graph.py) that mark its time as not its layout's cost
+ONE_OFF_COUNTERS = ("graph_captures", "graph_first_runs", "graph_refused")
+PROBE_STEPS = 8  # a slot left without drafts this many steps gets one (re-measured)
+REUSE_STEPS = 8  # steps one choice serves while the step's slots and offers stay the same
+ACCEPT_TOLERANCE = 0.1  # ... and no slot's acceptance at any position moved more than this
+
+
+class DraftBudget:
+    """The adaptive budget of daemon/draft_plan.DraftPlanner (``draft_budget = "adaptive"``)."""
+
+    def __init__(self, spec: SpeculationSection) -> None:
+        self.accept = AcceptanceStats()
+        self.routing = RoutingStats()
+        self.costs = CostFit(StepCost(spec.cost_fixed_ms, spec.cost_row_ms,
+                                      spec.cost_expert_ms))
+        self.fit_costs = True  # False: the config's constants only (tests)
+        self.reuse = True  # False: choose afresh every step, from every step's routes
+        self._idle: dict[str, int] = {}  # request -> steps its proposals were all cut
+        self.chosen = np.zeros(MAX_POSITIONS + 1, np.int64)  # drafted slots by drafts chosen
+        self._slots: int | None = None  # the last step's, chosen for
+        self._steps = 0  # steps observed
+        # the choice kept (module doc): what it was made for, its lengths, the steps it served
+        # (including the one it was made for), whether the slots had changed
+        self._key: tuple | None = None
+        self._kept: list[int] = []
+        self._rates = np.zeros((0, MAX_POSITIONS))  # the slots' acceptance it was made with
+        self._age = 0
+        self._changed = True
+        # the last choice's expected CPU experts and ms (a wide pass; None once observed or
+        # without one), and the average
+        # relative error of such forecasts against the steps' own (union, step time)
+        self.forecast: tuple[float, float] | None = None
+        self.errors = np.zeros(2)
+
+    def choose(self, work: list[SlotWork], counts: list[int], wide: bool) -> list[int]:
+        """Draft counts (each <= ``counts``, the trimmed ones) for ``work``'s slots."""
+        live = {w.request_id for w in work}
+        self.accept.keep(live)
+        self.routing.keep(live)
+        self._idle = {r: n for r, n in self._idle.items() if r in live}
+        if not any(counts):  # nothing to choose; the next choice is made afresh
+            self._key, self._changed = None, True
+            return list(counts)
+        key = (wide, *((w.request_id, int(w.kind), n) for w, n in zip(work, counts,
+                                                                       strict=True)))
+        self.forecast = None
+        rate = np.array([self.accept.rate(w.request_id, int(w.draft_sources[0])) if n
+                         else np.zeros(MAX_POSITIONS) for w, n in zip(work, counts,
+                                                                      strict=True)])
+        if (self.reuse and key == self._key and self._age < REUSE_STEPS
+                and np.abs(rate - self._rates)[:, :max(counts)].max() <= ACCEPT_TOLERANCE):
+            out = list(self._kept)
+            self._age += 1
+            self._changed = False
+        else:
+            out = self._solve(work, counts, rate, wide)
+            fresh = all(self.routing.seen_at.get(w.request_id) == self._steps - 1
+                        for w, n in zip(work, counts, strict=True)
+                        if n and w.kind == WorkKind.DECODE)
+            self._changed = key != self._key
+            self._key, self._kept, self._rates = key, list(out), rate
+            self._age = 1 if fresh else REUSE_STEPS - 1  # no history: again from fresh routes
+        for i, (w, n) in enumerate(zip(work, counts, strict=True)):
+            if n and not out[i]:
+                self._idle[w.request_id] = self._idle.get(w.request_id, 0) + 1
+                if self._idle[w.request_id] >= PROBE_STEPS:  # re-measure its acceptance
+                    out[i] = 1
+            if out[i]:
+                self._idle.pop(w.request_id, None)
+            if n:
+                self.chosen[min(out[i], MAX_POSITIONS)] += 1
+        return out
+
+    def wants_routes(self) -> bool:
+        """Whether the step just chosen for should report its slots' CPU experts (the
+        module doc): before the next choice, or where the slots changed."""
+        return not self.reuse or self._changed or self._age >= REUSE_STEPS - 1
+
+    def _solve(self, work: list[SlotWork], counts: list[int], rate: np.ndarray,
+               wide: bool) -> list[int]:
+        """A new choice (daemon/draft_budget.choose) from the estimates now (``rate``: the
+        slots' acceptance, [S, MAX_POSITIONS])."""
+        decode = [w.kind == WorkKind.DECODE for w in work]
+        log_miss, weight = self.routing.patterns(
+            [w.request_id if d else None for w, d in zip(work, decode, strict=True)],
+            self._steps - 1 if self.reuse else None)
+        problem = BudgetProblem(
+            base_rows=np.array([w.num_tokens for w in work]), max_drafts=np.array(counts),
+            accept=rate, base_value=np.array(decode, dtype=np.float64),
+            log_miss=log_miss, weight=weight, wide=wide, locality=self.routing.locality)
+        self._slots = len(work)
+        cost = self.cost
+        out = choose(problem, cost)
+        if wide:  # what it expects of the chosen pass, against the worker's (observe)
+            rows = problem.base_rows + np.array(out)
+            union = float(expected_union(fresh_rows(rows[None, :], problem.locality),
+                                         log_miss, weight)[0])
+            self.forecast = (union, cost.pass_ms(float(rows.sum()), union))
+        return out
+
+    def figures(self) -> dict[str, float]:
+        """The estimates the choice runs on (daemon/metrics_budget.py): the step cost for the
+        number of slots most of the fitted steps had (``cost_slots``; a run's steady state,
+        not its last few steps as streams end), the routing model now."""
+        slots = self.costs.usual_slots()
+        cost, r = (self.costs.cost(slots) if self.fit_costs else self.cost), self.routing
+        return {"fixed_ms": cost.fixed_ms, "row_ms": cost.row_ms, "expert_ms": cost.expert_ms,
+                "cost_slots": float(slots or 0), "fitted_steps": self.costs.n,
+                "persistence": r.persistence, "locality": r.locality,
+                "effective_experts": float(r.effective), "picks_per_row": r.picks_per_row,
+                "union_error": float(self.errors[0]), "step_error": float(self.errors[1])}
+
+    @property
+    def cost(self) -> StepCost:
+        """The step cost for as many slots as the last step chosen for had."""
+        if not self.fit_costs:
+            return StepCost(*self.costs.prior)
+        return self.costs.cost(self._slots)
+
+    def observe(self, plan: StepPlan, result: StepResult, seconds: float) -> None:
+        """A step's outcome: acceptance per verify, routing per decode slot, the step time
+        of a decode-only step."""
+        universe = int(result.counters.get("cpu_experts_held", 0))
+        step, self._steps = self._steps, self._steps + 1
+        for w, res in zip(plan.slots, result.slots, strict=True):
+            if w.kind != WorkKind.DECODE:
+                continue
+            if len(w.draft_ids):
+                self.accept.observe(w.request_id, int(w.draft_sources[0]), len(w.draft_ids),
+                                    res.num_accepted)
+            self.routing.observe(w.request_id, w.num_rows, res.cpu_experts,
+                                 res.cpu_expert_rows, universe, step if self.reuse else None)
+        c = result.counters
+        forecast, self.forecast = self.forecast, None
+        if (plan.slots and all(w.kind == WorkKind.DECODE for w in plan.slots)
+                and not any(c.get(k, 0) for k in ONE_OFF_COUNTERS)):
+            if forecast is not None and c.get("cpu_experts", 0) > 0 and seconds > 0:
+                self.errors += EMA * (np.array([forecast[0] / c["cpu_experts"],
+                                                forecast[1] / (seconds * 1e3)]) - 1.0
+                                      - self.errors)
+            self.costs.observe(int(c.get("passes", 1)), plan.num_rows,
+                               int(c.get("cpu_experts", 0)), seconds * 1e3,
+                               float(result.timings_ms.get("cpu_experts", 0.0)),
+                               len(plan.slots))
