@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", type=int, default=512)
     p.add_argument("--topk", type=int, default=10)
     p.add_argument("--cpu", type=int, default=467, help="CPU experts per layer")
-    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--reps", type=int, default=32)
+    p.add_argument("--no-reuse", action="store_true",
+                   help="choose afresh every step, from every step's routes (DraftBudget.reuse)")
     p.add_argument("--device", action="store_true",
                    help="route buffers on the GPU (CuPy), as the launched path keeps them: "
                    "take_slot_experts then includes their stacking and copies to the host")
@@ -71,18 +73,24 @@ def main(argv: list[str] | None = None) -> int:
                      draft_ids=np.arange(1, args.drafts + 1),
                      draft_sources=np.full(args.drafts, int(DraftSource.MTP)), prompt_len=50)
             for s in range(args.slots)]
-    take, observe, choose = [], [], []
-    for _ in range(args.reps + 2):  # two steps of history first
+    budget.reuse = not args.no_reuse
+    take, observe, choose, read = [], [], [], []
+    asked = True  # the plan's StepPlan.slot_routing (the budget's wants_routes)
+    for step in range(args.reps + 2):  # two steps of history first
         _route(counters, rng, args, xp)
         if args.device:  # the forward's work done, as when the worker takes them
             xp.cuda.Device().synchronize()
         t0 = time.perf_counter()
-        routes = counters.take_slot_experts()
+        routes = counters.take_slot_experts(asked)
+        read.append(asked)
         t1 = time.perf_counter()
         for s, (ids, rows) in routes.items():
-            budget.routing.observe(f"r{s}", args.rows, ids.astype(np.int64), rows, universe)
+            budget.routing.observe(f"r{s}", args.rows, ids.astype(np.int64), rows, universe,
+                                   step - 1 if budget.reuse else None)
+        budget._steps = step  # the steps observed (DraftBudget.observe counts them)
         t2 = time.perf_counter()
         counts = budget.choose(work, [args.drafts] * args.slots, True)
+        asked = budget.wants_routes()
         t3 = time.perf_counter()
         take.append(t1 - t0)
         observe.append(t2 - t1)
@@ -92,11 +100,16 @@ def main(argv: list[str] | None = None) -> int:
         "take_slot_experts_ms": round(float(np.median(take[2:])) * 1e3, 3),
         "observe_ms": round(float(np.median(observe[2:])) * 1e3, 3),
         "choose_ms": round(float(np.median(choose[2:])) * 1e3, 3),
+        # the mean over steps: with the choice kept (not --no-reuse), most steps read no
+        # routes and choose nothing new, so the medians above are those steps'
+        "per_step_ms": round(float(np.mean(np.add(np.add(take, observe), choose)[2:])) * 1e3,
+                             3),
+        "routes_read": f"{sum(read[2:])} of {len(read) - 2} steps",
         "experts_per_slot": {int(s): len(v[0]) for s, v in routes.items()},
         "chosen": counts,
     }
     print(json.dumps({k: record[k] for k in ("take_slot_experts_ms", "observe_ms", "choose_ms",
-                                              "chosen")}))
+                                              "per_step_ms", "chosen")}))
     if args.out:
         args.out.write_text(json.dumps(record, indent=1) + "\n")
     return 0
