@@ -27,6 +27,12 @@ class StepSums:
         self.b = np.zeros(3)
         self.n = 0.0
         self.cpu = np.zeros(2)  # CPU expert ms and CPU experts of the steps
+        # the steps whose CPU expert time was reported, over (passes, rows): what each step's
+        # own CPU time left of it (a step's CPU time strays from the average expert's cost by
+        # far more than its rows cost: the rest of the average would hide the rows)
+        self.A_rest = np.zeros((2, 2))
+        self.b_rest = np.zeros(2)
+        self.n_rest = 0.0
 
     def add(self, x: np.ndarray, ms: float, cpu_ms: float) -> None:
         self.A = self.forget * self.A + np.outer(x, x)
@@ -34,6 +40,9 @@ class StepSums:
         self.n = self.forget * self.n + 1.0
         if cpu_ms > 0 and x[2] > 0:
             self.cpu = self.forget * self.cpu + np.array([cpu_ms, x[2]])
+            self.A_rest = self.forget * self.A_rest + np.outer(x[:2], x[:2])
+            self.b_rest = self.forget * self.b_rest + x[:2] * (ms - cpu_ms)
+            self.n_rest = self.forget * self.n_rest + 1.0
 
 
 class CostFit:
@@ -85,10 +94,10 @@ class CostFit:
             theta = np.linalg.solve(s.A + R, s.b + R @ self.prior)
             fixed, row, expert = np.maximum(theta, 0.0)
             return StepCost(max(float(fixed), 1e-3), float(row), float(expert))
-        # fixed and row on what the measured CPU experts leave of each step; where the steps'
-        # rows hardly vary, what they leave is the pass's (the ridge holds the row's cost)
-        R = np.diag([1e-9, self.strength * s.A[1, 1] / s.n + 1e-9])
-        A, b = s.A[:2, :2] + R, s.b[:2] - expert * s.A[:2, 2] + R @ self.prior[:2]
+        # fixed and row on what each step's own CPU expert time left of it; where the
+        # steps' rows hardly vary, what they leave is the pass's (the ridge holds the row's)
+        R = np.diag([1e-9, self.strength * s.A_rest[1, 1] / s.n_rest + 1e-9])
+        A, b = s.A_rest + R, s.b_rest + R @ self.prior[:2]
         fixed, row = np.linalg.solve(A, b)
         if row < 0:  # rows never make a step cheaper: the best fit with row = 0
             fixed, row = b[0] / A[0, 0], 0.0
