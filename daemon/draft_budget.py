@@ -39,6 +39,11 @@ import numpy as np
 
 MAX_CANDIDATES = 4096  # exhaustive search up to this many length combinations
 MAX_ROUNDS = 8  # coordinate ascent beyond that: rounds over the slots
+# a choice of more drafts must be predicted this much better (relative) than one of fewer:
+# the model leaves out costs that grow with the drafts (a row's GPU and host time, which the
+# step-time fit cannot tell apart under the CPU experts' noise; the verify's host work), and
+# where two choices are this close it cannot tell them apart anyway
+MARGIN = 0.005
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,10 +125,10 @@ def ratio(problem: BudgetProblem, cost: StepCost, drafts: np.ndarray) -> np.ndar
 
 
 def choose(problem: BudgetProblem, cost: StepCost) -> list[int]:
-    """Each slot's draft count in 0..max_drafts maximising :func:`ratio`; on a tie (within
-    1e-12 relative) the fewer drafts. Exhaustive up to ``MAX_CANDIDATES`` combinations, else
-    coordinate ascent from the full lengths (each slot in turn takes its best length given
-    the others', until a round changes nothing)."""
+    """Each slot's draft count in 0..max_drafts maximising :func:`ratio`, the fewest drafts
+    among those within ``MARGIN`` of the best (:func:`_best`). Exhaustive up to
+    ``MAX_CANDIDATES`` combinations, else coordinate ascent from the full lengths (each slot
+    in turn takes its best length given the others', until a round changes nothing)."""
     limits = problem.max_drafts.astype(np.int64)
     if not limits.any():
         return [0] * len(limits)
@@ -151,11 +156,14 @@ def _candidates(limits: tuple[int, ...]) -> np.ndarray:
 
 
 def _best(problem: BudgetProblem, cost: StepCost, cands: np.ndarray) -> int:
-    """The index of the best candidate: the highest ratio, then the fewest drafts."""
+    """The index of the best candidate: of those within ``MARGIN`` of the highest ratio,
+    the fewest drafts, then the highest ratio."""
     r = ratio(problem, cost, cands)
     top = r.max()
-    near = np.flatnonzero(r >= top - 1e-12 * abs(top))
-    return int(near[np.argmin(cands[near].sum(axis=1))])
+    near = np.flatnonzero(r >= top * (1.0 - MARGIN) - 1e-12 * abs(top))
+    drafts = cands[near].sum(axis=1)
+    fewest = near[drafts == drafts.min()]
+    return int(fewest[np.argmax(r[fewest])])
 
 
 def patterns(fractions: np.ndarray, chance: np.ndarray, history: np.ndarray,

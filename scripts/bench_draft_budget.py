@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     budget.reuse = not args.no_reuse
     take, observe, choose, read = [], [], [], []
     asked = True  # the plan's StepPlan.slot_routing (the budget's wants_routes)
+    seen: dict = {}
     for step in range(args.reps + 2):  # two steps of history first
         _route(counters, rng, args, xp)
         if args.device:  # the forward's work done, as when the worker takes them
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         routes = counters.take_slot_experts(asked)
         read.append(asked)
+        seen = routes or seen  # the last routes read
         t1 = time.perf_counter()
         for s, (ids, rows) in routes.items():
             budget.routing.observe(f"r{s}", args.rows, ids.astype(np.int64), rows, universe,
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         "per_step_ms": round(float(np.mean(np.add(np.add(take, observe), choose)[2:])) * 1e3,
                              3),
         "routes_read": f"{sum(read[2:])} of {len(read) - 2} steps",
-        "experts_per_slot": {int(s): len(v[0]) for s, v in routes.items()},
+        "experts_per_slot": {int(s): len(v[0]) for s, v in seen.items()},
         "chosen": counts,
     }
     print(json.dumps({k: record[k] for k in ("take_slot_experts_ms", "observe_ms", "choose_ms",

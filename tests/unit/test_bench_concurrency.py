@@ -249,3 +249,33 @@ def test_a_runs_start_facts_come_from_the_workers_log_lines(tmp_path, capsys):
         "active": True, "warm_up": "all", "buckets": True, "layouts": 25, "graphs": 25,
         "refused": 0, "seconds": 12.5, "device_free_gib": 9.1}}
     assert start_facts(tmp_path / "missing.log") == {}
+
+
+def test_summary_gives_the_four_stream_figure_at_a_common_cost_per_cpu_expert():
+    from scripts.bench_concurrency_report import best_fixed, summarize
+
+    def run(arm: str, pair: int, tokens: float, experts: float, rest: float, per_expert: float,
+            ) -> dict:
+        kernel = experts * per_expert
+        step = rest + kernel
+        return {"workload": "essay", "arm": arm, "pair": pair, "whole_run_tps": 40.0,
+                "four_stream_decode_tps": 1e3 * tokens / step,
+                "steps": {"step_ms": step, "four_stream": {
+                    "tokens_per_step": tokens, "cpu_experts_per_step": experts,
+                    "step_ms": step, "cpu_kernel_ms": kernel}}}
+
+    # the same two arms on a machine whose memory speed moves from run to run: measured,
+    # adaptive looks 1.25x wide@2 (its runs had the fast memory); at a common cost per
+    # expert, what the arms chose: adaptive 3 % fewer tokens per CPU expert, 2 ms more
+    runs = [run("adaptive", p, 13.0, 4500, 19.0, c) for p, c in ((1, 0.032), (2, 0.034))]
+    runs += [run("wide@2", p, 10.9, 3660, 17.0, c) for p, c in ((1, 0.046), (2, 0.048))]
+    e = summarize(runs, ["adaptive", "wide@2"])["essay"]
+    assert e["common_expert_ms"] == pytest.approx(0.04)
+    at = e["four_stream_tps_at_common_expert_cost"]
+    assert at["adaptive"] == pytest.approx(1e3 * 13.0 / (19.0 + 4500 * 0.04))
+    assert at["wide@2"] == pytest.approx(1e3 * 10.9 / (17.0 + 3660 * 0.04))
+    got = best_fixed(e, ["adaptive", "wide@2"])
+    assert got["adaptive"]["adaptive"] > 1.2
+    assert got["at_common_expert_cost"]["adaptive"]["adaptive"] == pytest.approx(
+        at["adaptive"] / at["wide@2"], abs=1e-3)
+    assert got["at_common_expert_cost"]["adaptive"]["adaptive"] < 1.0
