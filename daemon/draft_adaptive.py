@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from daemon.draft_accept import MAX_POSITIONS, AcceptanceStats
-from daemon.draft_budget import BudgetProblem, StepCost, choose, expected_union, fresh_rows
+from daemon.draft_budget import (
+    BudgetProblem,
+    StepCost,
+    choose,
+    expected_union,
+    fresh_rows,
+    ratio,
+)
 from daemon.draft_cost import CostFit
 from daemon.draft_stats import EMA, RoutingStats
 from protocol.messages import SlotWork, StepPlan, StepResult, WorkKind
@@ -36,6 +43,7 @@ if TYPE_CHECKING:
 # a step's counters (gpu_worker/step_graph.py) that mark its time as not its layout's cost
 ONE_OFF_COUNTERS = ("graph_captures", "graph_first_runs", "graph_refused")
 PROBE_STEPS = 8  # a slot left without drafts this many steps gets one (re-measured)
+UNIFORM = 4  # the alternatives of ``DraftBudget.uniform``
 REUSE_STEPS = 8  # steps one choice serves while the step's slots and offers stay the same
 ACCEPT_TOLERANCE = 0.1  # ... and no slot's acceptance at any position moved more than this
 
@@ -66,6 +74,11 @@ class DraftBudget:
         # relative error of such forecasts against the steps' own (union, step time)
         self.forecast: tuple[float, float] | None = None
         self.errors = np.zeros(2)
+        # what the choices thought of the plain alternatives: every drafted slot at k drafts
+        # (at most its offer), k = 1..UNIFORM, predicted tokens per ms over the chosen
+        # lengths', averaged over the wide choices (a figure: how near the choice was)
+        self.uniform = np.zeros(UNIFORM)
+        self._uniform_seen = False
 
     def choose(self, work: list[SlotWork], counts: list[int], wide: bool) -> list[int]:
         """Draft counts (each <= ``counts``, the trimmed ones) for ``work``'s slots."""
@@ -131,6 +144,12 @@ class DraftBudget:
             union = float(expected_union(fresh_rows(rows[None, :], problem.locality),
                                          log_miss, weight)[0])
             self.forecast = (union, cost.pass_ms(float(rows.sum()), union))
+            offer = np.array(counts)
+            alt = np.minimum(np.arange(1, UNIFORM + 1)[:, None], offer[None, :])  # [k, S]
+            r = ratio(problem, cost, np.vstack([alt, np.array(out)[None, :]]))
+            now = r[:-1] / max(r[-1], 1e-12)
+            self.uniform = self.uniform + EMA * (now - self.uniform) if self._uniform_seen else now
+            self._uniform_seen = True
         return out
 
     def figures(self) -> dict[str, float]:
@@ -143,7 +162,8 @@ class DraftBudget:
                 "cost_slots": float(slots or 0), "fitted_steps": self.costs.n,
                 "persistence": r.persistence, "locality": r.locality,
                 "effective_experts": float(r.effective), "picks_per_row": r.picks_per_row,
-                "union_error": float(self.errors[0]), "step_error": float(self.errors[1])}
+                "union_error": float(self.errors[0]), "step_error": float(self.errors[1]),
+                **{f"uniform_{k + 1}": float(v) for k, v in enumerate(self.uniform)}}
 
     @property
     def cost(self) -> StepCost:

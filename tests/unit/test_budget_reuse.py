@@ -12,6 +12,7 @@ import pytest
 
 from daemon.config import load_config
 from daemon.draft_adaptive import ACCEPT_TOLERANCE, REUSE_STEPS, DraftBudget
+from daemon.draft_budget import MARGIN
 from daemon.draft_stats import RoutingStats
 from gpu_worker.experts.counters import ExpertCounters
 from protocol.codec import decode, encode
@@ -135,3 +136,15 @@ def test_the_plans_ask_travels_on_the_wire(asked):
     plan = StepPlan(step_id=3, slot_routing=asked)
     back = decode(encode(plan))
     assert back == dataclasses.replace(plan) and back.slot_routing is asked
+
+
+def test_the_figures_say_how_the_plain_lengths_compared_with_the_choice():
+    budget = _budget()
+    _run(budget, 40)
+    got = budget.figures()
+    uniform = [got[f"uniform_{k}"] for k in range(1, 5)]
+    # the choice is within the margin of the best: no plain length predicted much better
+    assert max(uniform) <= 1 / (1 - MARGIN) + 1e-9
+    chosen = int(np.argmax(budget.chosen))  # every slot at that count, most steps
+    assert uniform[chosen - 1] == pytest.approx(1.0, abs=0.02)
+    assert min(uniform) < 0.99  # and some plain length predicted worse

@@ -256,7 +256,8 @@ def test_the_budget_counts_its_choices_for_drafted_slots():
     assert set(budget.figures()) == {"fixed_ms", "row_ms", "expert_ms", "cost_slots",
                                      "fitted_steps", "persistence", "locality",
                                      "effective_experts", "picks_per_row", "union_error",
-                                     "step_error"}
+                                     "step_error", "uniform_1", "uniform_2", "uniform_3",
+                                     "uniform_4"}
 
 
 # ---- the worker's record and the wire ----------------------------------------------------------
