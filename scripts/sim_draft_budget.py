@@ -22,6 +22,10 @@ was from the routed one (``union_error``: mean and spread of predicted / routed 
 
     python -m scripts.sim_draft_budget --out docs/bench/draft_budget_sim.json
 
+``--turnover N``: every N steps each slot's request ends and a new one takes the slot (the
+slots staggered), as the benchmark's 8 requests pass through its 4 slots: the budget then
+chooses for slots it has no routing history of.
+
 What it cannot say: the host time a policy adds (``scripts/bench_draft_budget.py`` times it),
 and how a real router's routing differs from the synthetic one.
 """
@@ -90,10 +94,16 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
     time_ms = tokens = experts = 0.0
     chosen = np.zeros(most + 1, np.int64)
     union_error: list[float] = []  # adaptive: the budget's predicted union / the routed one
+    gen = np.zeros(SLOTS, np.int64)
     for step in range(args.steps):
+        for s in range(SLOTS):  # --turnover: a slot's request ends, a new one takes it
+            if args.turnover and step and (step + s * args.turnover // SLOTS) % args.turnover == 0:
+                gen[s] += 1
+                keys[s] = (keys[s] * 31 + 7 + seed) % (2**31 - 1)
+                pos[s] = 40 + 5 * s
         predicted, routes = None, True
         if policy == "adaptive":
-            work = slot_work(pos, most)
+            work = slot_work(pos, most, gen)
             drafts = budget.choose(work, [most] * SLOTS, True)
             # the chosen pass's expected CPU experts (None: a kept choice, no forecast)
             predicted = budget.forecast[0] if budget.forecast is not None else None
@@ -136,9 +146,12 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
                              "std": float(np.std(union_error))} if union_error else None)}
 
 
-def slot_work(pos: np.ndarray, most: int) -> list[SlotWork]:
-    """The four decode slots at positions ``pos``, each offering ``most`` MTP drafts."""
-    return [SlotWork(slot=s, request_id=f"r{s}", kind=WorkKind.DECODE,
+def slot_work(pos: np.ndarray, most: int, gen: np.ndarray | None = None) -> list[SlotWork]:
+    """The four decode slots at positions ``pos``, each offering ``most`` MTP drafts
+    (``gen``: each slot's request, by how many ended there before it)."""
+    gen = np.zeros(SLOTS, np.int64) if gen is None else gen
+    return [SlotWork(slot=s, request_id=f"r{s}" + (f".{gen[s]}" if gen[s] else ""),
+                     kind=WorkKind.DECODE,
                      input_ids=np.array([5]), start_pos=int(pos[s]), num_tokens=1,
                      needs_logits=True, sampling=SamplingParams(temperature=0.0, seed=1),
                      draft_ids=np.arange(1, most + 1),
@@ -177,6 +190,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policies", default="1,2,3,adaptive")
     p.add_argument("--seeds", default="0,1,2,3")
     p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--turnover", type=int, default=0,
+                   help="a slot's request ends every this many steps (staggered over the "
+                   "slots) and a new one (another routing key, no history) takes the slot; "
+                   "0: the same four requests throughout")
     p.add_argument("--accept", type=lambda s: [float(x) for x in s.split(",")],
                    default=[0.853, 1.0, 0.713],
                    help="acceptance per draft position, given the drafts before it were")

@@ -61,3 +61,14 @@ def test_the_union_check_predicts_each_draft_rows_growth(tmp_path):
     assert data["learned"]["locality"] == pytest.approx(0.12, abs=0.04)  # the routing's own
     with pytest.raises(SystemExit):
         check_union_model.main(["--drafts", "7"])
+
+
+def test_turnover_replaces_each_slots_request_and_the_budget_chooses_for_new_ones():
+    from scripts.sim_draft_budget import parse_args, simulate
+
+    args = parse_args(["--steps", "60", "--turnover", "20", "--layers", "4"])
+    got = simulate("adaptive", args, 0)
+    plain = simulate("adaptive", parse_args(["--steps", "60", "--layers", "4"]), 0)
+    assert got["tokens_per_step"] > 4 and sum(got["drafts_chosen"]) == 4 * (60 - 20)
+    # new requests route by new keys: another run than the steady four requests'
+    assert got["cpu_experts_per_step"] != plain["cpu_experts_per_step"]
