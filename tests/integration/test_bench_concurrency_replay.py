@@ -43,6 +43,8 @@ def test_replay_arms_give_the_plain_tokens(tmp_path):
                 budget = run["budget"]  # the adaptive budget's estimates and choices
                 assert budget["figures"]["fixed_ms"] > 0 and budget["figures"]["persistence"] >= 0
                 assert budget["figures"]["effective_experts"] >= 0, budget  # (no CPU experts)
+                # what its choices predicted for the plain lengths, over the chosen one's
+                assert 0 < budget["figures"]["uniform_1"] <= 1 / 0.995 + 1e-9, budget
                 assert sum(budget["drafts_chosen"].values()) > 0
                 assert set(budget["drafts_chosen"]) <= {"0", "1", "2"}, budget  # adaptive@2
             else:
