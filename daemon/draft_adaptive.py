@@ -77,8 +77,7 @@ class DraftBudget:
         # what the choices thought of the plain alternatives: every drafted slot at k drafts
         # (at most its offer), k = 1..UNIFORM, predicted tokens per ms over the chosen
         # lengths', averaged over the wide choices (a figure: how near the choice was)
-        self.uniform = np.zeros(UNIFORM)
-        self._uniform_seen = False
+        self.uniform: np.ndarray | None = None
 
     def choose(self, work: list[SlotWork], counts: list[int], wide: bool) -> list[int]:
         """Draft counts (each <= ``counts``, the trimmed ones) for ``work``'s slots."""
@@ -102,7 +101,7 @@ class DraftBudget:
             self._changed = False
         else:
             out = self._solve(work, counts, rate, wide)
-            fresh = all(self.routing.seen_at.get(w.request_id) == self._steps - 1
+            fresh = all(self.routing.has_history(w.request_id, self._steps - 1)
                         for w, n in zip(work, counts, strict=True)
                         if n and w.kind == WorkKind.DECODE)
             self._changed = key != self._key
@@ -148,8 +147,8 @@ class DraftBudget:
             alt = np.minimum(np.arange(1, UNIFORM + 1)[:, None], offer[None, :])  # [k, S]
             r = ratio(problem, cost, np.vstack([alt, np.array(out)[None, :]]))
             now = r[:-1] / max(r[-1], 1e-12)
-            self.uniform = self.uniform + EMA * (now - self.uniform) if self._uniform_seen else now
-            self._uniform_seen = True
+            self.uniform = now if self.uniform is None else self.uniform + EMA * (
+                now - self.uniform)
         return out
 
     def figures(self) -> dict[str, float]:
@@ -163,7 +162,8 @@ class DraftBudget:
                 "persistence": r.persistence, "locality": r.locality,
                 "effective_experts": float(r.effective), "picks_per_row": r.picks_per_row,
                 "union_error": float(self.errors[0]), "step_error": float(self.errors[1]),
-                **{f"uniform_{k + 1}": float(v) for k, v in enumerate(self.uniform)}}
+                **{f"uniform_{k + 1}": float(v) for k, v in enumerate(
+                    np.zeros(UNIFORM) if self.uniform is None else self.uniform)}}
 
     @property
     def cost(self) -> StepCost:

@@ -185,6 +185,11 @@ class RoutingStats:
         self.last = {k: v for k, v in self.last.items() if k in live}
         self.seen_at = {k: v for k, v in self.seen_at.items() if k in live}
 
+    def has_history(self, request_id: str, step: int | None = None) -> bool:
+        """Whether the request's last routes are those of ``step`` (None: any kept)."""
+        return request_id in self.last and (step is None or self.seen_at.get(request_id)
+                                            == step)
+
     def patterns(self, request_ids: list[str | None], step: int | None = None
                  ) -> tuple[np.ndarray, np.ndarray]:
         """daemon/draft_budget.patterns for slots of these requests (None: a prompt chunk),
@@ -193,8 +198,7 @@ class RoutingStats:
         first slot the most significant, then the class), so experts with equal rows are
         found by sorting K integers. ``step``: the last step; a slot whose routes are older
         is taken to have none (its experts then persist no more than chance)."""
-        hist = [self.last.get(r) if r is not None and (step is None or self.seen_at.get(r)
-                                                        == step) else None
+        hist = [self.last[r] if r is not None and self.has_history(r, step) else None
                 for r in request_ids]
         S = len(hist)
         history = np.array([h is not None for h in hist])

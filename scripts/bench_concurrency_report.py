@@ -72,39 +72,43 @@ def summarize(runs: list[dict], arms: list[str], base: str | None = None) -> dic
 def _common(entry: dict, runs: list[dict], arms: list[str]) -> None:
     """``entry``'s figures at a common cost per CPU expert (module doc), where the runs have
     four-stream steps with CPU experts."""
-    four = {id(r): r.get("steps", {}).get("four_stream", {}) for r in runs}
-    usable = [r for r in runs if all(four[id(r)].get(k) for k in (
-        "tokens_per_step", "step_ms", "cpu_kernel_ms", "cpu_experts_per_step"))]
+    keys = ("tokens_per_step", "step_ms", "cpu_kernel_ms", "cpu_experts_per_step")
+    usable = [(r["arm"], f) for r in runs
+              if all((f := r.get("steps", {}).get("four_stream", {})).get(k) for k in keys)]
     if not usable:
         return
-    cost = statistics.median(four[id(r)]["cpu_kernel_ms"] / four[id(r)]["cpu_experts_per_step"]
-                             for r in usable)
-    at = {id(r): 1e3 * four[id(r)]["tokens_per_step"] / (
-        four[id(r)]["step_ms"] - four[id(r)]["cpu_kernel_ms"]
-        + four[id(r)]["cpu_experts_per_step"] * cost) for r in usable}
+    cost = statistics.median(f["cpu_kernel_ms"] / f["cpu_experts_per_step"] for _, f in usable)
+    at = [(arm, 1e3 * f["tokens_per_step"] / (f["step_ms"] - f["cpu_kernel_ms"]
+                                              + f["cpu_experts_per_step"] * cost))
+          for arm, f in usable]
     entry["common_expert_ms"] = round(cost, 5)
     entry["four_stream_tps_at_common_expert_cost"] = {
-        a: _median([at[id(r)] for r in usable if r["arm"] == a]) for a in arms}
+        a: _median([v for arm, v in at if arm == a]) for a in arms}
 
 
 def best_fixed(entry: dict, arms: list[str]) -> dict | None:
     """The adaptive budget against the best fixed draft length (wide arms), four-stream; and
     at a common cost per CPU expert (module doc), where the runs give it."""
-    out = None
-    for key, name in (("four_stream_decode_tps", None),
-                      ("four_stream_tps_at_common_expert_cost", "at_common_expert_cost")):
-        tps = entry.get(key, {})
-        fixed = {a: tps[a] for a in arms if a.partition("@")[0] == "wide" and tps.get(a)}
-        adaptive = {a: tps[a] for a in arms if a.startswith("adaptive") and tps.get(a)}
-        if not fixed or not adaptive:
-            continue
-        arm = max(fixed, key=fixed.get)
-        ratio = {a: round(v / fixed[arm], 3) for a, v in adaptive.items()}
-        if name is None:
-            out = {"best_fixed_arm": arm, "best_fixed_tps": fixed[arm], "adaptive": ratio}
-        elif out is not None:
-            out[name] = {"best_fixed_arm": arm, "adaptive": ratio}
+    measured = _over_best_fixed(entry["four_stream_decode_tps"], arms)
+    if measured is None:
+        return None
+    arm, tps, ratio = measured
+    out = {"best_fixed_arm": arm, "best_fixed_tps": tps, "adaptive": ratio}
+    common = _over_best_fixed(entry.get("four_stream_tps_at_common_expert_cost", {}), arms)
+    if common is not None:
+        out["at_common_expert_cost"] = {"best_fixed_arm": common[0], "adaptive": common[2]}
     return out
+
+
+def _over_best_fixed(tps: dict, arms: list[str]) -> tuple[str, float, dict] | None:
+    """(the best fixed-length wide arm, its figure, each adaptive arm's over it) of a figure
+    per arm; None without both kinds of arm."""
+    fixed = {a: tps[a] for a in arms if a.partition("@")[0] == "wide" and tps.get(a)}
+    adaptive = {a: tps[a] for a in arms if a.startswith("adaptive") and tps.get(a)}
+    if not fixed or not adaptive:
+        return None
+    arm = max(fixed, key=fixed.get)
+    return arm, fixed[arm], {a: round(v / fixed[arm], 3) for a, v in adaptive.items()}
 
 
 def table(summary: dict) -> str:
