@@ -78,7 +78,8 @@ _SECTION_TYPES = {"model": ModelSection, "server": ServerSection, "limits": Limi
                   "systemd": SystemdSection}
 _PATH_KEYS = {"model.path", "server.api_keys_file", "server.run_dir",
               "server.zmq_curve_secret_key_file", "experts.hot_experts", "experts.shard_cache",
-              "speculation.replay_file", "speculation.record_file"}
+              "speculation.replay_file", "speculation.record_file",
+              "speculation.step_trace_file"}
 
 
 # ---- loading ------------------------------------------------------------------------------------

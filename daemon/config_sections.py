@@ -326,6 +326,9 @@ class SpeculationSection:
     # benchmarks only, any mode: append each finished request's prompt and generated ids
     # (JSON lines: a replay file's records, daemon/proposers/replay.py ReplayRecorder)
     record_file: Path | None = None
+    # benchmarks only, any mode: a JSON line per step, its rows, time and the budget's choice
+    # (daemon/step_trace.py)
+    step_trace_file: Path | None = None
 
     def __post_init__(self) -> None:
         check_str("speculation.mode", self.mode, SPECULATION_MODES)
@@ -335,10 +338,10 @@ class SpeculationSection:
             fail("speculation.replay_file", "proposer = 'replay' needs an existing replay "
                  "file (benchmarks only: scripts/bench_concurrency.py writes one)",
                  self.replay_file)
-        if self.record_file is not None and not (isinstance(self.record_file, Path)
-                                                 and self.record_file.parent.is_dir()):
-            fail("speculation.record_file", "must be a file in an existing directory",
-                 self.record_file)
+        for key in ("record_file", "step_trace_file"):
+            path = getattr(self, key)
+            if path is not None and not (isinstance(path, Path) and path.parent.is_dir()):
+                fail(f"speculation.{key}", "must be a file in an existing directory", path)
         check_int("speculation.num_drafts", self.num_drafts, 1, 15)
         check_int("speculation.min_match", self.min_match, 1, 64)
         check_int("speculation.max_match", self.max_match, self.min_match, 64)

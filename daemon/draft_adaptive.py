@@ -78,6 +78,9 @@ class DraftBudget:
         # (at most its offer), k = 1..UNIFORM, predicted tokens per ms over the chosen
         # lengths', averaged over the wide choices (a figure: how near the choice was)
         self.uniform: np.ndarray | None = None
+        # the last choose(): fresh or kept, the counts offered and chosen, a fresh wide
+        # choice's forecast and uniform ratios (daemon/step_trace.py; benchmarks)
+        self.last: dict | None = None
 
     def choose(self, work: list[SlotWork], counts: list[int], wide: bool) -> list[int]:
         """Draft counts (each <= ``counts``, the trimmed ones) for ``work``'s slots."""
@@ -85,6 +88,7 @@ class DraftBudget:
         self.accept.keep(live)
         self.routing.keep(live)
         self._idle = {r: n for r, n in self._idle.items() if r in live}
+        self.last = None
         if not any(counts):  # nothing to choose; the next choice is made afresh
             self._key, self._changed = None, True
             return list(counts)
@@ -99,7 +103,9 @@ class DraftBudget:
             out = list(self._kept)
             self._age += 1
             self._changed = False
+            self.last = {"fresh": False}
         else:
+            self.last = {"fresh": True}
             out = self._solve(work, counts, rate, wide)
             fresh = all(self.routing.has_history(w.request_id, self._steps - 1)
                         for w, n in zip(work, counts, strict=True)
@@ -116,6 +122,7 @@ class DraftBudget:
                 self._idle.pop(w.request_id, None)
             if n:
                 self.chosen[min(out[i], MAX_POSITIONS)] += 1
+        self.last.update(offered=list(counts), chosen=list(out))
         return out
 
     def wants_routes(self) -> bool:
@@ -147,6 +154,8 @@ class DraftBudget:
             alt = np.minimum(np.arange(1, UNIFORM + 1)[:, None], offer[None, :])  # [k, S]
             r = ratio(problem, cost, np.vstack([alt, np.array(out)[None, :]]))
             now = r[:-1] / max(r[-1], 1e-12)
+            self.last.update(forecast=[round(v, 3) for v in self.forecast],
+                             uniform=[round(float(v), 5) for v in now])
             self.uniform = now if self.uniform is None else self.uniform + EMA * (
                 now - self.uniform)
         return out

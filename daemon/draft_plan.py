@@ -197,6 +197,11 @@ class DraftPlanner:
             out.append(w)
         return out, self.wide
 
+    def budget_step(self) -> dict | None:
+        """The adaptive budget's choice for the step last fitted (DraftBudget.last; None
+        without the budget or a choice)."""
+        return None if self.budget is None else self.budget.last
+
     def observe(self, plan: StepPlan, result: StepResult, seconds: float) -> None:
         """A step's outcome (daemon/step_commit.py): the adaptive budget's estimates."""
         if self.budget is not None:

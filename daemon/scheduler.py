@@ -34,7 +34,7 @@ from daemon.request import (
     RequestRejected,
 )
 from daemon.sequence import Sequence
-from daemon.step_commit import commit_step
+from daemon.step_commit import StepTrace, commit_step
 from daemon.worker_client import WorkerDied, WorkerStepError
 from protocol.messages import (
     CacheOp,
@@ -75,6 +75,7 @@ class Scheduler:
         if preemption not in ("swap", "recompute"):
             raise ValueError(f"preemption must be swap or recompute, got {preemption!r}")
         self.recorder = ReplayRecorder.of(speculation)  # benchmarks only: record_file
+        self.trace = StepTrace.of(speculation)  # benchmarks only: step_trace_file
         self.speculation = speculation if speculation is not None and \
             speculation.mode != "off" else None
         mtp = self.speculation is not None and self.speculation.proposer == "mtp"
@@ -244,8 +245,7 @@ class Scheduler:
 
     def commit(self, plan: StepPlan, result: StepResult, seconds: float,
                t_plan: float | None = None) -> None:
-        """Apply a step's results (daemon.step_commit). ``seconds``: the worker's step;
-        ``t_plan``: when planning began (the steady-decode figures count from there)."""
+        """Apply a step's results (daemon.step_commit: its arguments)."""
         commit_step(self, plan, result, seconds, t_plan)
 
     # ---- planning pieces -----------------------------------------------------------------

@@ -13,7 +13,10 @@ from typing import Any
 from daemon import progress
 from daemon.metrics import Metrics, NullMetrics, StepStats
 from daemon.sequence import Sequence
+from daemon.step_trace import StepTrace
 from protocol.messages import DraftSource, StepPlan, StepResult, WorkKind
+
+__all__ = ["StepTrace", "commit_step", "observe_latency", "release_finished"]
 
 
 def commit_step(sched: Any, plan: StepPlan, result: StepResult, seconds: float,
@@ -65,6 +68,10 @@ def commit_step(sched: Any, plan: StepPlan, result: StepResult, seconds: float,
         worker_ms=result.timings_ms))
     sched.metrics.set_request_states(
         progress.counts([s for s in sched.slots if s is not None] + waiting))
+    if sched.trace is not None:  # benchmarks only (daemon/step_trace.py)
+        sched.trace.add(plan, result, seconds,
+                        None if t_plan is None else time.monotonic() - t_plan,
+                        sched.draft_plan.budget_step())
 
 
 def release_finished(sched: Any, slot: int, seq: Sequence) -> None:

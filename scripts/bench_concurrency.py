@@ -91,12 +91,14 @@ def one_run(args: argparse.Namespace, ctx: dict, name: str, arm: str, pair: int,
             replay: Path | None) -> dict:
     """One fresh server, warm-up excluded, the workload, its figures; every request's
     token ids go to ``ctx["work"]/<run>.records.jsonl`` (docs/speculation.md, the replay
-    proposer)."""
+    proposer), a line per step to ``<run>.steps.jsonl`` (daemon/step_trace.py)."""
     begin = time.monotonic()
     records = ctx["work"] / f"{name}_{arm}_{pair}.records.jsonl"
+    steps = ctx["work"] / f"{name}_{arm}_{pair}.steps.jsonl"
     records.unlink(missing_ok=True)
+    steps.unlink(missing_ok=True)
     spec = arm_speculation(arm, args.proposer)
-    spec["record_file"] = str(records)
+    spec["record_file"], spec["step_trace_file"] = str(records), str(steps)
     if args.proposer == "replay":
         if spec["mode"] == "off":
             spec["proposer"] = "suffix"  # (unused with mode off; replay needs a file)
