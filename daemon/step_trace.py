@@ -12,8 +12,8 @@ One line per step that ran slots::
 
 ``cycle_ms`` runs from the step's planning to the end of its commit (the decode TPS's clock,
 docs/observability.md, steady decode); ``worker_ms`` is the worker's round trip (the budget's
-step time); ``timings`` the worker's parts (``StepResult.timings_ms``); ``kind`` 0 prefill,
-1 decode (``protocol.messages.WorkKind``). ``budget`` (adaptive only): whether the step's
+step time); ``timings`` the worker's parts (``StepResult.timings_ms``); ``kind`` 1 prefill,
+2 decode (``protocol.messages.WorkKind``). ``budget`` (adaptive only): whether the step's
 draft counts were chosen afresh or kept (daemon/draft_adaptive.py), the counts offered
 (trimmed) and chosen, and for a fresh wide choice its forecast (CPU experts, ms) and what
 it predicted of every drafted slot at k = 1..4 drafts, over the chosen counts' tokens per ms.

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from daemon.config import load_config
 from daemon.config_checks import ConfigError
 from daemon.proposers.replay import read_records, write_replay_file
 from gpu_worker.engine import Engine
+from scripts import fit_step_trace
 from scripts.bench_concurrency_serve import write_toml
 from scripts.tiny_model import make_tiny_model
 from tests.unit.spec_serve import serve
@@ -83,6 +85,40 @@ def test_adaptive_run_traces_the_budget_choice(model, tmp_path):
         if b["fresh"] and "forecast" in b:
             assert len(b["uniform"]) == 4 and b["forecast"][1] > 0
     assert sum(1 for line in chose if "forecast" in line["budget"]) >= 2
+    # the offline fit reads the trace: figures of the four-slot decode steps
+    report = tmp_path / "fit.json"
+    fit_step_trace.main([str(trace), "--out", str(report)])
+    got = json.loads(report.read_text())
+    four = fit_step_trace.steady(lines, 4)
+    run = got["runs"]["adaptive"]
+    assert run["steps"] == len(four) > 0
+    assert run["rows"] == pytest.approx(sum(s["rows"] for s in four) / len(four), abs=1e-4)
+    assert sum(run["drafts_chosen"].values()) == sum(
+        1 for s in four if s.get("budget") for o in s["budget"]["offered"] if o) > 0
+    assert got["fit"]["steps"] == len(four) and "row_ms" in got["fit"]
+
+
+def test_fit_recovers_known_costs():
+    """Steps whose rest is 5 + 0.4 rows + 0.2 tokens + 3 on fresh choices (ms), plus noise."""
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(400):
+        drafts = rng.integers(0, 4, 4)
+        acc = np.minimum(drafts, rng.integers(0, 4, 4))
+        rows, tokens, fresh = 4 + drafts.sum(), 4 + acc.sum(), bool(i % 8 == 0)
+        cpu = 100 + 5 * rows + rng.normal(0, 3)
+        rest = 5 + 0.4 * rows + 0.2 * tokens + 3 * fresh + rng.normal(0, 0.3)
+        lines.append({"step": i, "cycle_ms": cpu + rest, "worker_ms": cpu + rest - 1,
+                      "timings": {"cpu_experts": cpu}, "rows": int(rows), "cpu_experts": 3000,
+                      "slots": [[2, 1 + int(d), int(d), int(a), 1 + int(a)]
+                                for d, a in zip(drafts, acc, strict=True)],
+                      "budget": {"fresh": fresh, "offered": [3] * 4,
+                                 "chosen": [int(d) for d in drafts]}})
+    fit = fit_step_trace.fit_rest(fit_step_trace.steady(lines, 4))
+    for name, want in (("fixed_ms", 5), ("row_ms", 0.4), ("token_ms", 0.2),
+                       ("fresh_choice_ms", 3)):
+        assert abs(fit[name]["value"] - want) < 4 * fit[name]["se"] + 1e-9, name
+        assert fit[name]["se"] < 0.2
 
 
 def test_step_trace_file_is_validated(tmp_path):
