@@ -41,6 +41,12 @@ class AcceptanceStats:
             before = out[j] = (s[j] + weight * before) / (t[j] + weight)
         return out
 
+    def trials(self, source: int, position: int) -> float:
+        """Verifies of ``source`` that reached draft ``position`` (0: the first), over
+        requests."""
+        src = self.sources.get(source)
+        return 0.0 if src is None or position >= MAX_POSITIONS else float(src[1, position])
+
     def rate(self, request_id: str, source: int) -> np.ndarray:
         prior = self.source_rate(source)
         req = self.requests.get((request_id, source))

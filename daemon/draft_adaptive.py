@@ -42,7 +42,13 @@ if TYPE_CHECKING:
 
 # a step's counters (gpu_worker/step_graph.py) that mark its time as not its layout's cost
 ONE_OFF_COUNTERS = ("graph_captures", "graph_first_runs", "graph_refused")
-PROBE_STEPS = 8  # a slot left without drafts this many steps gets one (re-measured)
+# a slot whose drafts the budget cut short of its offer this many steps running verifies one
+# more (a probe): one without drafts always (its text may have turned predictable), one with
+# drafts while its source has fewer than PROBE_TRIALS verifies that reached the position
+# after them (an estimate the choice stopped measuring would otherwise stay where a few
+# early misses left it; once measured, the source's estimate there stands)
+PROBE_STEPS = 8
+PROBE_TRIALS = 32
 UNIFORM = 4  # the alternatives of ``DraftBudget.uniform``
 REUSE_STEPS = 8  # steps one choice serves while the step's slots and offers stay the same
 ACCEPT_TOLERANCE = 0.1  # ... and no slot's acceptance at any position moved more than this
@@ -58,7 +64,7 @@ class DraftBudget:
                                       spec.cost_expert_ms))
         self.fit_costs = True  # False: the config's constants only (tests)
         self.reuse = True  # False: choose afresh every step, from every step's routes
-        self._idle: dict[str, int] = {}  # request -> steps its proposals were all cut
+        self._short: dict[str, int] = {}  # request -> steps running its drafts were cut
         self.chosen = np.zeros(MAX_POSITIONS + 1, np.int64)  # drafted slots by drafts chosen
         self._slots: int | None = None  # the last step's, chosen for
         self._steps = 0  # steps observed
@@ -87,7 +93,7 @@ class DraftBudget:
         live = {w.request_id for w in work}
         self.accept.keep(live)
         self.routing.keep(live)
-        self._idle = {r: n for r, n in self._idle.items() if r in live}
+        self._short = {r: n for r, n in self._short.items() if r in live}
         self.last = None
         if not any(counts):  # nothing to choose; the next choice is made afresh
             self._key, self._changed = None, True
@@ -114,12 +120,14 @@ class DraftBudget:
             self._key, self._kept, self._rates = key, list(out), rate
             self._age = 1 if fresh else REUSE_STEPS - 1  # no history: again from fresh routes
         for i, (w, n) in enumerate(zip(work, counts, strict=True)):
-            if n and not out[i]:
-                self._idle[w.request_id] = self._idle.get(w.request_id, 0) + 1
-                if self._idle[w.request_id] >= PROBE_STEPS:  # re-measure its acceptance
-                    out[i] = 1
-            if out[i]:
-                self._idle.pop(w.request_id, None)
+            if out[i] < n:
+                short = self._short.get(w.request_id, 0) + 1
+                if short >= PROBE_STEPS and (not out[i] or self.accept.trials(
+                        int(w.draft_sources[0]), out[i]) < PROBE_TRIALS):
+                    out[i], short = out[i] + 1, 0  # a probe of the position after them
+                self._short[w.request_id] = short
+            else:
+                self._short.pop(w.request_id, None)
             if n:
                 self.chosen[min(out[i], MAX_POSITIONS)] += 1
         self.last.update(offered=list(counts), chosen=list(out))
