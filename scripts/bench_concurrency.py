@@ -63,10 +63,11 @@ from pathlib import Path
 
 import aiohttp
 
-from daemon.proposers.replay import prompt_key, read_records, write_replay_file
+from daemon.proposers.replay import ReplayProposer, prompt_key, read_records, write_replay_file
 from scripts.bench_common import REPO, command_line, delta, machine, scrape
 from scripts.bench_concurrency_report import table, write_summary
 from scripts.bench_concurrency_serve import (
+    acceptance_luck,
     arm_speculation,
     base_config,
     budget_figures,
@@ -123,6 +124,8 @@ def one_run(args: argparse.Namespace, ctx: dict, name: str, arm: str, pair: int,
                                 for i, p in enumerate(WARM_UP)])
 
         asyncio.run(warm_up())
+        # the warm-up's steps: written (and committed) before its answers came back
+        warm_steps = len(steps.read_text().splitlines()) if steps.is_file() else 0
         before, load = scrape(url), os.getloadavg()[0]
         streams, wall = asyncio.run(workload(url, model, name, args))
         after, load = scrape(url), [load, os.getloadavg()[0]]
@@ -156,6 +159,10 @@ def one_run(args: argparse.Namespace, ctx: dict, name: str, arm: str, pair: int,
             "budget": budget_figures(after, before),  # adaptive: its estimates and choices
             "steps": step_figures(after, before, ctx["per_expert"], args.dram_gbs),
             "records": str(records),
+            "step_trace": {"file": str(steps), "warm_up_lines": warm_steps},
+            # replay: how the draws the run met compare with the profile's rate
+            "acceptance_luck": acceptance_luck(steps, warm_steps, ReplayProposer.load(replay).p)
+            if replay is not None and spec["mode"] != "off" else None,
             # where the run's time went: the server's start (load), warm-up and workload,
             # its stop (every process ended)
             "server_start_s": round(start_s, 1), "run_s": round(t1 - t0 - start_s, 1),

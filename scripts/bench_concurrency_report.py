@@ -11,7 +11,16 @@ tokens per step over its step time with its CPU experts costing the workload's m
 per expert over all runs (``common_expert_ms``): (step ms - CPU kernel ms) + CPU experts x
 common cost. It keeps what the arms choose (tokens per step, CPU experts per step, the time
 outside the CPU experts) and drops how fast the machine's memory happened to be. A derived
-figure, not a measured speed: the measured one stays the comparison the method names."""
+figure, not a measured speed: the measured one stays the comparison the method names.
+
+With the replay proposer the draws are fixed per request and position, so an arm meets the
+same draws every run and arms that visit other positions meet other ones: one arm's
+accepted drafts may run a few percent above the profile's rate in every run (the replay's
+luck, ``acceptance_luck`` of a run: its four-slot decode steps' tokens over those the rate
+makes expected of the drafts it verified). ``four_stream_tps_at_common_cost_expected_
+acceptance`` divides the common-cost figure by the run's luck as well: each arm's choices at
+the same memory speed and the same acceptance. Derived too; where runs have no step trace
+(before it existed) the summary leaves it out."""
 
 from __future__ import annotations
 
@@ -73,17 +82,23 @@ def _common(entry: dict, runs: list[dict], arms: list[str]) -> None:
     """``entry``'s figures at a common cost per CPU expert (module doc), where the runs have
     four-stream steps with CPU experts."""
     keys = ("tokens_per_step", "step_ms", "cpu_kernel_ms", "cpu_experts_per_step")
-    usable = [(r["arm"], f) for r in runs
+    usable = [(r["arm"], f, (r.get("acceptance_luck") or {}).get("luck")) for r in runs
               if all((f := r.get("steps", {}).get("four_stream", {})).get(k) for k in keys)]
     if not usable:
         return
-    cost = statistics.median(f["cpu_kernel_ms"] / f["cpu_experts_per_step"] for _, f in usable)
+    cost = statistics.median(f["cpu_kernel_ms"] / f["cpu_experts_per_step"]
+                             for _, f, _ in usable)
     at = [(arm, 1e3 * f["tokens_per_step"] / (f["step_ms"] - f["cpu_kernel_ms"]
-                                              + f["cpu_experts_per_step"] * cost))
-          for arm, f in usable]
+                                              + f["cpu_experts_per_step"] * cost), luck)
+          for arm, f, luck in usable]
     entry["common_expert_ms"] = round(cost, 5)
     entry["four_stream_tps_at_common_expert_cost"] = {
-        a: _median([v for arm, v in at if arm == a]) for a in arms}
+        a: _median([v for arm, v, _ in at if arm == a]) for a in arms}
+    if all(luck for arm, _, luck in at if arm != "off"):  # every drafting run was traced
+        entry["acceptance_luck"] = {a: _median([luck for arm, _, luck in at if arm == a])
+                                    for a in arms}
+        entry["four_stream_tps_at_common_cost_expected_acceptance"] = {
+            a: _median([v / (luck or 1.0) for arm, v, luck in at if arm == a]) for a in arms}
 
 
 def best_fixed(entry: dict, arms: list[str]) -> dict | None:
@@ -97,6 +112,11 @@ def best_fixed(entry: dict, arms: list[str]) -> dict | None:
     common = _over_best_fixed(entry.get("four_stream_tps_at_common_expert_cost", {}), arms)
     if common is not None:
         out["at_common_expert_cost"] = {"best_fixed_arm": common[0], "adaptive": common[2]}
+    even = _over_best_fixed(entry.get("four_stream_tps_at_common_cost_expected_acceptance",
+                                      {}), arms)
+    if even is not None:
+        out["at_common_cost_expected_acceptance"] = {"best_fixed_arm": even[0],
+                                                     "adaptive": even[2]}
     return out
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.metrics import GRAPH_OUTCOMES
+from protocol.messages import WorkKind
 from scripts.bench_common import REPO, Samples, delta, wait_ready
 from scripts.procs import descendants, wait_gone
 
@@ -360,3 +361,26 @@ def exactness(records: list[dict], reference: dict[str, list[int]]) -> dict[str,
         ref = reference.get(prompt_key(r["prompt_ids"]))
         out["unknown" if ref is None else "equal" if ref == r["continuation"] else "differ"] += 1
     return out
+
+
+def acceptance_luck(trace: Path, skip: int, rate: float, slots: int = 4) -> dict | None:
+    """How the replay's draws fell in a run's decode-only steps of ``slots`` slots (the
+    four-stream kind), from its step trace (daemon/step_trace.py) past its first ``skip``
+    lines (the warm-up): the tokens they gave (each verify's 1 + accepted drafts) against
+    those the profile's ``rate`` makes expected of the drafts verified (1 + rate + ... +
+    rate^k), and their ratio (``luck``: above 1, the draws the run met accepted more than
+    the rate does on average). The replay draws by request and position, so arms that visit
+    other positions meet other draws, the same ones every run (docs/benchmarks.md)."""
+    if not trace.is_file():
+        return None
+    lines = [json.loads(x) for x in trace.read_text().splitlines()[skip:] if x.strip()]
+    verifies = [s for line in lines if len(line["slots"]) == slots
+                and all(x[0] == int(WorkKind.DECODE) for x in line["slots"])
+                for s in line["slots"]]
+    if not verifies:
+        return None
+    got = sum(1 + s[3] for s in verifies)
+    expected = sum(1 + sum(rate ** j for j in range(1, s[2] + 1)) for s in verifies)
+    return {"steps": len(verifies) // slots, "tokens": got, "expected_tokens": round(expected, 3),
+            "luck": round(got / expected, 5)}
+
