@@ -363,24 +363,25 @@ def exactness(records: list[dict], reference: dict[str, list[int]]) -> dict[str,
     return out
 
 
-def acceptance_luck(trace: Path, skip: int, rate: float, slots: int = 4) -> dict | None:
+def acceptance_luck(trace: Path, skip: int, rate: float, slots: int | None = 4) -> dict | None:
     """How the replay's draws fell in a run's decode-only steps of ``slots`` slots (the
-    four-stream kind), from its step trace (daemon/step_trace.py) past its first ``skip``
-    lines (the warm-up): the tokens they gave (each verify's 1 + accepted drafts) against
-    those the profile's ``rate`` makes expected of the drafts verified (1 + rate + ... +
-    rate^k), and their ratio (``luck``: above 1, the draws the run met accepted more than
-    the rate does on average). The replay draws by request and position, so arms that visit
-    other positions meet other draws, the same ones every run (docs/benchmarks.md)."""
+    four-stream kind; None: every decode slot of every step), from its step trace
+    (daemon/step_trace.py) past its first ``skip`` lines (the warm-up): the tokens they gave
+    (each decode slot's 1 + accepted drafts) against those the profile's ``rate`` makes
+    expected of the drafts verified (1 + rate + ... + rate^k), and their ratio (``luck``:
+    above 1, the draws the run met accepted more than the rate does on average). The replay
+    draws by request and position, so arms that visit other positions meet other draws, the
+    same ones every run (docs/benchmarks.md; scripts/replay_luck.py, offline)."""
     if not trace.is_file():
         return None
     lines = [json.loads(x) for x in trace.read_text().splitlines()[skip:] if x.strip()]
-    verifies = [s for line in lines if len(line["slots"]) == slots
-                and all(x[0] == int(WorkKind.DECODE) for x in line["slots"])
-                for s in line["slots"]]
+    decode = int(WorkKind.DECODE)
+    verifies = [s for line in lines if slots is None or (len(line["slots"]) == slots and all(
+        x[0] == decode for x in line["slots"])) for s in line["slots"] if s[0] == decode]
     if not verifies:
         return None
     got = sum(1 + s[3] for s in verifies)
     expected = sum(1 + sum(rate ** j for j in range(1, s[2] + 1)) for s in verifies)
-    return {"steps": len(verifies) // slots, "tokens": got, "expected_tokens": round(expected, 3),
+    return {"slot_steps": len(verifies), "tokens": got, "expected_tokens": round(expected, 3),
             "luck": round(got / expected, 5)}
 
