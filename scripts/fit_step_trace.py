@@ -12,7 +12,10 @@ runs, what the fresh choices predicted of every drafted slot at k = 1..4 drafts 
 chosen counts (``uniform``, means) and how their forecasts of the step's CPU experts and
 worker time compare with the steps'::
 
-    python -m scripts.fit_step_trace WORK_DIR/essay_*.steps.jsonl --out FILE.json
+    python -m scripts.fit_step_trace WORK_DIR/essay_*.steps.jsonl --runs OUT_DIR --out FILE.json
+
+(``--runs``: the benchmark's run files, whose ``step_trace`` counts the warm-up's lines,
+which are left out.)
 """
 
 from __future__ import annotations
@@ -92,14 +95,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("traces", nargs="+", type=Path)
     p.add_argument("--slots", type=int, default=4)
+    p.add_argument("--runs", type=Path, default=None, help="the benchmark's --out-dir: each "
+                   "trace's run file there says how many of its lines are the warm-up's")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     runs, pooled = {}, []
     for path in args.traces:
-        lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        name = path.name.removesuffix(".steps.jsonl")
+        skip = 0
+        if args.runs is not None and (args.runs / f"{name}.json").is_file():
+            run = json.loads((args.runs / f"{name}.json").read_text())
+            skip = (run.get("step_trace") or {}).get("warm_up_lines", 0)
+        lines = [json.loads(x) for x in path.read_text().splitlines()[skip:] if x.strip()]
         steps = steady(lines, args.slots)
         if steps:
-            runs[path.name.removesuffix(".steps.jsonl")] = run_figures(steps)
+            runs[name] = run_figures(steps)
             pooled += steps
     if not pooled:
         raise SystemExit(f"no decode-only steps of {args.slots} slots in the traces")

@@ -96,6 +96,12 @@ def test_adaptive_run_traces_the_budget_choice(model, tmp_path):
     assert sum(run["drafts_chosen"].values()) == sum(
         1 for s in four if s.get("budget") for o in s["budget"]["offered"] if o) > 0
     assert got["fit"]["steps"] == len(four) and "row_ms" in got["fit"]
+    # a run file that counts the first lines as the warm-up's: they are left out
+    (tmp_path / "adaptive.json").write_text(json.dumps({"step_trace": {
+        "warm_up_lines": len(lines) // 2}}))
+    fit_step_trace.main([str(trace), "--runs", str(tmp_path), "--out", str(report)])
+    later = fit_step_trace.steady(lines[len(lines) // 2:], 4)
+    assert json.loads(report.read_text())["runs"]["adaptive"]["steps"] == len(later) < len(four)
 
 
 def test_fit_recovers_known_costs():
