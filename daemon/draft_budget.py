@@ -39,11 +39,11 @@ import numpy as np
 
 MAX_CANDIDATES = 4096  # exhaustive search up to this many length combinations
 MAX_ROUNDS = 8  # coordinate ascent beyond that: rounds over the slots
-# a choice of more drafts must be predicted this much better (relative) than one of fewer:
-# the model leaves out costs that grow with the drafts (a row's GPU and host time, which the
-# step-time fit cannot tell apart under the CPU experts' noise; the verify's host work), and
-# where two choices are this close it cannot tell them apart anyway
-MARGIN = 0.005
+# a choice of more drafts must be predicted this much better (relative) than one of fewer: a
+# tie-break (where two choices are this close the model cannot tell them apart). It was 0.5 %
+# while a row's cost was fitted (to 0) from the steps' noise; with the row's cost held at the
+# config's (daemon/draft_cost.py) a wider margin cut drafts that paid (session 28: 0.36 %)
+MARGIN = 0.001
 
 
 @dataclasses.dataclass(frozen=True)

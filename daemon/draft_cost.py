@@ -15,6 +15,13 @@ import numpy as np
 from daemon.draft_budget import StepCost
 
 MIN_STEPS = 16  # decode-only steps before the fitted step cost replaces the config's
+# a row's cost is fitted with the config's (``cost_row_ms``) as a prior of this spread (ms): the
+# steps' own scatter against it decides how far they move it. On an H100 machine a four-stream
+# step's time outside its CPU experts strays by ~8 ms from step to step and a row costs ~0.25
+# ms (session 28's step traces: 0.15 +- 0.30 ms fitted over 312 steps): the prior holds, where
+# a fixed weak ridge let the noise set it (0 in every H100 run before); steps of little
+# scatter (the tests', a CPU backend's) measure it
+ROW_PRIOR_SD_MS = 0.25
 MIN_LOCAL_STEPS = 4  # steps of one slot count before their own fit is used for it
 
 
@@ -32,6 +39,7 @@ class StepSums:
         # far more than its rows cost: the rest of the average would hide the rows)
         self.A_rest = np.zeros((2, 2))
         self.b_rest = np.zeros(2)
+        self.yy_rest = 0.0  # and the sum of the squares of what was left
         self.n_rest = 0.0
 
     def add(self, x: np.ndarray, ms: float, cpu_ms: float) -> None:
@@ -42,6 +50,7 @@ class StepSums:
             self.cpu = self.forget * self.cpu + np.array([cpu_ms, x[2]])
             self.A_rest = self.forget * self.A_rest + np.outer(x[:2], x[:2])
             self.b_rest = self.forget * self.b_rest + x[:2] * (ms - cpu_ms)
+            self.yy_rest = self.forget * self.yy_rest + (ms - cpu_ms) ** 2
             self.n_rest = self.forget * self.n_rest + 1.0
 
 
@@ -94,9 +103,14 @@ class CostFit:
             theta = np.linalg.solve(s.A + R, s.b + R @ self.prior)
             fixed, row, expert = np.maximum(theta, 0.0)
             return StepCost(max(float(fixed), 1e-3), float(row), float(expert))
-        # fixed and row on what each step's own CPU expert time left of it; where the
-        # steps' rows hardly vary, what they leave is the pass's (the ridge holds the row's)
-        R = np.diag([1e-9, self.strength * s.A_rest[1, 1] / s.n_rest + 1e-9])
+        # fixed and row on what each step's own CPU expert time left of it, the row's cost
+        # leaning on the config's by the steps' scatter (ROW_PRIOR_SD_MS); where the steps'
+        # rows hardly vary, what they leave is the pass's (the ridge holds the row's)
+        plain = np.linalg.solve(s.A_rest + np.diag([1e-9, 1e-9]), s.b_rest)
+        scatter = max(s.yy_rest - 2.0 * plain @ s.b_rest + plain @ s.A_rest @ plain, 0.0) / max(
+            s.n_rest - 2.0, 1.0)
+        R = np.diag([1e-9, max(scatter / ROW_PRIOR_SD_MS ** 2,
+                               self.strength * s.A_rest[1, 1] / s.n_rest) + 1e-9])
         A, b = s.A_rest + R, s.b_rest + R @ self.prior[:2]
         fixed, row = np.linalg.solve(A, b)
         if row < 0:  # rows never make a step cheaper: the best fit with row = 0
