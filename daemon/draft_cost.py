@@ -16,11 +16,10 @@ from daemon.draft_budget import StepCost
 
 MIN_STEPS = 16  # decode-only steps before the fitted step cost replaces the config's
 # a row's cost is fitted with the config's (``cost_row_ms``) as a prior of this spread (ms): the
-# steps' own scatter against it decides how far they move it. On an H100 machine a four-stream
-# step's time outside its CPU experts strays by ~8 ms from step to step and a row costs ~0.25
-# ms (session 28's step traces: 0.15 +- 0.30 ms fitted over 312 steps): the prior holds, where
-# a fixed weak ridge let the noise set it (0 in every H100 run before); steps of little
-# scatter (the tests', a CPU backend's) measure it
+# steps' own scatter around the fit decides how far they move it, so noisy steps keep the
+# config's and quiet ones measure it. (An H100 machine's four-stream steps, their cache
+# commands taken out (daemon/draft_adaptive.py), scatter by 0.4-0.9 ms and say 0: the rows of
+# one pass run its capacity bucket's graph whatever their number; session 28's step traces)
 ROW_PRIOR_SD_MS = 0.25
 MIN_LOCAL_STEPS = 4  # steps of one slot count before their own fit is used for it
 

@@ -93,6 +93,11 @@ def test_steps_that_capture_or_first_run_a_graph_do_not_teach_the_cost():
     budget.observe(plan, StepResult(step_id=2, slots=[res], counters={"graph_replays": 1}),
                    0.05)
     assert budget.costs.n == 1 and budget.costs.pooled.b[0] == pytest.approx(50.0)
+    # a step's cache commands (a finished request's checkpoint) are not its passes' cost
+    budget.observe(plan, StepResult(step_id=3, slots=[res], counters={},
+                                    timings_ms={"cache_ops": 40.0}), 0.09)
+    assert budget.costs.n == pytest.approx(1.99)
+    assert budget.costs.pooled.b[0] == pytest.approx(0.99 * 50.0 + 50.0)
 
 
 def test_the_cost_is_kept_per_number_of_slots():
