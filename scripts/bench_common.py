@@ -76,6 +76,14 @@ def machine() -> dict[str, Any]:
             "git": git_tree()}
 
 
+def emit_json(data: dict, out: Path | None) -> None:
+    """Print ``data`` as indented JSON and, with ``out``, write it there too."""
+    text = json.dumps(data, indent=1)
+    print(text)
+    if out:
+        out.write_text(text + "\n")
+
+
 def command_line() -> str:
     """The command that runs this process, paths below the working directory made relative."""
     argv = list(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))

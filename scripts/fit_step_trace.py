@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from scripts.bench_common import emit_json
+
 DECODE = 2  # protocol.messages.WorkKind.DECODE
 
 
@@ -114,10 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     if not pooled:
         raise SystemExit(f"no decode-only steps of {args.slots} slots in the traces")
     out = {"slots": args.slots, "runs": runs, "fit": fit_rest(pooled)}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit_json(out, args.out)
     return 0
 
 

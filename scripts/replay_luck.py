@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 from daemon.proposers.replay import ReplayProposer, prompt_key
+from scripts.bench_common import emit_json
 
 
 def fixed_luck(records: list[dict], rate: float, k: int, seed: int) -> dict:
@@ -60,10 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"replay": str(args.replay), "rate": rate, "file_seed": int(data.get("seed", 0)),
            "by_seed": {str(s): {f"k={k}": fixed_luck(data["records"], rate, int(k), s)
                                 for k in args.drafts.split(",")} for s in seeds}}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit_json(out, args.out)
     return 0
 
 
