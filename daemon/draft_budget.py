@@ -40,9 +40,10 @@ import numpy as np
 MAX_CANDIDATES = 4096  # exhaustive search up to this many length combinations
 MAX_ROUNDS = 8  # coordinate ascent beyond that: rounds over the slots
 # a choice of more drafts must be predicted this much better (relative) than one of fewer: a
-# tie-break (where two choices are this close the model cannot tell them apart). It was 0.5 %
-# while a row's cost was fitted (to 0) from the steps' noise; with the row's cost held at the
-# config's (daemon/draft_cost.py) a wider margin cut drafts that paid (session 28: 0.36 %)
+# tie-break (where two choices are this close the model cannot tell them apart). It was 0.5 %,
+# standing in for costs that grow with the drafts while a row's cost came out 0 from the
+# steps' noise; a row's cost now has a prior (daemon/draft_cost.py), and at 0.5 % the margin
+# cut drafts that paid on an H100 machine (docs/benchmarks.md, session 28)
 MARGIN = 0.001
 
 
