@@ -19,8 +19,8 @@ accepted drafts may run a few percent above the profile's rate in every run (the
 luck, ``acceptance_luck`` of a run: its four-slot decode steps' tokens over those the rate
 makes expected of the drafts it verified). ``four_stream_tps_at_common_cost_expected_
 acceptance`` divides the common-cost figure by the run's luck as well: each arm's choices at
-the same memory speed and the same acceptance. Derived too; where runs have no step trace
-(before it existed) the summary leaves it out."""
+the same memory speed and the same acceptance. Derived too; an arm with a run that has no
+step trace (before it existed) gets None there."""
 
 from __future__ import annotations
 
@@ -94,11 +94,14 @@ def _common(entry: dict, runs: list[dict], arms: list[str]) -> None:
     entry["common_expert_ms"] = round(cost, 5)
     entry["four_stream_tps_at_common_expert_cost"] = {
         a: _median([v for arm, v, _ in at if arm == a]) for a in arms}
-    if all(luck for arm, _, luck in at if arm != "off"):  # every drafting run was traced
+    # per arm whose drafting runs all measured their luck (off: none to measure); others None
+    even = {a: [v / (luck or 1.0) for arm, v, luck in at if arm == a] for a in arms
+            if a == "off" or all(luck for arm, _, luck in at if arm == a)}
+    if any(a != "off" and v for a, v in even.items()):
         entry["acceptance_luck"] = {a: _median([luck for arm, _, luck in at if arm == a])
                                     for a in arms}
         entry["four_stream_tps_at_common_cost_expected_acceptance"] = {
-            a: _median([v / (luck or 1.0) for arm, v, luck in at if arm == a]) for a in arms}
+            a: _median(even.get(a, [])) for a in arms}
 
 
 def best_fixed(entry: dict, arms: list[str]) -> dict | None:

@@ -279,3 +279,20 @@ def test_summary_gives_the_four_stream_figure_at_a_common_cost_per_cpu_expert():
     assert got["at_common_expert_cost"]["adaptive"]["adaptive"] == pytest.approx(
         at["adaptive"] / at["wide@2"], abs=1e-3)
     assert got["at_common_expert_cost"]["adaptive"]["adaptive"] < 1.0
+    assert "four_stream_tps_at_common_cost_expected_acceptance" not in e  # no run traced
+    # the replay's luck: wide@2's draws accepted 3 % more than the rate, adaptive's 1 %:
+    # at the expected acceptance adaptive's choices are ahead
+    for r in runs:
+        r["acceptance_luck"] = {"luck": 1.01 if r["arm"] == "adaptive" else 1.03}
+    old = [dict(run("wide@3", 1, 13.2, 4560, 17.5, 0.04))]  # an arm run before the traces
+    e = summarize(runs + old, ["adaptive", "wide@2", "wide@3"])["essay"]
+    even = e["four_stream_tps_at_common_cost_expected_acceptance"]
+    assert even["adaptive"] == pytest.approx(e["four_stream_tps_at_common_expert_cost"][
+        "adaptive"] / 1.01)
+    assert even["wide@2"] == pytest.approx(e["four_stream_tps_at_common_expert_cost"][
+        "wide@2"] / 1.03)
+    assert even["wide@3"] is None and e["acceptance_luck"]["wide@3"] is None
+    got = best_fixed(e, ["adaptive", "wide@2", "wide@3"])
+    assert got["at_common_cost_expected_acceptance"]["best_fixed_arm"] == "wide@2"
+    assert got["at_common_cost_expected_acceptance"]["adaptive"]["adaptive"] == pytest.approx(
+        even["adaptive"] / even["wide@2"], abs=1e-3)
