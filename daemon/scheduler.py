@@ -34,7 +34,8 @@ from daemon.request import (
     RequestRejected,
 )
 from daemon.sequence import Sequence
-from daemon.step_commit import StepTrace, commit_step
+from daemon.step_commit import commit_step
+from daemon.step_trace import StepTrace
 from daemon.worker_client import WorkerDied, WorkerStepError
 from protocol.messages import (
     CacheOp,
@@ -214,8 +215,7 @@ class Scheduler:
                 self._fail_plan(plan, "internal error while committing the step")
 
     def plan(self) -> StepPlan:
-        """The next step: cancellations, preemption and admission as cache ops, then one
-        piece of work per occupied slot."""
+        """The next step: cancellations, preemption, admission (cache ops), each slot's work."""
         for entry in [e for e in self.queue if e[2].cancel_requested]:
             self.queue.remove(entry)
             heapq.heapify(self.queue)

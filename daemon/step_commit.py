@@ -13,10 +13,7 @@ from typing import Any
 from daemon import progress
 from daemon.metrics import Metrics, NullMetrics, StepStats
 from daemon.sequence import Sequence
-from daemon.step_trace import StepTrace
 from protocol.messages import DraftSource, StepPlan, StepResult, WorkKind
-
-__all__ = ["StepTrace", "commit_step", "observe_latency", "release_finished"]
 
 
 def commit_step(sched: Any, plan: StepPlan, result: StepResult, seconds: float,

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.metrics import GRAPH_OUTCOMES
+from daemon.proposers.replay import expected_accepted
 from protocol.messages import WorkKind
 from scripts.bench_common import REPO, Samples, delta, wait_ready
 from scripts.procs import descendants, wait_gone
@@ -381,7 +382,7 @@ def acceptance_luck(trace: Path, skip: int, rate: float, slots: int | None = 4) 
     if not verifies:
         return None
     got = sum(1 + s[3] for s in verifies)
-    expected = sum(1 + sum(rate ** j for j in range(1, s[2] + 1)) for s in verifies)
+    expected = sum(1 + expected_accepted(rate, s[2]) for s in verifies)
     return {"slot_steps": len(verifies), "tokens": got, "expected_tokens": round(expected, 3),
             "luck": round(got / expected, 5)}
 

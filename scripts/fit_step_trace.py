@@ -26,9 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
+from protocol.messages import WorkKind
 from scripts.bench_common import emit_json
 
-DECODE = 2  # protocol.messages.WorkKind.DECODE
+DECODE = int(WorkKind.DECODE)
 
 
 def steady(lines: list[dict], slots: int) -> list[dict]:

@@ -19,7 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
-from daemon.proposers.replay import ReplayProposer, prompt_key
+from daemon.proposers.replay import ReplayProposer, expected_accepted, prompt_key
 from scripts.bench_common import emit_json
 
 
@@ -37,7 +37,7 @@ def fixed_luck(records: list[dict], rate: float, k: int, seed: int) -> dict:
             a = draws.draw(key, g, room) if room > 0 else 0
             verifies += room > 0
             got += 1 + a
-            expected += 1 + sum(rate ** j for j in range(1, max(room, 0) + 1))
+            expected += 1 + expected_accepted(rate, max(room, 0))
             g += 1 + a
     return {"verifies": verifies, "tokens": got, "expected_tokens": round(expected, 3),
             "luck": round(got / expected, 5)}
