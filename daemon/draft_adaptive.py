@@ -16,6 +16,19 @@ averages over many steps). A choice made without the last step's routes (the slo
 changed) takes its slots as having no history, and the budget chooses again two steps
 later, from fresh routes. The experts' shares fade per step, not per step read
 (RoutingStats.observe's ``step``).
+
+Off the step's critical path. The daemon waits for each step's result while the GPU and the
+CPU experts work, and calls :meth:`DraftBudget.between_steps` in that wait
+(daemon/draft_plan.overlapped): there the last step's routes and time are taken into the
+estimates (:meth:`DraftBudget.observe` keeps them for it and takes in only the acceptance,
+which the next choice reads), and where the next step would choose afresh, its choice is
+made there, for the slots and offers of the step running: the next :meth:`choose` takes it
+when its slots and offers are those and no acceptance moved by more than the tolerance,
+else chooses on the spot. So a choice starts from the routes of the step before the step
+before it (routes are asked two and three steps before a new choice); on an H100 machine
+the fresh choices and the route reading took 1-2 ms of every four-stream step (session 28's
+step traces). Without the calls (tests, the simulation by default), :meth:`choose` takes the
+kept results in first and chooses from the same routes, on the spot.
 """
 
 from __future__ import annotations
@@ -87,9 +100,14 @@ class DraftBudget:
         # the last choose(): fresh or kept, the counts offered and chosen, a fresh wide
         # choice's forecast and uniform ratios (daemon/step_trace.py; benchmarks)
         self.last: dict | None = None
+        # steps observed but not yet taken into the routing and cost estimates (settle)
+        self._pending: list[tuple] = []
+        self._asked: tuple | None = None  # the last choose()'s (work, counts, wide)
+        self._ready: dict | None = None  # a choice made between steps (between_steps)
 
     def choose(self, work: list[SlotWork], counts: list[int], wide: bool) -> list[int]:
         """Draft counts (each <= ``counts``, the trimmed ones) for ``work``'s slots."""
+        self.settle()
         live = {w.request_id for w in work}
         self.accept.keep(live)
         self.routing.keep(live)
@@ -101,24 +119,26 @@ class DraftBudget:
         key = (wide, *((w.request_id, int(w.kind), n) for w, n in zip(work, counts,
                                                                        strict=True)))
         self.forecast = None
-        rate = np.array([self.accept.rate(w.request_id, int(w.draft_sources[0])) if n
-                         else np.zeros(MAX_POSITIONS) for w, n in zip(work, counts,
-                                                                      strict=True)])
+        rate = self._rates_of(work, counts)
+        ready, self._ready = self._ready, None
+        self._asked = (work, list(counts), wide)
         if (self.reuse and key == self._key and self._age < REUSE_STEPS
-                and np.abs(rate - self._rates)[:, :max(counts)].max() <= ACCEPT_TOLERANCE):
+                and _near(rate, self._rates, counts)):
             out = list(self._kept)
             self._age += 1
             self._changed = False
             self.last = {"fresh": False}
         else:
-            self.last = {"fresh": True}
-            out = self._solve(work, counts, rate, wide)
-            fresh = all(self.routing.has_history(w.request_id, self._steps - 1)
-                        for w, n in zip(work, counts, strict=True)
-                        if n and w.kind == WorkKind.DECODE)
+            if ready is None or ready["key"] != key or not _near(rate, ready["rates"], counts):
+                # (the step chosen for is self._steps; its routes: two steps before it)
+                ready = self._solve(work, counts, rate, wide, self._steps - 2)
+                ready["key"] = key
+            out = ready["out"]
+            self.forecast, self.last = ready["forecast"], {"fresh": True, **ready["last"]}
             self._changed = key != self._key
             self._key, self._kept, self._rates = key, list(out), rate
-            self._age = 1 if fresh else REUSE_STEPS - 1  # no history: again from fresh routes
+            # no history: again two steps later, from this step's routes (wants_routes)
+            self._age = 1 if ready["history"] else REUSE_STEPS - 1
         for i, (w, n) in enumerate(zip(work, counts, strict=True)):
             if out[i] < n:
                 short = self._short.get(w.request_id, 0) + 1
@@ -135,17 +155,39 @@ class DraftBudget:
 
     def wants_routes(self) -> bool:
         """Whether the step just chosen for should report its slots' CPU experts (the
-        module doc): before the next choice, or where the slots changed."""
-        return not self.reuse or self._changed or self._age >= REUSE_STEPS - 1
+        module doc): the second and third step before the next choice, or where the slots
+        changed."""
+        return not self.reuse or self._changed or REUSE_STEPS - 2 <= self._age < REUSE_STEPS
+
+    def between_steps(self) -> None:
+        """While a step runs (the module doc): the kept steps into the estimates, and the
+        next step's choice where it would be made afresh."""
+        self.settle()
+        if not (self.reuse and self._key is not None and self._age >= REUSE_STEPS
+                and self._asked is not None and self._ready is None):
+            return
+        work, counts, wide = self._asked
+        rate = self._rates_of(work, counts)
+        # (for the step after the one running: the routes of the step before this one)
+        self._ready = self._solve(work, counts, rate, wide, self._steps - 1) | {
+            "key": self._key}
+
+    def _rates_of(self, work: list[SlotWork], counts: list[int]) -> np.ndarray:
+        """[S, MAX_POSITIONS]: each slot's acceptance now (0 where it has no drafts)."""
+        return np.array([self.accept.rate(w.request_id, int(w.draft_sources[0])) if n
+                         else np.zeros(MAX_POSITIONS) for w, n in zip(work, counts,
+                                                                      strict=True)])
 
     def _solve(self, work: list[SlotWork], counts: list[int], rate: np.ndarray,
-               wide: bool) -> list[int]:
+               wide: bool, routed: int) -> dict:
         """A new choice (daemon/draft_budget.choose) from the estimates now (``rate``: the
-        slots' acceptance, [S, MAX_POSITIONS])."""
+        slots' acceptance, [S, MAX_POSITIONS]) and the slots' routes of step ``routed``:
+        ``out`` the counts, ``rates`` the rate, ``history`` whether every drafted decode
+        slot had those routes, ``forecast`` and ``last`` what it expects (a wide choice)."""
         decode = [w.kind == WorkKind.DECODE for w in work]
+        step = routed if self.reuse else None
         log_miss, weight = self.routing.patterns(
-            [w.request_id if d else None for w, d in zip(work, decode, strict=True)],
-            self._steps - 1 if self.reuse else None)
+            [w.request_id if d else None for w, d in zip(work, decode, strict=True)], step)
         problem = BudgetProblem(
             base_rows=np.array([w.num_tokens for w in work]), max_drafts=np.array(counts),
             accept=rate, base_value=np.array(decode, dtype=np.float64),
@@ -153,25 +195,30 @@ class DraftBudget:
         self._slots = len(work)
         cost = self.cost
         out = choose(problem, cost)
+        ready = {"out": out, "rates": rate, "forecast": None, "last": {},
+                 "history": all(self.routing.has_history(w.request_id, step)
+                                for w, n, d in zip(work, counts, decode, strict=True)
+                                if n and d)}
         if wide:  # what it expects of the chosen pass, against the worker's (observe)
             rows = problem.base_rows + np.array(out)
             union = float(expected_union(fresh_rows(rows[None, :], problem.locality),
                                          log_miss, weight)[0])
-            self.forecast = (union, cost.pass_ms(float(rows.sum()), union))
+            forecast = ready["forecast"] = (union, cost.pass_ms(float(rows.sum()), union))
             offer = np.array(counts)
             alt = np.minimum(np.arange(1, UNIFORM + 1)[:, None], offer[None, :])  # [k, S]
             r = ratio(problem, cost, np.vstack([alt, np.array(out)[None, :]]))
             now = r[:-1] / max(r[-1], 1e-12)
-            self.last.update(forecast=[round(v, 3) for v in self.forecast],
-                             uniform=[round(float(v), 5) for v in now])
+            ready["last"] = {"forecast": [round(v, 3) for v in forecast],
+                             "uniform": [round(float(v), 5) for v in now]}
             self.uniform = now if self.uniform is None else self.uniform + EMA * (
                 now - self.uniform)
-        return out
+        return ready
 
     def figures(self) -> dict[str, float]:
         """The estimates the choice runs on (daemon/metrics_budget.py): the step cost for the
         number of slots most of the fitted steps had (``cost_slots``; a run's steady state,
         not its last few steps as streams end), the routing model now."""
+        self.settle()
         slots = self.costs.usual_slots()
         cost, r = (self.costs.cost(slots) if self.fit_costs else self.cost), self.routing
         return {"fixed_ms": cost.fixed_ms, "row_ms": cost.row_ms, "expert_ms": cost.expert_ms,
@@ -190,20 +237,31 @@ class DraftBudget:
         return self.costs.cost(self._slots)
 
     def observe(self, plan: StepPlan, result: StepResult, seconds: float) -> None:
-        """A step's outcome: acceptance per verify, routing per decode slot, the step time
-        of a decode-only step."""
-        universe = int(result.counters.get("cpu_experts_held", 0))
+        """A step's outcome: its acceptance per verify now; its routing per decode slot and
+        the time of a decode-only step kept for :meth:`settle` (the module doc)."""
         step, self._steps = self._steps, self._steps + 1
+        for w, res in zip(plan.slots, result.slots, strict=True):
+            if w.kind == WorkKind.DECODE and len(w.draft_ids):
+                self.accept.observe(w.request_id, int(w.draft_sources[0]), len(w.draft_ids),
+                                    res.num_accepted)
+        self._pending.append((step, plan, result, seconds, self.forecast))
+        self.forecast = None
+
+    def settle(self) -> None:
+        """The kept steps' routing and times into the estimates."""
+        pending, self._pending = self._pending, []
+        for step, plan, result, seconds, forecast in pending:
+            self._settle(step, plan, result, seconds, forecast)
+
+    def _settle(self, step: int, plan: StepPlan, result: StepResult, seconds: float,
+                forecast: tuple[float, float] | None) -> None:
+        universe = int(result.counters.get("cpu_experts_held", 0))
         for w, res in zip(plan.slots, result.slots, strict=True):
             if w.kind != WorkKind.DECODE:
                 continue
-            if len(w.draft_ids):
-                self.accept.observe(w.request_id, int(w.draft_sources[0]), len(w.draft_ids),
-                                    res.num_accepted)
             self.routing.observe(w.request_id, w.num_rows, res.cpu_experts,
                                  res.cpu_expert_rows, universe, step if self.reuse else None)
         c = result.counters
-        forecast, self.forecast = self.forecast, None
         # the step's passes: its time less its cache commands' (a finished request's
         # checkpoint took up to 50 ms of an H100 machine's four-stream steps, whatever
         # their layout: session 28's step traces)
@@ -217,3 +275,9 @@ class DraftBudget:
                                int(c.get("cpu_experts", 0)), ms,
                                float(result.timings_ms.get("cpu_experts", 0.0)),
                                len(plan.slots))
+
+
+def _near(rate: np.ndarray, before: np.ndarray, counts: list[int]) -> bool:
+    """Whether no slot's acceptance at a position its offer reaches moved by more than
+    ``ACCEPT_TOLERANCE`` from ``before`` (the same slots)."""
+    return bool(np.abs(rate - before)[:, :max(counts)].max() <= ACCEPT_TOLERANCE)

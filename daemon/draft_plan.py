@@ -24,9 +24,11 @@ narrow verifies each drafted slot in its own pass.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 
@@ -41,8 +43,27 @@ if TYPE_CHECKING:
     from daemon.sequence import Sequence
 
 log = structlog.get_logger("tandem.speculation")
+T = TypeVar("T")
 WIDE_BACKENDS = ("numpy", "cupy", "auto")  # run a verify pass over several slots' rows
 WIDE_PLACEMENTS = ("gpu", "cpu", "split")  # the routed experts see the pass's union of rows
+
+
+async def overlapped(step: Awaitable[T], meanwhile: Callable[[], None]) -> T:
+    """``step``'s result, ``meanwhile`` run once the step is under way (its plan sent:
+    the step's first turn of the loop) and before its result is awaited: host work off the
+    step's critical path. An error of ``meanwhile`` is logged, never the step's; a
+    cancellation cancels the step too."""
+    task = asyncio.ensure_future(step)
+    try:
+        await asyncio.sleep(0)
+        try:
+            meanwhile()
+        except Exception:  # a bug of ours: the step's result still counts
+            log.exception("work between steps failed")
+        return await task
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 def capacity_for(rows: int) -> int | None:
@@ -206,3 +227,9 @@ class DraftPlanner:
         """A step's outcome (daemon/step_commit.py): the adaptive budget's estimates."""
         if self.budget is not None:
             self.budget.observe(plan, result, seconds)
+
+    def between_steps(self) -> None:
+        """While a step runs (daemon/scheduler.py, :func:`overlapped`): the adaptive
+        budget's work that can wait for it (DraftBudget.between_steps)."""
+        if self.budget is not None:
+            self.budget.between_steps()

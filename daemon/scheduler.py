@@ -21,7 +21,7 @@ import numpy as np
 import structlog
 
 from daemon import progress
-from daemon.draft_plan import DraftPlanner
+from daemon.draft_plan import DraftPlanner, overlapped
 from daemon.metrics import Metrics, NullMetrics
 from daemon.prefix_cache import PrefixCache
 from daemon.progress import queue_status, slot_status
@@ -195,7 +195,7 @@ class Scheduler:
                 continue
             t0 = time.monotonic()
             try:
-                result = await self.worker.step(plan)
+                result = await overlapped(self.worker.step(plan), self.draft_plan.between_steps)
             except WorkerStepError as exc:
                 log.error("step refused", step=plan.step_id, error=str(exc))
                 self._fail_plan(plan, str(exc))

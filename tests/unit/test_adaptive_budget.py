@@ -127,9 +127,11 @@ def test_cpu_expert_routing_reaches_the_budget_and_tokens_stay_plain(tmp_path):
             union = np.unique(np.concatenate([r.cpu_experts for r in res.slots]))
             assert len(union) == res.counters["cpu_experts"]
     assert decode_only > 5
-    # the budget keeps a choice for a few steps and skips the routes of most of them
+    # the routes are asked where a choice may need them: here the suffix drafts' offers
+    # change from step to step, so nearly every step (with steady offers the budget skips
+    # most steps' routes: tests/unit/test_budget_reuse.py)
     asked = [p.slot_routing for p in worker.plans if p.slots]
-    assert 0 < sum(asked) < len(asked)
+    assert sum(asked) > len(asked) / 2
     routing = sched.draft_plan.budget.routing
     assert routing.universe == held and routing.picks_per_row > 0
     assert routing.persistence != 0.5  # measured

@@ -31,10 +31,13 @@ def _budget(reuse: bool = True) -> DraftBudget:
 
 
 def _run(budget: DraftBudget, steps: int, accept_all: bool = True, most: int = 3,
-         slots_at: dict[int, int] | None = None, seed: int = 0):
+         slots_at: dict[int, int] | None = None, seed: int = 0, between: bool = False,
+         spot: list[bool] | None = None):
     """``steps`` steps of four decode slots offering ``most`` MTP drafts each; every draft
-    accepted (``accept_all``) or none. Returns, per step, (solved afresh, routes asked,
-    routes the budget received). ``slots_at``: from that step on, that many slots."""
+    accepted (``accept_all``) or none. Returns, per step, (chosen afresh, routes asked,
+    routes the budget received). ``slots_at``: from that step on, that many slots.
+    ``between``: DraftBudget.between_steps while each step "runs", as the scheduler calls
+    it; ``spot`` gets, per step, whether its choice was solved in ``choose`` itself."""
     rng = np.random.default_rng(seed)
     pos = 40 + 5 * np.arange(4)
     out = []
@@ -53,7 +56,12 @@ def _run(budget: DraftBudget, steps: int, accept_all: bool = True, most: int = 3
         work = slot_work(pos, most)[:count]
         before = solved
         drafts = budget.choose(work, [most] * count, True)
+        fresh = budget.last["fresh"]
+        if spot is not None:
+            spot.append(solved > before)
         asked = budget.wants_routes()
+        if between:
+            budget.between_steps()
         per_row = [np.sort(rng.choice(UNIVERSE, 20, replace=False))
                    for _ in range(count + sum(drafts))]
         accepted = list(drafts) if accept_all else [0] * count
@@ -62,26 +70,57 @@ def _run(budget: DraftBudget, steps: int, accept_all: bool = True, most: int = 3
                                    routes=asked)
         assert plan.slot_routing == asked
         budget.observe(plan, result, 0.05)
-        out.append((solved > before, asked, any(len(r.cpu_experts) for r in result.slots)))
+        out.append((fresh, asked, any(len(r.cpu_experts) for r in result.slots)))
         pos = pos[:count] + 1 + np.array(accepted)
         pos = np.concatenate([pos, 40 + 5 * np.arange(count, 4)])
     return out
 
 
-def test_a_choice_serves_reuse_steps_and_routes_come_on_the_two_before_the_next():
-    steps = _run(_budget(), 40)
-    fresh = [i for i, (solved, _, _) in enumerate(steps) if solved]
+@pytest.mark.parametrize("between", [False, True])
+def test_a_choice_serves_reuse_steps_and_routes_come_two_and_three_steps_before_the_next(
+        between):
+    spot: list[bool] = []
+    steps = _run(_budget(), 40, between=between, spot=spot)
+    fresh = [i for i, (f, _, _) in enumerate(steps) if f]
     asked = [i for i, (_, a, _) in enumerate(steps) if a]
     # the first step chooses without history and asks for routes; the first verifies move
-    # the acceptance from its prior, so the next choice comes within two steps; from then
-    # on one choice every REUSE_STEPS steps, routes on the two steps before each
-    assert fresh[0] == 0 and fresh[1] <= 2 and 0 in asked
-    assert np.diff(fresh[1:]).tolist() == [REUSE_STEPS] * (len(fresh) - 2)
-    before = {f - k for f in fresh[2:] for k in (1, 2)} | {
-        i for k in (1, 2) if (i := fresh[-1] + REUSE_STEPS - k) < len(steps)}
-    assert set(asked) - {0, 1} == before - {0, 1}
+    # the acceptance from its prior, so the next choice comes at once, again without
+    # history, and the one after it two steps later from its routes; from then on one
+    # choice every REUSE_STEPS steps, routes on the second and third step before each (the
+    # step before each runs while the choice is made, between the steps)
+    assert fresh[:3] == [0, 1, 3] and {0, 1} <= set(asked)
+    periodic = fresh[3:]
+    assert np.diff(fresh[2:]).tolist() == [REUSE_STEPS] * len(periodic)
+    before = {f - k for f in periodic for k in (2, 3)} | {
+        i for k in (2, 3) if (i := fresh[-1] + REUSE_STEPS - k) < len(steps)}
+    assert set(asked) - {0, 1} == before
     assert len(asked) < len(steps) / 3  # most steps read no routes
     assert all(got == a for _, a, got in steps)  # the worker sends what was asked
+    # between steps, every choice made from history was made off the step (none in choose
+    # itself); without the calls, each in the choose of its step
+    assert [spot[f] for f in fresh[2:]] == [not between] * (len(fresh) - 2)
+
+
+def test_choices_made_between_steps_are_the_ones_choose_would_make():
+    # the same steps, with and without the calls between them: the same lengths and routes
+    # asked (the acceptance a choice made between steps saw is one step older, within the
+    # tolerance here), so moving the work off the step changes no decision
+    plain, between = _budget(), _budget()
+    assert _run(plain, 40, seed=4) == _run(between, 40, seed=4, between=True)
+    assert plain.chosen.tolist() == between.chosen.tolist()
+    # the same forecasts of the union; of the step time, by a cost fit one step older
+    assert plain.errors[0] == pytest.approx(between.errors[0], rel=1e-12)
+    assert plain.errors[1] == pytest.approx(between.errors[1], rel=1e-2)
+    got, want = between.figures(), plain.figures()  # the same steps fitted, in the end
+    assert {k: got[k] for k in ("fixed_ms", "row_ms", "expert_ms", "persistence")} == {
+        k: want[k] for k in ("fixed_ms", "row_ms", "expert_ms", "persistence")}
+
+
+def test_a_choice_made_between_steps_gives_way_to_changed_slots():
+    # made for the four slots running, it is not taken by a step of three
+    spot: list[bool] = []
+    steps = _run(_budget(), 20, slots_at={REUSE_STEPS + 1: 3}, between=True, spot=spot)
+    assert steps[REUSE_STEPS + 1][0] and spot[REUSE_STEPS + 1]
 
 
 def test_without_reuse_every_step_chooses_from_every_steps_routes():
@@ -90,9 +129,15 @@ def test_without_reuse_every_step_chooses_from_every_steps_routes():
 
 
 def test_a_change_of_slots_or_acceptance_chooses_again_at_once():
-    steps = _run(_budget(), 20, slots_at={11: 3})
+    # (fresh choices at 3, 11, 19, ...; routes at 8, 9, 16, 17, ...)
+    steps = _run(_budget(), 24, slots_at={11: 3})
     assert steps[11][0] and steps[11][1]  # the slots changed: a new choice, routes asked
-    assert steps[13][0]  # ... and again from the fresh routes of the two steps after it
+    # ... from the routes of step 9, the second step before it: the next in REUSE_STEPS
+    assert [i for i, s in enumerate(steps) if s[0] and i > 11] == [11 + REUSE_STEPS]
+    steps = _run(_budget(), 20, slots_at={13: 3})
+    assert steps[13][0] and steps[13][1]
+    # ... where step 11 had no routes: again two steps later, from the routes of step 13
+    assert steps[15][0] and not steps[14][0]
     budget = _budget()
     steps = _run(budget, 6, accept_all=False)
     # no draft accepted: the estimate falls from the optimistic prior by more than the

@@ -92,10 +92,12 @@ def test_steps_that_capture_or_first_run_a_graph_do_not_teach_the_cost():
     assert budget.costs.n == 0
     budget.observe(plan, StepResult(step_id=2, slots=[res], counters={"graph_replays": 1}),
                    0.05)
+    budget.settle()  # (what choose and between_steps do first)
     assert budget.costs.n == 1 and budget.costs.pooled.b[0] == pytest.approx(50.0)
     # a step's cache commands (a finished request's checkpoint) are not its passes' cost
     budget.observe(plan, StepResult(step_id=3, slots=[res], counters={},
                                     timings_ms={"cache_ops": 40.0}), 0.09)
+    budget.settle()
     assert budget.costs.n == pytest.approx(1.99)
     assert budget.costs.pooled.b[0] == pytest.approx(0.99 * 50.0 + 50.0)
 
@@ -153,11 +155,13 @@ def test_the_budget_tracks_how_far_its_forecasts_were():
     step = StepResult(step_id=1, slots=[res], counters={"cpu_experts": 50,
                                                         "cpu_experts_held": 1000})
     budget.observe(StepPlan(step_id=1, slots=[work]), step, 0.02)
+    budget.settle()  # (what choose and between_steps do first)
     want = 0.1 * np.array([union / 50 - 1, ms / 20.0 - 1])
     np.testing.assert_allclose(budget.errors, want)
     figures = budget.figures()
     assert (figures["union_error"], figures["step_error"]) == tuple(want)
     budget.observe(StepPlan(step_id=2, slots=[work]), step, 0.02)  # no choice: no forecast
+    budget.settle()
     np.testing.assert_allclose(budget.errors, want)
 
 
