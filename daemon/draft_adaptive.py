@@ -6,15 +6,15 @@ cost), the choice in daemon/draft_budget.py.
 A choice serves a few steps. While a step's slots, their kinds and their offered drafts stay
 those of the last choice and no slot's acceptance estimate moved by more than
 ``ACCEPT_TOLERANCE`` (a request's first verifies move it most), the budget keeps that choice
-for up to ``REUSE_STEPS`` steps, then chooses again. It asks the worker for the slots' CPU
-experts (``StepPlan.slot_routing``) only on the two steps before it chooses again (the
-history the choice starts from, and the step before it, for the persistence) and on a step
-whose slots changed. Reading a step's routes costs the worker a copy and a sort, and the
-choice its routing patterns: a few ms of a four-stream step in all, on the critical path
-between one step and the next, while the choice moves slowly (acceptance and routing are
-averages over many steps). A choice made without the last step's routes (the slots
-changed) takes its slots as having no history, and the budget chooses again two steps
-later, from fresh routes. The experts' shares fade per step, not per step read
+for up to ``REUSE_STEPS`` steps, then chooses again. Reading a step's routes costs the
+worker a copy and a sort, and the choice its routing patterns: a few ms of a four-stream
+step in all, while the choice moves slowly (acceptance and routing are averages over many
+steps). So the worker reports the slots' CPU experts (``StepPlan.slot_routing``) only on a
+step whose slots changed and on the second and fourth step before the next choice: a choice
+starts from the slots' routes of the step ``ROUTES_AHEAD`` (2) before the step it is for,
+and the persistence (how far a slot's experts recur) is learned from routes as far apart. A
+choice whose slots have no such routes (the slots changed) is made again two steps later,
+from the changed step's routes. The experts' shares fade per step, not per step read
 (RoutingStats.observe's ``step``).
 
 Off the step's critical path. The daemon waits for each step's result while the GPU and the
@@ -24,11 +24,11 @@ estimates (:meth:`DraftBudget.observe` keeps them for it and takes in only the a
 which the next choice reads), and where the next step would choose afresh, its choice is
 made there, for the slots and offers of the step running: the next :meth:`choose` takes it
 when its slots and offers are those and no acceptance moved by more than the tolerance,
-else chooses on the spot. So a choice starts from the routes of the step before the step
-before it (routes are asked two and three steps before a new choice); on an H100 machine
-the fresh choices and the route reading took 1-2 ms of every four-stream step (session 28's
-step traces). Without the calls (tests, the simulation by default), :meth:`choose` takes the
-kept results in first and chooses from the same routes, on the spot.
+else chooses on the spot. That is why a choice starts from routes two steps old. On an H100
+machine the fresh choices and the route reading took 1-2 ms of every four-stream step,
+about 1 % of it (session 28's step traces). Without the calls (tests, the simulation with
+``--no-between``), :meth:`choose` takes the kept results in first and chooses from the same
+routes, on the spot.
 """
 
 from __future__ import annotations
@@ -63,6 +63,9 @@ ONE_OFF_COUNTERS = ("graph_captures", "graph_first_runs", "graph_refused")
 PROBE_STEPS = 8
 PROBE_TRIALS = 32
 UNIFORM = 4  # the alternatives of ``DraftBudget.uniform``
+# a choice starts from the routes of this many steps before the step it is for (the module
+# doc), and the persistence is learned from routes as far apart
+ROUTES_AHEAD = 2
 REUSE_STEPS = 8  # steps one choice serves while the step's slots and offers stay the same
 ACCEPT_TOLERANCE = 0.1  # ... and no slot's acceptance at any position moved more than this
 
@@ -72,7 +75,7 @@ class DraftBudget:
 
     def __init__(self, spec: SpeculationSection) -> None:
         self.accept = AcceptanceStats()
-        self.routing = RoutingStats()
+        self.routing = RoutingStats(gap=ROUTES_AHEAD)
         self.costs = CostFit(StepCost(spec.cost_fixed_ms, spec.cost_row_ms,
                                       spec.cost_expert_ms))
         self.fit_costs = True  # False: the config's constants only (tests)
@@ -130,8 +133,8 @@ class DraftBudget:
             self.last = {"fresh": False}
         else:
             if ready is None or ready["key"] != key or not _near(rate, ready["rates"], counts):
-                # (the step chosen for is self._steps; its routes: two steps before it)
-                ready = self._solve(work, counts, rate, wide, self._steps - 2)
+                # (the step chosen for is self._steps)
+                ready = self._solve(work, counts, rate, wide, self._steps - ROUTES_AHEAD)
                 ready["key"] = key
             out = ready["out"]
             self.forecast, self.last = ready["forecast"], {"fresh": True, **ready["last"]}
@@ -155,9 +158,10 @@ class DraftBudget:
 
     def wants_routes(self) -> bool:
         """Whether the step just chosen for should report its slots' CPU experts (the
-        module doc): the second and third step before the next choice, or where the slots
+        module doc): the second and fourth step before the next choice, or where the slots
         changed."""
-        return not self.reuse or self._changed or REUSE_STEPS - 2 <= self._age < REUSE_STEPS
+        return not self.reuse or self._changed or self._age in (
+            REUSE_STEPS - ROUTES_AHEAD - 1, REUSE_STEPS - 1)
 
     def between_steps(self) -> None:
         """While a step runs (the module doc): the kept steps into the estimates, and the
@@ -168,8 +172,8 @@ class DraftBudget:
             return
         work, counts, wide = self._asked
         rate = self._rates_of(work, counts)
-        # (for the step after the one running: the routes of the step before this one)
-        self._ready = self._solve(work, counts, rate, wide, self._steps - 1) | {
+        # (for the step after the one running, self._steps)
+        self._ready = self._solve(work, counts, rate, wide, self._steps + 1 - ROUTES_AHEAD) | {
             "key": self._key}
 
     def _rates_of(self, work: list[SlotWork], counts: list[int]) -> np.ndarray:

@@ -13,9 +13,9 @@ itself, ``DraftBudget``, is daemon/draft_adaptive.py), and where each of them li
   (``SlotResult.cpu_experts`` / ``cpu_expert_rows``, sent when the WorkerConfig asks), the
   CPU picks per row, the experts held (``counters["cpu_experts_held"]``), each expert's
   share of all picks (its popularity class: a router favours some experts), the
-  *persistence* (how much more than chance a row picks the experts its slot picked the
-  step before) and the *locality* (how many of the experts of the row before a slot's next
-  row of the same step keeps).
+  *persistence* (how much more than chance a row picks the experts its slot picked a
+  given number of steps before: the adaptive budget's, two) and the *locality* (how many
+  of the experts of the row before a slot's next row of the same step keeps).
 * Step cost. A CPU expert's: the worker's CPU expert time of a decode-only step over its
   distinct CPU experts (``timings_ms["cpu_experts"]``, ``counters["cpu_experts"]``), with
   forgetting, from the first such step: the experts are read while the GPU waits, and the
@@ -54,7 +54,10 @@ class RoutingStats:
     """Each request's CPU experts of its last decode step and the figures to predict the
     next step's from them."""
 
-    def __init__(self) -> None:
+    def __init__(self, gap: int = 1) -> None:
+        # the steps between a slot's routes and the step they predict: the persistence is
+        # learned from routes that many steps apart
+        self.gap = gap
         self.last: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}  # ids [K], rows [K]
         # that picked each, the step's rows
         self.seen_at: dict[str, int] = {}  # the step (observe's ``step``) of each one's last
@@ -77,7 +80,7 @@ class RoutingStats:
         """One decode slot's step: ``rows`` rows picked CPU experts ``ids`` [K] (global:
         layer * experts per layer + expert), ``counts`` [K] of its rows each. ``step``: the
         step's number, where not every step's routes are observed (the persistence is
-        learned only from a slot's consecutive steps); None: every step's are."""
+        learned only from a slot's steps ``gap`` apart); None: every step's are."""
         self.universe = universe
         if not len(ids) or universe <= 0 or rows <= 0:
             return
@@ -90,8 +93,8 @@ class RoutingStats:
             order = np.argsort(ids, kind="stable")
             ids, counts = ids[order], counts[order]
         prev = self.last.get(request_id)
-        if step is not None and self.seen_at.get(request_id) != step - 1:
-            prev = None  # not the step before this one
+        if step is not None and self.seen_at.get(request_id) != step - self.gap:
+            prev = None  # not the step ``gap`` before this one
         if prev is not None and len(prev[0]) < universe:
             hit = float(counts[_members(prev[0], ids)].sum()) / picks
             chance = min(self._share(prev[0]), 0.99)  # a fresh pick lands among them

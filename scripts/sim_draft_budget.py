@@ -108,6 +108,8 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
             # the chosen pass's expected CPU experts (None: a kept choice, no forecast)
             predicted = budget.forecast[0] if budget.forecast is not None else None
             routes = budget.wants_routes()  # the slots' CPU experts, as the worker sends
+            if not args.no_between:  # while the step runs, as the daemon calls it
+                budget.between_steps()
         else:
             drafts = [int(policy)] * SLOTS
         rows = [1 + k for k in drafts]
@@ -212,6 +214,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-cpu-time", action="store_true",
                    help="the worker reports no CPU expert time: the budget fits an expert's "
                    "cost from the step times alone")
+    p.add_argument("--no-between", action="store_true",
+                   help="no DraftBudget.between_steps while a step runs (the daemon calls "
+                   "it): every choice made in choose itself")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.steps <= WARM_UP:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from daemon.config import load_config
-from daemon.draft_adaptive import ACCEPT_TOLERANCE, REUSE_STEPS, DraftBudget
+from daemon.draft_adaptive import ACCEPT_TOLERANCE, REUSE_STEPS, ROUTES_AHEAD, DraftBudget
 from daemon.draft_budget import MARGIN
 from daemon.draft_stats import RoutingStats
 from gpu_worker.experts.counters import ExpertCounters
@@ -77,7 +77,7 @@ def _run(budget: DraftBudget, steps: int, accept_all: bool = True, most: int = 3
 
 
 @pytest.mark.parametrize("between", [False, True])
-def test_a_choice_serves_reuse_steps_and_routes_come_two_and_three_steps_before_the_next(
+def test_a_choice_serves_reuse_steps_and_routes_come_two_and_four_steps_before_the_next(
         between):
     spot: list[bool] = []
     steps = _run(_budget(), 40, between=between, spot=spot)
@@ -86,13 +86,14 @@ def test_a_choice_serves_reuse_steps_and_routes_come_two_and_three_steps_before_
     # the first step chooses without history and asks for routes; the first verifies move
     # the acceptance from its prior, so the next choice comes at once, again without
     # history, and the one after it two steps later from its routes; from then on one
-    # choice every REUSE_STEPS steps, routes on the second and third step before each (the
-    # step before each runs while the choice is made, between the steps)
+    # choice every REUSE_STEPS steps, routes on the second and fourth step before each (the
+    # step before each runs while the choice is made, between the steps; the persistence is
+    # learned from routes two steps apart)
     assert fresh[:3] == [0, 1, 3] and {0, 1} <= set(asked)
     periodic = fresh[3:]
     assert np.diff(fresh[2:]).tolist() == [REUSE_STEPS] * len(periodic)
-    before = {f - k for f in periodic for k in (2, 3)} | {
-        i for k in (2, 3) if (i := fresh[-1] + REUSE_STEPS - k) < len(steps)}
+    before = {f - k for f in periodic for k in (2, 4)} | {
+        i for k in (2, 4) if (i := fresh[-1] + REUSE_STEPS - k) < len(steps)}
     assert set(asked) - {0, 1} == before
     assert len(asked) < len(steps) / 3  # most steps read no routes
     assert all(got == a for _, a, got in steps)  # the worker sends what was asked
@@ -129,7 +130,7 @@ def test_without_reuse_every_step_chooses_from_every_steps_routes():
 
 
 def test_a_change_of_slots_or_acceptance_chooses_again_at_once():
-    # (fresh choices at 3, 11, 19, ...; routes at 8, 9, 16, 17, ...)
+    # (fresh choices at 3, 11, 19, ...; routes at 7, 9, 15, 17, ...)
     steps = _run(_budget(), 24, slots_at={11: 3})
     assert steps[11][0] and steps[11][1]  # the slots changed: a new choice, routes asked
     # ... from the routes of step 9, the second step before it: the next in REUSE_STEPS
@@ -146,20 +147,32 @@ def test_a_change_of_slots_or_acceptance_chooses_again_at_once():
     assert budget.accept.source_rate(1)[0] < 0.8 - ACCEPT_TOLERANCE
 
 
-def test_persistence_is_learned_from_consecutive_steps_only():
+@pytest.mark.parametrize("gap", [1, 2])
+def test_persistence_is_learned_from_steps_its_gap_apart_only(gap):
     rng = np.random.default_rng(3)
     ids = np.sort(rng.choice(UNIVERSE, 40, replace=False))
-    stats = RoutingStats()
-    for step in range(0, 80, 3):  # the same experts every time, but never two steps running
+    stats = RoutingStats(gap=gap)
+    for step in range(0, 80, 3):  # the same experts every time, but never gap steps apart
         stats.observe("r", 2, ids, np.full(40, 2), UNIVERSE, step)
     assert stats.persistence == 0.5  # the prior: nothing measured
-    for step in range(100, 130):
+    for step in range(100, 100 + 30 * gap, gap):
         stats.observe("r", 2, ids, np.full(40, 2), UNIVERSE, step)
     assert stats.persistence > 0.9
-    # a slot whose routes are not the last step's has no history in the patterns
-    log_miss, _ = stats.patterns(["r"], 129)
-    stale, _ = stats.patterns(["r"], 130)
+    # a slot whose routes are not of the step asked for has no history in the patterns
+    last = 100 + 29 * gap
+    log_miss, _ = stats.patterns(["r"], last)
+    stale, _ = stats.patterns(["r"], last + 1)
     assert log_miss.min() < stale.min()  # its own experts: likelier with the history
+
+
+def test_the_budget_learns_the_persistence_of_routes_as_old_as_its_choices_use():
+    # the budget's choice starts from routes ROUTES_AHEAD steps old; the persistence it
+    # applies to them is learned from routes that far apart (the steps asked are the
+    # second and fourth before each choice)
+    budget = _budget()
+    assert ROUTES_AHEAD == 2 and budget.routing.gap == ROUTES_AHEAD
+    _run(budget, 40)
+    assert budget.routing.persistence != 0.5  # measured from those pairs
 
 
 def test_the_worker_drops_routes_no_plan_asked_for():
