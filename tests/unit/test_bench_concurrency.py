@@ -130,6 +130,12 @@ def test_the_next_run_is_expected_to_last_as_its_workloads_cached_runs_did():
     ctx["durations"] = [*quantized, run(80.0, "coding")]
     assert bench.expected_seconds(ctx, "coding") == 80.0
     assert bench.expected_seconds({"durations": [run(50.0, cached=False)]}, "essay") == 50.0
+    # a machine's first run quantized the shards, its server starting in 120 of its 160 s:
+    # the next is taken to start as a kept-shards server does (CACHED_START_S until one did)
+    first = {**run(160.0, cached=False), "start_s": 120.0}
+    assert bench.expected_seconds({"durations": [first]}, "essay") == 40.0 + bench.CACHED_START_S
+    kept = {**run(30.0, "coding"), "start_s": 20.0}
+    assert bench.expected_seconds({"durations": [first, kept]}, "essay") == 60.0  # 40 + 20
     args = argparse.Namespace(time_budget=100.0)
     ctx = {"t0": time.monotonic() - 60, "durations": quantized, "skipped": []}
     assert bench.fits(args, ctx, "essay_wide_2", "essay")  # 60 + 35 <= 100 (not 60 + 128)
