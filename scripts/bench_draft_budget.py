@@ -8,7 +8,8 @@ buffers on the GPU, stacked and copied as on the launched path), then the daemon
 ``DraftBudget.choose`` (routing patterns and the choice of lengths). This times them for
 ``--slots`` slots of ``--rows`` rows each on the synthetic 80B's routed layers (random
 routing of top-k over E experts, ``--cpu`` of them per layer on the CPU), medians of
-``--reps`` steps::
+``--reps`` steps, and apart (``between_steps_ms``, a mean) what ``DraftBudget.between_steps``
+does while a step runs (the next fresh choice: off the critical path)::
 
     python -m scripts.bench_draft_budget --out docs/bench/draft_budget_host_devvm.json
 """
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                      draft_sources=np.full(args.drafts, int(DraftSource.MTP)), prompt_len=50)
             for s in range(args.slots)]
     budget.reuse = not args.no_reuse
-    take, observe, choose, read = [], [], [], []
+    take, observe, choose, read, between = [], [], [], [], []
     asked = True  # the plan's StepPlan.slot_routing (the budget's wants_routes)
     seen: dict = {}
     for step in range(args.reps + 2):  # two steps of history first
@@ -94,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         counts = budget.choose(work, [args.drafts] * args.slots, True)
         asked = budget.wants_routes()
         t3 = time.perf_counter()
+        budget.between_steps()  # while the step runs: off its critical path
+        between.append(time.perf_counter() - t3)
         take.append(t1 - t0)
         observe.append(t2 - t1)
         choose.append(t3 - t2)
@@ -106,12 +109,16 @@ def main(argv: list[str] | None = None) -> int:
         # routes and choose nothing new, so the medians above are those steps'
         "per_step_ms": round(float(np.mean(np.add(np.add(take, observe), choose)[2:])) * 1e3,
                              3),
+        # DraftBudget.between_steps, the mean over steps: run while a step runs (the next
+        # fresh choice made there), not part of per_step_ms
+        "between_steps_ms": round(float(np.mean(between[2:])) * 1e3, 3),
         "routes_read": f"{sum(read[2:])} of {len(read) - 2} steps",
         "experts_per_slot": {int(s): len(v[0]) for s, v in seen.items()},
         "chosen": counts,
     }
     print(json.dumps({k: record[k] for k in ("take_slot_experts_ms", "observe_ms", "choose_ms",
-                                              "per_step_ms", "chosen")}))
+                                              "per_step_ms", "between_steps_ms",
+                                              "chosen")}))
     if args.out:
         args.out.write_text(json.dumps(record, indent=1) + "\n")
     return 0

@@ -24,6 +24,7 @@ import numpy as np
 from daemon import draft_budget
 from daemon.config import load_config
 from daemon.draft_adaptive import DraftBudget
+from daemon.draft_stats import RoutingStats
 from scripts.bench_common import command_line, machine
 from scripts.sim_draft_budget import SLOTS, WARM_UP, Routing, slot_work, step_record
 from scripts.sim_draft_budget import parse_args as sim_args
@@ -36,6 +37,9 @@ def check(args: argparse.Namespace) -> dict:
     spec = load_config(None, {"speculation.mode": "wide",
                               "speculation.draft_budget": "adaptive"}).speculation
     budget = DraftBudget(spec)
+    # each step predicted from the step before it: the persistence of routes one step apart
+    # (the budget's own choices start from routes two steps old: daemon/draft_adaptive.py)
+    budget.routing = RoutingStats(gap=1)
     rng = np.random.default_rng(args.seed)
     keys = (np.arange(SLOTS) + 1) * 7919
     pos = 40 + 5 * np.arange(SLOTS)
@@ -64,6 +68,7 @@ def check(args: argparse.Namespace) -> dict:
             accepted.append(a)
         budget.observe(*step_record(step, work, drafts, accepted, per_row, union,
                                     routing.universe), 0.1)
+        budget.settle()  # its routes into the estimates (choose would, first)
         pos = pos + 1 + np.array(accepted)
     p, r = predicted.mean(axis=0), routed.mean(axis=0)
     return {"drafts_per_slot": list(range(MOST + 1)), "predicted": p.tolist(),
