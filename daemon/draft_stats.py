@@ -61,6 +61,9 @@ class RoutingStats:
         self.last: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}  # ids [K], rows [K]
         # that picked each, the step's rows
         self.seen_at: dict[str, int] = {}  # the step (observe's ``step``) of each one's last
+        # and the routes before those (with their step): where every step's are read, the
+        # routes ``gap`` steps old are these
+        self.older: dict[str, tuple[int, tuple[np.ndarray, np.ndarray, int]]] = {}
         self.universe = 0  # CPU experts held, over all MoE layers
         self.picks_per_row = 0.0  # CPU (layer, expert) picks of one row, over layers
         self.persistence = 0.5
@@ -92,9 +95,8 @@ class RoutingStats:
         if len(ids) > 1 and not (ids[1:] > ids[:-1]).all():  # the worker sends them sorted
             order = np.argsort(ids, kind="stable")
             ids, counts = ids[order], counts[order]
-        prev = self.last.get(request_id)
-        if step is not None and self.seen_at.get(request_id) != step - self.gap:
-            prev = None  # not the step ``gap`` before this one
+        prev = self.last.get(request_id) if step is None else self.routes_of(request_id,
+                                                                            step - self.gap)
         if prev is not None and len(prev[0]) < universe:
             hit = float(counts[_members(prev[0], ids)].sum()) / picks
             chance = min(self._share(prev[0]), 0.99)  # a fresh pick lands among them
@@ -103,9 +105,11 @@ class RoutingStats:
         if rows > 1:
             kept = self._kept(rows, len(ids), per_row)
             self.locality += EMA * (kept - self.locality)
-        self.last[request_id] = (ids, counts, rows)
         if step is not None:
+            if request_id in self.seen_at:
+                self.older[request_id] = (self.seen_at[request_id], self.last[request_id])
             self.seen_at[request_id] = step
+        self.last[request_id] = (ids, counts, rows)
         # a step with routes stands for the steps without since the last one (up to
         # MAX_STEP_GAP of them): the shares fade per step, however few steps are read
         if step is not None and step != self._step:
@@ -187,11 +191,20 @@ class RoutingStats:
     def keep(self, live: set[str]) -> None:
         self.last = {k: v for k, v in self.last.items() if k in live}
         self.seen_at = {k: v for k, v in self.seen_at.items() if k in live}
+        self.older = {k: v for k, v in self.older.items() if k in live}
 
     def has_history(self, request_id: str, step: int | None = None) -> bool:
-        """Whether the request's last routes are those of ``step`` (None: any kept)."""
-        return request_id in self.last and (step is None or self.seen_at.get(request_id)
-                                            == step)
+        """Whether the request's routes of ``step`` are kept (None: any)."""
+        return self.routes_of(request_id, step) is not None
+
+    def routes_of(self, request_id: str, step: int | None = None
+                  ) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """The request's routes (ids, rows per id, the step's rows) of ``step``, of its last
+        two steps with routes (None: its last; none: None)."""
+        if step is None or self.seen_at.get(request_id) == step:
+            return self.last.get(request_id)
+        older = self.older.get(request_id)
+        return older[1] if older is not None and older[0] == step else None
 
     def patterns(self, request_ids: list[str | None], step: int | None = None
                  ) -> tuple[np.ndarray, np.ndarray]:
@@ -201,8 +214,7 @@ class RoutingStats:
         first slot the most significant, then the class), so experts with equal rows are
         found by sorting K integers. ``step``: the last step; a slot whose routes are older
         is taken to have none (its experts then persist no more than chance)."""
-        hist = [self.last[r] if r is not None and self.has_history(r, step) else None
-                for r in request_ids]
+        hist = [self.routes_of(r, step) if r is not None else None for r in request_ids]
         S = len(hist)
         history = np.array([h is not None for h in hist])
         if self.universe <= 0 or self.picks_per_row <= 0:

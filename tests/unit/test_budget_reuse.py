@@ -165,6 +165,23 @@ def test_persistence_is_learned_from_steps_its_gap_apart_only(gap):
     assert log_miss.min() < stale.min()  # its own experts: likelier with the history
 
 
+def test_with_every_steps_routes_the_two_step_old_ones_are_kept_and_learned_from():
+    # where every step's routes come (offers that change every step: suffix drafts), a
+    # choice on the spot for step t still finds its slots' routes of step t - 2, and the
+    # persistence is learned from routes two steps apart
+    rng = np.random.default_rng(5)
+    stats = RoutingStats(gap=2)
+    ids = [np.sort(rng.choice(UNIVERSE, 40, replace=False)) for _ in range(2)]
+    for step in range(30):  # steps alternate between two sets: two apart, the same
+        stats.observe("r", 2, ids[step % 2], np.full(40, 2), UNIVERSE, step)
+    assert stats.persistence > 0.9
+    assert stats.has_history("r", 29) and stats.has_history("r", 28)
+    assert not stats.has_history("r", 27)
+    assert stats.routes_of("r", 28)[0].tolist() == ids[0].tolist()
+    stats.keep(set())
+    assert not stats.has_history("r", 28) and not stats.older
+
+
 def test_the_budget_learns_the_persistence_of_routes_as_old_as_its_choices_use():
     # the budget's choice starts from routes ROUTES_AHEAD steps old; the persistence it
     # applies to them is learned from routes that far apart (the steps asked are the
