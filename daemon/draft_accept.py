@@ -22,6 +22,7 @@ class AcceptanceStats:
     def __init__(self) -> None:
         self.sources: dict[int, np.ndarray] = {}  # source -> [2, positions]: successes, trials
         self.requests: dict[tuple[str, int], np.ndarray] = {}
+        self._rates: dict[int, np.ndarray] = {}  # source_rate's, until the source's next verify
 
     def observe(self, request_id: str, source: int, drafts: int, accepted: int) -> None:
         seen = np.zeros((2, MAX_POSITIONS))
@@ -29,16 +30,23 @@ class AcceptanceStats:
         seen[1, :min(accepted + (accepted < drafts), MAX_POSITIONS)] = 1.0
         src = self.sources.setdefault(source, np.zeros((2, MAX_POSITIONS)))
         src += seen
+        self._rates.pop(source, None)
         req = self.requests.get((request_id, source))
         self.requests[(request_id, source)] = seen if req is None else REQUEST_DECAY * req + seen
 
     def source_rate(self, source: int) -> np.ndarray:
-        """``[MAX_POSITIONS]``: the source's probability at each position, over requests."""
-        s, t = self.sources.get(source, np.zeros((2, MAX_POSITIONS)))
-        out = np.empty(MAX_POSITIONS)
-        before, weight = SOURCE_PRIOR[0] / SOURCE_PRIOR[1], SOURCE_PRIOR[1]
-        for j in range(MAX_POSITIONS):
-            before = out[j] = (s[j] + weight * before) / (t[j] + weight)
+        """``[MAX_POSITIONS]``: the source's probability at each position, over requests
+        (read-only: kept until the source's next verify; a step's slots share it)."""
+        out = self._rates.get(source)
+        if out is None:
+            s, t = self.sources.get(source, np.zeros((2, MAX_POSITIONS))).tolist()
+            rates = []
+            before, weight = SOURCE_PRIOR[0] / SOURCE_PRIOR[1], SOURCE_PRIOR[1]
+            for j in range(MAX_POSITIONS):  # (Python floats: a few times faster here)
+                before = (s[j] + weight * before) / (t[j] + weight)
+                rates.append(before)
+            out = self._rates[source] = np.array(rates)
+            out.setflags(write=False)
         return out
 
     def trials(self, source: int, position: int) -> float:
