@@ -4,6 +4,8 @@ it were accepted."""
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 
 # (successes, trials) a source's first draft position starts from: 0.8, optimistic, so that
@@ -11,7 +13,15 @@ import numpy as np
 # later position leans on the one before it with the same weight (trials)
 SOURCE_PRIOR = (1.6, 2.0)
 MAX_POSITIONS = 16  # draft positions measured (speculation.num_drafts <= 15)
-REQUEST_PRIOR_TRIALS = 16.0  # how much a request's estimate leans on its source's
+REQUEST_PRIOR_TRIALS = 16.0  # how much a request's estimate leans on its source's, until
+# the requests' own spread says (request_weight): its first position's whole-life counts
+# over the source's last SPREAD_REQUESTS requests of at least SPREAD_TRIALS verifies each,
+# once there are SPREAD_MIN of them, give the spread of the requests' true rates around the
+# source's, and the weight is what that spread is worth in trials, within WEIGHT_RANGE
+SPREAD_REQUESTS = 64
+SPREAD_TRIALS = 8.0
+SPREAD_MIN = 8
+WEIGHT_RANGE = (4.0, 1024.0)
 REQUEST_DECAY = 0.95  # a request's counts, per verify
 
 
@@ -23,6 +33,11 @@ class AcceptanceStats:
         self.sources: dict[int, np.ndarray] = {}  # source -> [2, positions]: successes, trials
         self.requests: dict[tuple[str, int], np.ndarray] = {}
         self._rates: dict[int, np.ndarray] = {}  # source_rate's, until the source's next verify
+        # each live request's first position, whole life: successes, trials
+        self.lives: dict[tuple[str, int], list[float]] = {}
+        self.ended: dict[int, collections.deque] = {}  # source -> ended requests' lives
+        self._weights: dict[int, float] = {}  # request_weight's, until the next verify
+        self.fixed_weight: float | None = None  # set: request_weight's, whatever the spread
 
     def observe(self, request_id: str, source: int, drafts: int, accepted: int) -> None:
         seen = np.zeros((2, MAX_POSITIONS))
@@ -31,6 +46,10 @@ class AcceptanceStats:
         src = self.sources.setdefault(source, np.zeros((2, MAX_POSITIONS)))
         src += seen
         self._rates.pop(source, None)
+        self._weights.pop(source, None)
+        life = self.lives.setdefault((request_id, source), [0.0, 0.0])
+        life[0] += seen[0, 0]
+        life[1] += seen[1, 0]
         req = self.requests.get((request_id, source))
         self.requests[(request_id, source)] = seen if req is None else REQUEST_DECAY * req + seen
 
@@ -60,7 +79,39 @@ class AcceptanceStats:
         req = self.requests.get((request_id, source))
         if req is None:
             return prior
-        return (req[0] + REQUEST_PRIOR_TRIALS * prior) / (req[1] + REQUEST_PRIOR_TRIALS)
+        w = self.request_weight(source)
+        return (req[0] + w * prior) / (req[1] + w)
+
+    def request_weight(self, source: int) -> float:
+        """How many trials of the source's rate a request's estimate leans on: the weight a
+        Beta prior of the requests' spread has. Where the source's requests accept alike
+        (the spread of their first positions' rates no wider than their verifies' sampling
+        explains) the source's rate stands for each and a request's own misses move it
+        little; where they differ, each request's own counts soon count."""
+        w = self._weights.get(source) if self.fixed_weight is None else self.fixed_weight
+        if w is not None:
+            return w
+        lives = [life for (_, src), life in self.lives.items() if src == source]
+        lives += list(self.ended.get(source, ()))
+        n = np.array([t for _, t in lives if t >= SPREAD_TRIALS])
+        if len(n) < SPREAD_MIN:
+            w = REQUEST_PRIOR_TRIALS
+        else:
+            k = np.array([a for a, t in lives if t >= SPREAD_TRIALS])
+            total = n.sum()
+            p = k.sum() / total
+            spread = float(n @ (k / n - p) ** 2)  # sum_i n_i (p_i - p)^2
+            # its expectation: (m - 1) p (1 - p) + tau^2 (N - sum n_i^2 / N)
+            tau2 = (spread - (len(n) - 1) * p * (1 - p)) / (total - float(n @ n) / total)
+            w = (WEIGHT_RANGE[1] if tau2 <= 0 else
+                 float(np.clip(p * (1 - p) / tau2, *WEIGHT_RANGE)))
+        self._weights[source] = w
+        return w
 
     def keep(self, live: set[str]) -> None:
         self.requests = {k: v for k, v in self.requests.items() if k[0] in live}
+        for key in [k for k in self.lives if k[0] not in live]:
+            life = self.lives.pop(key)
+            self.ended.setdefault(key[1], collections.deque(maxlen=SPREAD_REQUESTS)).append(
+                tuple(life))
+            self._weights.pop(key[1], None)

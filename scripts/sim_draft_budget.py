@@ -85,9 +85,14 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
     jitter = np.random.default_rng([seed, 1])  # step times (apart: the same drafts accepted)
     routing = Routing(args)
     accept = np.array(args.accept)
+    spread = np.random.default_rng([seed, 2])  # each request's own acceptance
+    shift = np.zeros(SLOTS)  # a slot's request: its acceptance's shift (--request-spread)
+    if args.request_spread:
+        shift = spread.normal(0.0, args.request_spread, SLOTS)
     spec = load_config(None, {"speculation.mode": "wide",
                               "speculation.draft_budget": "adaptive"}).speculation
     budget = DraftBudget(spec)
+    budget.accept.fixed_weight = args.request_weight
     keys = (np.arange(SLOTS) + 1) * 7919 + seed * 104729
     pos = 40 + 5 * np.arange(SLOTS)
     most = len(accept)
@@ -100,6 +105,8 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
             if args.turnover and step and (step + s * args.turnover // SLOTS) % args.turnover == 0:
                 gen[s] += 1
                 keys[s] = (keys[s] * 31 + 7 + seed) % (2**31 - 1)
+                if args.request_spread:
+                    shift[s] = spread.normal(0.0, args.request_spread)
                 pos[s] = 40 + 5 * s
         predicted, routes = None, True
         if policy == "adaptive":
@@ -123,9 +130,10 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
             factor = max(1.0 + args.noise * jitter.standard_normal(), 0.5)
             ms, cpu_ms = ms * factor, cpu_ms * factor
         accepted = []
-        for k in drafts:
+        for s, k in enumerate(drafts):
             a = 0
-            while a < k and rng.random() < accept[a]:
+            while a < k and rng.random() < (min(max(accept[a] + shift[s], 0.02), 0.99)
+                                            if args.request_spread else accept[a]):
                 a += 1
             accepted.append(a)
         if step >= WARM_UP:
@@ -199,6 +207,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accept", type=lambda s: [float(x) for x in s.split(",")],
                    default=[0.853, 1.0, 0.713],
                    help="acceptance per draft position, given the drafts before it were")
+    p.add_argument("--request-spread", type=float, default=0.0,
+                   help="each request's acceptance shifted by a normal draw of this standard "
+                   "deviation at every position (0: every request accepts alike)")
+    p.add_argument("--request-weight", type=float, default=None,
+                   help="trials a request's acceptance leans on its source's, fixed (default: "
+                   "by the requests' spread, daemon/draft_accept.request_weight)")
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--experts", type=int, default=512)
     p.add_argument("--topk", type=int, default=10)

@@ -36,6 +36,21 @@ def test_noise_moves_the_times_not_the_tokens_of_a_fixed_policy():
     assert noisy["tokens_per_ms"] != quiet["tokens_per_ms"]
 
 
+def test_requests_that_differ_change_the_tokens_and_a_fixed_weight_the_choice():
+    base = ["--layers", "3", "--steps", "60", "--seeds", "0", "--turnover", "10",
+            "--accept", "0.8,0.8,0.8"]
+    alike = sim_draft_budget.simulate("2", sim_draft_budget.parse_args(base), 0)
+    apart = sim_draft_budget.simulate(
+        "2", sim_draft_budget.parse_args([*base, "--request-spread", "0.3"]), 0)
+    assert apart["tokens_per_step"] != alike["tokens_per_step"]  # each request its own rate
+    # the budget's weight for a request's own counts: by their spread, or fixed
+    spread = [*base, "--request-spread", "0.3"]
+    own = sim_draft_budget.simulate("adaptive", sim_draft_budget.parse_args(spread), 0)
+    fixed = sim_draft_budget.simulate(
+        "adaptive", sim_draft_budget.parse_args([*spread, "--request-weight", "1000"]), 0)
+    assert own["drafts_chosen"] != fixed["drafts_chosen"]
+
+
 @pytest.mark.parametrize("bad", [["--policies", "4"], ["--policies", "x"], ["--steps", "5"]])
 def test_bad_arguments_are_refused(bad):
     with pytest.raises(SystemExit):
