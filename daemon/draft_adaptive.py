@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from daemon.draft_accept import MAX_POSITIONS, AcceptanceStats
+from daemon.draft_accept import MAX_POSITIONS, REQUEST_PRIOR_TRIALS, AcceptanceStats
 from daemon.draft_budget import (
     BudgetProblem,
     StepCost,
@@ -230,8 +230,17 @@ class DraftBudget:
                 "persistence": r.persistence, "locality": r.locality,
                 "effective_experts": float(r.effective), "picks_per_row": r.picks_per_row,
                 "union_error": float(self.errors[0]), "step_error": float(self.errors[1]),
+                "request_weight": self._request_weight(),
                 **{f"uniform_{k + 1}": float(v) for k, v in enumerate(
                     np.zeros(UNIFORM) if self.uniform is None else self.uniform)}}
+
+    def _request_weight(self) -> float:
+        """The trials a request leans on its source by, for the source with the most
+        verifies (daemon/draft_accept.py; the fixed weight before any)."""
+        src = self.accept.sources
+        if not src:
+            return REQUEST_PRIOR_TRIALS
+        return self.accept.request_weight(max(src, key=lambda k: src[k][1, 0]))
 
     @property
     def cost(self) -> StepCost:

@@ -25,7 +25,8 @@ class BudgetFigures(Collector):
             "fixed_ms, row_ms, expert_ms (its step cost model for cost_slots slots, the "
             "slot count most steps had), fitted_steps (the steps the fit has weighed), "
             "persistence, locality, effective_experts, picks_per_row (its routing model), "
-            "union_error and step_error (its forecasts' average relative error)",
+            "union_error and step_error (its forecasts' average relative error), "
+            "request_weight (the trials a request's acceptance leans on its source's)",
             labels=["figure"])
         choices = CounterMetricFamily(
             f"{PREFIX}_draft_budget_choices", "Drafted slots' verifications by the draft "

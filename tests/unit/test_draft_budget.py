@@ -17,7 +17,7 @@ from daemon.cli import build_parser
 from daemon.commands import config_from_args
 from daemon.config import SpeculationSection, load_config
 from daemon.config_checks import ConfigError
-from daemon.draft_accept import REQUEST_DECAY, REQUEST_PRIOR_TRIALS, AcceptanceStats
+from daemon.draft_accept import REQUEST_DECAY, REQUEST_PRIOR_TRIALS, SPREAD_MIN, AcceptanceStats
 from daemon.draft_adaptive import DraftBudget
 from daemon.draft_budget import (
     MARGIN,
@@ -256,8 +256,14 @@ def test_the_budget_counts_its_choices_for_drafted_slots():
     assert set(budget.figures()) == {"fixed_ms", "row_ms", "expert_ms", "cost_slots",
                                      "fitted_steps", "persistence", "locality",
                                      "effective_experts", "picks_per_row", "union_error",
-                                     "step_error", "uniform_1", "uniform_2", "uniform_3",
-                                     "uniform_4"}
+                                     "step_error", "request_weight", "uniform_1",
+                                     "uniform_2", "uniform_3", "uniform_4"}
+    assert budget.figures()["request_weight"] == REQUEST_PRIOR_TRIALS  # nothing verified yet
+    for i in range(SPREAD_MIN):  # requests that accepted alike, ended: they lean on it more
+        for _ in range(20):
+            budget.accept.observe(f"old{i}", int(DraftSource.MTP), drafts=1, accepted=1)
+    budget.accept.keep(set())
+    assert budget.figures()["request_weight"] > REQUEST_PRIOR_TRIALS
 
 
 # ---- the worker's record and the wire ----------------------------------------------------------
