@@ -24,11 +24,12 @@ estimates (:meth:`DraftBudget.observe` keeps them for it and takes in only the a
 which the next choice reads), and where the next step would choose afresh, its choice is
 made there, for the slots and offers of the step running: the next :meth:`choose` takes it
 when its slots and offers are those and no acceptance moved by more than the tolerance,
-else chooses on the spot. That is why a choice starts from routes two steps old. On an H100
-machine the fresh choices and the route reading took 1-2 ms of every four-stream step,
-about 1 % of it (session 28's step traces). Without the calls (tests, the simulation with
-``--no-between``), :meth:`choose` takes the kept results in first and chooses from the same
-routes, on the spot.
+else chooses on the spot. That is why a choice starts from routes two steps old, and why
+:meth:`choose` takes in only the steps before the last one (the last one's routes and time
+are taken in while the next step runs). On an H100 machine the fresh choices and the route
+reading took 1-2 ms of every four-stream step, about 1 % of it (session 28's step traces).
+Without the calls (tests, the simulation with ``--no-between``), :meth:`choose` takes the
+same steps in and chooses from the same routes, on the spot.
 """
 
 from __future__ import annotations
@@ -110,7 +111,9 @@ class DraftBudget:
 
     def choose(self, work: list[SlotWork], counts: list[int], wide: bool) -> list[int]:
         """Draft counts (each <= ``counts``, the trimmed ones) for ``work``'s slots."""
-        self.settle()
+        # the steps before the last: the last step's routes and time are not the choice's
+        # (its routes are two steps old), and taking them in is between_steps' work
+        self.settle(but_last=True)
         live = {w.request_id for w in work}
         self.accept.keep(live)
         self.routing.keep(live)
@@ -260,9 +263,11 @@ class DraftBudget:
         self._pending.append((step, plan, result, seconds, self.forecast))
         self.forecast = None
 
-    def settle(self) -> None:
-        """The kept steps' routing and times into the estimates."""
-        pending, self._pending = self._pending, []
+    def settle(self, but_last: bool = False) -> None:
+        """The kept steps' routing and times into the estimates (``but_last``: all but the
+        last step observed)."""
+        keep = self._pending[-1:] if but_last else []
+        pending, self._pending = self._pending[:len(self._pending) - len(keep)], keep
         for step, plan, result, seconds, forecast in pending:
             self._settle(step, plan, result, seconds, forecast)
 
