@@ -30,7 +30,7 @@ from daemon.scheduler import Scheduler
 from gpu_worker.engine import load_model
 from gpu_worker.runner import Runner
 from protocol.messages import SamplingParams
-from scripts.bench_common import command_line, machine
+from scripts.bench_common import command_line, emit_json, machine
 from scripts.tiny_model import make_tiny_model
 
 SLOTS = 4
@@ -47,6 +47,17 @@ class Worker:
         return self.runner.execute(plan)
 
 
+def _timed(fn, seconds: list[float]):
+    """``fn``, each call's duration appended to ``seconds``."""
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - t0)
+    return timed
+
+
 def serve(model, experts, budget: str, args: argparse.Namespace) -> dict:
     """One run: ``args.requests`` requests through a fresh scheduler; the medians (us)."""
     runner = Runner(model, max_slots=SLOTS, max_context=512, block_size=4, extra_blocks=32,
@@ -59,20 +70,7 @@ def serve(model, experts, budget: str, args: argparse.Namespace) -> dict:
     sched.attach(Worker(runner))
     plan_s: list[float] = []
     commit_s: list[float] = []
-    plan, commit = sched.plan, sched.commit
-
-    def timed_plan():
-        t0 = time.perf_counter()
-        out = plan()
-        plan_s.append(time.perf_counter() - t0)
-        return out
-
-    def timed_commit(*a, **k):
-        t0 = time.perf_counter()
-        commit(*a, **k)
-        commit_s.append(time.perf_counter() - t0)
-
-    sched.plan, sched.commit = timed_plan, timed_commit
+    sched.plan, sched.commit = _timed(sched.plan, plan_s), _timed(sched.commit, commit_s)
     rng = np.random.default_rng(0)
     handles = [sched.submit(GenerationRequest(
         f"r{i}", rng.integers(5, 200, 24).tolist(), SamplingParams(temperature=0.0, seed=i),
@@ -115,11 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             experts.close()
     medians = {b: {k: float(np.median([r[k] for r in runs if r["budget"] == b]))
                    for k in ("plan_us", "commit_us")} for b in ("fixed", "adaptive")}
-    print(json.dumps(medians))
-    if args.out:
-        args.out.write_text(json.dumps({"machine": machine(), "command": command_line(),
-                                        "args": vars(args) | {"out": None},
-                                        "medians": medians, "runs": runs}, indent=1) + "\n")
+    emit_json({"machine": machine(), "command": command_line(),
+               "args": vars(args) | {"out": None}, "medians": medians, "runs": runs},
+              args.out)
     return 0
 
 

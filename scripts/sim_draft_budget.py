@@ -130,10 +130,10 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
             factor = max(1.0 + args.noise * jitter.standard_normal(), 0.5)
             ms, cpu_ms = ms * factor, cpu_ms * factor
         accepted = []
-        for s, k in enumerate(drafts):
+        for s, k in enumerate(drafts):  # each slot's request at its own rates
+            own = np.clip(accept + shift[s], 0.02, 0.99) if args.request_spread else accept
             a = 0
-            while a < k and rng.random() < (min(max(accept[a] + shift[s], 0.02), 0.99)
-                                            if args.request_spread else accept[a]):
+            while a < k and rng.random() < own[a]:
                 a += 1
             accepted.append(a)
         if step >= WARM_UP:
