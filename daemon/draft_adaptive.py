@@ -69,8 +69,8 @@ UNIFORM = 4  # the alternatives of ``DraftBudget.uniform``
 ROUTES_AHEAD = 2
 REUSE_STEPS = 8  # steps one choice serves while the step's slots and offers stay the same
 ACCEPT_TOLERANCE = 0.1  # ... and no slot's acceptance at any position moved more than this
-# where a choice is predicted less than ANCHOR better than the uniform length (every drafted
-# slot at k drafts) the choices have found best on average, that uniform length is taken
+# where a choice is predicted less than ANCHOR better than every uniform length (every drafted
+# slot at k drafts), the uniform length the choices have found best on average is taken
 # (DraftBudget._anchor): a choice's forecast moves from step to step with the routes and the
 # fitted cost by as much as two lengths differ (on an H100 machine all-3 over all-2 was
 # predicted 0.992-1.029 from choice to choice, 1.013 on average against the machine's 1.021),
@@ -90,6 +90,7 @@ class DraftBudget:
                                       spec.cost_expert_ms))
         self.fit_costs = True  # False: the config's constants only (tests)
         self.reuse = True  # False: choose afresh every step, from every step's routes
+        self.anchor = ANCHOR  # 0: every choice as solved (tests, the simulation's --anchor)
         self._short: dict[str, int] = {}  # request -> steps running its drafts were cut
         self.chosen = np.zeros(MAX_POSITIONS + 1, np.int64)  # drafted slots by drafts chosen
         self._slots: int | None = None  # the last step's, chosen for
@@ -236,10 +237,10 @@ class DraftBudget:
     def _anchor(self, out: list[int], alt: np.ndarray, r: np.ndarray,
                 drafted: int) -> tuple[list[int], float]:
         """``out``, or the uniform length the choices have found best on average for this
-        many drafted slots where ``out`` is predicted less than ``ANCHOR`` better than it
-        (``alt`` [UNIFORM, S] the uniform alternatives, ``r`` their predicted ratios and
-        ``out``'s last); with the predicted ratio of the one returned."""
-        if not ANCHOR:
+        many drafted slots where ``out`` is predicted less than ``self.anchor`` better than
+        every uniform length (``alt`` [UNIFORM, S] the uniform alternatives, ``r`` their
+        predicted ratios and ``out``'s last); with the predicted ratio of the one returned."""
+        if not self.anchor:
             return out, float(r[-1])
         log_r = np.log(np.maximum(r[:-1], 1e-12))
         now = log_r - log_r.max()
@@ -247,7 +248,7 @@ class DraftBudget:
         avg = now if avg is None else avg + ANCHOR_EMA * (now - avg)
         self._uniform_log[drafted] = avg
         k = int(np.argmax(avg))
-        if r[-1] < r[k] * (1.0 + ANCHOR):
+        if r[-1] < r[:-1].max() * (1.0 + self.anchor):
             return [int(v) for v in alt[k]], float(r[k])
         return out, float(r[-1])
 

@@ -93,12 +93,15 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
                               "speculation.draft_budget": "adaptive"}).speculation
     budget = DraftBudget(spec)
     budget.accept.fixed_weight = args.request_weight
+    if args.anchor is not None:
+        budget.anchor = args.anchor
     keys = (np.arange(SLOTS) + 1) * 7919 + seed * 104729
     pos = 40 + 5 * np.arange(SLOTS)
     most = len(accept)
     time_ms = tokens = experts = 0.0
     chosen = np.zeros(most + 1, np.int64)
     union_error: list[float] = []  # adaptive: the budget's predicted union / the routed one
+    mixed = 0  # steps whose slots verified different draft counts
     gen = np.zeros(SLOTS, np.int64)
     for step in range(args.steps):
         for s in range(SLOTS):  # --turnover: a slot's request ends, a new one takes it
@@ -143,6 +146,7 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
             tokens += SLOTS + sum(accepted)
             experts += union
             np.add.at(chosen, drafts, 1)
+            mixed += len(set(drafts)) > 1
         if policy == "adaptive":  # the budget learns from the step as from the worker's
             budget.observe(*step_record(step, work, drafts, accepted, per_row, union,
                                         routing.universe, 0.0 if args.no_cpu_time else cpu_ms,
@@ -152,6 +156,7 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
             "tokens_per_step": tokens / (args.steps - WARM_UP),
             "cpu_experts_per_step": experts / (args.steps - WARM_UP),
             "cpu_experts_per_token": experts / tokens, "drafts_chosen": chosen.tolist(),
+            "mixed_steps": mixed / (args.steps - WARM_UP),
             "union_error": ({"mean": float(np.mean(union_error)),
                              "std": float(np.std(union_error))} if union_error else None)}
 
@@ -213,6 +218,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-weight", type=float, default=None,
                    help="trials a request's acceptance leans on its source's, fixed (default: "
                    "by the requests' spread, daemon/draft_accept.request_weight)")
+    p.add_argument("--anchor", type=float, default=None,
+                   help="the margin by which a choice must beat the uniform length found best "
+                   "on average (default: daemon/draft_adaptive.ANCHOR; 0: none)")
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--experts", type=int, default=512)
     p.add_argument("--topk", type=int, default=10)
