@@ -75,9 +75,11 @@ ACCEPT_TOLERANCE = 0.1  # ... and no slot's acceptance at any position moved mor
 # fitted cost by as much as two lengths differ (on an H100 machine all-3 over all-2 was
 # predicted 0.992-1.029 from choice to choice, 1.013 on average against the machine's 1.021),
 # so choices that follow it flip between them; their average is steadier. The average is
-# kept per number of drafted slots, a new choice's ratios weighing ANCHOR_EMA
+# kept per number of drafted slots, a new choice's ratios weighing ANCHOR_EMA; not where the
+# length best on average is predicted more than ANCHOR_SPAN worse than the best uniform now
 ANCHOR = 0.005
 ANCHOR_EMA = 0.2
+ANCHOR_SPAN = 0.03
 
 
 class DraftBudget:
@@ -239,7 +241,10 @@ class DraftBudget:
         """``out``, or the uniform length the choices have found best on average for this
         many drafted slots where ``out`` is predicted less than ``self.anchor`` better than
         every uniform length (``alt`` [UNIFORM, S] the uniform alternatives, ``r`` their
-        predicted ratios and ``out``'s last); with the predicted ratio of the one returned."""
+        predicted ratios and ``out``'s last), unless that length is predicted more than
+        ``ANCHOR_SPAN`` worse than the best now (not a wavering forecast: the estimates
+        moved, as when a request's acceptance turns); with the predicted ratio of the one
+        returned."""
         if not self.anchor:
             return out, float(r[-1])
         log_r = np.log(np.maximum(r[:-1], 1e-12))
@@ -248,7 +253,8 @@ class DraftBudget:
         avg = now if avg is None else avg + ANCHOR_EMA * (now - avg)
         self._uniform_log[drafted] = avg
         k = int(np.argmax(avg))
-        if r[-1] < r[:-1].max() * (1.0 + self.anchor):
+        best = r[:-1].max()
+        if r[-1] < best * (1.0 + self.anchor) and r[k] >= best * (1.0 - ANCHOR_SPAN):
             return [int(v) for v in alt[k]], float(r[k])
         return out, float(r[-1])
 

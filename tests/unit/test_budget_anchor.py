@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from daemon.config import load_config
-from daemon.draft_adaptive import ANCHOR, DraftBudget
+from daemon.draft_adaptive import ANCHOR, ANCHOR_SPAN, DraftBudget
 
 ALT = np.minimum(np.arange(1, 5)[:, None], np.array([3, 3, 3, 3])[None, :])  # [k, S]
 
@@ -53,3 +53,14 @@ def test_the_average_is_kept_per_number_of_drafted_slots_and_off_at_zero():
     assert out == [2, 2, 0, 0]  # two drafted slots: their own average, 2 best
     budget.anchor = 0.0
     assert budget._anchor([2, 2, 2, 2], ALT, _ratios(1.0, 1.02, 1.0), 4)[0] == [2, 2, 2, 2]
+
+
+def test_a_length_predicted_far_worse_now_is_not_held():
+    # the estimates moved (a request's acceptance turned): not a wavering forecast
+    budget = _budget()
+    for _ in range(10):
+        budget._anchor([3, 3, 3, 3], ALT, _ratios(1.0, 1.02, 1.02), 4)
+    far = _ratios(1.0, 1.0 - 2 * ANCHOR_SPAN, 1.0)  # all-2 now clearly best
+    assert budget._anchor([2, 2, 2, 2], ALT, far, 4)[0] == [2, 2, 2, 2]
+    near = _ratios(1.0, 1.0 - ANCHOR_SPAN / 2, 1.0)
+    assert budget._anchor([2, 2, 2, 2], ALT, near, 4)[0] == [3, 3, 3, 3]
