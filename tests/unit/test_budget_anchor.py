@@ -60,7 +60,7 @@ def test_a_length_predicted_far_worse_now_is_not_held():
     budget = _budget()
     for _ in range(10):
         budget._anchor([3, 3, 3, 3], ALT, _ratios(1.0, 1.02, 1.02), 4)
+    near = _ratios(1.0, 1.0 - ANCHOR_SPAN / 2, 1.0)  # all-2 best now, all-3 near it
+    assert budget._anchor([2, 2, 2, 2], ALT, near, 4)[0] == [3, 3, 3, 3]
     far = _ratios(1.0, 1.0 - 2 * ANCHOR_SPAN, 1.0)  # all-2 now clearly best
     assert budget._anchor([2, 2, 2, 2], ALT, far, 4)[0] == [2, 2, 2, 2]
-    near = _ratios(1.0, 1.0 - ANCHOR_SPAN / 2, 1.0)
-    assert budget._anchor([2, 2, 2, 2], ALT, near, 4)[0] == [3, 3, 3, 3]
