@@ -69,17 +69,6 @@ UNIFORM = 4  # the alternatives of ``DraftBudget.uniform``
 ROUTES_AHEAD = 2
 REUSE_STEPS = 8  # steps one choice serves while the step's slots and offers stay the same
 ACCEPT_TOLERANCE = 0.1  # ... and no slot's acceptance at any position moved more than this
-# where a choice is predicted less than ANCHOR better than every uniform length (every drafted
-# slot at k drafts), the uniform length the choices have found best on average is taken
-# (DraftBudget._anchor): a choice's forecast moves from step to step with the routes and the
-# fitted cost by as much as two lengths differ (on an H100 machine all-3 over all-2 was
-# predicted 0.992-1.029 from choice to choice, 1.013 on average against the machine's 1.021),
-# so choices that follow it flip between them; their average is steadier. The average is
-# kept per number of drafted slots, a new choice's ratios weighing ANCHOR_EMA; not where the
-# length best on average is predicted more than ANCHOR_SPAN worse than the best uniform now
-ANCHOR = 0.005
-ANCHOR_EMA = 0.2
-ANCHOR_SPAN = 0.03
 
 
 class DraftBudget:
@@ -92,7 +81,6 @@ class DraftBudget:
                                       spec.cost_expert_ms))
         self.fit_costs = True  # False: the config's constants only (tests)
         self.reuse = True  # False: choose afresh every step, from every step's routes
-        self.anchor = ANCHOR  # 0: every choice as solved (tests, the simulation's --anchor)
         self._short: dict[str, int] = {}  # request -> steps running its drafts were cut
         self.chosen = np.zeros(MAX_POSITIONS + 1, np.int64)  # drafted slots by drafts chosen
         self._slots: int | None = None  # the last step's, chosen for
@@ -120,7 +108,6 @@ class DraftBudget:
         self._pending: list[tuple] = []
         self._asked: tuple | None = None  # the last choose()'s (work, counts, wide)
         self._ready: dict | None = None  # a choice made between steps (between_steps)
-        self._uniform_log: dict[int, np.ndarray] = {}
 
     def choose(self, work: list[SlotWork], counts: list[int], wide: bool) -> list[int]:
         """Draft counts (each <= ``counts``, the trimmed ones) for ``work``'s slots."""
@@ -220,43 +207,19 @@ class DraftBudget:
                                 for w, n, d in zip(work, counts, decode, strict=True)
                                 if n and d)}
         if wide:  # what it expects of the chosen pass, against the worker's (observe)
-            offer = np.array(counts)
-            alt = np.minimum(np.arange(1, UNIFORM + 1)[:, None], offer[None, :])  # [k, S]
-            r = ratio(problem, cost, np.vstack([alt, np.array(out)[None, :]]))
-            out, r[-1] = self._anchor(out, alt, r, int(np.count_nonzero(offer)))
-            ready["out"] = out
             rows = problem.base_rows + np.array(out)
             union = float(expected_union(fresh_rows(rows[None, :], problem.locality),
                                          log_miss, weight)[0])
             forecast = ready["forecast"] = (union, cost.pass_ms(float(rows.sum()), union))
+            offer = np.array(counts)
+            alt = np.minimum(np.arange(1, UNIFORM + 1)[:, None], offer[None, :])  # [k, S]
+            r = ratio(problem, cost, np.vstack([alt, np.array(out)[None, :]]))
             now = r[:-1] / max(r[-1], 1e-12)
             ready["last"] = {"forecast": [round(v, 3) for v in forecast],
                              "uniform": [round(float(v), 5) for v in now]}
             self.uniform = now if self.uniform is None else self.uniform + EMA * (
                 now - self.uniform)
         return ready
-
-    def _anchor(self, out: list[int], alt: np.ndarray, r: np.ndarray,
-                drafted: int) -> tuple[list[int], float]:
-        """``out``, or the uniform length the choices have found best on average for this
-        many drafted slots where ``out`` is predicted less than ``self.anchor`` better than
-        every uniform length (``alt`` [UNIFORM, S] the uniform alternatives, ``r`` their
-        predicted ratios and ``out``'s last), unless that length is predicted more than
-        ``ANCHOR_SPAN`` worse than the best now (not a wavering forecast: the estimates
-        moved, as when a request's acceptance turns); with the predicted ratio of the one
-        returned."""
-        if not self.anchor:
-            return out, float(r[-1])
-        log_r = np.log(np.maximum(r[:-1], 1e-12))
-        now = log_r - log_r.max()
-        avg = self._uniform_log.get(drafted)
-        avg = now if avg is None else avg + ANCHOR_EMA * (now - avg)
-        self._uniform_log[drafted] = avg
-        k = int(np.argmax(avg))
-        best = r[:-1].max()
-        if r[-1] < best * (1.0 + self.anchor) and r[k] >= best * (1.0 - ANCHOR_SPAN):
-            return [int(v) for v in alt[k]], float(r[k])
-        return out, float(r[-1])
 
     def figures(self) -> dict[str, float]:
         """The estimates the choice runs on (daemon/metrics_budget.py): the step cost for the

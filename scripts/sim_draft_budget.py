@@ -93,8 +93,6 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
                               "speculation.draft_budget": "adaptive"}).speculation
     budget = DraftBudget(spec)
     budget.accept.fixed_weight = args.request_weight
-    if args.anchor is not None:
-        budget.anchor = args.anchor
     keys = (np.arange(SLOTS) + 1) * 7919 + seed * 104729
     pos = 40 + 5 * np.arange(SLOTS)
     most = len(accept)
@@ -218,9 +216,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-weight", type=float, default=None,
                    help="trials a request's acceptance leans on its source's, fixed (default: "
                    "by the requests' spread, daemon/draft_accept.request_weight)")
-    p.add_argument("--anchor", type=float, default=None,
-                   help="the margin by which a choice must beat the uniform length found best "
-                   "on average (default: daemon/draft_adaptive.ANCHOR; 0: none)")
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--experts", type=int, default=512)
     p.add_argument("--topk", type=int, default=10)
