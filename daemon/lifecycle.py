@@ -11,6 +11,7 @@ import sys
 
 import zmq
 
+from cpu_experts.cores import pin_host_process
 from daemon import systemd
 from daemon.api_http import API, make_app, start_site
 from daemon.api_zmq import ZmqApi
@@ -28,6 +29,9 @@ from protocol.worker_config import WorkerConfig
 
 log = get_logger("tandem.lifecycle")
 RESTART_BACKOFF_S = (0.5, 1, 2, 5, 10)
+# the cores this process may run on at start: each GPU worker starts on them (the daemon
+# keeps to the host cores once a worker reported them: Lifecycle.keep_to_host_cores)
+START_CORES = tuple(sorted(os.sched_getaffinity(0)))
 
 
 def worker_config(config: Config) -> WorkerConfig:
@@ -43,6 +47,7 @@ def worker_config(config: Config) -> WorkerConfig:
                         placement=e.placement, cpu_experts_per_layer=e.cpu_experts_per_layer,
                         cpu_workers=e.num_cpu_workers,
                         cpu_cores=tuple(tuple(g) for g in e.cpu_cores),
+                        affinity=START_CORES,
                         cpu_isa=e.cpu_isa, cpu_format=e.cpu_format, gpu_format=e.gpu_format,
                         hot_experts=str(e.hot_experts or ""),
                         cpu_shard_cache=str(e.shard_cache or ""),
@@ -61,6 +66,19 @@ def worker_config(config: Config) -> WorkerConfig:
                         mtp_drafts=config.speculation.num_drafts
                         if config.speculation.mode != "off"
                         and config.speculation.proposer == "mtp" else 0)
+
+
+def keep_to_host_cores(cores: list[int]) -> None:
+    """The daemon's threads onto the cores the GPU worker keeps to, off the CPU expert
+    workers' (cpu_experts/cores.pin_host_process; [] where it keeps to none). Cores outside
+    the daemon's own (a worker that does not match it) are refused with a warning."""
+    if not cores:
+        return
+    if not set(cores) <= set(START_CORES):
+        log.warning("host cores refused", cores=cores, reason="not among the daemon's cores",
+                    daemon_cores=list(START_CORES))
+        return
+    log.info("host cores", process="daemon", **pin_host_process(list(cores)))
 
 
 def serve(config: Config) -> int:
@@ -217,6 +235,7 @@ class Daemon:
                      kv_tokens=info.kv.capacity_tokens, prefix_blocks=info.kv.prefix_blocks,
                      placement=self.config.experts.placement, dtype=self.config.model.dtype,
                      backend=self.config.model.backend)
+            keep_to_host_cores(ready.host_cores)
             self.adopt(info)
             self.scheduler.attach(self.worker)
             if not announced:

@@ -20,6 +20,7 @@ import sys
 import time
 import traceback
 
+from cpu_experts.cores import host_cores, pin_host_process
 from cpu_experts.errors import CpuWorkerDied
 from gpu_worker.backend import get_xp
 from gpu_worker.engine import load_model
@@ -156,6 +157,14 @@ def _memory_plan(cfg: WorkerConfig, source) -> tuple[MemoryPlan, ExpertSplit | N
     return plan, split_from_orders(dict(plan.expert_order), plan.experts_cpu_per_layer, hot)
 
 
+def _host_cores(cfg: WorkerConfig, pool) -> list[int]:
+    """The cores the GPU worker and the daemon keep to, off the CPU expert workers' (the
+    GPU backend with CPU experts only: the NumPy backend computes on the host itself)."""
+    if pool is None or cfg.backend == "numpy":
+        return []
+    return host_cores(os.sched_getaffinity(0), pool.pool.cores)
+
+
 class _Beat:
     """The worker's heartbeat: one Heartbeat per `interval` seconds while idle, and one
     after a step when it is due."""
@@ -182,6 +191,8 @@ class _Beat:
 
 def serve(cfg: WorkerConfig) -> int:
     _die_with_parent()
+    if cfg.affinity:  # the daemon's start-up cores, not the host cores it keeps to now
+        os.sched_setaffinity(0, cfg.affinity)
     sock = WorkerToDaemon.in_run_dir(cfg.run_dir)
     try:
         runner, pool, info = build_runner(cfg)
@@ -190,8 +201,11 @@ def serve(cfg: WorkerConfig) -> int:
                   timeout=5)
         sock.close()
         return 1
-    sock.send(ReadyMsg(protocol_version=PROTOCOL_VERSION, model=info, pid=os.getpid()),
-              timeout=30)
+    host = _host_cores(cfg, pool)
+    if host:
+        _log("host cores", process="gpu worker", **pin_host_process(host))
+    sock.send(ReadyMsg(protocol_version=PROTOCOL_VERSION, model=info, pid=os.getpid(),
+                       host_cores=host), timeout=30)
     beat = _Beat(sock, cfg.heartbeat_s)
     try:
         while True:

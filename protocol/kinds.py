@@ -12,7 +12,7 @@ from enum import IntEnum
 
 # NOTE: every field travels on every message (no omitted defaults); adding, removing or
 # retyping a field bumps PROTOCOL_VERSION, and the daemon refuses a worker of another version.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 class MsgKind(IntEnum):

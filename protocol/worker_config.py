@@ -73,6 +73,9 @@ class WorkerConfig:
     cpu_experts_per_layer: int = 0
     cpu_workers: int = 0  # 0: one per NUMA node
     cpu_cores: tuple[tuple[int, ...], ...] = ()  # one core list per CPU expert worker
+    # the cores the daemon was started on ((): the worker's own): the worker starts there,
+    # not on the few the daemon keeps to once a worker is ready (cpu_experts/cores.py)
+    affinity: tuple[int, ...] = ()
     cpu_isa: str = "auto"  # auto: the best this CPU has
     cpu_format: str = "int8"  # CPU expert weights: int8 (1.125 B/weight) or int4 (0.5625)
     gpu_format: str = "model"  # GPU routed experts: the model dtype, or int8 (1.0625 B)
@@ -119,6 +122,8 @@ class WorkerConfig:
         if not all(isinstance(g, tuple) and g and all(type(c) is int and c >= 0 for c in g)
                    for g in self.cpu_cores):
             raise ValueError("cpu_cores must be non-empty tuples of core numbers >= 0")
+        if not all(type(c) is int and c >= 0 for c in self.affinity):
+            raise ValueError("affinity must be a tuple of core numbers >= 0")
         if self.hot_experts and self.placement != "split":
             raise ValueError("hot_experts needs placement 'split'")
         gb = self.gpu_memory_gb
@@ -154,6 +159,8 @@ class WorkerConfig:
         unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown WorkerConfig key(s) {sorted(unknown)}")
+        if isinstance(data.get("affinity"), list):
+            data["affinity"] = tuple(data["affinity"])
         if isinstance(data.get("cpu_cores"), list):
             data["cpu_cores"] = tuple(tuple(g) if isinstance(g, list) else g
                                       for g in data["cpu_cores"])

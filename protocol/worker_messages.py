@@ -235,6 +235,9 @@ class ReadyMsg:
     protocol_version: int
     model: ModelInfo
     pid: int
+    # the cores off the CPU expert workers' that the worker keeps to and the daemon should
+    # ([]: none; cpu_experts/cores.pin_host_process)
+    host_cores: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True, kw_only=True)

@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="qwen3-next-80b-a3b")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--cpu-experts", type=int, default=446)
-    ap.add_argument("--threads", type=int, default=stream.THREADS)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="default: gpu_worker.kernels.bf16.default_threads()")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--chunk-mb", type=int, default=stream.CHUNK_BYTES >> 20)
     ap.add_argument("--every", type=float, default=1.0, help="GiB read between lines")

@@ -26,7 +26,14 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 BITS = np.dtype(np.uint16)  # the CuPy storage of a bf16 matrix
 UNIT_ROUNDOFF = 2.0 ** -8  # max |round(w) - w| / |w| of bf16 rounding (8 significant bits)
 ROUND_CHUNK = 1 << 20  # values per rounding job (4 MiB of float32: stays in cache)
-THREADS = min(16, len(os.sched_getaffinity(0)))
+MAX_THREADS = 16
+
+
+def default_threads() -> int:
+    """Threads of a rounding or loading job: the cores this process may run on now (a GPU
+    worker starts on the daemon's start-up cores: gpu_worker/server.py), at most
+    :data:`MAX_THREADS`."""
+    return min(MAX_THREADS, len(os.sched_getaffinity(0)))
 
 
 def to_bf16(host: np.ndarray, threads: int | None = None) -> np.ndarray:
@@ -42,7 +49,8 @@ def to_bf16(host: np.ndarray, threads: int | None = None) -> np.ndarray:
 def round_into(src: np.ndarray, out: np.ndarray, threads: int | None = None) -> None:
     """float32 ``src [...]`` -> ``out`` (bfloat16 or uint16 bits, same shape, C-contiguous)
     rounded to nearest even exactly as ``ml_dtypes`` does (NaN -> quiet NaN of its sign), in
-    chunks of :data:`ROUND_CHUNK` values on ``threads`` threads (None: :data:`THREADS`)."""
+    chunks of :data:`ROUND_CHUNK` values on ``threads`` threads (None:
+    :func:`default_threads`)."""
     if src.dtype != np.float32 or out.shape != src.shape or out.itemsize != 2:
         raise TypeError(f"round_into: float32 {src.shape} -> 16-bit, not {src.dtype} "
                         f"{src.shape} -> {out.dtype} {out.shape}")
@@ -51,7 +59,7 @@ def round_into(src: np.ndarray, out: np.ndarray, threads: int | None = None) -> 
     u = np.ascontiguousarray(src).reshape(-1).view(np.uint32)
     bits = out.reshape(-1).view(np.uint16)  # ValueError if out is not contiguous
     starts = range(0, u.size, ROUND_CHUNK)
-    n = min(threads or THREADS, len(starts))
+    n = min(threads or default_threads(), len(starts))
     if n <= 1:
         round_bits(u, bits)
         return

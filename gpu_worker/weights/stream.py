@@ -15,7 +15,7 @@ size from the shapes alone. Then, in phases (one log line each, one tqdm bar ove
   earlier load, ``[experts] shard_cache``: started before ``dense`` and awaited after
   ``experts GPU``, so they come up while the backend's weights are read).
 
-The runs of experts are read, rounded or quantized and tiled on :data:`THREADS` threads at
+The runs of experts are read, rounded or quantized and tiled on ``default_threads()`` threads at
 once (synthetic generation, Numba's quantizer and bf16 rounding and NumPy's copies release
 the GIL; an 80B load is hours of one core's work), about ``chunk_bytes`` of float32 in flight
 among them. So the host holds the model's resident parts (on NumPy the backend is host
@@ -26,7 +26,6 @@ float32.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import sys
 import threading
@@ -39,7 +38,7 @@ import numpy as np
 from tqdm import tqdm
 
 from gpu_worker.experts.split import EXPERT_KEYS, ExpertSplit
-from gpu_worker.kernels.bf16 import BF16, round_into
+from gpu_worker.kernels.bf16 import BF16, default_threads, round_into
 from gpu_worker.kernels.int8_stack import BLOCK as INT8_BLOCK
 from gpu_worker.kernels.int8_stack import Int8Stack, quantize_stack
 from gpu_worker.model.model import Model, is_stack
@@ -48,7 +47,6 @@ from gpu_worker.weights.source import WeightSource
 
 CHUNK_BYTES = 256 * 2**20  # host working set: float32 bytes of experts read at once
 PROGRESS_MIN_BYTES = 64 * 2**20  # progress=None shows the bar above this
-THREADS = min(16, len(os.sched_getaffinity(0)))  # runs of experts read and placed at once
 _MOE_LAYER = re.compile(r"^model\.layers\.(\d+)\.mlp\.")
 Log = Callable[..., None]  # log(event, **fields)
 
@@ -148,7 +146,8 @@ class _Loader:
                  threads: int | None = None, gpu_int8: bool = False) -> None:
         self.source, self.split, self.host_dtype = source, split, host_dtype
         self.chunk_bytes, self.log = chunk_bytes, log
-        self.bf16, self.threads = bf16, max(1, threads or THREADS)  # bf16: matrices in bf16
+        # bf16: matrices in bf16
+        self.bf16, self.threads = bf16, max(1, threads or default_threads())
         self.gpu_int8 = gpu_int8  # the backend's routed experts as int8 blocks
         self.cfg = source.config
         self.shapes = source.shapes()  # validated by the source before any data is read

@@ -205,6 +205,31 @@ def test_a_hung_idle_worker_is_restarted(server):
     assert "no heartbeat" in server.log.read_text()
 
 
+def test_a_restarted_worker_starts_on_the_daemons_start_up_cores(server):
+    # the daemon keeps to the host cores once a worker reports them (a GPU machine's; none
+    # here): pin it as that does, every thread, then have its worker restarted
+    _still_serves(server)
+    usable = os.sched_getaffinity(0)
+    daemon = server.proc.pid
+
+    def pin(cores):
+        for tid in os.listdir(f"/proc/{daemon}/task"):
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(tid), cores)
+
+    pin({min(usable)})
+    try:
+        worker = server.child_pid("gpu_worker.server")
+        os.kill(worker, signal.SIGKILL)
+        time.sleep(0.5)
+        server.wait_ready(60)
+        _still_serves(server)
+        again = server.child_pid("gpu_worker.server")
+        assert again != worker and os.sched_getaffinity(again) == usable
+    finally:
+        pin(usable)
+
+
 def test_protocol_violation_error_is_typed(server):
     reply = _raw(server, [b"\xfe", b"\x80"])
     assert reply.code.name == "PROTOCOL"

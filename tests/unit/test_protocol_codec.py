@@ -89,7 +89,7 @@ SAMPLES = [
                    prompt=PromptPhase(phase=Phase.DECODE, prompt_tokens_this_step=0,
                                       prompt_len=9, cached_len=0))],
         timings_ms={"forward": 12.5, "cpu_experts": 3.0}, counters={"rows": 1003}), 2),
-    (ReadyMsg(protocol_version=1, pid=1234,
+    (ReadyMsg(protocol_version=1, pid=1234, host_cores=[0, 1],
               model=ModelInfo(name="tiny", vocab_size=512, max_slots=4, max_context=4096,
                               eos_token_ids=[1, 2],
                               generation_defaults=SamplingDefaults(temperature=0.7, top_k=20),
