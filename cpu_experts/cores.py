@@ -57,31 +57,8 @@ def default_core_groups(num_workers: int | None) -> list[list[int]]:
 
 def host_cores(usable: Iterable[int], worker_groups: list[list[int]]) -> list[int]:
     """The usable cores no CPU expert worker runs on, where the workers leave some: the
-    daemon and the GPU worker run there (:func:`pin_host_process`). [] where there are no
-    workers or they take every core (a small machine: everything shares)."""
+    daemon and the GPU worker run there (protocol/host_cores.pin_host_process). [] where
+    there are no workers or they take every core (a small machine: everything shares)."""
     taken = {int(c) for group in worker_groups for c in group}
     return sorted(set(usable) - taken) if taken else []
 
-
-def pin_host_process(cores: list[int]) -> dict:
-    """Every thread of this process onto ``cores``, and its BLAS thread pools to as many
-    threads as there are such cores; returns what it did (a log line's fields).
-
-    The daemon and the GPU worker ran on any core: the CPU expert workers' cores too, where
-    they preempt a worker's thread in the middle of a layer's parallel loop (the others wait
-    for it at the loop's end), and the daemon's NumPy ran its BLAS pool's threads (one per
-    core of the machine) there too. Threads started later inherit the mask of the thread
-    that starts them."""
-    from threadpoolctl import threadpool_info, threadpool_limits  # (these processes' only)
-
-    mask = set(cores)
-    pinned = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), mask)
-            pinned += 1
-        except (ProcessLookupError, FileNotFoundError):  # the thread ended meanwhile
-            pass
-    threadpool_limits(limits=len(mask), user_api="blas")
-    blas = [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"]
-    return {"cores": sorted(mask), "threads_pinned": pinned, "blas_threads": blas}

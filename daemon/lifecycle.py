@@ -11,7 +11,6 @@ import sys
 
 import zmq
 
-from cpu_experts.cores import pin_host_process
 from daemon import systemd
 from daemon.api_http import API, make_app, start_site
 from daemon.api_zmq import ZmqApi
@@ -23,6 +22,7 @@ from daemon.prefix_cache import PrefixCache
 from daemon.scheduler import Scheduler
 from daemon.tokenizer import Tokenizer, TokenizerError
 from daemon.worker_client import WorkerDied, WorkerProcess
+from protocol.host_cores import pin_host_process
 from protocol.messages import ModelInfo
 from protocol.run_dir import RunDirError, open_lock, secure_run_dir
 from protocol.worker_config import WorkerConfig
@@ -70,7 +70,7 @@ def worker_config(config: Config) -> WorkerConfig:
 
 def keep_to_host_cores(cores: list[int]) -> None:
     """The daemon's threads onto the cores the GPU worker keeps to, off the CPU expert
-    workers' (cpu_experts/cores.pin_host_process; [] where it keeps to none). Cores outside
+    workers' (protocol/host_cores.pin_host_process; [] where it keeps to none). Cores outside
     the daemon's own (a worker that does not match it) are refused with a warning."""
     if not cores:
         return

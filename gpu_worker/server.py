@@ -20,7 +20,7 @@ import sys
 import time
 import traceback
 
-from cpu_experts.cores import host_cores, pin_host_process
+from cpu_experts.cores import host_cores
 from cpu_experts.errors import CpuWorkerDied
 from gpu_worker.backend import get_xp
 from gpu_worker.engine import load_model
@@ -33,6 +33,7 @@ from gpu_worker.model.attention import compile_long_launches
 from gpu_worker.runner import PlanError, Runner
 from gpu_worker.weights.resolve import generation_config, open_source
 from protocol.errors import ProtocolError
+from protocol.host_cores import pin_host_process
 from protocol.messages import (
     PROTOCOL_VERSION,
     Heartbeat,

@@ -74,7 +74,7 @@ class WorkerConfig:
     cpu_workers: int = 0  # 0: one per NUMA node
     cpu_cores: tuple[tuple[int, ...], ...] = ()  # one core list per CPU expert worker
     # the cores the daemon was started on ((): the worker's own): the worker starts there,
-    # not on the few the daemon keeps to once a worker is ready (cpu_experts/cores.py)
+    # not on the few the daemon keeps to once a worker is ready (protocol/host_cores.py)
     affinity: tuple[int, ...] = ()
     cpu_isa: str = "auto"  # auto: the best this CPU has
     cpu_format: str = "int8"  # CPU expert weights: int8 (1.125 B/weight) or int4 (0.5625)

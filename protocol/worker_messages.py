@@ -236,7 +236,7 @@ class ReadyMsg:
     model: ModelInfo
     pid: int
     # the cores off the CPU expert workers' that the worker keeps to and the daemon should
-    # ([]: none; cpu_experts/cores.pin_host_process)
+    # ([]: none; protocol/host_cores.py)
     host_cores: list[int] = field(default_factory=list)
 
 

@@ -32,7 +32,7 @@ PROBE = """
 import json, os, threading
 import numpy as np
 from threadpoolctl import threadpool_info
-from cpu_experts.cores import pin_host_process
+from protocol.host_cores import pin_host_process
 np.ones((300, 300)) @ np.ones((300, 300))  # the BLAS pool started
 before = threading.Event(); stop = threading.Event()
 t = threading.Thread(target=lambda: (before.set(), stop.wait())); t.start(); before.wait()
