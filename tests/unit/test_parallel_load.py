@@ -15,7 +15,7 @@ from tests.unit.test_synthetic import _config
 
 
 def _load(monkeypatch, threads: int) -> tuple[dict[str, bytes], dict[int, bytes]]:
-    monkeypatch.setattr(stream, "THREADS", threads)
+    monkeypatch.setattr(stream, "default_threads", lambda: threads)
     cfg = _config("qwen3_next")
     per_expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * 4
     model, experts = load_model(SyntheticSource(cfg, seed=5), dtype="bfloat16",

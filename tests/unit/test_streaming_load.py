@@ -102,7 +102,8 @@ def test_gpu_placement_equals_the_full_load(tmp_path, arch):
 
 
 def test_split_with_hot_experts_equals_the_old_way(moe, tmp_path, monkeypatch):
-    monkeypatch.setattr(stream, "THREADS", 1)  # one thread: the reads come in run order
+    # one thread: the reads come in run order
+    monkeypatch.setattr(stream, "default_threads", lambda: 1)
     ckpt = load_checkpoint(moe)
     counts = count_routing(Model(ckpt.config, ckpt.tensors), [PROMPT])
     hot = tmp_path / "hot.json"
