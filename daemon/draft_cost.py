@@ -10,6 +10,8 @@ cost is kept per number of slots, from the steps of that many slots once there a
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from daemon.draft_budget import StepCost
@@ -85,15 +87,21 @@ class CostFit:
         self.by_slots.setdefault(slots, StepSums(self.forget)).add(x, ms, cpu_ms)
 
     def cost(self, slots: int | None = None) -> StepCost:
-        """The cost for a step of ``slots`` slots (None: over all steps)."""
+        """The cost for a step of ``slots`` slots (None: over all steps). Before that many
+        slots have ``MIN_LOCAL_STEPS`` steps, the pass's and a row's cost come from every
+        step, and a CPU expert's from their own steps once there is one: the first choices
+        of a run's four-slot steps were made with the experts' cost of its one- to
+        three-slot steps, 34-42 us an expert against 30 (an H100 machine, session 30)."""
         local = self.by_slots.get(slots) if slots is not None else None
         if local is not None and local.n >= MIN_LOCAL_STEPS:
             return self._fit(local)
+        expert = _measured(local)
         if self.pooled.n < MIN_STEPS:
-            expert = _measured(local) or _measured(self.pooled)
+            expert = expert or _measured(self.pooled)
             fixed, row, prior_expert = self.prior
             return StepCost(fixed, row, prior_expert if expert is None else expert)
-        return self._fit(self.pooled)
+        pooled = self._fit(self.pooled)
+        return pooled if expert is None else dataclasses.replace(pooled, expert_ms=expert)
 
     def _fit(self, s: StepSums) -> StepCost:
         expert = _measured(s)

@@ -126,6 +126,11 @@ def test_the_cost_is_kept_per_number_of_slots():
     assert abs(step_ms(fit.cost()) / want - 1) > 0.1  # all steps pooled
     assert fit.cost(1).expert_ms == pytest.approx(0.06)
     assert fit.cost(3) == fit.cost()  # no steps of three slots: the pooled fit
+    # the first step of three slots: its experts' cost at once, the rest still pooled
+    fit.observe(1, 12, 3600, 9.0 + 0.6 * 12 + 0.04 * 3600, 0.04 * 3600, 3)
+    three, pooled = fit.cost(3), fit.cost()
+    assert three.expert_ms == pytest.approx(0.04) and pooled.expert_ms != pytest.approx(0.04)
+    assert (three.fixed_ms, three.row_ms) == (pooled.fixed_ms, pooled.row_ms)
     fit.observe(1, 4, 1300, 90.0, 70.0, 1)
     assert fit.usual_slots() == 1  # as many steps of one slot as of four, and one more
 
