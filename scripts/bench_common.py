@@ -67,13 +67,31 @@ def git_tree() -> str | None:
     return done.stdout.strip() or None
 
 
+def files_tree(repo: Path = REPO) -> str | None:
+    """The git tree id of the checkout's files as they are (what ``.gitignore`` keeps out
+    left out): equal to ``git rev-parse COMMIT^{tree}`` where they are a commit's. A lent
+    device's copy of the working tree can carry an older ``.git`` than its files (its
+    ``git describe`` then names that commit, dirty); this names the files themselves."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, GIT_INDEX_FILE=str(Path(tmp) / "index"))
+        try:
+            for cmd in (["add", "-A"], ["write-tree"]):
+                done = subprocess.run(["git", *cmd], capture_output=True, text=True,
+                                      timeout=120, cwd=repo, env=env)
+                if done.returncode:
+                    return None
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+    return done.stdout.strip() or None
+
+
 def machine() -> dict[str, Any]:
     """Where a benchmark ran: host, CPU model and cores (all / usable by this process), GPU if
-    any, Python and platform, and the git tree."""
+    any, Python and platform, and the git tree (the commit, and the files' tree id)."""
     return {"host": platform.node(), "cpu": cpu_model(), "cores": os.cpu_count(),
             "usable_cores": len(os.sched_getaffinity(0)), "gpu": gpu_name(),
             "python": platform.python_version(), "platform": platform.platform(),
-            "git": git_tree()}
+            "git": git_tree(), "files_tree": files_tree()}
 
 
 def emit_json(data: dict, out: Path | None) -> None:
