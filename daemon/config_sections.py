@@ -242,9 +242,13 @@ class ExpertsSection:
     # system, e.g. /dev/shm/tandem-shards): a restart maps them instead of quantizing again
     # (cpu_experts/shard_cache.py). None: made anew at every start and freed at exit
     shard_cache: Path | None = None
+    # the daemon and the GPU worker keep to the cores the CPU expert workers leave (pinned,
+    # their BLAS pools as wide: docs/cpu_experts.md, "Cores"); false: they run anywhere
+    pin_host: bool = True
 
     def __post_init__(self) -> None:
         check_str("experts.placement", self.placement, PLACEMENTS)
+        check_bool("experts.pin_host", self.pin_host)
         if self.shard_cache is not None:
             check_path("experts.shard_cache", self.shard_cache)
             if self.shard_cache.exists() and not self.shard_cache.is_dir():

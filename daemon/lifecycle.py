@@ -47,7 +47,7 @@ def worker_config(config: Config) -> WorkerConfig:
                         placement=e.placement, cpu_experts_per_layer=e.cpu_experts_per_layer,
                         cpu_workers=e.num_cpu_workers,
                         cpu_cores=tuple(tuple(g) for g in e.cpu_cores),
-                        affinity=START_CORES,
+                        affinity=START_CORES, pin_host=e.pin_host,
                         cpu_isa=e.cpu_isa, cpu_format=e.cpu_format, gpu_format=e.gpu_format,
                         hot_experts=str(e.hot_experts or ""),
                         cpu_shard_cache=str(e.shard_cache or ""),

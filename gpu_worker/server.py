@@ -160,8 +160,9 @@ def _memory_plan(cfg: WorkerConfig, source) -> tuple[MemoryPlan, ExpertSplit | N
 
 def _host_cores(cfg: WorkerConfig, pool) -> list[int]:
     """The cores the GPU worker and the daemon keep to, off the CPU expert workers' (the
-    GPU backend with CPU experts only: the NumPy backend computes on the host itself)."""
-    if pool is None or cfg.backend == "numpy":
+    GPU backend with CPU experts only: the NumPy backend computes on the host itself; none
+    with ``[experts] pin_host = false``)."""
+    if pool is None or cfg.backend == "numpy" or not cfg.pin_host:
         return []
     return host_cores(os.sched_getaffinity(0), pool.pool.cores)
 

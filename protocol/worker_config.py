@@ -76,6 +76,7 @@ class WorkerConfig:
     # the cores the daemon was started on ((): the worker's own): the worker starts there,
     # not on the few the daemon keeps to once a worker is ready (protocol/host_cores.py)
     affinity: tuple[int, ...] = ()
+    pin_host: bool = True  # keep to the cores the CPU expert workers leave ([experts] pin_host)
     cpu_isa: str = "auto"  # auto: the best this CPU has
     cpu_format: str = "int8"  # CPU expert weights: int8 (1.125 B/weight) or int4 (0.5625)
     gpu_format: str = "model"  # GPU routed experts: the model dtype, or int8 (1.0625 B)
@@ -116,7 +117,7 @@ class WorkerConfig:
                          ("mtp_drafts", 0)):
             _count(name, getattr(self, name), lo)
         for name in ("prefix_cache", "slot_routing", "draft_overlap", "cuda_graphs",
-                     "graph_buckets", "graph_mtp"):
+                     "graph_buckets", "graph_mtp", "pin_host"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not all(isinstance(g, tuple) and g and all(type(c) is int and c >= 0 for c in g)

@@ -13,6 +13,7 @@ import pytest
 
 from cpu_experts.cores import host_cores
 from daemon.config import load_config
+from daemon.config_checks import ConfigError
 from daemon.lifecycle import START_CORES, keep_to_host_cores, worker_config
 from protocol.worker_config import WorkerConfig
 
@@ -73,3 +74,11 @@ def test_host_cores_outside_the_daemons_own_are_refused():
     keep_to_host_cores([max(START_CORES) + 1000])
     keep_to_host_cores([])
     assert os.sched_getaffinity(0) == before
+
+
+def test_the_pin_host_key_reaches_the_worker_and_is_checked():
+    assert worker_config(load_config(None, {})).pin_host is True
+    off = worker_config(load_config(None, {"experts.pin_host": False}))
+    assert off.pin_host is False and WorkerConfig.from_json(off.to_json()).pin_host is False
+    with pytest.raises(ConfigError, match="experts.pin_host"):
+        load_config(None, {"experts.pin_host": "yes"})
