@@ -68,6 +68,7 @@ from scripts.bench_common import REPO, command_line, delta, machine, scrape
 from scripts.bench_concurrency_report import table, write_summary
 from scripts.bench_concurrency_serve import (
     acceptance_luck,
+    arm_overrides,
     arm_speculation,
     base_config,
     budget_figures,
@@ -112,7 +113,8 @@ def one_run(args: argparse.Namespace, ctx: dict, name: str, arm: str, pair: int,
     port = free_port()
     run_dir = Path(tempfile.mkdtemp(prefix="tbc-"))  # short: ipc socket paths are <= 107 B
     config = write_toml(ctx["work"] / f"{name}_{arm}_{pair}.toml",
-                        run_config(ctx["base"], port=port, run_dir=run_dir, speculation=spec))
+                        run_config(ctx["base"], port=port, run_dir=run_dir, speculation=spec,
+                                   overrides=arm_overrides(arm)))
     if "per_expert" not in ctx:
         ctx["per_expert"] = cpu_bytes_per_expert(config)
     log = ctx["work"] / f"{name}_{arm}_{pair}.log"
@@ -279,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a config override (TOML value), e.g. experts.placement=\"split\"")
     p.add_argument("--arms", default="narrow,wide",
                    help="comma-separated: off, narrow, wide, adaptive, each with an optional "
-                        "@N (num_drafts), e.g. off,narrow,wide,adaptive,wide@1,wide@2")
+                        "@N (num_drafts) and +VARIANT (ARM_VARIANTS: nopin), e.g. "
+                        "off,narrow,wide,adaptive,wide@1,wide@2,adaptive+nopin")
     p.add_argument("--base", default=None, help="the arm ratios are over (default: narrow if "
                    "among the arms, else the first)")
     p.add_argument("--proposer", choices=("suffix", "mtp", "replay"), default="mtp")

@@ -19,6 +19,7 @@ from daemon.proposers.replay import (
 from gpu_worker.engine import Engine
 from scripts.bench_concurrency_report import best_fixed, summarize
 from scripts.bench_concurrency_serve import (
+    arm_overrides,
     arm_speculation,
     exactness,
     parse_set,
@@ -110,6 +111,12 @@ def test_arms_overrides_and_run_configs(tmp_path):
     assert arm_speculation("off", "mtp") == {"proposer": "mtp", "mode": "off"}
     with pytest.raises(SystemExit, match="unknown arm"):
         arm_speculation("wider", "mtp")
+    # a variant: the same speculation, its config keys beside it
+    assert arm_speculation("adaptive@8+nopin", "replay") == arm_speculation("adaptive@8", "replay")
+    assert arm_overrides("wide@3+nopin") == {"experts.pin_host": False}
+    assert arm_overrides("wide@3") == {}
+    with pytest.raises(SystemExit, match="unknown arm variant"):
+        arm_speculation("wide+fast", "mtp")
     assert parse_set(['experts.placement="split"', "experts.cpu_workers=1",
                       "model.dtype=float64"]) == {
         "experts.placement": "split", "experts.cpu_workers": 1, "model.dtype": "float64"}
@@ -118,6 +125,11 @@ def test_arms_overrides_and_run_configs(tmp_path):
     assert cfg["speculation"] == {"min_match": 3, "mode": "wide"} and base["speculation"] == {
         "min_match": 3}
     assert cfg["server"]["port"] == 9
+    off = run_config(base, port=9, run_dir=tmp_path, speculation={"mode": "wide"},
+                     overrides=arm_overrides("wide+nopin"))
+    assert off["experts"] == {"pin_host": False} and "experts" not in base
+    assert load_config(None, {"experts.pin_host": off["experts"]["pin_host"]}).experts.pin_host \
+        is False
 
 
 def test_step_figures_from_metrics_deltas():
