@@ -26,6 +26,11 @@ was from the routed one (``union_error``: mean and spread of predicted / routed 
 slots staggered), as the benchmark's 8 requests pass through its 4 slots: the budget then
 chooses for slots it has no routing history of.
 
+``--ramp N``: the streams start one after another (slot s at step s * N), as a benchmark's
+do, and the figures count the four-slot steps only; ``--slot-cost`` makes a CPU expert of a
+step of fewer slots dearer (a machine's few experts a layer spread worse over its CPU
+workers), so the budget's first four-slot choices meet a step cost learned on others.
+
 What it cannot say: the host time a policy adds (``scripts/bench_draft_budget.py`` times it),
 and how a real router's routing differs from the synthetic one.
 """
@@ -101,7 +106,10 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
     union_error: list[float] = []  # adaptive: the budget's predicted union / the routed one
     mixed = 0  # steps whose slots verified different draft counts
     gen = np.zeros(SLOTS, np.int64)
+    # --ramp: slot s joins at step s * ramp; the figures count the four-slot steps only
+    first = max(WARM_UP, (SLOTS - 1) * args.ramp)
     for step in range(args.steps):
+        live = min(SLOTS, step // args.ramp + 1) if args.ramp else SLOTS
         for s in range(SLOTS):  # --turnover: a slot's request ends, a new one takes it
             if args.turnover and step and (step + s * args.turnover // SLOTS) % args.turnover == 0:
                 gen[s] += 1
@@ -111,21 +119,22 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
                 pos[s] = 40 + 5 * s
         predicted, routes = None, True
         if policy == "adaptive":
-            work = slot_work(pos, most, gen)
-            drafts = budget.choose(work, [most] * SLOTS, True)
+            work = slot_work(pos, most, gen)[:live]
+            drafts = budget.choose(work, [most] * live, True)
             # the chosen pass's expected CPU experts (None: a kept choice, no forecast)
             predicted = budget.forecast[0] if budget.forecast is not None else None
             routes = budget.wants_routes()  # the slots' CPU experts, as the worker sends
             if not args.no_between:  # while the step runs, as the daemon calls it
                 budget.between_steps()
         else:
-            drafts = [int(policy)] * SLOTS
+            drafts = [int(policy)] * live
         rows = [1 + k for k in drafts]
-        per_row = routing.cpu_ids(np.repeat(keys, rows),
+        per_row = routing.cpu_ids(np.repeat(keys[:live], rows),
                                   np.concatenate([pos[s] + np.arange(n)
                                                   for s, n in enumerate(rows)]))
         union = len(np.unique(np.concatenate(per_row)))
-        cpu_ms = args.expert_ms * union  # the worker's CPU expert time
+        # the worker's CPU expert time (a step of fewer slots: dearer experts, --slot-cost)
+        cpu_ms = args.expert_ms * args.slot_cost[live - 1] * union
         ms = args.fixed_ms + args.row_ms * sum(rows) + cpu_ms
         if args.noise:  # the machine's jitter: the budget fits noisy times, figures count them
             factor = max(1.0 + args.noise * jitter.standard_normal(), 0.5)
@@ -137,11 +146,11 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
             while a < k and rng.random() < own[a]:
                 a += 1
             accepted.append(a)
-        if step >= WARM_UP:
+        if step >= first:
             if predicted is not None:
                 union_error.append(predicted / union - 1.0)
             time_ms += ms
-            tokens += SLOTS + sum(accepted)
+            tokens += live + sum(accepted)
             experts += union
             np.add.at(chosen, drafts, 1)
             mixed += len(set(drafts)) > 1
@@ -149,12 +158,13 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
             budget.observe(*step_record(step, work, drafts, accepted, per_row, union,
                                         routing.universe, 0.0 if args.no_cpu_time else cpu_ms,
                                         routes), ms / 1e3)
-        pos = pos + 1 + np.array(accepted)
+        pos[:live] += 1 + np.array(accepted)
+    counted = args.steps - first
     return {"policy": policy, "seed": seed, "tokens_per_ms": tokens / time_ms,
-            "tokens_per_step": tokens / (args.steps - WARM_UP),
-            "cpu_experts_per_step": experts / (args.steps - WARM_UP),
+            "tokens_per_step": tokens / counted,
+            "cpu_experts_per_step": experts / counted,
             "cpu_experts_per_token": experts / tokens, "drafts_chosen": chosen.tolist(),
-            "mixed_steps": mixed / (args.steps - WARM_UP),
+            "mixed_steps": mixed / counted,
             "union_error": ({"mean": float(np.mean(union_error)),
                              "std": float(np.std(union_error))} if union_error else None)}
 
@@ -207,6 +217,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a slot's request ends every this many steps (staggered over the "
                    "slots) and a new one (another routing key, no history) takes the slot; "
                    "0: the same four requests throughout")
+    p.add_argument("--ramp", type=int, default=0,
+                   help="slot s joins at step s * RAMP, as a benchmark's streams start one after "
+                   "another; the figures count the four-slot steps (0: four from the start)")
+    p.add_argument("--slot-cost", type=lambda s: [float(x) for x in s.split(",")],
+                   default=[1.0] * SLOTS,
+                   help="a CPU expert's cost in steps of 1..4 slots, times --expert-ms (an H100 "
+                   "machine's: about 1.35,1.35,1.15,1 in session 30's first runs)")
     p.add_argument("--accept", type=lambda s: [float(x) for x in s.split(",")],
                    default=[0.853, 1.0, 0.713],
                    help="acceptance per draft position, given the drafts before it were")
@@ -236,8 +253,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "it): every choice made in choose itself")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    if args.steps <= WARM_UP:
-        p.error(f"--steps must be > {WARM_UP}")
+    if args.steps <= max(WARM_UP, (SLOTS - 1) * args.ramp):
+        p.error(f"--steps must be > {WARM_UP} and > {SLOTS - 1} x --ramp")
+    if args.ramp < 0 or len(args.slot_cost) != SLOTS or min(args.slot_cost) <= 0:
+        p.error(f"--ramp must be >= 0 and --slot-cost {SLOTS} numbers > 0")
     for policy in args.policies.split(","):
         if policy != "adaptive" and not (policy.isdigit() and int(policy) <= len(args.accept)):
             p.error(f"policy {policy!r}: 'adaptive' or a draft count 0..{len(args.accept)}")

@@ -53,7 +53,8 @@ def test_requests_that_differ_change_the_tokens_and_a_fixed_weight_the_choice():
     assert own["drafts_chosen"] != fixed["drafts_chosen"]
 
 
-@pytest.mark.parametrize("bad", [["--policies", "4"], ["--policies", "x"], ["--steps", "5"]])
+@pytest.mark.parametrize("bad", [["--policies", "4"], ["--policies", "x"], ["--steps", "5"],
+                                 ["--ramp", "20", "--steps", "50"], ["--slot-cost", "1,1"]])
 def test_bad_arguments_are_refused(bad):
     with pytest.raises(SystemExit):
         sim_draft_budget.main(["--layers", "2", *bad])
@@ -90,3 +91,20 @@ def test_turnover_replaces_each_slots_request_and_the_budget_chooses_for_new_one
     # new requests route by new keys: another run than the steady four requests'
     assert got["cpu_experts_per_step"] != plain["cpu_experts_per_step"]
 
+
+
+def test_a_ramp_counts_the_four_slot_steps_and_dearer_experts_cost_only_time():
+    base = ["--layers", "3", "--steps", "40", "--seeds", "0", "--ramp", "8"]
+    plain = sim_draft_budget.simulate("2", sim_draft_budget.parse_args(base), 0)
+    counted = 40 - max(sim_draft_budget.WARM_UP, 3 * 8)
+    assert sum(plain["drafts_chosen"]) == 4 * counted  # four slots in every counted step
+    dear = sim_draft_budget.simulate(
+        "2", sim_draft_budget.parse_args([*base, "--slot-cost", "2,2,2,1"]), 0)
+    assert dear["tokens_per_step"] == plain["tokens_per_step"]
+    assert dear["tokens_per_ms"] == plain["tokens_per_ms"]  # four-slot steps cost the same
+    dearer = sim_draft_budget.simulate(
+        "2", sim_draft_budget.parse_args([*base, "--slot-cost", "1,1,1,2"]), 0)
+    assert dearer["tokens_per_ms"] < plain["tokens_per_ms"]
+    # the adaptive budget chooses for the slots there are, from its first step
+    ramp = sim_draft_budget.simulate("adaptive", sim_draft_budget.parse_args(base), 0)
+    assert sum(ramp["drafts_chosen"]) == 4 * counted
