@@ -61,4 +61,3 @@ def host_cores(usable: Iterable[int], worker_groups: list[list[int]]) -> list[in
     there are no workers or they take every core (a small machine: everything shares)."""
     taken = {int(c) for group in worker_groups for c in group}
     return sorted(set(usable) - taken) if taken else []
-

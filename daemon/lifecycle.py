@@ -30,7 +30,7 @@ from protocol.worker_config import WorkerConfig
 log = get_logger("tandem.lifecycle")
 RESTART_BACKOFF_S = (0.5, 1, 2, 5, 10)
 # the cores this process may run on at start: each GPU worker starts on them (the daemon
-# keeps to the host cores once a worker reported them: Lifecycle.keep_to_host_cores)
+# keeps to the host cores once a worker reported them: keep_to_host_cores)
 START_CORES = tuple(sorted(os.sched_getaffinity(0)))
 
 
@@ -78,7 +78,10 @@ def keep_to_host_cores(cores: list[int]) -> None:
         log.warning("host cores refused", cores=cores, reason="not among the daemon's cores",
                     daemon_cores=list(START_CORES))
         return
-    log.info("host cores", process="daemon", **pin_host_process(list(cores)))
+    try:
+        log.info("host cores", process="daemon", **pin_host_process(list(cores)))
+    except OSError as exc:  # (a core taken away since: the daemon runs where it ran)
+        log.warning("host cores refused", cores=cores, reason=str(exc))
 
 
 def serve(config: Config) -> int:

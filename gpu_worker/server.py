@@ -194,7 +194,10 @@ class _Beat:
 def serve(cfg: WorkerConfig) -> int:
     _die_with_parent()
     if cfg.affinity:  # the daemon's start-up cores, not the host cores it keeps to now
-        os.sched_setaffinity(0, cfg.affinity)
+        try:
+            os.sched_setaffinity(0, cfg.affinity)
+        except OSError as exc:  # (a core taken away since: the worker starts where it is)
+            _log("affinity refused", cores=list(cfg.affinity), reason=str(exc))
     sock = WorkerToDaemon.in_run_dir(cfg.run_dir)
     try:
         runner, pool, info = build_runner(cfg)
@@ -205,7 +208,11 @@ def serve(cfg: WorkerConfig) -> int:
         return 1
     host = _host_cores(cfg, pool)
     if host:
-        _log("host cores", process="gpu worker", **pin_host_process(host))
+        try:
+            _log("host cores", process="gpu worker", **pin_host_process(host))
+        except OSError as exc:  # the worker and the daemon run anywhere, as without
+            _log("host cores refused", cores=host, reason=str(exc))
+            host = []
     sock.send(ReadyMsg(protocol_version=PROTOCOL_VERSION, model=info, pid=os.getpid(),
                        host_cores=host), timeout=30)
     beat = _Beat(sock, cfg.heartbeat_s)
