@@ -125,7 +125,9 @@ def best_fixed(entry: dict, arms: list[str]) -> dict | None:
 
 def _over_best_fixed(tps: dict, arms: list[str]) -> tuple[str, float, dict] | None:
     """(the best fixed-length wide arm, its figure, each adaptive arm's over it) of a figure
-    per arm; None without both kinds of arm."""
+    per arm; None without both kinds of arm. Arms with a "+VARIANT" (other config keys)
+    are left out: their figures stand beside their twins' in the per-arm tables."""
+    arms = [a for a in arms if "+" not in a]
     fixed = {a: tps[a] for a in arms if a.partition("@")[0] == "wide" and tps.get(a)}
     adaptive = {a: tps[a] for a in arms if a.startswith("adaptive") and tps.get(a)}
     if not fixed or not adaptive:

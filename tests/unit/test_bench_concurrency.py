@@ -300,5 +300,11 @@ def test_summary_gives_the_four_stream_figure_at_a_common_cost_per_cpu_expert():
     assert even["wide@3"] is None and e["acceptance_luck"]["wide@3"] is None
     got = best_fixed(e, ["adaptive", "wide@2", "wide@3"])
     assert got["at_common_cost_expected_acceptance"]["best_fixed_arm"] == "wide@2"
+    # an arm's variant (other config keys) is not among the arms compared
+    twin = {**e["four_stream_decode_tps"], "wide@2+nopin": 1e6, "adaptive+nopin": 1e-6}
+    twins = best_fixed({**e, "four_stream_decode_tps": twin},
+                       ["adaptive", "wide@2", "wide@3", "adaptive+nopin", "wide@2+nopin"])
+    assert twins["best_fixed_arm"] == got["best_fixed_arm"] != "wide@2+nopin"
+    assert set(twins["adaptive"]) == {"adaptive"}
     assert got["at_common_cost_expected_acceptance"]["adaptive"]["adaptive"] == pytest.approx(
         even["adaptive"] / even["wide@2"], abs=1e-3)
