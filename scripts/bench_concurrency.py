@@ -21,7 +21,8 @@ layout of the arm before it is ready (``[model] cuda_graph_warm_up``). Arms (``-
 the speculation mode (``narrow``: each drafted slot verified alone; ``wide``: 2-4 drafted
 slots in one pass; ``off``), or ``adaptive``: wide with ``draft_budget = "adaptive"``
 (docs/speculation.md, the draft budget); ``@N`` after an arm sets ``num_drafts``
-(``wide@2``, ``adaptive@8``: the fixed lengths beside the adaptive budget). ``--pairs``
+(``wide@2``, ``adaptive@8``: the fixed lengths beside the adaptive budget), and ``+NAME``
+other config keys (``wide@3+nopin``: scripts/bench_concurrency_arms.py). ``--pairs``
 paired runs per workload, the arms' order alternating pair by pair; ``--time-budget``
 starts no run that would end after it.
 
@@ -65,11 +66,10 @@ import aiohttp
 
 from daemon.proposers.replay import ReplayProposer, prompt_key, read_records, write_replay_file
 from scripts.bench_common import REPO, command_line, delta, machine, scrape
+from scripts.bench_concurrency_arms import arm_overrides, arm_speculation, run_config
 from scripts.bench_concurrency_report import table, write_summary
 from scripts.bench_concurrency_serve import (
     acceptance_luck,
-    arm_overrides,
-    arm_speculation,
     base_config,
     budget_figures,
     cpu_bytes_per_expert,
@@ -77,7 +77,6 @@ from scripts.bench_concurrency_serve import (
     exactness,
     pin_placement,
     replay_reference,
-    run_config,
     serving,
     start_facts,
     step_figures,

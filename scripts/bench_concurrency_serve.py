@@ -28,52 +28,8 @@ from daemon.metrics import GRAPH_OUTCOMES
 from daemon.proposers.replay import expected_accepted
 from protocol.messages import WorkKind
 from scripts.bench_common import REPO, Samples, delta, wait_ready
+from scripts.bench_concurrency_arms import parse_set, run_config
 from scripts.procs import descendants, wait_gone
-
-# an arm's "+NAME": config keys beside its speculation, to run one arm two ways in one call
-ARM_VARIANTS: dict[str, dict[str, Any]] = {
-    "nopin": {"experts.pin_host": False},  # the daemon and GPU worker on any core
-}
-
-
-def arm_speculation(arm: str, proposer: str) -> dict[str, Any]:
-    """An arm's ``[speculation]`` keys: "off", "narrow", "wide" or "adaptive" (wide with
-    ``draft_budget = "adaptive"``), then an optional "@N" (``num_drafts``), then an optional
-    "+NAME" of :data:`ARM_VARIANTS` (:func:`arm_overrides`)."""
-    arm_overrides(arm)  # an unknown variant is refused here too
-    mode, _, drafts = arm.partition("+")[0].partition("@")
-    spec: dict[str, Any] = {"proposer": proposer}
-    if mode == "adaptive":
-        mode, spec["draft_budget"] = "wide", "adaptive"
-    if mode not in ("off", "narrow", "wide"):
-        raise SystemExit(f"unknown arm {arm!r}: off, narrow, wide or adaptive, then @N")
-    spec["mode"] = mode
-    if drafts:
-        spec["num_drafts"] = int(drafts)
-    return spec
-
-
-def arm_overrides(arm: str) -> dict[str, Any]:
-    """The config keys (``section.key``) of an arm's "+NAME" variant ({} without one)."""
-    variant = arm.partition("+")[2]
-    if variant and variant not in ARM_VARIANTS:
-        raise SystemExit(f"unknown arm variant {variant!r} in {arm!r}: one of "
-                         f"{', '.join(ARM_VARIANTS)}")
-    return dict(ARM_VARIANTS.get(variant, {}))
-
-
-def parse_set(items: list[str]) -> dict[str, Any]:
-    """``--set section.key=VALUE`` (VALUE a TOML value; a bare word is a string)."""
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or "." not in key:
-            raise SystemExit(f"--set wants section.key=VALUE, got {item!r}")
-        try:
-            out[key.strip()] = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError:
-            out[key.strip()] = value
-    return out
 
 
 def base_config(args: argparse.Namespace, work: Path) -> tuple[dict, dict]:
@@ -163,19 +119,6 @@ def synthetic_config(args: argparse.Namespace, work: Path) -> tuple[dict, float 
            "experts": {"placement": "split", "gpu_memory_gb": gb},
            "logging": {"level": "info", "json": True}, "systemd": {"watchdog": False}}
     return cfg, (gb if budget == "whole" else float(budget))
-
-
-def run_config(base: dict, *, port: int, run_dir: Path, speculation: dict,
-               overrides: dict[str, Any] | None = None) -> dict:
-    """One run's config: the base with its own port, run directory and speculation, and
-    ``overrides`` (``section.key``: value; an arm's variant)."""
-    cfg = {k: dict(v) for k, v in base.items()}
-    cfg.setdefault("server", {}).update(host="127.0.0.1", port=port, run_dir=str(run_dir))
-    cfg["speculation"] = {**base.get("speculation", {}), **speculation}
-    for key, value in (overrides or {}).items():
-        section, _, name = key.partition(".")
-        cfg.setdefault(section, {})[name] = value
-    return cfg
 
 
 def write_toml(path: Path, cfg: dict) -> Path:

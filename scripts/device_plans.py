@@ -55,25 +55,19 @@ def essay_warm(budget: str, seconds: int) -> Check:
                  "exit $rc", seconds + 45)
 
 
-def pin_ab(seconds: int = 540) -> Check:
-    """The essays' adaptive and wide@3 arms with and without the host cores' pinning
-    (``+nopin``: ``[experts] pin_host = false``), replaying the carried
-    ``.matrix/32/work/replay_essay.json``, two pairs in ``seconds``; runs and step traces
-    to ``$OUT/pin_ab.tar.gz``. Compare the four-slot steps' CPU kernel time per expert
-    between each arm and its ``+nopin`` twin (docs/benchmarks.md, session 30)."""
-    work = "/tmp/tbc-pin"
-    return Check("pin_ab", "mount -o remount,size=110G /dev/shm; "
-                 f"mkdir -p {work}/out {work}/work; "
-                 f"cp .matrix/32/work/replay_essay.json {work}/work/; "
-                 f"timeout -k 15 {seconds} {PY} scripts.bench_concurrency "
-                 "--model qwen3-next-80b-a3b --gpu-budget 32 "
-                 f"--proposer replay --replay-source mtp {SHARDS}"
-                 "--set scheduler.prefix_cache_host_mb=8192 "
-                 "--arms adaptive,adaptive+nopin,wide@3,wide@3+nopin --pairs 2 --resume "
-                 f"--workloads essay --essay-tokens 128 --time-budget {seconds - 20} "
-                 f"--out-dir {work}/out --work-dir {work}/work; rc=$?; "
-                 f"tar czf $OUT/pin_ab.tar.gz -C {work} --exclude='model-*' "
-                 "--exclude='*.records.jsonl' out work; exit $rc", seconds + 45)
+def pin_ab(seconds: int = 540, work: str = "/tmp/tbc-pin") -> Check:
+    """Essays, adaptive and wide@3 with and without the host cores' pinning (``+nopin``), the
+    carried essay replay file, two pairs; runs and step traces in $OUT/pin_ab.tar.gz."""
+    return Check("pin_ab", f"mount -o remount,size=110G /dev/shm; mkdir -p {work}/out "
+                 f"{work}/work; cp .matrix/32/work/replay_essay.json {work}/work/; "
+                 f"timeout -k 15 {seconds} {PY} scripts.bench_concurrency --model "
+                 f"qwen3-next-80b-a3b --gpu-budget 32 --proposer replay --replay-source mtp "
+                 f"{SHARDS}--set scheduler.prefix_cache_host_mb=8192 --arms adaptive,"
+                 "adaptive+nopin,wide@3,wide@3+nopin --pairs 2 --resume --workloads essay "
+                 f"--essay-tokens 128 --time-budget {seconds - 20} --out-dir {work}/out "
+                 f"--work-dir {work}/work; rc=$?; tar czf $OUT/pin_ab.tar.gz -C {work} "
+                 "--exclude='model-*' --exclude='*.records.jsonl' out work; exit $rc",
+                 seconds + 45)
 
 
 # the matrix's runs resume across calls and machines, so another card's runs would pass for
@@ -324,7 +318,6 @@ PLANS: dict[str, list[Check]] = {
                          "--out $OUT/draft_budget_host_device.json", 60)],
     # the essays' question first (one call): adaptive beside the fixed lengths 1 and 2
     "matrix_32_essay": [matrix("32", "off,adaptive,wide@2,wide@1", "matrix_32_essay", "essay")],
-    # the host cores' pinning beside adaptive and wide@3 (any card; carry .matrix and .whl)
     "pin_ab": [pin_ab()],
     # the coding workload's arms in one call after another: adaptive and the fixed lengths
     # after plain wide (its off runs record the coding replay file)

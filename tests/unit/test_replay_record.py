@@ -17,13 +17,10 @@ from daemon.proposers.replay import (
     write_replay_file,
 )
 from gpu_worker.engine import Engine
+from scripts.bench_concurrency_arms import arm_overrides, arm_speculation, parse_set, run_config
 from scripts.bench_concurrency_report import best_fixed, summarize
 from scripts.bench_concurrency_serve import (
-    arm_overrides,
-    arm_speculation,
     exactness,
-    parse_set,
-    run_config,
     step_figures,
     write_toml,
 )

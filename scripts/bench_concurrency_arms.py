@@ -1,0 +1,67 @@
+"""bench_concurrency's arms: an arm's ``[speculation]`` keys and its variant's other config
+keys, ``--set`` overrides, and one run's config from the base (scripts/bench_concurrency.py's
+module doc)."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+# an arm's "+NAME": config keys beside its speculation, to run one arm two ways in one call
+ARM_VARIANTS: dict[str, dict[str, Any]] = {
+    "nopin": {"experts.pin_host": False},  # the daemon and GPU worker on any core
+}
+
+
+def arm_speculation(arm: str, proposer: str) -> dict[str, Any]:
+    """An arm's ``[speculation]`` keys: "off", "narrow", "wide" or "adaptive" (wide with
+    ``draft_budget = "adaptive"``), then an optional "@N" (``num_drafts``), then an optional
+    "+NAME" of :data:`ARM_VARIANTS` (:func:`arm_overrides`)."""
+    arm_overrides(arm)  # an unknown variant is refused here too
+    mode, _, drafts = arm.partition("+")[0].partition("@")
+    spec: dict[str, Any] = {"proposer": proposer}
+    if mode == "adaptive":
+        mode, spec["draft_budget"] = "wide", "adaptive"
+    if mode not in ("off", "narrow", "wide"):
+        raise SystemExit(f"unknown arm {arm!r}: off, narrow, wide or adaptive, then @N")
+    spec["mode"] = mode
+    if drafts:
+        spec["num_drafts"] = int(drafts)
+    return spec
+
+
+def arm_overrides(arm: str) -> dict[str, Any]:
+    """The config keys (``section.key``) of an arm's "+NAME" variant ({} without one)."""
+    variant = arm.partition("+")[2]
+    if variant and variant not in ARM_VARIANTS:
+        raise SystemExit(f"unknown arm variant {variant!r} in {arm!r}: one of "
+                         f"{', '.join(ARM_VARIANTS)}")
+    return dict(ARM_VARIANTS.get(variant, {}))
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """``--set section.key=VALUE`` (VALUE a TOML value; a bare word is a string)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or "." not in key:
+            raise SystemExit(f"--set wants section.key=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def run_config(base: dict, *, port: int, run_dir: Path, speculation: dict,
+               overrides: dict[str, Any] | None = None) -> dict:
+    """One run's config: the base with its own port, run directory and speculation, and
+    ``overrides`` (``section.key``: value; an arm's variant)."""
+    cfg = {k: dict(v) for k, v in base.items()}
+    cfg.setdefault("server", {}).update(host="127.0.0.1", port=port, run_dir=str(run_dir))
+    cfg["speculation"] = {**base.get("speculation", {}), **speculation}
+    for key, value in (overrides or {}).items():
+        section, _, name = key.partition(".")
+        cfg.setdefault(section, {})[name] = value
+    return cfg
