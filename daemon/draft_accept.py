@@ -93,11 +93,11 @@ class AcceptanceStats:
             return w
         lives = [life for (_, src), life in self.lives.items() if src == source]
         lives += list(self.ended.get(source, ()))
-        n = np.array([t for _, t in lives if t >= SPREAD_TRIALS])
-        if len(n) < SPREAD_MIN:
+        counted = np.array([life for life in lives if life[1] >= SPREAD_TRIALS]).reshape(-1, 2)
+        if len(counted) < SPREAD_MIN:
             w = REQUEST_PRIOR_TRIALS
         else:
-            k = np.array([a for a, t in lives if t >= SPREAD_TRIALS])
+            k, n = counted.T
             total = n.sum()
             p = k.sum() / total
             spread = float(n @ (k / n - p) ** 2)  # sum_i n_i (p_i - p)^2

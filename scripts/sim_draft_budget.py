@@ -223,7 +223,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slot-cost", type=lambda s: [float(x) for x in s.split(",")],
                    default=[1.0] * SLOTS,
                    help="a CPU expert's cost in steps of 1..4 slots, times --expert-ms (an H100 "
-                   "machine's: about 1.35,1.35,1.15,1 in session 30's first runs)")
+                   "machine's first runs in session 30: about 1.4,1.35,1.15,1)")
     p.add_argument("--accept", type=lambda s: [float(x) for x in s.split(",")],
                    default=[0.853, 1.0, 0.713],
                    help="acceptance per draft position, given the drafts before it were")
