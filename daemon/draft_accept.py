@@ -23,6 +23,14 @@ SPREAD_TRIALS = 8.0
 SPREAD_MIN = 8
 WEIGHT_RANGE = (4.0, 1024.0)
 REQUEST_DECAY = 0.95  # a request's counts, per verify
+# the adaptive budget's optimism: it chooses on a source's rates raised by this many
+# standard deviations of their estimates (rate(..., optimism=)). A position the choices stopped
+# verifying after a few unlucky early verifies keeps its low estimate on the posterior mean
+# alone, and its drafts are never tried again (an H100 machine's runs, session 31: a
+# source at 0.88 a position estimated at 0.70-0.82 after 20-40 verifies); raised by its
+# uncertainty it is tried until its estimate is sure, and a well-measured position's
+# bound is its mean
+OPTIMISM = 0.75
 
 
 class AcceptanceStats:
@@ -32,7 +40,9 @@ class AcceptanceStats:
     def __init__(self) -> None:
         self.sources: dict[int, np.ndarray] = {}  # source -> [2, positions]: successes, trials
         self.requests: dict[tuple[str, int], np.ndarray] = {}
-        self._rates: dict[int, np.ndarray] = {}  # source_rate's, until the source's next verify
+        # source_rate's (the means and their standard deviations), until the source's next
+        # verify
+        self._rates: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         # each live request's first position, whole life: successes, trials
         self.lives: dict[tuple[str, int], list[float]] = {}
         self.ended: dict[int, collections.deque] = {}  # source -> ended requests' lives
@@ -53,20 +63,24 @@ class AcceptanceStats:
         req = self.requests.get((request_id, source))
         self.requests[(request_id, source)] = seen if req is None else REQUEST_DECAY * req + seen
 
-    def source_rate(self, source: int) -> np.ndarray:
+    def source_rate(self, source: int, optimism: float = 0.0) -> np.ndarray:
         """``[MAX_POSITIONS]``: the source's probability at each position, over requests
-        (read-only: kept until the source's next verify; a step's slots share it)."""
+        (read-only: kept until the source's next verify; a step's slots share it), raised by
+        ``optimism`` standard deviations of each estimate (at most 1)."""
         out = self._rates.get(source)
         if out is None:
             s, t = self.sources.get(source, np.zeros((2, MAX_POSITIONS))).tolist()
-            rates = []
+            rates, sds = [], []
             before, weight = SOURCE_PRIOR[0] / SOURCE_PRIOR[1], SOURCE_PRIOR[1]
             for j in range(MAX_POSITIONS):  # (Python floats: a few times faster here)
                 before = (s[j] + weight * before) / (t[j] + weight)
                 rates.append(before)
-            out = self._rates[source] = np.array(rates)
-            out.setflags(write=False)
-        return out
+                # a Beta posterior's (its mean before, of t + weight trials)
+                sds.append((before * (1.0 - before) / (t[j] + weight + 1.0)) ** 0.5)
+            out = self._rates[source] = (np.array(rates), np.array(sds))
+            for a in out:
+                a.setflags(write=False)
+        return out[0] if not optimism else np.minimum(out[0] + optimism * out[1], 1.0)
 
     def trials(self, source: int, position: int) -> float:
         """Verifies of ``source`` that reached draft ``position`` (0: the first), over
@@ -74,8 +88,10 @@ class AcceptanceStats:
         src = self.sources.get(source)
         return 0.0 if src is None or position >= MAX_POSITIONS else float(src[1, position])
 
-    def rate(self, request_id: str, source: int) -> np.ndarray:
-        prior = self.source_rate(source)
+    def rate(self, request_id: str, source: int, optimism: float = 0.0) -> np.ndarray:
+        """``[MAX_POSITIONS]``: the request's probability at each position, its own decayed
+        counts leaning on its source's rates (raised by ``optimism``: source_rate)."""
+        prior = self.source_rate(source, optimism)
         req = self.requests.get((request_id, source))
         if req is None:
             return prior

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from daemon.draft_accept import MAX_POSITIONS, REQUEST_PRIOR_TRIALS, AcceptanceStats
+from daemon.draft_accept import MAX_POSITIONS, OPTIMISM, REQUEST_PRIOR_TRIALS, AcceptanceStats
 from daemon.draft_budget import (
     BudgetProblem,
     StepCost,
@@ -81,6 +81,7 @@ class DraftBudget:
                                       spec.cost_expert_ms))
         self.fit_costs = True  # False: the config's constants only (tests)
         self.reuse = True  # False: choose afresh every step, from every step's routes
+        self.optimism = OPTIMISM  # the choice's (daemon/draft_accept.py); 0: the means (tests)
         self._short: dict[str, int] = {}  # request -> steps running its drafts were cut
         self.chosen = np.zeros(MAX_POSITIONS + 1, np.int64)  # drafted slots by drafts chosen
         self._slots: int | None = None  # the last step's, chosen for
@@ -181,7 +182,8 @@ class DraftBudget:
 
     def _rates_of(self, work: list[SlotWork], counts: list[int]) -> np.ndarray:
         """[S, MAX_POSITIONS]: each slot's acceptance now (0 where it has no drafts)."""
-        return np.array([self.accept.rate(w.request_id, int(w.draft_sources[0])) if n
+        return np.array([self.accept.rate(w.request_id, int(w.draft_sources[0]),
+                                          self.optimism) if n
                          else np.zeros(MAX_POSITIONS) for w, n in zip(work, counts,
                                                                       strict=True)])
 

@@ -31,6 +31,12 @@ do, and the figures count the four-slot steps only; ``--slot-cost`` makes a CPU 
 step of fewer slots dearer (a machine's few experts a layer spread worse over its CPU
 workers), so the budget's first four-slot choices meet a step cost learned on others.
 
+``--paired``: each verify's acceptance drawn from (seed, request, position), as the replay
+proposer draws it, so policies that draft alike meet the same luck; every run also reports
+``expected_tokens_per_ms``, the chosen drafts' expected tokens (from the rates, not the
+draws) per ms: the policies compared without the draws' luck. ``--optimism Z``: the
+budget's (daemon/draft_accept.OPTIMISM; 0 chooses on the acceptance means).
+
 What it cannot say: the host time a policy adds (``scripts/bench_draft_budget.py`` times it),
 and how a real router's routing differs from the synthetic one.
 """
@@ -98,10 +104,12 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
                               "speculation.draft_budget": "adaptive"}).speculation
     budget = DraftBudget(spec)
     budget.accept.fixed_weight = args.request_weight
+    if args.optimism is not None:
+        budget.optimism = args.optimism
     keys = (np.arange(SLOTS) + 1) * 7919 + seed * 104729
     pos = 40 + 5 * np.arange(SLOTS)
     most = len(accept)
-    time_ms = tokens = experts = 0.0
+    time_ms = tokens = experts = mean_tokens = 0.0
     chosen = np.zeros(most + 1, np.int64)
     union_error: list[float] = []  # adaptive: the budget's predicted union / the routed one
     mixed = 0  # steps whose slots verified different draft counts
@@ -139,18 +147,24 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
         if args.noise:  # the machine's jitter: the budget fits noisy times, figures count them
             factor = max(1.0 + args.noise * jitter.standard_normal(), 0.5)
             ms, cpu_ms = ms * factor, cpu_ms * factor
-        accepted = []
+        accepted, expected = [], np.zeros(live)
         for s, k in enumerate(drafts):  # each slot's request at its own rates
             own = np.clip(accept + shift[s], 0.02, 0.99) if args.request_spread else accept
+            # --paired: the draws of (seed, slot's request, position), as the replay
+            # proposer's, so every policy meets the same luck where it drafts alike
+            draws = (np.random.default_rng([seed, 3, s, int(gen[s]), int(pos[s])]).random(k)
+                     if args.paired else None)
             a = 0
-            while a < k and rng.random() < own[a]:
+            while a < k and (draws[a] if args.paired else rng.random()) < own[a]:
                 a += 1
             accepted.append(a)
+            expected[s] = 1.0 + float(np.cumprod(own[:k]).sum())  # the tokens' mean
         if step >= first:
             if predicted is not None:
                 union_error.append(predicted / union - 1.0)
             time_ms += ms
             tokens += live + sum(accepted)
+            mean_tokens += expected.sum()
             experts += union
             np.add.at(chosen, drafts, 1)
             mixed += len(set(drafts)) > 1
@@ -161,6 +175,9 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
         pos[:live] += 1 + np.array(accepted)
     counted = args.steps - first
     return {"policy": policy, "seed": seed, "tokens_per_ms": tokens / time_ms,
+            # the drafts' expected tokens (the acceptance rates, not the draws) per ms: the
+            # policies compared without the draws' luck
+            "expected_tokens_per_ms": mean_tokens / time_ms,
             "tokens_per_step": tokens / counted,
             "cpu_experts_per_step": experts / counted,
             "cpu_experts_per_token": experts / tokens, "drafts_chosen": chosen.tolist(),
@@ -233,6 +250,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-weight", type=float, default=None,
                    help="trials a request's acceptance leans on its source's, fixed (default: "
                    "by the requests' spread, daemon/draft_accept.request_weight)")
+    p.add_argument("--paired", action="store_true",
+                   help="acceptance drawn per (seed, request, position), as the replay proposer "
+                   "draws it, so the policies meet the same luck (default: one stream of draws "
+                   "per run, as the rows committed before session 31)")
+    p.add_argument("--optimism", type=float, default=None,
+                   help="standard deviations the budget raises its sources' acceptance by "
+                   "(default: the daemon's, daemon/draft_accept.OPTIMISM; 0: the means)")
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--experts", type=int, default=512)
     p.add_argument("--topk", type=int, default=10)
@@ -268,16 +292,22 @@ def main(argv: list[str] | None = None) -> int:
     runs = [simulate(policy, args, int(seed)) for policy in args.policies.split(",")
             for seed in args.seeds.split(",")]
     by_policy: dict[str, list[float]] = {}
+    by_expected: dict[str, list[float]] = {}
     for r in runs:
         by_policy.setdefault(r["policy"], []).append(r["tokens_per_ms"])
+        by_expected.setdefault(r["policy"], []).append(r["expected_tokens_per_ms"])
         print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in r.items()}))
     means = {k: float(np.mean(v)) for k, v in by_policy.items()}
-    print(json.dumps({"mean_tokens_per_ms": {k: round(v, 5) for k, v in means.items()}}))
+    expected = {k: float(np.mean(v)) for k, v in by_expected.items()}
+    print(json.dumps({"mean_tokens_per_ms": {k: round(v, 5) for k, v in means.items()},
+                      "mean_expected_tokens_per_ms": {k: round(v, 5)
+                                                      for k, v in expected.items()}}))
     if args.out:
         args.out.write_text(json.dumps({"machine": machine(), "command": command_line(),
                                         "args": vars(args) | {"out": None},
-                                        "mean_tokens_per_ms": means, "runs": runs},
-                                       indent=1) + "\n")
+                                        "mean_tokens_per_ms": means,
+                                        "mean_expected_tokens_per_ms": expected,
+                                        "runs": runs}, indent=1) + "\n")
     return 0
 
 

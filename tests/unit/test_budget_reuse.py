@@ -27,6 +27,9 @@ def _budget(reuse: bool = True) -> DraftBudget:
                               "speculation.draft_budget": "adaptive"}).speculation
     budget = DraftBudget(spec)
     budget.reuse = reuse
+    # the choice on the acceptance means: the steps that choose afresh below follow from how
+    # far a verify moves them (test_budget_optimism.py: the raised rates)
+    budget.optimism = 0.0
     return budget
 
 

@@ -53,6 +53,18 @@ def test_requests_that_differ_change_the_tokens_and_a_fixed_weight_the_choice():
     assert own["drafts_chosen"] != fixed["drafts_chosen"]
 
 
+def test_paired_draws_and_the_expected_tokens_of_a_fixed_policy():
+    base = ["--layers", "3", "--steps", "40", "--seeds", "0", "--accept", "0.8,0.8,0.8"]
+    plain = sim_draft_budget.simulate("2", sim_draft_budget.parse_args(base), 0)
+    paired = sim_draft_budget.simulate("2", sim_draft_budget.parse_args([*base, "--paired"]), 0)
+    again = sim_draft_budget.simulate("2", sim_draft_budget.parse_args([*base, "--paired"]), 0)
+    assert paired == again  # the draws of (seed, request, position)
+    assert paired["tokens_per_step"] != plain["tokens_per_step"]  # not one stream's
+    for r in (plain, paired):  # four slots of 1 + 0.8 + 0.64 expected tokens, whatever drawn
+        per_step = r["expected_tokens_per_ms"] / r["tokens_per_ms"] * r["tokens_per_step"]
+        assert per_step == pytest.approx(4 * 2.44, rel=1e-12)
+
+
 @pytest.mark.parametrize("bad", [["--policies", "4"], ["--policies", "x"], ["--steps", "5"],
                                  ["--ramp", "20", "--steps", "50"], ["--slot-cost", "1,1"]])
 def test_bad_arguments_are_refused(bad):
