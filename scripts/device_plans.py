@@ -55,17 +55,18 @@ def essay_warm(budget: str, seconds: int) -> Check:
                  "exit $rc", seconds + 45)
 
 
-def pin_ab(seconds: int = 540, work: str = "/tmp/tbc-pin") -> Check:
-    """Essays, adaptive and wide@3 with and without the host cores' pinning (``+nopin``), the
-    carried essay replay file, two pairs; runs and step traces in $OUT/pin_ab.tar.gz."""
-    return Check("pin_ab", f"mount -o remount,size=110G /dev/shm; mkdir -p {work}/out "
+def essays_ab(name: str, arms: str, pairs: int = 4, seconds: int = 540) -> Check:
+    """Essays at 32 GiB, ``arms``, up to ``pairs`` pairs (resumable on a warm machine), the
+    carried replay file; runs and step traces in $OUT/<name>.tar.gz (any card)."""
+    work = f"/tmp/tbc-{name}"
+    return Check(name, f"mount -o remount,size=110G /dev/shm; mkdir -p {work}/out "
                  f"{work}/work; cp .matrix/32/work/replay_essay.json {work}/work/; "
                  f"timeout -k 15 {seconds} {PY} scripts.bench_concurrency --model "
                  f"qwen3-next-80b-a3b --gpu-budget 32 --proposer replay --replay-source mtp "
-                 f"{SHARDS}--set scheduler.prefix_cache_host_mb=8192 --arms adaptive,"
-                 "adaptive+nopin,wide@3,wide@3+nopin --pairs 2 --resume --workloads essay "
+                 f"{SHARDS}--set scheduler.prefix_cache_host_mb=8192 --arms {arms} "
+                 f"--pairs {pairs} --resume --workloads essay "
                  f"--essay-tokens 128 --time-budget {seconds - 20} --out-dir {work}/out "
-                 f"--work-dir {work}/work; rc=$?; tar czf $OUT/pin_ab.tar.gz -C {work} "
+                 f"--work-dir {work}/work; rc=$?; tar czf $OUT/{name}.tar.gz -C {work} "
                  "--exclude='model-*' --exclude='*.records.jsonl' out work; exit $rc",
                  seconds + 45)
 
@@ -305,22 +306,21 @@ PLANS: dict[str, list[Check]] = {
     "coding_exact": [coding_check("coding_exact_32", "off,narrow")],
     # the same with wide (issue 15's coding ratio, 3 turns: ~470 s cold)
     "coding_wide": [coding_check("coding_wide_32", "off,narrow,wide")],
-    # issue 15's matrix, one call after another (--budget 590 each; ~1,700 s in all at 32 GiB
-    # by session 22's run times): see matrix()
+    # issue 15's matrix, one call after another (--budget 590 each): see matrix()
     "matrix_32": [matrix("32")],
     "matrix_whole": [matrix("whole")],
     # the fixed draft lengths beside adaptive (issue 15: adaptive >= the best of them); with
     # four streams, plain wide's drafts are trimmed to 3 a slot (16 rows): wide stands for wide@3
     "matrix_32_fixed": [matrix("32", "off,wide@1,wide@2", "matrix_32_fixed")],
-    # the adaptive budget's host work per step with the route buffers on the GPU (its
-    # worker part measured 1.3-1.7 ms on an H100 machine, ~0.4 ms of NumPy on the dev VM)
+    # the adaptive budget's host work per step with the route buffers on the GPU
     "host_times": [Check("draft_budget_host", f"{PY} scripts.bench_draft_budget --device "
                          "--out $OUT/draft_budget_host_device.json", 60)],
     # the essays' question first (one call): adaptive beside the fixed lengths 1 and 2
     "matrix_32_essay": [matrix("32", "off,adaptive,wide@2,wide@1", "matrix_32_essay", "essay")],
-    "pin_ab": [pin_ab()],
-    # the coding workload's arms in one call after another: adaptive and the fixed lengths
-    # after plain wide (its off runs record the coding replay file)
+    "pin_ab": [essays_ab("pin_ab", "adaptive,adaptive+nopin,wide@3,wide@3+nopin", 2)],
+    # the budget against the best fixed length of four streams (16 rows: 3 drafts a slot)
+    "budget_ab": [essays_ab("budget_ab", "adaptive,wide@3", 6)],
+    # the coding arms in calls after another (its off runs record the coding replay file)
     "matrix_32_coding": [matrix("32", "off,narrow,wide,adaptive,wide@2,wide@1",
                                 "matrix_32_coding", "coding")],
     # a prefill chunk's rows several to a warp (session 20): the kernels' bits (decode rows

@@ -31,6 +31,10 @@ do, and the figures count the four-slot steps only; ``--slot-cost`` makes a CPU 
 step of fewer slots dearer (a machine's few experts a layer spread worse over its CPU
 workers), so the budget's first four-slot choices meet a step cost learned on others.
 
+``--capacity``: a step's rows fit the wide pass's largest capacity (16; the daemon trims
+the offered drafts fairly), so four slots verify at most 3 drafts each; ``--capacity 0``
+(no limit) is how the rows committed before session 31 ran.
+
 ``--paired``: each verify's acceptance drawn from (seed, request, position), as the replay
 proposer draws it, so policies that draft alike meet the same luck; every run also reports
 ``expected_tokens_per_ms``, the chosen drafts' expected tokens (from the rates, not the
@@ -52,6 +56,7 @@ import numpy as np
 
 from daemon.config import load_config
 from daemon.draft_adaptive import DraftBudget
+from daemon.draft_plan import trim_fair
 from gpu_worker.weights.routing import RoutingModel, RoutingParams
 from protocol.messages import (
     DraftSource,
@@ -64,6 +69,7 @@ from protocol.messages import (
     StepResult,
     WorkKind,
 )
+from protocol.worker_config import WIDE_CAPACITIES
 from scripts.bench_common import command_line, machine
 
 SLOTS = 4
@@ -126,16 +132,20 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
                     shift[s] = spread.normal(0.0, args.request_spread)
                 pos[s] = 40 + 5 * s
         predicted, routes = None, True
+        # the drafts a step can verify: the wide pass's rows fit its largest capacity
+        # (daemon/draft_plan.DraftPlanner.fit; four slots of 4 drafts are cut to 3 each)
+        offer = (trim_fair([most] * live, args.capacity - live) if args.capacity
+                 else [most] * live)
         if policy == "adaptive":
             work = slot_work(pos, most, gen)[:live]
-            drafts = budget.choose(work, [most] * live, True)
+            drafts = budget.choose(work, offer, True)
             # the chosen pass's expected CPU experts (None: a kept choice, no forecast)
             predicted = budget.forecast[0] if budget.forecast is not None else None
             routes = budget.wants_routes()  # the slots' CPU experts, as the worker sends
             if not args.no_between:  # while the step runs, as the daemon calls it
                 budget.between_steps()
         else:
-            drafts = [int(policy)] * live
+            drafts = [min(int(policy), n) for n in offer]
         rows = [1 + k for k in drafts]
         per_row = routing.cpu_ids(np.repeat(keys[:live], rows),
                                   np.concatenate([pos[s] + np.arange(n)
@@ -254,6 +264,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="acceptance drawn per (seed, request, position), as the replay proposer "
                    "draws it, so the policies meet the same luck (default: one stream of draws "
                    "per run, as the rows committed before session 31)")
+    p.add_argument("--capacity", type=int, default=WIDE_CAPACITIES[-1],
+                   help="rows a step verifies at most, the drafts trimmed fairly to fit, as the "
+                   "daemon does (0: no limit, as the rows committed before session 31)")
     p.add_argument("--optimism", type=float, default=None,
                    help="standard deviations the budget raises its sources' acceptance by "
                    "(default: the daemon's, daemon/draft_accept.OPTIMISM; 0: the means)")

@@ -55,7 +55,8 @@ def test_the_budget_chooses_on_the_raised_rates():
 
 
 # an H100 machine's four-stream essays (session 31): the replay's acceptance, 0.879 at every
-# position, and its pinned step cost; the streams start one after another
+# position, and its pinned step cost; the streams start one after another, and a pass holds at
+# most 16 rows (four slots: 3 drafts each)
 SCENARIO = ["--fixed-ms", "11.3", "--row-ms", "0.2", "--expert-ms", "0.0298", "--ramp", "8",
             "--steps", "50", "--accept", "0.879,0.879,0.879,0.879", "--paired"]
 
@@ -69,13 +70,13 @@ def _runs(policy: str, *extra: str) -> tuple[np.ndarray, float]:
 
 
 def test_optimism_keeps_trying_the_drafts_a_few_early_misses_made_look_poor():
+    _, two = _runs("2")
     _, three = _runs("3")
-    _, four = _runs("4")
-    assert four > three * 1.005  # here four drafts a slot pay most
+    assert three > two * 1.01  # here 3 drafts a slot (16 rows, the most a pass holds) pay most
     means, on_means = _runs("adaptive", "--optimism", "0")
     raised, on_raised = _runs("adaptive")
-    share = lambda chosen: chosen[4] / chosen.sum()  # noqa: E731
-    # on the means, the positions some early verifies pulled down stay down in many runs;
-    # raised by their uncertainty, they are verified again and the choice finds four
-    assert share(means) < 0.6 and share(raised) > 0.85
-    assert on_raised > on_means and on_raised > 0.995 * four
+    share = lambda chosen: chosen[3] / chosen.sum()  # noqa: E731
+    # on the means, the positions some early verifies pulled down stay down in some runs;
+    # raised by their uncertainty, they are verified again and the choice finds three
+    assert share(means) < 0.85 and share(raised) > 0.9
+    assert on_raised > on_means and on_raised > 0.998 * three

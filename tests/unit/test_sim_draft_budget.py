@@ -65,6 +65,18 @@ def test_paired_draws_and_the_expected_tokens_of_a_fixed_policy():
         assert per_step == pytest.approx(4 * 2.44, rel=1e-12)
 
 
+def test_four_slots_verify_what_a_pass_holds():
+    base = ["--layers", "3", "--steps", "30", "--seeds", "0", "--accept", "0.9,0.9,0.9,0.9"]
+    counted = 4 * (30 - sim_draft_budget.WARM_UP)
+    capped = sim_draft_budget.simulate("4", sim_draft_budget.parse_args(base), 0)
+    assert capped["drafts_chosen"] == [0, 0, 0, counted, 0]  # 16 rows: 3 drafts a slot
+    free = sim_draft_budget.simulate("4", sim_draft_budget.parse_args([*base, "--capacity", "0"]),
+                                     0)
+    assert free["drafts_chosen"] == [0, 0, 0, 0, counted]
+    budget = sim_draft_budget.simulate("adaptive", sim_draft_budget.parse_args(base), 0)
+    assert budget["drafts_chosen"][4] == 0
+
+
 @pytest.mark.parametrize("bad", [["--policies", "4"], ["--policies", "x"], ["--steps", "5"],
                                  ["--ramp", "20", "--steps", "50"], ["--slot-cost", "1,1"]])
 def test_bad_arguments_are_refused(bad):
