@@ -24,12 +24,12 @@ SPREAD_MIN = 8
 WEIGHT_RANGE = (4.0, 1024.0)
 REQUEST_DECAY = 0.95  # a request's counts, per verify
 # the adaptive budget's optimism: it chooses on a source's rates raised by this many
-# standard deviations of their estimates (rate(..., optimism=)). A position the choices stopped
-# verifying after a few unlucky early verifies keeps its low estimate on the posterior mean
-# alone, and its drafts are never tried again (an H100 machine's runs, session 31: a
-# source at 0.88 a position estimated at 0.70-0.82 after 20-40 verifies); raised by its
-# uncertainty it is tried until its estimate is sure, and a well-measured position's
-# bound is its mean
+# standard deviations of their estimates (rate(..., optimism=)). On the means alone, a
+# position the choices stopped verifying after a few unlucky early verifies keeps its low
+# estimate and its drafts are not tried again (session 31, an H100 machine: where every
+# position accepted 0.88, some runs estimated one at 0.70-0.82 after 20-40 verifies);
+# raised by its uncertainty it is tried until its estimate is sure, and a well-measured
+# position is taken at about its mean
 OPTIMISM = 0.75
 
 

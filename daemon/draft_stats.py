@@ -8,7 +8,9 @@ itself, ``DraftBudget``, is daemon/draft_adaptive.py), and where each of them li
   draft than of their third. Over all requests, a source's position leans on the position
   before it (the first on a prior): until a position is measured it is taken to accept as
   the one before it does (the chain). A request's counts decay (recent text matters) and
-  lean on its source's, position by position.
+  lean on its source's, position by position. The choice reads the source's rates raised
+  by their uncertainty (daemon/draft_accept.OPTIMISM), so a position measured low early is
+  tried again.
 * Routing per request: the CPU experts its rows picked in its last decode step
   (``SlotResult.cpu_experts`` / ``cpu_expert_rows``, sent when the WorkerConfig asks), the
   CPU picks per row, the experts held (``counters["cpu_experts_held"]``), each expert's
