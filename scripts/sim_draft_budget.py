@@ -292,6 +292,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps <= max(WARM_UP, (SLOTS - 1) * args.ramp):
         p.error(f"--steps must be > {WARM_UP} and > {SLOTS - 1} x --ramp")
+    if args.capacity and args.capacity < SLOTS or args.capacity < 0:
+        p.error(f"--capacity must be 0 (no limit) or at least {SLOTS} rows")
     if args.ramp < 0 or len(args.slot_cost) != SLOTS or min(args.slot_cost) <= 0:
         p.error(f"--ramp must be >= 0 and --slot-cost {SLOTS} numbers > 0")
     for policy in args.policies.split(","):

@@ -78,7 +78,8 @@ def test_four_slots_verify_what_a_pass_holds():
 
 
 @pytest.mark.parametrize("bad", [["--policies", "4"], ["--policies", "x"], ["--steps", "5"],
-                                 ["--ramp", "20", "--steps", "50"], ["--slot-cost", "1,1"]])
+                                 ["--ramp", "20", "--steps", "50"], ["--slot-cost", "1,1"],
+                                 ["--capacity", "3"], ["--capacity", "-1"]])
 def test_bad_arguments_are_refused(bad):
     with pytest.raises(SystemExit):
         sim_draft_budget.main(["--layers", "2", *bad])
