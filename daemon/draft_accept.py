@@ -26,8 +26,9 @@ REQUEST_DECAY = 0.95  # a request's counts, per verify
 # the adaptive budget's optimism: it chooses on a source's rates raised by this many
 # standard deviations of their estimates (rate(..., optimism=)). On the means alone, a
 # position the choices stopped verifying after a few unlucky early verifies keeps its low
-# estimate and its drafts are not tried again (session 31, an H100 machine: where every
-# position accepted 0.88, some runs estimated one at 0.70-0.82 after 20-40 verifies);
+# estimate and its drafts are not tried again (session 31, the simulation of an H100
+# machine: where every position accepted 0.88, some runs estimated one at 0.70-0.82 after
+# 20-40 verifies);
 # raised by its uncertainty it is tried until its estimate is sure, and a well-measured
 # position is taken at about its mean
 OPTIMISM = 0.75
@@ -40,9 +41,9 @@ class AcceptanceStats:
     def __init__(self) -> None:
         self.sources: dict[int, np.ndarray] = {}  # source -> [2, positions]: successes, trials
         self.requests: dict[tuple[str, int], np.ndarray] = {}
-        # source_rate's (the means and their standard deviations), until the source's next
-        # verify
-        self._rates: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # source_rate's (the means, their standard deviations, the raised rates by
+        # optimism), until the source's next verify
+        self._rates: dict[int, tuple[np.ndarray, np.ndarray, dict[float, np.ndarray]]] = {}
         # each live request's first position, whole life: successes, trials
         self.lives: dict[tuple[str, int], list[float]] = {}
         self.ended: dict[int, collections.deque] = {}  # source -> ended requests' lives
@@ -77,10 +78,15 @@ class AcceptanceStats:
                 rates.append(before)
                 # a Beta posterior's (its mean before, of t + weight trials)
                 sds.append((before * (1.0 - before) / (t[j] + weight + 1.0)) ** 0.5)
-            out = self._rates[source] = (np.array(rates), np.array(sds))
-            for a in out:
-                a.setflags(write=False)
-        return out[0] if not optimism else np.minimum(out[0] + optimism * out[1], 1.0)
+            out = self._rates[source] = (np.array(rates), np.array(sds), {})
+            out[0].setflags(write=False)
+        if not optimism:
+            return out[0]
+        raised = out[2].get(optimism)
+        if raised is None:  # (once per verify: every slot of every step reads it)
+            raised = out[2][optimism] = np.minimum(out[0] + optimism * out[1], 1.0)
+            raised.setflags(write=False)
+        return raised
 
     def trials(self, source: int, position: int) -> float:
         """Verifies of ``source`` that reached draft ``position`` (0: the first), over

@@ -61,7 +61,12 @@ def run_config(base: dict, *, port: int, run_dir: Path, speculation: dict,
     cfg = {k: dict(v) for k, v in base.items()}
     cfg.setdefault("server", {}).update(host="127.0.0.1", port=port, run_dir=str(run_dir))
     cfg["speculation"] = {**base.get("speculation", {}), **speculation}
-    for key, value in (overrides or {}).items():
+    return set_keys(cfg, overrides or {})
+
+
+def set_keys(cfg: dict, keys: dict[str, Any]) -> dict:
+    """``cfg`` ({section: {key: value}}) with ``keys`` (``section.key``: value) set in place."""
+    for key, value in keys.items():
         section, _, name = key.partition(".")
         cfg.setdefault(section, {})[name] = value
     return cfg

@@ -28,7 +28,7 @@ from daemon.metrics import GRAPH_OUTCOMES
 from daemon.proposers.replay import expected_accepted
 from protocol.messages import WorkKind
 from scripts.bench_common import REPO, Samples, delta, wait_ready
-from scripts.bench_concurrency_arms import parse_set, run_config
+from scripts.bench_concurrency_arms import parse_set, run_config, set_keys
 from scripts.procs import descendants, wait_gone
 
 
@@ -47,9 +47,7 @@ def base_config(args: argparse.Namespace, work: Path) -> tuple[dict, dict]:
             if isinstance(value, str) and value:
                 cfg[section][name] = str((path.resolve().parent / value).resolve())
         budget = cfg.get("experts", {}).get("gpu_memory_gb")
-    for key, value in parse_set(args.set).items():
-        section, _, name = key.partition(".")
-        cfg.setdefault(section, {})[name] = value
+    set_keys(cfg, parse_set(args.set))
     model = cfg.get("model", {})
     name = f"synthetic:{args.model}" if args.model else None
     facts = {"model": name or model.get("name") or Path(model.get("path", "")).name,
