@@ -217,8 +217,17 @@ class DraftBudget:
             alt = np.minimum(np.arange(1, UNIFORM + 1)[:, None], offer[None, :])  # [k, S]
             r = ratio(problem, cost, np.vstack([alt, np.array(out)[None, :]]))
             now = r[:-1] / max(r[-1], 1e-12)
+            # ... and what it ran on: each slot's acceptance at its offered positions, the
+            # request weight of each source drafted, the step cost
+            sources = {int(w.draft_sources[0]) for w, n in zip(work, counts, strict=True) if n}
             ready["last"] = {"forecast": [round(v, 3) for v in forecast],
-                             "uniform": [round(float(v), 5) for v in now]}
+                             "uniform": [round(float(v), 5) for v in now],
+                             "accept": [[round(float(a), 3) for a in rate[i, :n]]
+                                        for i, n in enumerate(counts)],
+                             "weights": {str(src): round(self.accept.request_weight(src), 1)
+                                         for src in sorted(sources)},
+                             "cost": [round(cost.fixed_ms, 3), round(cost.row_ms, 4),
+                                      round(cost.expert_ms, 5)]}
             self.uniform = now if self.uniform is None else self.uniform + EMA * (
                 now - self.uniform)
         return ready

@@ -8,7 +8,9 @@ One line per step that ran slots::
     {"step": 17, "cycle_ms": 161.2, "worker_ms": 158.9, "timings": {...}, "passes": 1,
      "rows": 16, "cpu_experts": 4506, "slots": [[kind, rows, drafts, accepted, emitted], ...],
      "budget": {"fresh": true, "offered": [3, 3, 3, 3], "chosen": [3, 3, 2, 3],
-                "forecast": [4480.2, 150.3], "uniform": [0.93, 0.99, 1.0, 0.98]}}
+                "forecast": [4480.2, 150.3], "uniform": [0.93, 0.99, 1.0, 0.98],
+                "accept": [[0.95, 0.9, 0.88], ...], "weights": {"1": 16.0},
+                "cost": [11.3, 0.2, 0.0298]}}
 
 ``cycle_ms`` runs from the step's planning to the end of its commit (the decode TPS's clock,
 docs/observability.md, steady decode); ``worker_ms`` is the worker's round trip (the budget's
@@ -16,7 +18,10 @@ step time); ``timings`` the worker's parts (``StepResult.timings_ms``); ``kind``
 2 decode (``protocol.messages.WorkKind``). ``budget`` (adaptive only): whether the step's
 draft counts were chosen afresh or kept (daemon/draft_adaptive.py), the counts offered
 (trimmed) and chosen, and for a fresh wide choice its forecast (CPU experts, ms) and what
-it predicted of every drafted slot at k = 1..4 drafts, over the chosen counts' tokens per ms.
+it predicted of every drafted slot at k = 1..4 drafts, over the chosen counts' tokens per ms,
+and what it ran on: each slot's acceptance at its offered draft positions (raised by the
+optimism), the request weight of each draft source (daemon/draft_accept.request_weight) and
+the step cost's constants (fixed, row, expert ms).
 The file is line-buffered: each step's line is written as the step ends.
 """
 

@@ -84,6 +84,11 @@ def test_adaptive_run_traces_the_budget_choice(model, tmp_path):
                                                             strict=True))
         if b["fresh"] and "forecast" in b:
             assert len(b["uniform"]) == 4 and b["forecast"][1] > 0
+            # what the choice ran on: the slots' acceptance at their offered positions
+            assert [len(a) for a in b["accept"]] == b["offered"]
+            assert all(0 < a <= 1 for row in b["accept"] for a in row)
+            assert list(b["weights"]) == ["1"] and b["weights"]["1"] >= 4  # mtp's
+            assert len(b["cost"]) == 3 and b["cost"][0] > 0
     assert sum(1 for line in chose if "forecast" in line["budget"]) >= 2
     # the offline fit reads the trace: figures of the four-slot decode steps
     report = tmp_path / "fit.json"
