@@ -9,7 +9,10 @@ buffers on the GPU, stacked and copied as on the launched path), then the daemon
 ``--slots`` slots of ``--rows`` rows each on the synthetic 80B's routed layers (random
 routing of top-k over E experts, ``--cpu`` of them per layer on the CPU), medians of
 ``--reps`` steps, and apart (``between_steps_ms``, a mean) what ``DraftBudget.between_steps``
-does while a step runs (the next fresh choice: off the critical path)::
+does while a step runs (the next fresh choice: off the critical path). The steps that read
+routes are timed apart (``take_read_ms``; with the choice kept most steps read none), with
+the part of it that stacks the layers' route buffers and copies them to the host
+(``take_copy_ms``; the rest is the NumPy sort into per-slot experts)::
 
     python -m scripts.bench_draft_budget --out docs/bench/draft_budget_host_devvm.json
 """
@@ -25,6 +28,7 @@ import numpy as np
 
 from daemon.config import load_config
 from daemon.draft_adaptive import DraftBudget
+from gpu_worker.experts import counters as counters_module
 from gpu_worker.experts.counters import ExpertCounters
 from protocol.messages import DraftSource, SamplingParams, SlotWork, WorkKind
 from scripts.bench_common import command_line, machine
@@ -76,30 +80,44 @@ def main(argv: list[str] | None = None) -> int:
             for s in range(args.slots)]
     budget.reuse = not args.no_reuse
     take, observe, choose, read, between = [], [], [], [], []
+    copies: list[float] = []  # per step: the stacking and host copies of take_slot_experts
+    stacked = counters_module._stacked
+
+    def timed_stack(arrays: list) -> np.ndarray:
+        t = time.perf_counter()
+        out = stacked(arrays)
+        copies[-1] += time.perf_counter() - t
+        return out
+
+    counters_module._stacked = timed_stack
     asked = True  # the plan's StepPlan.slot_routing (the budget's wants_routes)
     seen: dict = {}
-    for step in range(args.reps + 2):  # two steps of history first
-        _route(counters, rng, args, xp)
-        if args.device:  # the forward's work done, as when the worker takes them
-            xp.cuda.Device().synchronize()
-        t0 = time.perf_counter()
-        routes = counters.take_slot_experts(asked)
-        read.append(asked)
-        seen = routes or seen  # the last routes read
-        t1 = time.perf_counter()
-        for s, (ids, rows) in routes.items():
-            budget.routing.observe(f"r{s}", args.rows, ids.astype(np.int64), rows, universe,
-                                   step - 1 if budget.reuse else None)
-        budget._steps = step  # the steps observed (DraftBudget.observe counts them)
-        t2 = time.perf_counter()
-        counts = budget.choose(work, [args.drafts] * args.slots, True)
-        asked = budget.wants_routes()
-        t3 = time.perf_counter()
-        budget.between_steps()  # while the step runs: off its critical path
-        between.append(time.perf_counter() - t3)
-        take.append(t1 - t0)
-        observe.append(t2 - t1)
-        choose.append(t3 - t2)
+    try:
+        for step in range(args.reps + 2):  # two steps of history first
+            _route(counters, rng, args, xp)
+            if args.device:  # the forward's work done, as when the worker takes them
+                xp.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            copies.append(0.0)
+            routes = counters.take_slot_experts(asked)
+            read.append(asked)
+            seen = routes or seen  # the last routes read
+            t1 = time.perf_counter()
+            for s, (ids, rows) in routes.items():
+                budget.routing.observe(f"r{s}", args.rows, ids.astype(np.int64), rows, universe,
+                                       step - 1 if budget.reuse else None)
+            budget._steps = step  # the steps observed (DraftBudget.observe counts them)
+            t2 = time.perf_counter()
+            counts = budget.choose(work, [args.drafts] * args.slots, True)
+            asked = budget.wants_routes()
+            t3 = time.perf_counter()
+            budget.between_steps()  # while the step runs: off its critical path
+            between.append(time.perf_counter() - t3)
+            take.append(t1 - t0)
+            observe.append(t2 - t1)
+            choose.append(t3 - t2)
+    finally:  # (the module's own again, whatever happened)
+        counters_module._stacked = stacked
     record = {
         "machine": machine(), "command": command_line(), "args": vars(args) | {"out": None},
         "take_slot_experts_ms": round(float(np.median(take[2:])) * 1e3, 3),
@@ -113,15 +131,25 @@ def main(argv: list[str] | None = None) -> int:
         # fresh choice made there), not part of per_step_ms
         "between_steps_ms": round(float(np.mean(between[2:])) * 1e3, 3),
         "routes_read": f"{sum(read[2:])} of {len(read) - 2} steps",
+        # the steps that read routes (the medians above are mostly the others'): the whole
+        # take_slot_experts, and its part stacking the layers and copying them to the host
+        "take_read_ms": _median_ms(take, read),
+        "take_copy_ms": _median_ms(copies, read),
         "experts_per_slot": {int(s): len(v[0]) for s, v in seen.items()},
         "chosen": counts,
     }
     print(json.dumps({k: record[k] for k in ("take_slot_experts_ms", "observe_ms", "choose_ms",
                                               "per_step_ms", "between_steps_ms",
-                                              "chosen")}))
+                                              "take_read_ms", "take_copy_ms", "chosen")}))
     if args.out:
         args.out.write_text(json.dumps(record, indent=1) + "\n")
     return 0
+
+
+def _median_ms(seconds: list[float], read: list[bool]) -> float | None:
+    """The median in ms of ``seconds`` over the steps (past the first two) that read routes."""
+    picked = [t for t, r in zip(seconds[2:], read[2:], strict=True) if r]
+    return round(float(np.median(picked)) * 1e3, 3) if picked else None
 
 
 if __name__ == "__main__":
