@@ -23,6 +23,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 
@@ -89,10 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         copies[-1] += time.perf_counter() - t
         return out
 
-    counters_module._stacked = timed_stack
     asked = True  # the plan's StepPlan.slot_routing (the budget's wants_routes)
     seen: dict = {}
-    try:
+    with mock.patch.object(counters_module, "_stacked", timed_stack):
         for step in range(args.reps + 2):  # two steps of history first
             _route(counters, rng, args, xp)
             if args.device:  # the forward's work done, as when the worker takes them
@@ -116,8 +116,6 @@ def main(argv: list[str] | None = None) -> int:
             take.append(t1 - t0)
             observe.append(t2 - t1)
             choose.append(t3 - t2)
-    finally:  # (the module's own again, whatever happened)
-        counters_module._stacked = stacked
     record = {
         "machine": machine(), "command": command_line(), "args": vars(args) | {"out": None},
         "take_slot_experts_ms": round(float(np.median(take[2:])) * 1e3, 3),

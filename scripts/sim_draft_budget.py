@@ -292,7 +292,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps <= max(WARM_UP, (SLOTS - 1) * args.ramp):
         p.error(f"--steps must be > {WARM_UP} and > {SLOTS - 1} x --ramp")
-    if args.capacity and args.capacity < SLOTS or args.capacity < 0:
+    if args.capacity < 0 or 0 < args.capacity < SLOTS:
         p.error(f"--capacity must be 0 (no limit) or at least {SLOTS} rows")
     if args.ramp < 0 or len(args.slot_cost) != SLOTS or min(args.slot_cost) <= 0:
         p.error(f"--ramp must be >= 0 and --slot-cost {SLOTS} numbers > 0")
@@ -306,14 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     runs = [simulate(policy, args, int(seed)) for policy in args.policies.split(",")
             for seed in args.seeds.split(",")]
-    by_policy: dict[str, list[float]] = {}
-    by_expected: dict[str, list[float]] = {}
     for r in runs:
-        by_policy.setdefault(r["policy"], []).append(r["tokens_per_ms"])
-        by_expected.setdefault(r["policy"], []).append(r["expected_tokens_per_ms"])
         print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in r.items()}))
-    means = {k: float(np.mean(v)) for k, v in by_policy.items()}
-    expected = {k: float(np.mean(v)) for k, v in by_expected.items()}
+    means, expected = (_by_policy(runs, "tokens_per_ms"),
+                       _by_policy(runs, "expected_tokens_per_ms"))
     print(json.dumps({"mean_tokens_per_ms": {k: round(v, 5) for k, v in means.items()},
                       "mean_expected_tokens_per_ms": {k: round(v, 5)
                                                       for k, v in expected.items()}}))
@@ -324,6 +320,14 @@ def main(argv: list[str] | None = None) -> int:
                                         "mean_expected_tokens_per_ms": expected,
                                         "runs": runs}, indent=1) + "\n")
     return 0
+
+
+def _by_policy(runs: list[dict], field: str) -> dict[str, float]:
+    """Each policy's mean of ``field`` over its runs (seeds)."""
+    values: dict[str, list[float]] = {}
+    for r in runs:
+        values.setdefault(r["policy"], []).append(r[field])
+    return {k: float(np.mean(v)) for k, v in values.items()}
 
 
 if __name__ == "__main__":
