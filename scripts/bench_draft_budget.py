@@ -3,7 +3,7 @@
 Between one step's result and the next step's plan, the adaptive budget (``draft_budget =
 "adaptive"``) runs on the critical path: the worker's ``ExpertCounters.take_slot_experts``
 (each decode slot's distinct CPU experts; NumPy part, or with ``--device`` the route
-buffers on the GPU, stacked and copied as on the launched path), then the daemon's
+buffers on the GPU, packed and copied as on the launched path), then the daemon's
 ``RoutingStats.observe`` of each slot's experts (``observe_ms``, all slots) and
 ``DraftBudget.choose`` (routing patterns and the choice of lengths). This times them for
 ``--slots`` slots of ``--rows`` rows each on the synthetic 80B's routed layers (random
@@ -11,8 +11,9 @@ routing of top-k over E experts, ``--cpu`` of them per layer on the CPU), median
 ``--reps`` steps, and apart (``between_steps_ms``, a mean) what ``DraftBudget.between_steps``
 does while a step runs (the next fresh choice: off the critical path). The steps that read
 routes are timed apart (``take_read_ms``; with the choice kept most steps read none), with
-the part of it that stacks the layers' route buffers and copies them to the host
-(``take_copy_ms``; the rest is the NumPy sort into per-slot experts)::
+the part of it that packs the layers' route buffers and copies them to the host
+(``take_copy_ms``, gpu_worker/kernels/route_pack.py; the rest is the NumPy sort into
+per-slot experts)::
 
     python -m scripts.bench_draft_budget --out docs/bench/draft_budget_host_devvm.json
 """
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="choose afresh every step, from every step's routes (DraftBudget.reuse)")
     p.add_argument("--device", action="store_true",
                    help="route buffers on the GPU (CuPy), as the launched path keeps them: "
-                   "take_slot_experts then includes their stacking and copies to the host")
+                   "take_slot_experts then includes their packing and copy to the host")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     xp = np
@@ -81,18 +82,18 @@ def main(argv: list[str] | None = None) -> int:
             for s in range(args.slots)]
     budget.reuse = not args.no_reuse
     take, observe, choose, read, between = [], [], [], [], []
-    copies: list[float] = []  # per step: the stacking and host copies of take_slot_experts
-    stacked = counters_module._stacked
+    copies: list[float] = []  # per step: the packing and host copies of take_slot_experts
+    packed_runs = counters_module._packed_runs
 
-    def timed_stack(arrays: list) -> np.ndarray:
+    def timed_pack(routes: list) -> list:
         t = time.perf_counter()
-        out = stacked(arrays)
+        out = packed_runs(routes)
         copies[-1] += time.perf_counter() - t
         return out
 
     asked = True  # the plan's StepPlan.slot_routing (the budget's wants_routes)
     seen: dict = {}
-    with mock.patch.object(counters_module, "_stacked", timed_stack):
+    with mock.patch.object(counters_module, "_packed_runs", timed_pack):
         for step in range(args.reps + 2):  # two steps of history first
             _route(counters, rng, args, xp)
             if args.device:  # the forward's work done, as when the worker takes them
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         "between_steps_ms": round(float(np.mean(between[2:])) * 1e3, 3),
         "routes_read": f"{sum(read[2:])} of {len(read) - 2} steps",
         # the steps that read routes (the medians above are mostly the others'): the whole
-        # take_slot_experts, and its part stacking the layers and copying them to the host
+        # take_slot_experts, and its part packing the layers and copying them to the host
         "take_read_ms": _median_ms(take, read),
         "take_copy_ms": _median_ms(copies, read),
         "experts_per_slot": {int(s): len(v[0]) for s, v in seen.items()},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpu_worker.backend import to_numpy
+from gpu_worker.kernels.route_pack import pack_routes, pack_routes_reference
 
 
 class ExpertCounters:
@@ -19,6 +19,8 @@ class ExpertCounters:
         # a row not tracked), and per layer (id base, ids [R, k], cpu [R, k], row -> slot)
         self._row_slot: np.ndarray | None = None
         self._routes: list[tuple[int, object, object, np.ndarray]] = []
+        # runs packed before a later replay rewrote their buffers (row -> slot, gids [L,R,k])
+        self._packed: list[tuple[np.ndarray, np.ndarray]] = []
 
     def _reset(self) -> None:
         self.moe_layers = self.gpu_experts = self.cpu_experts = 0
@@ -69,49 +71,42 @@ class ExpertCounters:
 
     def replay_routes(self, captured: list[tuple[int, object, object]]) -> None:
         """Before a replay of a graph whose capture gave ``captured``: the routes still
-        pending are copied to the host first (an earlier replay of the same graph in this
+        pending are packed on the host first (an earlier replay of the same graph in this
         step would be overwritten), then the graph's are pending with the coming pass's
         rows (:meth:`track_rows`)."""
         if self._row_slot is None:
             return
-        self._routes = [(base, _host_copy(ids), _host_copy(cpu), rs)
-                        for base, ids, cpu, rs in self._routes]
-        self._routes += [(base, ids, cpu, self._row_slot) for base, ids, cpu in captured
-                         if len(self._row_slot) == ids.shape[0]]
+        self._packed += _packed_runs(self._routes)
+        self._routes = [(base, ids, cpu, self._row_slot) for base, ids, cpu in captured
+                        if len(self._row_slot) == ids.shape[0]]
 
     def take_slot_experts(self, keep: bool = True) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Per tracked slot since the last call: its distinct CPU experts (int32 [K], layer *
-        experts per layer + expert) and how many of its rows picked each (uint16 [K]). A row
-        picks an expert at most once per layer, so a count is a number of rows. The layers
-        of a pass are stacked where they live and copied to the host at once (two copies a
-        pass, not two a layer: this runs between a step's forward and its result).
-        ``keep=False``: the routes are dropped unread (a step whose plan did not ask: no
-        copy, no host work; the forward still records them, so that a CUDA graph captured
-        on such a step has its routes for the steps that ask)."""
-        routes, self._routes, self._row_slot = self._routes, [], None
+        experts per layer + expert, ascending) and how many of its rows picked each (uint16
+        [K]). A row picks an expert at most once per layer, so a count is a number of rows.
+        The layers of a pass are packed where they live and copied to the host at once (one
+        launch and one copy a pass, not two copies a layer: gpu_worker/kernels/route_pack.py;
+        this runs between a step's forward and its result). ``keep=False``: the routes are
+        dropped unread (a step whose plan did not ask: no copy, no host work; the forward
+        still records them, so that a CUDA graph captured on such a step has its routes for
+        the steps that ask)."""
+        routes, packed = self._routes, self._packed
+        self._routes, self._packed, self._row_slot = [], [], None
         if not keep:
             return {}
-        slots, gids = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-        i = 0
-        while i < len(routes):
-            j = i + 1  # routes[i:j]: one pass's layers (the same rows, shapes and arrays)
-            while j < len(routes) and _same_pass(routes[i], routes[j]):
-                j += 1
-            run, row_slot = routes[i:j], routes[i][3]
-            ids, cpu = _stacked([r[1] for r in run]), _stacked([r[2] for r in run])  # [L,R,k]
-            base = np.array([r[0] for r in run], np.int64)
-            mask = cpu & (row_slot >= 0)[None, :, None]
-            gids.append((base[:, None, None] + ids.astype(np.int64))[mask])
-            slots.append(np.broadcast_to(row_slot[None, :, None], ids.shape)[mask])
-            i = j
-        slot, gid = np.concatenate(slots).astype(np.int64), np.concatenate(gids)
-        keys, rows = np.unique((slot << 32) | gid, return_counts=True)  # by slot, then id
-        owner = keys >> 32
-        cuts = np.flatnonzero(np.diff(owner)) + 1
-        return {int(owner[a]): ((keys[a:b] & 0xFFFFFFFF).astype(np.int32),
-                                rows[a:b].astype(np.uint16))
-                for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(keys)], strict=True)
-                if b > a}
+        per_slot: dict[int, list[np.ndarray]] = {}
+        for row_slot, gids in packed + _packed_runs(routes):  # gids [L, R, k]
+            edges = (np.flatnonzero(row_slot[1:] != row_slot[:-1]) + 1).tolist()
+            for a, b in zip([0, *edges], [*edges, len(row_slot)], strict=True):  # one slot's
+                if row_slot[a] >= 0:
+                    per_slot.setdefault(int(row_slot[a]), []).append(gids[:, a:b].ravel())
+        out = {}
+        for slot, parts in per_slot.items():
+            ids = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            ids = ids[ids >= 0]
+            if ids.size:
+                out[slot] = _distinct_counts(ids)
+        return out
 
     def take(self) -> dict[str, float]:
         """The counters since the last call, then zero."""
@@ -123,21 +118,39 @@ class ExpertCounters:
         return stats
 
 
+def _distinct_counts(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct values of ``ids`` (1-D, a copy the caller gives away), ascending, and
+    how often each occurs (uint16): ``np.unique(..., return_counts=True)`` with less
+    overhead."""
+    ids.sort()
+    new = np.empty(ids.size, bool)
+    new[0] = True
+    np.not_equal(ids[1:], ids[:-1], out=new[1:])
+    first = np.flatnonzero(new)
+    counts = np.empty(first.size, np.uint16)
+    counts[:-1] = first[1:] - first[:-1]
+    counts[-1] = ids.size - first[-1]
+    return ids[first], counts
+
+
 def _same_pass(a: tuple, b: tuple) -> bool:
-    """Whether two layers' routes stack: the same row map, shapes and kind of array."""
+    """Whether two layers' routes pack together: the same row map, shapes, dtypes and kind
+    of array."""
     return (a[3] is b[3] and a[1].shape == b[1].shape and type(a[1]) is type(b[1])
-            and type(a[2]) is type(b[2]))
+            and a[1].dtype == b[1].dtype and type(a[2]) is type(b[2]))
 
 
-def _stacked(arrays: list) -> np.ndarray:
-    """``arrays`` (all NumPy, or all of one device module) stacked, on the host."""
-    if isinstance(arrays[0], np.ndarray):
-        return np.stack(arrays)
-    import cupy  # noqa: PLC0415 (a device array: cupy is imported already)
-
-    return to_numpy(cupy.stack(arrays))
-
-
-def _host_copy(array) -> np.ndarray:
-    """A host array that nothing on the device (or the NumPy backend) writes again."""
-    return array.copy() if isinstance(array, np.ndarray) else to_numpy(array)
+def _packed_runs(routes: list[tuple]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``routes`` (per layer: id base, ids, cpu, row -> slot) as runs of one pass's layers:
+    (row -> slot [R], int32 [L, R, k] ``base + id`` on the CPU, else -1), on the host."""
+    runs, i = [], 0
+    while i < len(routes):
+        j = i + 1  # routes[i:j]: one pass's layers (the same rows, shapes and arrays)
+        while j < len(routes) and _same_pass(routes[i], routes[j]):
+            j += 1
+        run = routes[i:j]
+        bases, ids, cpu = [r[0] for r in run], [r[1] for r in run], [r[2] for r in run]
+        pack = pack_routes_reference if isinstance(ids[0], np.ndarray) else pack_routes
+        runs.append((run[0][3], pack(bases, ids, cpu)))
+        i = j
+    return runs

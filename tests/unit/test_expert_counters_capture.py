@@ -5,6 +5,7 @@ must not overwrite the first's. NumPy arrays stand in for the device buffers (re
 place, as a replay does)."""
 
 import numpy as np
+import pytest
 
 from gpu_worker.experts.counters import ExpertCounters
 
@@ -76,3 +77,62 @@ def test_untracked_passes_add_nothing() -> None:
     c.track_rows(None)
     c.replay_routes(captured)
     assert c.take_slot_experts() == {}
+
+
+# ---- every layout against the slow formula ---------------------------------------------------
+def _slow(passes) -> dict[int, dict[int, int]]:
+    """Per slot {layer * E + expert: rows}, by loops: ``passes`` [(row_slot, [(ids, cpu)])]."""
+    want: dict[int, dict[int, int]] = {}
+    for row_slot, layers in passes:
+        for layer, (ids, cpu) in enumerate(layers):
+            for r, s in enumerate(row_slot.tolist()):
+                for e, on in zip(ids[r].tolist(), cpu[r].tolist(), strict=True):
+                    if s >= 0 and on:
+                        slot = want.setdefault(s, {})
+                        slot[layer * E + e] = slot.get(layer * E + e, 0) + 1
+    return want
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_every_layout_gives_the_slow_formulas_counts(dtype) -> None:
+    """Slots in several runs of a pass (a slot's rows split by another's), prompt and padding
+    rows (-1), a slot whose picks are all on the GPU, several passes in one step, part of
+    them replays packed before the next replay: each slot's experts and rows as counted by
+    loops, ascending, int32 and uint16."""
+    rng = np.random.default_rng(7)
+    layouts = [np.array([0, 0, 0, 0], np.int64),
+               np.array([2, 2, -1, -1, 1, 1, 1, 2, 5, 5, -1], np.int64),
+               np.array([3, 3, 0, 0], np.int64),  # replays the first pass's graph
+               np.array([-1, -1, 4], np.int64)]
+    passes = []
+    for row_slot in layouts:
+        layers = [(rng.integers(0, E, (len(row_slot), 3)).astype(dtype),
+                   rng.random((len(row_slot), 3)) < 0.5) for _ in range(4)]
+        layers = [(ids, cpu & (row_slot != 5)[:, None]) for ids, cpu in layers]  # 5: GPU only
+        passes.append((row_slot, layers))
+    want = _slow(passes)
+    assert 5 not in want and {0, 1, 2, 3, 4} <= set(want)
+    for graphed in range(len(passes) + 1):  # the first `graphed` passes replay one graph
+        c = ExpertCounters(1.0)
+        bufs = [(np.zeros_like(ids), np.zeros_like(cpu)) for ids, cpu in passes[0][1]]
+        c.track_rows(passes[0][0])
+        start = c.begin_capture()
+        for layer, (ids, cpu) in enumerate(bufs):
+            c.add_routes(layer, E, ids, cpu)
+        captured = c.end_capture(start)
+        for i, (row_slot, layers) in enumerate(passes):
+            c.track_rows(row_slot)
+            if i < graphed and len(row_slot) == len(passes[0][0]):
+                c.replay_routes(captured)
+                for (ids, cpu), (new_ids, new_cpu) in zip(bufs, layers, strict=True):
+                    ids[...], cpu[...] = new_ids, new_cpu
+            else:
+                for layer, (ids, cpu) in enumerate(layers):
+                    c.add_routes(layer, E, ids.copy(), cpu.copy())
+        got = c.take_slot_experts()
+        assert set(got) == set(want), graphed
+        for s, (ids, rows) in got.items():
+            assert ids.dtype == np.int32 and rows.dtype == np.uint16
+            assert (np.diff(ids) > 0).all()
+            assert dict(zip(ids.tolist(), rows.tolist(), strict=True)) == want[s], (graphed, s)
+        assert c.take_slot_experts() == {}
