@@ -55,20 +55,23 @@ def essay_warm(budget: str, seconds: int) -> Check:
                  "exit $rc", seconds + 45)
 
 
-def essays_ab(name: str, arms: str, pairs: int = 4, seconds: int = 540) -> Check:
-    """Essays at 32 GiB, ``arms``, up to ``pairs`` pairs (resumable on a warm machine), the
-    carried replay file; runs and step traces in $OUT/<name>.tar.gz (any card)."""
+def workload_ab(name: str, arms: str, pairs: int = 4, seconds: int = 540,
+                workload: str = "essay") -> Check:
+    """``workload`` (essay: 128 tokens; coding: 3 turns of 64) at 32 GiB, ``arms``, up to
+    ``pairs`` pairs (resumable on a warm machine), the carried replay file where there is one
+    (else the first run records it: an off run); runs and step traces in $OUT/<name>.tar.gz
+    (any card)."""
     work = f"/tmp/tbc-{name}"
     return Check(name, f"mount -o remount,size=110G /dev/shm; mkdir -p {work}/out "
-                 f"{work}/work; cp .matrix/32/work/replay_essay.json {work}/work/; "
-                 f"timeout -k 15 {seconds} {PY} scripts.bench_concurrency --model "
+                 f"{work}/work; cp .matrix/32/work/replay_{workload}.json {work}/work/ "
+                 f"2>/dev/null; timeout -k 15 {seconds} {PY} scripts.bench_concurrency --model "
                  f"qwen3-next-80b-a3b --gpu-budget 32 --proposer replay --replay-source mtp "
                  f"{SHARDS}--set scheduler.prefix_cache_host_mb=8192 --arms {arms} "
-                 f"--pairs {pairs} --resume --workloads essay "
-                 f"--essay-tokens 128 --time-budget {seconds - 20} --out-dir {work}/out "
-                 f"--work-dir {work}/work; rc=$?; tar czf $OUT/{name}.tar.gz -C {work} "
-                 "--exclude='model-*' --exclude='*.records.jsonl' out work; exit $rc",
-                 seconds + 45)
+                 f"--pairs {pairs} --resume --workloads {workload} --essay-tokens 128 "
+                 f"--coding-turns 3 --coding-tokens 64 --time-budget {seconds - 20} "
+                 f"--out-dir {work}/out --work-dir {work}/work; rc=$?; tar czf "
+                 f"$OUT/{name}.tar.gz -C {work} --exclude='model-*' "
+                 "--exclude='*.records.jsonl' out work; exit $rc", seconds + 45)
 
 
 # the matrix's runs resume across calls and machines, so another card's runs would pass for
@@ -317,9 +320,11 @@ PLANS: dict[str, list[Check]] = {
                          "--out $OUT/draft_budget_host_device.json", 60)],
     # the essays' question first (one call): adaptive beside the fixed lengths 1 and 2
     "matrix_32_essay": [matrix("32", "off,adaptive,wide@2,wide@1", "matrix_32_essay", "essay")],
-    "pin_ab": [essays_ab("pin_ab", "adaptive,adaptive+nopin,wide@3,wide@3+nopin", 2)],
+    "pin_ab": [workload_ab("pin_ab", "adaptive,adaptive+nopin,wide@3,wide@3+nopin", 2)],
     # the budget against the best fixed length of four streams (16 rows: 3 drafts a slot)
-    "budget_ab": [essays_ab("budget_ab", "adaptive,wide@3", 6)],
+    "budget_ab": [workload_ab("budget_ab", "adaptive,wide@3", 6)],
+    # the same on the coding loops (their replay file recorded by the first call's off run)
+    "coding_ab": [workload_ab("coding_ab", "adaptive,wide@3,wide@2", 3, workload="coding")],
     # the coding arms in calls after another (its off runs record the coding replay file)
     "matrix_32_coding": [matrix("32", "off,narrow,wide,adaptive,wide@2,wide@1",
                                 "matrix_32_coding", "coding")],
