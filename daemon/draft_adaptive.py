@@ -46,6 +46,7 @@ from daemon.draft_budget import (
     expected_union,
     fresh_rows,
     ratio,
+    run_rows,
 )
 from daemon.draft_cost import CostFit
 from daemon.draft_stats import EMA, RoutingStats
@@ -82,6 +83,9 @@ class DraftBudget:
         self.fit_costs = True  # False: the config's constants only (tests)
         self.reuse = True  # False: choose afresh every step, from every step's routes
         self.optimism = OPTIMISM  # the choice's (daemon/draft_accept.py); 0: the means (tests)
+        # rows the worker pads a decode-only pass up to (READY's ModelInfo.padded_passes:
+        # protocol.worker_config.GRAPH_BUCKETS; () unpadded): the step cost's rows
+        self.pad_to: tuple[int, ...] = ()
         self._short: dict[str, int] = {}  # request -> steps running its drafts were cut
         self.chosen = np.zeros(MAX_POSITIONS + 1, np.int64)  # drafted slots by drafts chosen
         self._slots: int | None = None  # the last step's, chosen for
@@ -200,7 +204,8 @@ class DraftBudget:
         problem = BudgetProblem(
             base_rows=np.array([w.num_tokens for w in work]), max_drafts=np.array(counts),
             accept=rate, base_value=np.array(decode, dtype=np.float64),
-            log_miss=log_miss, weight=weight, wide=wide, locality=self.routing.locality)
+            log_miss=log_miss, weight=weight, wide=wide, locality=self.routing.locality,
+            pad_to=self.pad_to if all(decode) else ())  # a prompt chunk's pass: unpadded
         self._slots = len(work)
         cost = self.cost
         out = choose(problem, cost)
@@ -212,7 +217,8 @@ class DraftBudget:
             rows = problem.base_rows + np.array(out)
             union = float(expected_union(fresh_rows(rows[None, :], problem.locality),
                                          log_miss, weight)[0])
-            forecast = ready["forecast"] = (union, cost.pass_ms(float(rows.sum()), union))
+            run = float(run_rows(rows.sum(), problem.pad_to))
+            forecast = ready["forecast"] = (union, cost.pass_ms(run, union))
             offer = np.array(counts)
             alt = np.minimum(np.arange(1, UNIFORM + 1)[:, None], offer[None, :])  # [k, S]
             r = ratio(problem, cost, np.vstack([alt, np.array(out)[None, :]]))
@@ -300,7 +306,8 @@ class DraftBudget:
             if forecast is not None and c.get("cpu_experts", 0) > 0 and ms > 0:
                 self.errors += EMA * (np.array([forecast[0] / c["cpu_experts"],
                                                 forecast[1] / ms]) - 1.0 - self.errors)
-            self.costs.observe(int(c.get("passes", 1)), plan.num_rows,
+            self.costs.observe(int(c.get("passes", 1)),  # the rows run, padding too
+                               plan.num_rows + int(c.get("padding_rows", 0)),
                                int(c.get("cpu_experts", 0)), ms,
                                float(result.timings_ms.get("cpu_experts", 0.0)),
                                len(plan.slots))

@@ -71,6 +71,9 @@ class BudgetProblem:
     log_miss: np.ndarray  # [P, S] float: log(1 - pi) of a row of slot s, per pattern
     weight: np.ndarray  # [P] float: CPU experts sharing each pattern
     wide: bool = True  # one pass; False (narrow): one per drafted slot, one for the rest
+    # the worker pads each pass up to the next of these rows (ModelInfo.padded_passes: its
+    # CUDA graphs' capacity buckets): a pass costs the rows it runs, not its own; () none
+    pad_to: tuple[int, ...] = ()
     locality: float = 0.0  # a slot's row keeps this share of its previous row's experts
 
     def __post_init__(self) -> None:
@@ -104,6 +107,17 @@ def fresh_rows(rows: np.ndarray, locality: float) -> np.ndarray:
     return np.where(rows > 0, 1.0 + (rows - 1) * (1.0 - locality), 0.0)
 
 
+def run_rows(rows: np.ndarray, pad_to: tuple[int, ...]) -> np.ndarray:
+    """The rows passes of ``rows`` rows run: padded up to the next of ``pad_to`` (rows past
+    the largest, and none, as they are)."""
+    if not pad_to:
+        return rows
+    buckets = np.asarray(pad_to)
+    at = np.searchsorted(buckets, rows)  # the first bucket >= rows
+    return np.where((rows > 0) & (at < len(buckets)),
+                    buckets[np.minimum(at, len(buckets) - 1)], rows)
+
+
 def ratio(problem: BudgetProblem, cost: StepCost, drafts: np.ndarray) -> np.ndarray:
     """Expected tokens per ms of the step for each candidate ``drafts`` [C, S]: [C]."""
     p = problem
@@ -112,14 +126,15 @@ def ratio(problem: BudgetProblem, cost: StepCost, drafts: np.ndarray) -> np.ndar
     rows = p.base_rows[None, :] + drafts  # [C, S]
     fresh = fresh_rows(rows, p.locality)
     if p.wide:
-        ms = (cost.fixed_ms + cost.row_ms * rows.sum(axis=1)
+        ms = (cost.fixed_ms + cost.row_ms * run_rows(rows.sum(axis=1), p.pad_to)
               + cost.expert_ms * expected_union(fresh, p.log_miss, p.weight))
     else:  # a slot verifying k > 0 drafts runs its own pass; the others share one
         drafted = drafts > 0  # [C, S]
         plain = np.where(drafted, 0.0, fresh)  # [C, S]
         alone = (1.0 - np.exp(fresh[:, :, None] * p.log_miss.T[None])) @ p.weight  # [C, S]
         ms = (cost.fixed_ms * ((plain.sum(axis=1) > 0) + drafted.sum(axis=1))
-              + cost.row_ms * rows.sum(axis=1)
+              + cost.row_ms * (run_rows(np.where(drafted, 0, rows).sum(axis=1), p.pad_to)
+                               + (run_rows(rows, p.pad_to) * drafted).sum(axis=1))
               + cost.expert_ms * (expected_union(plain, p.log_miss, p.weight)
                                   + (alone * drafted).sum(axis=1)))
     return value / np.maximum(ms, 1e-9)

@@ -36,7 +36,11 @@ from daemon.draft_adaptive import DraftBudget
 from daemon.proposers.global_suffix import GlobalSuffixIndex
 from daemon.proposers.replay import ReplayProposer
 from protocol.messages import DraftSource, SlotWork, StepPlan, StepResult, WorkKind
-from protocol.worker_config import MAX_WIDE_SLOTS, WIDE_CAPACITIES  # the worker's too
+from protocol.worker_config import (  # the worker's too
+    GRAPH_BUCKETS,
+    MAX_WIDE_SLOTS,
+    WIDE_CAPACITIES,
+)
 
 if TYPE_CHECKING:
     from daemon.config import SpeculationSection
@@ -144,6 +148,13 @@ class DraftPlanner:
                  max_drafts_per_step=spec.max_drafts_per_step if spec else None,
                  global_index_tokens=self.index.max_tokens if self.index else 0,
                  draft_budget=spec.draft_budget if spec else None)
+
+    def worker_pads(self, padded: bool) -> None:
+        """READY's ``ModelInfo.padded_passes``: whether the worker runs a decode-only pass
+        padded up to its graph bucket (protocol.worker_config.GRAPH_BUCKETS), which the
+        adaptive budget's step cost then counts (a pass costs the rows it runs)."""
+        if self.budget is not None:
+            self.budget.pad_to = GRAPH_BUCKETS if padded else ()
 
     # ---- proposals -----------------------------------------------------------------------
     def propose(self, seq: Sequence, max_context: int) -> list[int]:

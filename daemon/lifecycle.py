@@ -144,12 +144,14 @@ class Daemon:
 
     def adopt(self, info: ModelInfo) -> None:
         """What the worker reported at READY: EOS ids (unless the tokenizer has its own),
-        the prefix cache's share of the KV pool, vocabulary and sampling defaults, and whether
-        the model routes by SlotWork.route_key (a synthetic model: prefixes shared per key)."""
+        the prefix cache's share of the KV pool, vocabulary and sampling defaults, whether
+        the model routes by SlotWork.route_key (a synthetic model: prefixes shared per key)
+        and whether the worker pads its passes (the adaptive draft budget's step cost)."""
         if self.tokenizer is None:
             self.scheduler.eos_ids = frozenset(info.eos_token_ids)
         self.scheduler.vocab_size = info.vocab_size
         self.scheduler.route_keyed = info.synthetic_routing
+        self.scheduler.draft_plan.worker_pads(info.padded_passes)
         kv = info.kv
         sched, old = self.config.scheduler, self.scheduler.prefix
         self.scheduler.prefix = (PrefixCache(kv.prefix_blocks, kv.block_size,

@@ -27,8 +27,8 @@ from __future__ import annotations
 import numpy as np
 
 from gpu_worker.model.batch import RaggedBatch, Segment
+from protocol.worker_config import GRAPH_BUCKETS  # rows of a padded pass (the daemon's too)
 
-GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16)  # rows of a padded pass: the speculation capacities
 # padding rows a pass can get: the largest gap between two buckets, less one
 MAX_PAD = max(b - a for a, b in zip(GRAPH_BUCKETS, GRAPH_BUCKETS[1:], strict=False)) - 1
 

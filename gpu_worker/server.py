@@ -141,7 +141,8 @@ def build_runner(cfg: WorkerConfig) -> tuple[Runner, object, ModelInfo]:
                      vocab_size=mc.vocab_size, max_slots=cfg.max_slots,
                      max_context=cfg.max_context, eos_token_ids=list(gen["eos_token_ids"]),
                      generation_defaults=defaults, kv=layout,
-                     synthetic_routing=model.routing is not None)
+                     synthetic_routing=model.routing is not None,
+                     padded_passes=runner.graphs is not None and runner.graphs.scratch is not None)
     return runner, pool, info
 
 

@@ -144,7 +144,8 @@ class StepGraphs:
         self.totals = {"graph_captures": 0, "graph_replays": 0, "graph_refused": 0,
                        "graph_first_runs": 0, "graph_capture_ms": 0.0,
                        "mtp_graph_captures": 0, "mtp_graph_replays": 0,
-                       "mtp_graph_refused": 0, "mtp_graph_first_runs": 0}
+                       "mtp_graph_refused": 0, "mtp_graph_first_runs": 0,
+                       "padding_rows": 0}  # rows padded passes ran past their own
         self._taken = dict(self.totals)
         self.table = GraphTable(self.totals, "graph_", max_graphs)
         self.graphs, self.refused = self.table.graphs, self.table.refused
@@ -196,6 +197,7 @@ class StepGraphs:
         host.update(sampling_inputs(work, len(rows), first))
         if padded:
             host["live"] = live
+            self.totals["padding_rows"] += int((~live).sum())  # this pass runs them
             graph_buckets.pad_drafts(host, batch.num_rows)
             if self.experts is not None:  # the padding rows: no slot's
                 self.experts.track_padding(batch.num_rows)

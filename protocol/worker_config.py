@@ -25,6 +25,9 @@ SPECULATION_MODES = ("off", "narrow", "wide")  # how drafted slots are verified
 # what Runner.warm_graphs captures before READY: the decode layouts, or the verify ones too
 GRAPH_WARM_UPS = ("decode", "all")
 WIDE_CAPACITIES = (8, 12, 16)  # decode rows of a wide verify pass (daemon/draft_plan.py)
+# rows a decode or verify pass is padded up to where the worker pads (ModelInfo.padded_passes;
+# gpu_worker/graph_buckets.py): the speculation capacities and the few-slot decode sizes
+GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16)
 MAX_WIDE_SLOTS = 4  # drafted slots in one wide pass
 HEARTBEAT_S = 1.0
 GIB = 2**30  # gpu_memory_gb counts GiB, the unit CUDA and nvidia-smi report devices in

@@ -225,6 +225,10 @@ class ModelInfo:
     # a synthetic model: experts are picked by SlotWork.route_key (docs/synthetic.md), so a
     # prefix's states depend on the key and the daemon shares them only within one key
     synthetic_routing: bool = False
+    # decode and verify passes run padded up to the next of protocol.worker_config's
+    # GRAPH_BUCKETS rows (CUDA graphs in capacity buckets, gpu_worker/graph_buckets.py): a
+    # pass of 13 rows costs the GPU what one of 16 does (the adaptive draft budget's cost)
+    padded_passes: bool = False
 
 
 @dataclass(slots=True, kw_only=True)

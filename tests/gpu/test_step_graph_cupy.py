@@ -251,8 +251,8 @@ def test_verify_layouts_are_captured_before_serving(bf16_model):
 
 def _split_passes(model, graphs: bool, splits, buckets: bool = True) -> tuple[list, list]:
     """Three slots with a 3-token prompt each, then one decode pass per entry of ``splits``
-    (each slot's drafts, random ids, seeded sampling): every pass's (tokens, accepted) and
-    graph replays, and the daemon's KV and GDN state bytes at the end."""
+    (each slot's drafts, random ids, seeded sampling): every pass's (tokens, accepted), graph
+    replays and padding rows, and the daemon's KV and GDN state bytes at the end."""
     runner = Runner(model, max_slots=3, max_context=64, block_size=4, extra_blocks=8,
                     cuda_graphs=graphs, graph_buckets=buckets)
     params, rng = SamplingParams(temperature=0.8, seed=7), np.random.default_rng(1)
@@ -274,7 +274,7 @@ def _split_passes(model, graphs: bool, splits, buckets: bool = True) -> tuple[li
             draft_sources=np.full(d, DraftSource.MTP, np.uint8))
             for s, d in enumerate(drafts)]))
         out.append(([(r.token_ids, r.num_accepted) for r in res.slots],
-                    res.counters.get("graph_replays", 0)))
+                    res.counters.get("graph_replays", 0), res.counters.get("padding_rows", 0)))
     return out, _daemons_caches(runner)
 
 
@@ -286,8 +286,9 @@ def test_a_graph_replays_other_splits_of_its_rows_with_eager_bits(bf16_model):
               (0, 0, 4)]
     eager, pools_e = _split_passes(bf16_model, False, splits)
     graphed, pools_g = _split_passes(bf16_model, True, splits, buckets=False)
-    assert [r for _, r in graphed] == [0, 1, 1, 1, 0, 1, 1, 1, 1]  # first runs, then replays
-    assert [t for t, _ in graphed] == [t for t, _ in eager]
+    assert [r for _, r, _ in graphed] == [0, 1, 1, 1, 0, 1, 1, 1, 1]  # first runs, replays
+    assert [t for t, _, _ in graphed] == [t for t, _, _ in eager]
+    assert {p for _, _, p in graphed + eager} == {0}  # no buckets: nothing padded
     for a, b in zip(pools_e, pools_g, strict=True):
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
@@ -296,12 +297,15 @@ def test_a_buckets_graph_serves_its_rows_padded_with_eager_bits(bf16_model):
     """Capacity buckets (gpu_worker/graph_buckets.py): three slots' passes of 5, 6 and 7 rows
     are padded to 8 on the scratch slot and share one graph (its first pass eager, padded
     as the graph runs it); 8 rows is a graph of its own. Tokens, accepted drafts and the
-    daemon's KV and GDN state bytes equal unpadded eager passes'."""
+    daemon's KV and GDN state bytes equal unpadded eager passes'; the step counts the rows
+    it padded (``padding_rows``: the adaptive draft budget's step cost reads them)."""
     splits = [(2, 0, 0), (1, 1, 1), (3, 1, 0), (0, 0, 2), (2, 2, 1), (2, 2, 1)]
     eager, pools_e = _split_passes(bf16_model, False, splits)
     graphed, pools_g = _split_passes(bf16_model, True, splits)
-    assert [r for _, r in graphed] == [0, 1, 1, 1, 0, 1]
-    assert [t for t, _ in graphed] == [t for t, _ in eager]
+    assert [r for _, r, _ in graphed] == [0, 1, 1, 1, 0, 1]
+    assert [p for _, _, p in graphed] == [3, 2, 1, 3, 0, 0]  # rows 5, 6, 7, 5, 8, 8
+    assert [p for _, _, p in eager] == [0] * 6
+    assert [t for t, _, _ in graphed] == [t for t, _, _ in eager]
     for a, b in zip(pools_e, pools_g, strict=True):
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
 

@@ -41,7 +41,7 @@ from protocol.messages import (
     StepResult,
     WorkKind,
 )
-from protocol.worker_config import WorkerConfig
+from protocol.worker_config import GRAPH_BUCKETS, WorkerConfig
 
 
 def _problem(accept, max_drafts, *, base_rows=None, log_miss=None, weight=None, wide=True):
@@ -96,6 +96,23 @@ def test_a_long_prompt_chunk_makes_draft_rows_free_of_experts():
     assert choose(chunk, cost) == [4, 0]
 
 
+def test_rows_a_padded_pass_runs_anyway_cost_nothing_more():
+    """Where the worker pads a pass up to its graph bucket (ModelInfo.padded_passes), 13 to
+    16 rows cost what 16 do: a choice pays for its bucket, not its rows. Three strong slots
+    and a weak one: unpadded, 14 rows are best; padded, those 14 cost 16 rows' time and 12
+    rows (two strong slots a draft shorter) are best."""
+    cost = StepCost(fixed_ms=4.0, row_ms=1.0, expert_ms=0.0)
+    accept = [[0.95] * 3] * 3 + [[0.9, 0.5, 0.3]]  # gains 2.7099 at 3; weak 0.9 at 1
+    plain, padded = (dataclasses.replace(_problem(accept, [3] * 4), pad_to=pad)
+                     for pad in ((), GRAPH_BUCKETS))
+    assert choose(plain, cost) == [3, 3, 3, 1]  # 14 rows: 13.03 / 18 ms = 0.724
+    got = choose(padded, cost)
+    assert sorted(got) == [1, 2, 2, 3] and got[3] == 1  # 12 rows: 11.315 / 16 ms = 0.707
+    r = ratio(padded, cost, np.array([[3, 3, 3, 1], got]))
+    assert r[0] * 20 == pytest.approx(4 + 3 * 2.709875 + 0.9)  # 14 rows run as 16
+    assert r[1] * 16 == pytest.approx(4 + 2 * 1.8525 + 2.709875 + 0.9)
+
+
 # ---- against an independent reference -------------------------------------------------------
 def _step_ms(p: BudgetProblem, cost: StepCost, ks) -> float:
     """The predicted time by loops: passes, their rows, their expected distinct experts."""
@@ -114,7 +131,9 @@ def _step_ms(p: BudgetProblem, cost: StepCost, ks) -> float:
             for s in g:  # consecutive rows: 1 + (n - 1)(1 - locality) independent ones
                 miss *= math.exp(p.log_miss[e, s]) ** (1 + (rows[s] - 1) * (1 - p.locality))
             union += p.weight[e] * (1 - miss)
-        ms += cost.fixed_ms + cost.row_ms * sum(rows.values()) + cost.expert_ms * union
+        n = sum(rows.values())  # the pass runs its bucket's rows where the worker pads
+        run = next((b for b in p.pad_to if b >= n), n)
+        ms += cost.fixed_ms + cost.row_ms * run + cost.expert_ms * union
     return ms
 
 
@@ -145,7 +164,7 @@ def test_the_chooser_finds_the_brute_force_optimum(wide):
             log_miss=np.log(np.array([[rng.uniform(0.3, 1.0) for _ in range(S)]
                                       for _ in range(P)]).reshape(P, S)),
             weight=np.array([rng.randrange(1, 200) for _ in range(P)], np.float64), wide=wide,
-            locality=rng.choice([0.0, 0.0, 0.3, 0.9]))
+            locality=rng.choice([0.0, 0.0, 0.3, 0.9]), pad_to=rng.choice([(), GRAPH_BUCKETS]))
         cost = StepCost(rng.uniform(1, 20), rng.uniform(0, 2), rng.uniform(0, 0.5))
         got = choose(p, cost)
         want = _brute_force(p, cost)

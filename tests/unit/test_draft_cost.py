@@ -12,6 +12,7 @@ from daemon.config import SpeculationSection
 from daemon.draft_adaptive import DraftBudget
 from daemon.draft_budget import StepCost
 from daemon.draft_cost import MIN_STEPS, CostFit
+from daemon.draft_plan import DraftPlanner
 from protocol.messages import (
     DraftSource,
     PromptPhase,
@@ -22,6 +23,7 @@ from protocol.messages import (
     StepResult,
     WorkKind,
 )
+from protocol.worker_config import GRAPH_BUCKETS
 
 
 def test_the_cost_fit_recovers_the_step_constants():
@@ -217,3 +219,35 @@ def test_a_rows_cost_holds_at_the_configs_where_the_steps_scatter_more_than_rows
         got = fit.cost(4)
         assert got.row_ms == pytest.approx(0.25, abs=0.15), seed
         assert got.fixed_ms + 14 * got.row_ms == pytest.approx(15.0 + 0.25 * 14, abs=2.5)
+
+
+def test_a_padded_pass_counts_the_rows_it_ran():
+    """A worker that pads its passes (ModelInfo.padded_passes) reports the padding rows of a
+    step (``padding_rows``): the fit learns a row's cost from the rows run, and a choice's
+    forecast is the padded pass's time."""
+    planner = DraftPlanner(SpeculationSection(mode="wide", draft_budget="adaptive"),
+                           max_slots=4, backend="cupy", placement="split")
+    budget = planner.budget
+    planner.worker_pads(True)
+    assert budget.pad_to == GRAPH_BUCKETS
+    budget.fit_costs = False
+    work = SlotWork(slot=0, request_id="r", kind=WorkKind.DECODE,
+                    input_ids=np.array([5], np.int32), start_pos=3, num_tokens=1,
+                    needs_logits=True, sampling=SamplingParams(seed=1), prompt_len=3,
+                    draft_ids=np.array([7, 8], np.int32),
+                    draft_sources=np.full(2, int(DraftSource.MTP), np.uint8))
+    budget.optimism = 0.0
+    for _ in range(40):  # every draft accepted: the budget keeps both (3 rows, padded to 4)
+        budget.accept.observe("r", int(DraftSource.MTP), drafts=2, accepted=2)
+    assert budget.choose([work], [2], True) == [2]
+    assert budget.forecast[1] == pytest.approx(8.0 + 0.25 * 4)  # no CPU experts: 4 rows' time
+    res = SlotResult(slot=0, request_id="r", token_ids=[6, 7, 8], num_accepted=2,
+                     prompt=PromptPhase(phase=2, prompt_tokens_this_step=0, prompt_len=3,
+                                        cached_len=0))
+    budget.observe(StepPlan(step_id=1, slots=[work]),
+                   StepResult(step_id=1, slots=[res], counters={"padding_rows": 1}), 0.01)
+    budget.settle()
+    assert budget.costs.pooled.A[1, 1] == 16.0  # (3 + 1 rows)^2
+    planner.worker_pads(False)
+    assert budget.pad_to == ()
+    assert budget.choose([work], [2], True) == [2] and budget.forecast is None  # (kept)

@@ -95,7 +95,7 @@ SAMPLES = [
                               generation_defaults=SamplingDefaults(temperature=0.7, top_k=20),
                               kv=KvLayout(block_size=64, block_bytes=4096, num_blocks=128,
                                           prefix_blocks=64, dtype="int8"),
-                              synthetic_routing=True)), 2),
+                              synthetic_routing=True, padded_passes=True)), 2),
     (WorkerError(code=WorkerErrorCode.BAD_PLAN, message="unknown entry 3", step_id=3), 2),
     (Heartbeat(seq=5, time_ns=123456789), 2),
     (Shutdown(reason="SIGTERM"), 2),
