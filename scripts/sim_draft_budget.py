@@ -57,6 +57,7 @@ import numpy as np
 from daemon.config import load_config
 from daemon.draft_adaptive import DraftBudget
 from daemon.draft_plan import trim_fair
+from gpu_worker.graph_buckets import padded_rows
 from gpu_worker.weights.routing import RoutingModel, RoutingParams
 from protocol.messages import (
     DraftSource,
@@ -69,7 +70,7 @@ from protocol.messages import (
     StepResult,
     WorkKind,
 )
-from protocol.worker_config import WIDE_CAPACITIES
+from protocol.worker_config import GRAPH_BUCKETS, WIDE_CAPACITIES
 from scripts.bench_common import command_line, machine
 
 SLOTS = 4
@@ -109,6 +110,8 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
     spec = load_config(None, {"speculation.mode": "wide",
                               "speculation.draft_budget": "adaptive"}).speculation
     budget = DraftBudget(spec)
+    if args.padded and not args.pad_unaware:  # as READY's ModelInfo.padded_passes tells it
+        budget.pad_to = GRAPH_BUCKETS
     budget.accept.fixed_weight = args.request_weight
     if args.optimism is not None:
         budget.optimism = args.optimism
@@ -153,7 +156,8 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
         union = len(np.unique(np.concatenate(per_row)))
         # the worker's CPU expert time (a step of fewer slots: dearer experts, --slot-cost)
         cpu_ms = args.expert_ms * args.slot_cost[live - 1] * union
-        ms = args.fixed_ms + args.row_ms * sum(rows) + cpu_ms
+        run = padded_rows(sum(rows)) if args.padded else sum(rows)  # the rows the pass runs
+        ms = args.fixed_ms + args.row_ms * run + cpu_ms
         if args.noise:  # the machine's jitter: the budget fits noisy times, figures count them
             factor = max(1.0 + args.noise * jitter.standard_normal(), 0.5)
             ms, cpu_ms = ms * factor, cpu_ms * factor
@@ -181,7 +185,7 @@ def simulate(policy: str, args: argparse.Namespace, seed: int) -> dict:
         if policy == "adaptive":  # the budget learns from the step as from the worker's
             budget.observe(*step_record(step, work, drafts, accepted, per_row, union,
                                         routing.universe, 0.0 if args.no_cpu_time else cpu_ms,
-                                        routes), ms / 1e3)
+                                        routes, run - sum(rows)), ms / 1e3)
         pos[:live] += 1 + np.array(accepted)
     counted = args.steps - first
     return {"policy": policy, "seed": seed, "tokens_per_ms": tokens / time_ms,
@@ -211,10 +215,11 @@ def slot_work(pos: np.ndarray, most: int, gen: np.ndarray | None = None) -> list
 
 def step_record(step: int, work: list[SlotWork], drafts: list[int], accepted: list[int],
                 per_row: list[np.ndarray], union: int, universe: int, cpu_ms: float = 0.0,
-                routes: bool = True) -> tuple[StepPlan, StepResult]:
+                routes: bool = True, padding: int = 0) -> tuple[StepPlan, StepResult]:
     """The simulated step as the daemon sees a real one: its plan (the chosen drafts) and
     the worker's result (accepted drafts, each slot's CPU experts where ``routes``: the
-    plan asked for them, and the step's counters)."""
+    plan asked for them, and the step's counters: ``padding`` rows the pass ran past its
+    own)."""
     first = np.cumsum([0] + [1 + k for k in drafts])
     results = []
     for s, a in enumerate(accepted):
@@ -230,7 +235,8 @@ def step_record(step: int, work: list[SlotWork], drafts: list[int], accepted: li
     plan = StepPlan(step_id=step + 1, slot_routing=routes, slots=[
         dataclasses.replace(w, draft_ids=w.draft_ids[:k], draft_sources=w.draft_sources[:k])
         for w, k in zip(work, drafts, strict=True)])
-    counters = {"passes": 1, "cpu_experts": union, "cpu_experts_held": universe}
+    counters = {"passes": 1, "cpu_experts": union, "cpu_experts_held": universe,
+                "padding_rows": padding}
     return plan, StepResult(step_id=step + 1, slots=results, counters=counters,
                             timings_ms={"cpu_experts": cpu_ms} if cpu_ms else {})
 
@@ -285,6 +291,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-cpu-time", action="store_true",
                    help="the worker reports no CPU expert time: the budget fits an expert's "
                    "cost from the step times alone")
+    p.add_argument("--padded", action="store_true",
+                   help="a step's pass runs padded up to its graph bucket (the worker's CUDA "
+                   "graphs in capacity buckets): 13-16 rows cost what 16 do, and the budget "
+                   "is told so (READY's ModelInfo.padded_passes)")
+    p.add_argument("--pad-unaware", action="store_true",
+                   help="with --padded: the budget is not told (its cost counts a pass's own "
+                   "rows, as before session 33)")
     p.add_argument("--no-between", action="store_true",
                    help="no DraftBudget.between_steps while a step runs (the daemon calls "
                    "it): every choice made in choose itself")
