@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from scripts import sim_draft_budget
@@ -133,3 +134,20 @@ def test_a_ramp_counts_the_four_slot_steps_and_dearer_experts_cost_only_time():
     # the adaptive budget chooses for the slots there are, from its first step
     ramp = sim_draft_budget.simulate("adaptive", sim_draft_budget.parse_args(base), 0)
     assert sum(ramp["drafts_chosen"]) == 4 * counted
+
+
+def test_padded_passes_cost_their_bucket_and_the_budget_is_told():
+    """--padded: four slots of 2 drafts (12 rows, a bucket) cost what they did; with
+    --capacity 0 and 4 drafts a slot (20 rows, past the buckets) too; the step record
+    carries the padding rows the budget's fit reads."""
+    base = ["--layers", "3", "--steps", "30", "--seeds", "0"]
+    for policy, extra in (("2", []), ("3", ["--capacity", "0", "--accept", "0.9,0.9,0.9,0.9"])):
+        plain = sim_draft_budget.simulate(policy, sim_draft_budget.parse_args(base + extra), 0)
+        padded = sim_draft_budget.simulate(
+            policy, sim_draft_budget.parse_args([*base, *extra, "--padded"]), 0)
+        assert padded["tokens_per_ms"] == plain["tokens_per_ms"]
+    work = sim_draft_budget.slot_work(np.array([40, 45, 50, 55]), 3)
+    per_row = [np.array([7])] * 14
+    _, result = sim_draft_budget.step_record(0, work, [3, 3, 3, 1], [0] * 4, per_row, 1, 100,
+                                             padding=2)
+    assert result.counters["padding_rows"] == 2
