@@ -369,9 +369,7 @@ PLANS: dict[str, list[Check]] = {
     # tests (buckets and MTP graphs included), then essays at 32 GiB in what is left (off,
     # wide, adaptive)
     "first": [*SCARCE, essay_warm("32", 300)],
-    # the same in a shorter call (--budget 450), the 32 GiB step (buckets on, the default)
-    # in place of the essays: comparable with step_int8_32gib_h200_2c96ead.json
-    "second": [*SCARCE, STEP_32_INT8],
+    # (session 19's "second" was SCARCE with STEP_32_INT8; "third" SCARCE alone)
     # an H200 that may be taken back mid-call: three short calls (--budget 450-540 each)
     # instead of one long one, each worth keeping alone. 1: issue 17's machine facts and
     # ratio, issue 14's 32 GiB table; 2: the whole-GPU table and every layout's bits;
@@ -390,8 +388,6 @@ PLANS: dict[str, list[Check]] = {
     "h200_3": [FUSED, STEP_GRAPHS, SPECULATION_BF16,
                Check("prefix_host", f"{PY} pytest -q -p no:cacheprovider "
                      "tests/gpu/test_prefix_host_cupy.py", 60)],
-    # the shortest (--budget 250): the probe, the int4 ratio and the graph tests alone
-    "third": SCARCE,
     # CUDA graphs (gpu_worker/step_graph.py): bits equal eager, with and without CPU experts,
     # capacity buckets included (their scratch slot's GDN segments: table slot -1)
     "graphs": [
