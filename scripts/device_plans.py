@@ -369,7 +369,6 @@ PLANS: dict[str, list[Check]] = {
     # tests (buckets and MTP graphs included), then essays at 32 GiB in what is left (off,
     # wide, adaptive)
     "first": [*SCARCE, essay_warm("32", 300)],
-    # (session 19's "second" was SCARCE with STEP_32_INT8; "third" SCARCE alone)
     # an H200 that may be taken back mid-call: three short calls (--budget 450-540 each)
     # instead of one long one, each worth keeping alone. 1: issue 17's machine facts and
     # ratio, issue 14's 32 GiB table; 2: the whole-GPU table and every layout's bits;
