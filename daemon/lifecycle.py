@@ -239,7 +239,7 @@ class Daemon:
                      vocab=info.vocab_size, slots=info.max_slots,
                      kv_tokens=info.kv.capacity_tokens, prefix_blocks=info.kv.prefix_blocks,
                      placement=self.config.experts.placement, dtype=self.config.model.dtype,
-                     backend=self.config.model.backend)
+                     backend=self.config.model.backend, padded_passes=info.padded_passes)
             keep_to_host_cores(ready.host_cores)
             self.adopt(info)
             self.scheduler.attach(self.worker)
