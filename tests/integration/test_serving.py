@@ -102,6 +102,9 @@ def test_four_concurrent_streams_equal_generate_alone(placement, model, tmp_path
         metrics = srv.get("/metrics")[1]
     finally:
         assert srv.stop() == 0
+    worker = [json.loads(line) for line in srv.log.read_text().splitlines()
+              if '"gpu worker ready"' in line]  # READY as the daemon read it
+    assert worker and worker[0]["padded_passes"] is False  # NumPy: no CUDA graphs, no padding
     if "hot_experts" in experts:
         hot = [json.loads(line) for line in srv.log.read_text().splitlines()
                if "hot experts on the gpu" in line]
