@@ -96,6 +96,8 @@ class ExpertCounters:
             return {}
         per_slot: dict[int, list[np.ndarray]] = {}
         for row_slot, gids in packed + _packed_runs(routes):  # gids [L, R, k]
+            if not len(row_slot):
+                continue
             edges = (np.flatnonzero(row_slot[1:] != row_slot[:-1]) + 1).tolist()
             for a, b in zip([0, *edges], [*edges, len(row_slot)], strict=True):  # one slot's
                 if row_slot[a] >= 0:

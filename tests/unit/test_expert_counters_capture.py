@@ -136,3 +136,13 @@ def test_every_layout_gives_the_slow_formulas_counts(dtype) -> None:
             assert (np.diff(ids) > 0).all()
             assert dict(zip(ids.tolist(), rows.tolist(), strict=True)) == want[s], (graphed, s)
         assert c.take_slot_experts() == {}
+
+
+def test_a_pass_of_no_rows_or_no_tracked_rows_reports_nothing() -> None:
+    c = ExpertCounters(1.0)
+    c.track_rows(np.zeros(0, np.int64))
+    c.add_routes(0, E, np.zeros((0, 2), np.int32), np.zeros((0, 2), bool))
+    assert c.take_slot_experts() == {}
+    c.track_rows(np.array([-1, -1], np.int64))  # a prompt chunk's rows
+    c.add_routes(0, E, np.ones((2, 2), np.int32), np.ones((2, 2), bool))
+    assert c.take_slot_experts() == {}
