@@ -102,16 +102,14 @@ def test_four_concurrent_streams_equal_generate_alone(placement, model, tmp_path
         metrics = srv.get("/metrics")[1]
     finally:
         assert srv.stop() == 0
-    worker = [json.loads(line) for line in srv.log.read_text().splitlines()
-              if '"gpu worker ready"' in line]  # READY as the daemon read it
+    logged = [json.loads(line) for line in srv.log.read_text().splitlines()]
+    worker = [e for e in logged if e.get("event") == "gpu worker ready"]  # READY, as read
     assert worker and worker[0]["padded_passes"] is False  # NumPy: no CUDA graphs, no padding
     if "hot_experts" in experts:
-        hot = [json.loads(line) for line in srv.log.read_text().splitlines()
-               if "hot experts on the gpu" in line]
+        hot = [e for e in logged if e.get("event") == "hot experts on the gpu"]
         assert hot and hot[0]["router_picks_on_gpu_mean"] > 0.5  # 5 of 8 experts kept
     if "cpu_isa" in experts:
-        ready = [json.loads(line) for line in srv.log.read_text().splitlines()
-                 if "cpu expert worker ready" in line]
+        ready = [e for e in logged if e.get("event") == "cpu expert worker ready"]
         assert ready and all(r["isa"] == experts["cpu_isa"] for r in ready)
     cpu_bytes = re.search(r"^tandem_cpu_expert_weight_bytes_total (\S+)$", metrics, re.M)
     if placement == "gpu":

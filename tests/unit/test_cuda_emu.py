@@ -235,15 +235,14 @@ def test_a_misaligned_vector_load_faults(cupy):
 def test_the_graph_and_router_gpu_tests_pass_on_the_emulator():
     """CUDA graphs' host side (layouts, capacity buckets, static inputs, shared buffers,
     start-up capture, MTP drafting graphs with buckets), the router, top-k and synthetic
-    routing kernels, the input stacks (one product for matrices that read the same rows),
-    READY's word on padded passes, run
+    routing kernels, the input stacks (one product for matrices that read the same rows), run
     by their GPU tests on the emulator (a stand-in capture there; real capture and the CPU
     experts' ring only on a GPU)."""
     import subprocess  # noqa: PLC0415
 
     files = ["tests/gpu/test_step_graph_cupy.py", "tests/gpu/test_router_cupy.py",
              "tests/gpu/test_topk_cupy.py", "tests/gpu/test_synthetic_routing_cupy.py",
-             "tests/gpu/test_input_stacks_cupy.py", "tests/gpu/test_ready_padding_cupy.py"]
+             "tests/gpu/test_input_stacks_cupy.py"]
     proc = subprocess.run(
         [sys.executable, "-m", "scripts.cuda_emu.run", *files, "-q", "-p", "no:cacheprovider",
          "-k", "not cpu_experts and not exact"],
