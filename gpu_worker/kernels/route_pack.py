@@ -71,8 +71,6 @@ def pack_routes(bases: list[int], ids: list, cpu: list) -> np.ndarray:
 
 def pack_routes_reference(bases: list[int], ids: list[np.ndarray],
                           cpu: list[np.ndarray]) -> np.ndarray:
-    """:func:`pack_routes` on host arrays (NumPy)."""
-    if not ids:
-        return np.zeros((0,), np.int32)
+    """:func:`pack_routes` on host arrays (NumPy; at least one layer)."""
     base = np.asarray(bases, np.int64).reshape(-1, *([1] * ids[0].ndim))
     return np.where(np.stack(cpu), np.stack(ids).astype(np.int64) + base, -1).astype(np.int32)
