@@ -201,7 +201,7 @@ def test_mtp_graphs_route_a_synthetic_model_as_its_eager_head():
 
 def _mtp_graphs_equal_eager(model, buckets: bool) -> None:
     """Eager, graphs with eager drafting (``graph_mtp`` False), graphs with MTP graphs."""
-    requests = [(p, SamplingParams(temperature=0.8, seed=5 + i), 14 if EMULATED else 40)
+    requests = [(p, SamplingParams(temperature=0.8, seed=5 + i), 8 if EMULATED else 40)
                 for i, p in enumerate(PROMPTS)]
     out = []
     for graphs, mtp_graph in ((False, False), (True, False), (True, True)):
