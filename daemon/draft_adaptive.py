@@ -46,11 +46,11 @@ from daemon.draft_budget import (
     expected_union,
     fresh_rows,
     ratio,
-    run_rows,
 )
 from daemon.draft_cost import CostFit
 from daemon.draft_stats import EMA, RoutingStats
 from protocol.messages import SlotWork, StepPlan, StepResult, WorkKind
+from protocol.worker_config import padded_rows
 
 if TYPE_CHECKING:
     from daemon.config import SpeculationSection
@@ -217,7 +217,7 @@ class DraftBudget:
             rows = problem.base_rows + np.array(out)
             union = float(expected_union(fresh_rows(rows[None, :], problem.locality),
                                          log_miss, weight)[0])
-            run = float(run_rows(rows.sum(), problem.pad_to))
+            run = float(padded_rows(rows.sum(), problem.pad_to))
             forecast = ready["forecast"] = (union, cost.pass_ms(run, union))
             offer = np.array(counts)
             alt = np.minimum(np.arange(1, UNIFORM + 1)[:, None], offer[None, :])  # [k, S]

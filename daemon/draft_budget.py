@@ -37,6 +37,8 @@ import math
 
 import numpy as np
 
+from protocol.worker_config import padded_rows
+
 MAX_CANDIDATES = 4096  # exhaustive search up to this many length combinations
 MAX_ROUNDS = 8  # coordinate ascent beyond that: rounds over the slots
 # a choice of more drafts must be predicted this much better (relative) than one of fewer: a
@@ -107,17 +109,6 @@ def fresh_rows(rows: np.ndarray, locality: float) -> np.ndarray:
     return np.where(rows > 0, 1.0 + (rows - 1) * (1.0 - locality), 0.0)
 
 
-def run_rows(rows: np.ndarray, pad_to: tuple[int, ...]) -> np.ndarray:
-    """The rows passes of ``rows`` rows run: padded up to the next of ``pad_to`` (rows past
-    the largest, and none, as they are)."""
-    if not pad_to:
-        return rows
-    buckets = np.asarray(pad_to)
-    at = np.searchsorted(buckets, rows)  # the first bucket >= rows
-    return np.where((rows > 0) & (at < len(buckets)),
-                    buckets[np.minimum(at, len(buckets) - 1)], rows)
-
-
 def ratio(problem: BudgetProblem, cost: StepCost, drafts: np.ndarray) -> np.ndarray:
     """Expected tokens per ms of the step for each candidate ``drafts`` [C, S]: [C]."""
     p = problem
@@ -126,15 +117,15 @@ def ratio(problem: BudgetProblem, cost: StepCost, drafts: np.ndarray) -> np.ndar
     rows = p.base_rows[None, :] + drafts  # [C, S]
     fresh = fresh_rows(rows, p.locality)
     if p.wide:
-        ms = (cost.fixed_ms + cost.row_ms * run_rows(rows.sum(axis=1), p.pad_to)
+        ms = (cost.fixed_ms + cost.row_ms * padded_rows(rows.sum(axis=1), p.pad_to)
               + cost.expert_ms * expected_union(fresh, p.log_miss, p.weight))
     else:  # a slot verifying k > 0 drafts runs its own pass; the others share one
         drafted = drafts > 0  # [C, S]
         plain = np.where(drafted, 0.0, fresh)  # [C, S]
         alone = (1.0 - np.exp(fresh[:, :, None] * p.log_miss.T[None])) @ p.weight  # [C, S]
         ms = (cost.fixed_ms * ((plain.sum(axis=1) > 0) + drafted.sum(axis=1))
-              + cost.row_ms * (run_rows(np.where(drafted, 0, rows).sum(axis=1), p.pad_to)
-                               + (run_rows(rows, p.pad_to) * drafted).sum(axis=1))
+              + cost.row_ms * (padded_rows(np.where(drafted, 0, rows).sum(axis=1), p.pad_to)
+                               + (padded_rows(rows, p.pad_to) * drafted).sum(axis=1))
               + cost.expert_ms * (expected_union(plain, p.log_miss, p.weight)
                                   + (alone * drafted).sum(axis=1)))
     return value / np.maximum(ms, 1e-9)

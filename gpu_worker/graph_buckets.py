@@ -38,11 +38,6 @@ def bucket(rows: int) -> int | None:
     return next((b for b in GRAPH_BUCKETS if b >= rows), None)
 
 
-def padded_rows(rows: int) -> int:
-    """The rows a pass of ``rows`` rows runs with when padded (``rows`` past the buckets)."""
-    return bucket(rows) or rows
-
-
 def key(rows: int, slots: int) -> tuple:
     """The graph key of a padded pass of ``rows`` rows (before padding) and ``slots`` slots:
     its bucket and slots; its rows, logits rows and drafts are then all the bucket's."""

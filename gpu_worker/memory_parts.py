@@ -15,10 +15,10 @@ import numpy as np
 from cpu_experts.formats import bytes_per_weight
 from cpu_experts.tiles import BLOCK_BYTES, TU
 from gpu_worker.expert_stats import hot_order
-from gpu_worker.graph_buckets import padded_rows
 from gpu_worker.kernels.paged_attention_ref import PARTITION
 from gpu_worker.model.moe import GROUPED_MAX_ROWS
 from gpu_worker.model_config import ModelConfig
+from protocol.worker_config import padded_rows
 
 Shapes = Mapping[str, tuple[int, ...]]
 Parts = tuple[tuple[str, int], ...]

@@ -13,6 +13,8 @@ import json
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 DTYPES = ("float32", "float64", "bfloat16")  # bfloat16: bf16 weights, float32 compute
 BACKENDS = ("numpy", "cupy", "auto")
 KV_CACHE_DTYPES = ("model", "int8")  # model: the compute dtype; int8: + an fp16 scale per 32
@@ -34,6 +36,20 @@ GIB = 2**30  # gpu_memory_gb counts GiB, the unit CUDA and nvidia-smi report dev
 # NOTE: the daemon's PrefixCache holds at most this many checkpoints; each keeps a copy of
 # its slot's GDN states on the device, which the memory plan counts
 MAX_PREFIX_ENTRIES = 256
+
+
+def padded_rows(rows: int | np.ndarray, buckets: tuple[int, ...] = GRAPH_BUCKETS
+                ) -> int | np.ndarray:
+    """The rows passes of ``rows`` rows (an int or an int array) run with when padded: up to
+    the smallest of ``buckets`` that holds them; rows past the largest, no rows, and any rows
+    with no buckets (``()``: an unpadded worker) as they are. The worker pads by it
+    (gpu_worker/graph_buckets.py) and the daemon's draft budget prices passes by it."""
+    r = np.asarray(rows)
+    if buckets:
+        b = np.asarray(buckets)
+        at = np.searchsorted(b, r)  # the first bucket >= rows
+        r = np.where((r > 0) & (at < len(b)), b[np.minimum(at, len(b) - 1)], r)
+    return int(r) if r.ndim == 0 else r
 
 
 def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:

@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 
-from gpu_worker.graph_buckets import padded_rows
 from protocol.messages import (
     CacheOp,
     CacheOpKind,
@@ -41,7 +40,13 @@ from protocol.messages import (
     StepPlan,
     WorkKind,
 )
-from protocol.worker_config import CPU_FORMATS, GPU_FORMATS, KV_CACHE_DTYPES, WorkerConfig
+from protocol.worker_config import (
+    CPU_FORMATS,
+    GPU_FORMATS,
+    KV_CACHE_DTYPES,
+    WorkerConfig,
+    padded_rows,
+)
 from scripts.bench_common import SPIN_KERNEL, command_line, machine
 from scripts.bench_load import parse_budget
 from scripts.step_floor import (

@@ -57,7 +57,6 @@ import numpy as np
 from daemon.config import load_config
 from daemon.draft_adaptive import DraftBudget
 from daemon.draft_plan import trim_fair
-from gpu_worker.graph_buckets import padded_rows
 from gpu_worker.weights.routing import RoutingModel, RoutingParams
 from protocol.messages import (
     DraftSource,
@@ -70,7 +69,7 @@ from protocol.messages import (
     StepResult,
     WorkKind,
 )
-from protocol.worker_config import GRAPH_BUCKETS, WIDE_CAPACITIES
+from protocol.worker_config import GRAPH_BUCKETS, WIDE_CAPACITIES, padded_rows
 from scripts.bench_common import command_line, machine
 
 SLOTS = 4

@@ -1,6 +1,6 @@
 """READY's ``ModelInfo.padded_passes`` (gpu_worker/server.build_runner): true where the
 worker's CUDA graphs pad passes up to their capacity buckets, which the daemon's adaptive
-budget then prices (daemon/draft_budget.run_rows); false without buckets or graphs."""
+budget then prices (protocol.worker_config.padded_rows); false without buckets or graphs."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from gpu_worker.model.moe import sparse_moe
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.runner import layout_order, logit_rows
 from gpu_worker.step_graph import pass_key
-from protocol.worker_config import GIB
+from protocol.worker_config import GIB, padded_rows
 from scripts.tiny_model import make_tiny_model
 from tests.unit.test_graph_warm import _work
 from tests.unit.test_memory_plan import QWEN3_NEXT_80B
@@ -39,7 +39,14 @@ def test_a_pass_takes_the_smallest_bucket_that_holds_its_rows():
     assert [gb.bucket(r) for r in range(1, 18)] == [1, 2, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
                                                      16, 16, 16, 16, None]
     assert gb.MAX_PAD == 3  # 5 rows -> 8, 9 -> 12, 13 -> 16
-    assert [gb.padded_rows(r) for r in (3, 16, 20)] == [4, 16, 20]
+    # the rows a pass runs with (the worker pads by it, the daemon's budget prices by it):
+    # one rule for an int and for an array, no rows and rows past the buckets as they are
+    rows = np.arange(0, 21)
+    want = [r if r == 0 or gb.bucket(r) is None else gb.bucket(r) for r in rows]
+    assert padded_rows(rows).tolist() == want == [padded_rows(int(r)) for r in rows]
+    assert padded_rows(rows, ()).tolist() == rows.tolist()
+    assert padded_rows(rows.reshape(3, 7)).tolist() == np.reshape(want, (3, 7)).tolist()
+    assert isinstance(padded_rows(3), int)
 
 
 def test_padding_adds_rows_on_the_scratch_slot_after_the_passes_own():
