@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+import protocol.worker_config as wcfg
 from protocol.messages import (
     CacheOp,
     CacheOpKind,
@@ -40,13 +41,7 @@ from protocol.messages import (
     StepPlan,
     WorkKind,
 )
-from protocol.worker_config import (
-    CPU_FORMATS,
-    GPU_FORMATS,
-    KV_CACHE_DTYPES,
-    WorkerConfig,
-    padded_rows,
-)
+from protocol.worker_config import CPU_FORMATS, GPU_FORMATS, KV_CACHE_DTYPES, WorkerConfig
 from scripts.bench_common import SPIN_KERNEL, command_line, machine
 from scripts.bench_load import parse_budget
 from scripts.step_floor import (
@@ -284,7 +279,7 @@ def measure(bench: Bench, slots: int, rows: int, args: argparse.Namespace) -> di
         "model": args.model, "gpu_budget_gb": args.gpu_budget,
         "graphs": bench.runner.graphs is not None, "graph_buckets": buckets,
         # the rows the pass ran with: its own, or padded up to its capacity bucket
-        "rows_run": padded_rows(slots * rows) if buckets else slots * rows,
+        "rows_run": wcfg.padded_rows(slots * rows) if buckets else slots * rows,
         "slots": slots, "rows_per_slot": rows, "step_ms": step, **floor,
         "ratio": step / floor["floor_ms"], "host_ms": host, "host_exact": exact,
         "distinct_experts_gpu": sum(g for g, _ in per_layer.values()) / n,
