@@ -1,4 +1,4 @@
-"""A short soak (scripts/soak.py) in the test suite: 8 clients for 20 s with random cancels and
+"""A short soak (scripts/soak.py) in the test suite: 8 clients for 14 s with random cancels and
 disconnects, kills of the CPU expert worker and of the GPU worker under load, then 200 fuzzed
 HTTP requests and 200 malformed ZeroMQ frames; every check of the long run must hold. With
 speculation the references opt out of it, so every answer under load (drafts verified in
@@ -18,7 +18,7 @@ import pytest
 from scripts import soak
 from scripts.soak_daemon import ROOT
 
-BASE = ["--clients", "8", "--duration", "20", "--fuzz-http", "200", "--fuzz-zmq", "200",
+BASE = ["--clients", "8", "--duration", "14", "--fuzz-http", "200", "--fuzz-zmq", "200",
         "--jobs", "4", "--max-tokens", "16", "--warmup", "2", "--warmup-fuzz", "100",
         "--probe-every", "4"]
 RUNS = {
