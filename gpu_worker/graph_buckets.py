@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpu_worker.model.batch import RaggedBatch, Segment
-from protocol.worker_config import GRAPH_BUCKETS  # rows of a padded pass (the daemon's too)
+from protocol.worker_config import GRAPH_BUCKETS, padded_rows  # the daemon's budget's too
 
 # padding rows a pass can get: the largest gap between two buckets, less one
 MAX_PAD = max(b - a for a, b in zip(GRAPH_BUCKETS, GRAPH_BUCKETS[1:], strict=False)) - 1
@@ -55,11 +55,9 @@ def padding(batch: RaggedBatch, logit_rows: np.ndarray) -> int:
     """How many rows to add to a pass (0: run it as it is): up to its bucket, where there
     is one and every row is a logits row."""
     R = batch.num_rows
-    b = bucket(R)
-    if b is None or b == R or len(logit_rows) != R or not np.array_equal(
-            logit_rows, np.arange(R)):
+    if len(logit_rows) != R or not np.array_equal(logit_rows, np.arange(R)):
         return 0
-    return b - R
+    return padded_rows(R) - R
 
 
 def pad(batch: RaggedBatch, logit_rows: np.ndarray, scratch: int, n: int
