@@ -8,6 +8,7 @@ keys against them too.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -44,12 +45,15 @@ def padded_rows(rows: int | np.ndarray, buckets: tuple[int, ...] = GRAPH_BUCKETS
     the smallest of ``buckets`` that holds them; rows past the largest, no rows, and any rows
     with no buckets (``()``: an unpadded worker) as they are. The worker pads by it
     (gpu_worker/graph_buckets.py) and the daemon's draft budget prices passes by it."""
+    if isinstance(rows, int | np.integer):  # the worker's once a pass: no arrays (~0.5 us)
+        at = bisect.bisect_left(buckets, rows)
+        return int(buckets[at] if rows > 0 and at < len(buckets) else rows)
     r = np.asarray(rows)
     if buckets:
         b = np.asarray(buckets)
         at = np.searchsorted(b, r)  # the first bucket >= rows
         r = np.where((r > 0) & (at < len(b)), b[np.minimum(at, len(b) - 1)], r)
-    return int(r) if r.ndim == 0 else r
+    return r
 
 
 def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
