@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--proposer", choices=("suffix", "mtp"), default="suffix",
                    help="draft source (mtp: the default model becomes a qwen3_next with an "
                         "MTP head)")
+    p.add_argument("--draft-budget", choices=("fixed", "adaptive"), default="fixed",
+                   help="[speculation] draft_budget: adaptive picks each slot's draft length "
+                        "a step from its acceptance and the step's predicted cost")
     p.add_argument("--placement", choices=("cpu", "gpu"), default="cpu",
                    help="[experts] placement: cpu (one CPU expert worker, which --cpu-kills "
                         "kill) or gpu (the model worker's own; e.g. the embedded model, whose "
@@ -219,7 +222,10 @@ async def soak(args: argparse.Namespace, d: Daemon) -> dict:
     out["speculation"] = {"verifies": {src: d.metric("tandem_spec_verifies_total", source=src)
                                        for src in ("suffix", "global_suffix", "mtp")},
                           "drafts": d.metric("tandem_spec_draft_tokens_total"),
-                          "accepted": d.metric("tandem_spec_accepted_tokens_total")}
+                          "accepted": d.metric("tandem_spec_accepted_tokens_total"),
+                          # the adaptive budget's choices: verifications by drafts chosen
+                          "budget_choices": {k: n for k in range(9) if (n := d.metric(
+                              "tandem_draft_budget_choices_total", drafts=str(k)))}}
     return out
 
 
@@ -254,6 +260,8 @@ def checks(r: dict, args: argparse.Namespace) -> dict[str, bool]:
            "references without drafts"] = (spec["verifies"][args.proposer] > 0
                                             and spec["accepted"] > 0
                                             and r["reference_drafts"] == 0)
+    if args.speculation != "off" and args.draft_budget == "adaptive":
+        ok["adaptive budget chose drafts"] = sum(r["speculation"]["budget_choices"].values()) > 0
     if args.prefix_host_mb:  # some of them started from checkpoints copied back from host
         ok["prefix cache host tier served hits"] = r["prefix_cache"]["host"]["hits"] > 0
     return ok
@@ -299,7 +307,7 @@ def run(args: argparse.Namespace) -> dict:
     # evicting all through the load
     speculation = (None if args.speculation == "off" else
                    {"mode": args.speculation, "proposer": args.proposer,
-                    "global_index_tokens": 2048})
+                    "global_index_tokens": 2048, "draft_budget": args.draft_budget})
     d = Daemon(workdir, model, max_slots=4, max_queue=max(64, 2 * args.clients),
                speculation=speculation, placement=args.placement, scheduler=scheduler)
     t0 = time.monotonic()
