@@ -327,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.placement == "gpu" and args.cpu_kills:
         raise SystemExit("--cpu-kills needs --placement cpu (no CPU expert worker otherwise)")
+    if args.draft_budget == "adaptive" and args.speculation == "off":
+        raise SystemExit("--draft-budget adaptive needs --speculation narrow or wide")
     result = run(args)
     print(table(result, result["checks"]))
     if args.json is not None:

@@ -63,3 +63,13 @@ def test_short_soak_passes_every_check(tmp_path, run):
         assert sum(spec["budget_choices"].values()) > 0
     else:
         assert spec["budget_choices"] == {}
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--placement", "gpu", "--cpu-kills", "1"], "--cpu-kills needs --placement cpu"),
+    (["--draft-budget", "adaptive"], "--draft-budget adaptive needs --speculation"),
+])
+def test_options_that_cannot_run_are_refused_before_a_daemon_starts(tmp_path, argv, says):
+    with pytest.raises(SystemExit, match=says):
+        soak.main(argv + ["--workdir", str(tmp_path / "work")])
+    assert not (tmp_path / "work").exists()
