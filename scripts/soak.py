@@ -224,8 +224,8 @@ async def soak(args: argparse.Namespace, d: Daemon) -> dict:
                           "drafts": d.metric("tandem_spec_draft_tokens_total"),
                           "accepted": d.metric("tandem_spec_accepted_tokens_total"),
                           # the adaptive budget's choices: verifications by drafts chosen
-                          "budget_choices": {k: n for k in range(9) if (n := d.metric(
-                              "tandem_draft_budget_choices_total", drafts=str(k)))}}
+                          "budget_choices": d.metric_by("tandem_draft_budget_choices_total",
+                                                        "drafts")}
     return out
 
 
@@ -260,7 +260,7 @@ def checks(r: dict, args: argparse.Namespace) -> dict[str, bool]:
            "references without drafts"] = (spec["verifies"][args.proposer] > 0
                                             and spec["accepted"] > 0
                                             and r["reference_drafts"] == 0)
-    if args.speculation != "off" and args.draft_budget == "adaptive":
+    if args.draft_budget == "adaptive":  # main refuses it without speculation
         ok["adaptive budget chose drafts"] = sum(r["speculation"]["budget_choices"].values()) > 0
     if args.prefix_host_mb:  # some of them started from checkpoints copied back from host
         ok["prefix cache host tier served hits"] = r["prefix_cache"]["host"]["hits"] > 0

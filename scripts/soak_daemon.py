@@ -114,6 +114,14 @@ class Daemon:
                 return float(value)
         return 0.0
 
+    def metric_by(self, name: str, label: str) -> dict[str, float]:
+        """Every sample of a one-label metric of /metrics, by the label's value (one read)."""
+        head = f'{name}{{{label}="'
+        return {key[len(head):-2]: float(value)
+                for key, _, value in (line.rpartition(" ")
+                                      for line in str(self.get("/metrics")[1]).splitlines())
+                if key.startswith(head) and key.endswith('"}')}
+
     def restarts(self) -> int:
         return int(self.metric("tandem_worker_restarts_total", component="gpu_worker"))
 
