@@ -203,3 +203,20 @@ def _drain(sock: zmq.Socket, replies: Counter, undecodable: list[str], wait_ms: 
         code = getattr(msg, "code", None)
         replies[type(msg).__name__ + (f" {code.name}" if code is not None else "")] += 1
         wait_ms = 0
+
+
+def merge_rounds(parts: list[dict]) -> dict:
+    """One tally of several rounds' (fuzz_http's or fuzz_zmq's): counts summed, the examples
+    of the first rounds kept (five)."""
+    out: dict = {}
+    for part in parts:
+        for key, value in part.items():
+            if isinstance(value, dict):
+                counts = out.setdefault(key, Counter())
+                counts.update(value)
+            elif isinstance(value, list):
+                out[key] = (out.get(key, []) + value)[:5]
+            else:
+                out[key] = out.get(key, 0) + value
+    return {k: dict(sorted(v.items(), key=str)) if isinstance(v, Counter) else v
+            for k, v in out.items()}

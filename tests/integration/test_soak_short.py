@@ -43,13 +43,16 @@ def test_short_soak_passes_every_check(tmp_path, run):
     failed = [name for name, ok in result["checks"].items() if not ok]
     assert code == 0 and not failed, (failed, {k: result[k] for k in (
         "load", "probe", "bystanders", "fuzz_http", "fuzz_zmq", "fuzz_restarts",
-        "slot_watch", "rss_mb_after_warmup", "rss_mb_at_end", "speculation")})
+        "slot_watch", "rss_mb_after_warmup", "rss_mb_after_load", "rss_mb_fuzz_rounds",
+        "speculation")})
     # the run did what it claims: load completed, the kills recovered, the fuzz was answered
     assert result["load"]["completed"] > 20
     kills = sorted(k["module"] for k in result["kills"])
     assert kills == (["gpu_worker.server"] if run == "narrow_mtp" else
                      ["cpu_experts.worker", "gpu_worker.server"])
     assert result["fuzz_http"]["sent"] == 200 and result["fuzz_zmq"]["sent"] == 200
+    assert len(result["rss_mb_fuzz_rounds"]) == 8  # the fuzz in rounds, the RSS after each
+    assert sum(result["fuzz_http"]["statuses"].values()) == 200
     assert result["slot_watch"]["states_seen"].get("queued", 0) > 0
     if run == "host_tier":  # prompts started from checkpoints copied back from host memory
         assert result["prefix_cache"]["host"]["hits"] > 0
@@ -68,6 +71,7 @@ def test_short_soak_passes_every_check(tmp_path, run):
 @pytest.mark.parametrize("argv, says", [
     (["--placement", "gpu", "--cpu-kills", "1"], "--cpu-kills needs --placement cpu"),
     (["--draft-budget", "adaptive"], "--draft-budget adaptive needs --speculation"),
+    (["--fuzz-rounds", "1"], "--fuzz-rounds needs 2 or more"),
 ])
 def test_options_that_cannot_run_are_refused_before_a_daemon_starts(tmp_path, argv, says):
     with pytest.raises(SystemExit, match=says):
