@@ -66,7 +66,12 @@ import aiohttp
 
 from daemon.proposers.replay import ReplayProposer, prompt_key, read_records, write_replay_file
 from scripts.bench_common import REPO, command_line, delta, machine, scrape
-from scripts.bench_concurrency_arms import arm_overrides, arm_speculation, run_config
+from scripts.bench_concurrency_arms import (
+    arm_overrides,
+    arm_speculation,
+    replay_split,
+    run_config,
+)
 from scripts.bench_concurrency_report import table, write_summary
 from scripts.bench_concurrency_serve import (
     acceptance_luck,
@@ -146,6 +151,7 @@ def one_run(args: argparse.Namespace, ctx: dict, name: str, arm: str, pair: int,
             "speculation": {k: v for k, v in spec.items() if not k.endswith("_file")},
             "replay_file": str(replay) if replay else None,
             "model": ctx["facts"]["model"], "gpu_budget_gb": ctx["facts"]["gpu_budget_gb"],
+            "cpu_experts_per_layer": ctx["facts"]["cpu_experts_per_layer"],
             "machine": ctx["machine"], "blas_threads": args.blas_threads,
             "load_avg_1min": load,  # other work on the machine
             "four_stream_decode_tps": steady_t / steady_s if steady_s else None,
@@ -176,11 +182,15 @@ def one_run(args: argparse.Namespace, ctx: dict, name: str, arm: str, pair: int,
 
 
 def record_replay(args: argparse.Namespace, run: dict, path: Path) -> None:
-    """The replay file of a workload from its plain (``off``) run's records."""
+    """The replay file of a workload from its plain (``off``) run's records, with the split
+    of experts they were recorded on (bench_concurrency_arms.replay_split)."""
     profile = json.loads(Path(args.profile).read_text())
+    split = run["cpu_experts_per_layer"]
     stats = write_replay_file(path, read_records(Path(run["records"])),
                               workload=run["workload"], source=args.replay_source,
-                              profile=profile, seed=args.replay_seed)
+                              profile=profile, seed=args.replay_seed,
+                              recorded_with=None if split is None else
+                              {"cpu_experts_per_layer": split})
     print(f"{run['workload']}: replay file {path}: {stats}", flush=True)
 
 
@@ -331,11 +341,13 @@ def main(argv: list[str] | None = None) -> int:
         args.out_dir.resolve().name
     work.mkdir(parents=True, exist_ok=True)
     cfg, facts = base_config(args, work)
-    facts["cpu_experts_per_layer"] = pin_placement(
-        cfg, [arm_speculation(a, args.proposer) for a in arms], work)
+    needed = pin_placement(cfg, [arm_speculation(a, args.proposer) for a in arms], work)
+    workloads = args.workloads.split(",")
+    facts["cpu_experts_per_layer"] = replay_split(
+        cfg, [work / f"replay_{name}.json" for name in workloads
+              if args.proposer == "replay"], needed)
     ctx = {"work": work, "base": cfg, "facts": facts, "machine": machine(), "t0": t0,
            "durations": [], "skipped": []}
-    workloads = args.workloads.split(",")
     head = {"command": command_line(), "machine": ctx["machine"], **facts,
             "dram_gbs": args.dram_gbs, "dram_source": dram_source,
             "proposer": args.proposer,
@@ -350,7 +362,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped (--time-budget {args.time_budget:g} s): {', '.join(ctx['skipped'])}")
     print(f"{time.monotonic() - t0:.0f} s, runs of "
           f"{[round(d['seconds']) for d in ctx['durations']]} s")
-    return 0
+    inexact = [f"{name} {arm} pair {i + 1}" for name, e in summary["by_workload"].items()
+               for arm, equal in e.get("tokens_equal_plain", {}).items()
+               for i, ok in enumerate(equal) if ok is False]
+    if inexact:  # every arm must give plain decoding's tokens (exit status 1)
+        print(f"not plain decoding's tokens: {', '.join(inexact)}", flush=True)
+    return 1 if inexact else 0
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ module doc)."""
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -70,3 +71,43 @@ def set_keys(cfg: dict, keys: dict[str, Any]) -> dict:
         section, _, name = key.partition(".")
         cfg.setdefault(section, {})[name] = value
     return cfg
+
+
+def replay_split(cfg: dict, replays: list[Path], needed: int | None) -> int | None:
+    """The CPU experts a layer the runs use, where replay files say which split their plain
+    run had (``recorded_with``). A request's tokens depend on the split (GPU experts in the
+    model's dtype, CPU ones in int8), so a replay file's continuations are plain decoding's
+    only on its own: the recorded split is kept where it holds at least ``needed`` (the
+    arms' plans, :func:`scripts.bench_concurrency_serve.pin_placement`: fewer GPU experts
+    always fit); a split fixed by the config, one too small for the arms, or files recorded on
+    different splits are refused. Returns the split now in ``cfg`` (None: none fixed)."""
+    experts = cfg.setdefault("experts", {})
+    now = experts.get("cpu_experts_per_layer")
+    recorded: dict[str, int] = {}
+    for path in replays:
+        if not path.is_file():
+            continue
+        split = json.loads(path.read_text()).get("recorded_with", {}).get("cpu_experts_per_layer")
+        if split is None:
+            print(f"{path}: no recorded split; its continuations are plain decoding's only "
+                  f"if it was recorded with {now} CPU experts a layer", flush=True)
+        else:
+            recorded[path.name] = int(split)
+    if not recorded or set(recorded.values()) == {now}:
+        return now
+    if len(set(recorded.values())) > 1:
+        raise SystemExit(f"replay files recorded on different splits (CPU experts a layer): "
+                         f"{recorded}; record them again in one call")
+    split = next(iter(recorded.values()))
+    if needed is None or split < needed:
+        raise SystemExit(
+            f"the replay files were recorded with {split} CPU experts a layer, and these runs "
+            + (f"need at least {needed} (the arms' memory plans)" if needed is not None else
+               f"have {now} (fixed by the config)")
+            + ": tokens would not be plain decoding's; delete the replay files to record "
+            "them again with these arms, or set experts.cpu_experts_per_layer to "
+            f"{split}")
+    experts["cpu_experts_per_layer"] = split
+    print(f"the replay files' split: {split} CPU experts a layer (the arms need {needed})",
+          flush=True)
+    return split

@@ -14,6 +14,7 @@ The replay file (``[speculation] replay_file``) is JSON::
 
     {"workload": "coding", "source": "mtp" | "suffix", "seed": 0,
      "profile": "docs/bench/acceptance_profile.json" | {profile inline},
+     "recorded_with": {"cpu_experts_per_layer": 467},   (optional: the plain run's split)
      "records": [{"prompt_ids": [...], "continuation": [...]}, ...]}
 
 A request whose prompt has no record, or whose generated tokens left the recorded
@@ -175,9 +176,12 @@ def read_records(path: Path) -> list[dict]:
 
 
 def write_replay_file(path: Path, records: list[dict], *, workload: str, source: str,
-                      profile: str | dict, seed: int = 0) -> dict[str, int]:
+                      profile: str | dict, seed: int = 0,
+                      recorded_with: dict | None = None) -> dict[str, int]:
     """A replay file (module docstring) of recorded requests; a prompt recorded twice keeps
-    its longest continuation. Returns ``{"records", "prompt_tokens", "continuation_tokens"}``."""
+    its longest continuation; ``recorded_with``: what the plain run's tokens depend on beyond
+    the prompts (the benchmark's split of experts). Returns ``{"records", "prompt_tokens",
+    "continuation_tokens"}``."""
     if source not in SOURCES:
         raise ValueError(f"replay source must be one of {sorted(SOURCES)}, got {source!r}")
     best: dict[str, dict] = {}
@@ -186,6 +190,7 @@ def write_replay_file(path: Path, records: list[dict], *, workload: str, source:
         if key not in best or len(r["continuation"]) > len(best[key]["continuation"]):
             best[key] = {"prompt_ids": r["prompt_ids"], "continuation": r["continuation"]}
     data = {"workload": workload, "source": source, "seed": seed, "profile": profile,
+            **({"recorded_with": recorded_with} if recorded_with else {}),
             "records": list(best.values())}
     Path(path).write_text(json.dumps(data, separators=(",", ":")) + "\n")
     return {"records": len(best),

@@ -88,7 +88,7 @@ def _synthetic(tmp_path, max_context: int) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_synthetic_model_under_a_budget_gives_the_plain_tokens_in_every_arm(tmp_path):
+def test_a_synthetic_model_under_a_budget_gives_the_plain_tokens_in_every_arm(tmp_path, capsys):
     """The H200 command's path (--model, a GPU budget, split placement, CPU experts) on a
     tiny synthetic Qwen3-Next on NumPy: the arms share one placement (the memory plan of
     mode off alone would keep more experts on the GPU) and every request routes by its
@@ -106,6 +106,32 @@ def test_a_synthetic_model_under_a_budget_gives_the_plain_tokens_in_every_arm(tm
         assert f"{16 - pinned} of 16 on the GPU" in (work / f"essay_{arm}_1.log").read_text()
         if arm != "off":
             assert run["drafts"]["mtp"]["verifies"] >= 8, arm  # drafts all the way
+    # a run whose tokens were not plain decoding's fails the command (exit status 1): the
+    # same call resumed, with one request of the wide run's made to differ
+    wide = json.loads((out / "essay_wide_1.json").read_text())
+    wide["exact"] |= {"equal": 7, "differ": 1}
+    (out / "essay_wide_1.json").write_text(json.dumps(wide))
+    assert bench_concurrency.main(_synthetic(tmp_path, 1024) + [
+        "--arms", "off,narrow,wide", "--workloads", "essay", "--essay-tokens", "48",
+        "--resume"]) == 1
+    assert "not plain decoding's tokens: essay wide pair 1" in capsys.readouterr().out
+    # the replay file says which split its tokens were recorded on, and a later call whose
+    # arms alone would pin another (mode off alone: 10 on the CPU, other tokens) runs on it
+    replay = json.loads((work / "replay_essay.json").read_text())
+    assert replay["recorded_with"] == {"cpu_experts_per_layer": pinned}
+    again = tmp_path / "again"
+    assert bench_concurrency.main(_synthetic(tmp_path, 1024) + [
+        "--arms", "off", "--workloads", "essay", "--essay-tokens", "48",
+        "--out-dir", str(again)]) == 0
+    run = json.loads((again / "essay_off_1.json").read_text())
+    assert run["cpu_experts_per_layer"] == pinned and run["exact"]["equal"] == 8
+    assert f"{16 - pinned} of 16 on the GPU" in (work / "essay_off_1.log").read_text()
+    # a split fixed otherwise: refused before any server
+    with pytest.raises(SystemExit, match=f"recorded with {pinned} CPU experts a layer"):
+        bench_concurrency.main(_synthetic(tmp_path, 1024) + [
+            "--arms", "off", "--workloads", "essay", "--out-dir", str(tmp_path / "no"),
+            "--set", f"experts.cpu_experts_per_layer={pinned - 1}"])
+    assert not (tmp_path / "no").exists() or not list((tmp_path / "no").glob("*.json"))
 
 
 @pytest.mark.slow

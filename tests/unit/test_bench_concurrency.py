@@ -308,3 +308,48 @@ def test_summary_gives_the_four_stream_figure_at_a_common_cost_per_cpu_expert():
     assert set(twins["adaptive"]) == {"adaptive"}
     assert got["at_common_cost_expected_acceptance"]["adaptive"]["adaptive"] == pytest.approx(
         even["adaptive"] / even["wide@2"], abs=1e-3)
+
+
+def _replay(path, split):
+    data = {"workload": "essay", "source": "mtp", "profile": {}, "records": []}
+    if split is not None:
+        data["recorded_with"] = {"cpu_experts_per_layer": split}
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_replay_files_split_is_kept_where_the_arms_fit_and_refused_otherwise(tmp_path, capsys):
+    from scripts.bench_concurrency_arms import replay_split  # noqa: PLC0415
+
+    a, b = _replay(tmp_path / "a.json", 467), _replay(tmp_path / "b.json", 467)
+    cfg = {"experts": {"cpu_experts_per_layer": 465}}  # the arms' plans pinned 465
+    assert replay_split(cfg, [a, b, tmp_path / "absent.json"], 465) == 467
+    assert cfg["experts"]["cpu_experts_per_layer"] == 467
+    cfg = {"experts": {"cpu_experts_per_layer": 469}}  # the arms need more on the CPU
+    with pytest.raises(SystemExit, match="recorded with 467 .* need at least 469"):
+        replay_split(cfg, [a], 469)
+    assert cfg["experts"]["cpu_experts_per_layer"] == 469
+    with pytest.raises(SystemExit, match="different splits"):
+        replay_split({"experts": {}}, [a, _replay(tmp_path / "c.json", 465)], 465)
+    cfg = {"experts": {"cpu_experts_per_layer": 460}}  # fixed by the config (no pin)
+    with pytest.raises(SystemExit, match=r"have 460 \(fixed by the config\)"):
+        replay_split(cfg, [a], None)
+    assert replay_split({"experts": {"cpu_experts_per_layer": 467}}, [a], None) == 467
+    # an older file without it: the split as it is, and a line saying what that assumes
+    old = _replay(tmp_path / "old.json", None)
+    assert replay_split({"experts": {"cpu_experts_per_layer": 465}}, [old], 465) == 465
+    assert "no recorded split" in capsys.readouterr().out
+
+
+def test_a_replay_file_keeps_what_it_was_recorded_with(tmp_path):
+    from daemon.proposers.replay import ReplayProposer, write_replay_file  # noqa: PLC0415
+
+    records = [{"prompt_ids": [1, 2, 3], "continuation": [4, 5]}]
+    path = tmp_path / "r.json"
+    write_replay_file(path, records, workload="essay", source="mtp",
+                      profile={"workloads": {"essay": {"mtp": {"p": 0.5}}}},
+                      recorded_with={"cpu_experts_per_layer": 7})
+    assert json.loads(path.read_text())["recorded_with"] == {"cpu_experts_per_layer": 7}
+    assert ReplayProposer.load(path).records  # the proposer reads it as before
+    write_replay_file(path, records, workload="essay", source="mtp", profile={})
+    assert "recorded_with" not in json.loads(path.read_text())
