@@ -88,10 +88,11 @@ def replay_split(cfg: dict, replays: list[Path], needed: int | None) -> int | No
         if not path.is_file():
             continue
         split = json.loads(path.read_text()).get("recorded_with", {}).get("cpu_experts_per_layer")
-        if split is None:
+        # (a file without a split, where the config has none either: nothing to compare)
+        if split is None and now is not None:
             print(f"{path}: no recorded split; its continuations are plain decoding's only "
                   f"if it was recorded with {now} CPU experts a layer", flush=True)
-        else:
+        elif split is not None:
             recorded[path.name] = int(split)
     if not recorded or set(recorded.values()) == {now}:
         return now
@@ -103,7 +104,8 @@ def replay_split(cfg: dict, replays: list[Path], needed: int | None) -> int | No
         raise SystemExit(
             f"the replay files were recorded with {split} CPU experts a layer, and these runs "
             + (f"need at least {needed} (the arms' memory plans)" if needed is not None else
-               f"have {now} (fixed by the config)")
+               f"have {now} (fixed by the config)" if now is not None else
+               "have no split (no GPU budget)")
             + ": tokens would not be plain decoding's; delete the replay files to record "
             "them again with these arms, or set experts.cpu_experts_per_layer to "
             f"{split}")

@@ -339,6 +339,10 @@ def test_a_replay_files_split_is_kept_where_the_arms_fit_and_refused_otherwise(t
     old = _replay(tmp_path / "old.json", None)
     assert replay_split({"experts": {"cpu_experts_per_layer": 465}}, [old], 465) == 465
     assert "no recorded split" in capsys.readouterr().out
+    assert replay_split({"experts": {}}, [old], None) is None  # neither has a split: silent
+    assert capsys.readouterr().out == ""
+    with pytest.raises(SystemExit, match=r"have no split \(no GPU budget\)"):
+        replay_split({"experts": {}}, [a], None)
 
 
 def test_a_replay_file_keeps_what_it_was_recorded_with(tmp_path):
