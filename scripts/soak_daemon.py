@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 from protocol.sockets import client_address
+from scripts.bench_common import Samples, parse_samples
 from scripts.procs import cmdline, descendants, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,21 +107,15 @@ class Daemon:
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample of /metrics (0 when absent)."""
-        want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
-                       if labels else "")
-        for line in str(self.get("/metrics")[1]).splitlines():
-            key, _, value = line.rpartition(" ")
-            if key == want:
-                return float(value)
-        return 0.0
+        return self._samples().get((name, tuple(sorted(labels.items()))), 0.0)
 
     def metric_by(self, name: str, label: str) -> dict[str, float]:
         """Every sample of a one-label metric of /metrics, by the label's value (one read)."""
-        head = f'{name}{{{label}="'
-        return {key[len(head):-2]: float(value)
-                for key, _, value in (line.rpartition(" ")
-                                      for line in str(self.get("/metrics")[1]).splitlines())
-                if key.startswith(head) and key.endswith('"}')}
+        return {labels[0][1]: value for (n, labels), value in self._samples().items()
+                if n == name and len(labels) == 1 and labels[0][0] == label}
+
+    def _samples(self) -> Samples:
+        return parse_samples(str(self.get("/metrics")[1]))
 
     def restarts(self) -> int:
         return int(self.metric("tandem_worker_restarts_total", component="gpu_worker"))
