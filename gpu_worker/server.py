@@ -64,9 +64,12 @@ def _die_with_parent() -> None:
 
 
 def _log(event: str, **fields) -> None:
-    """A JSON log line on stderr, shaped like the daemon's structlog lines."""
-    print(json.dumps({"event": event, "logger": "tandem.gpu_worker", "level": "info",
-                      **fields}), file=sys.stderr, flush=True)
+    """A JSON log line on stderr, shaped like the daemon's structlog lines: one write, line
+    and newline together (print writes them apart, and the daemon's lines in the same file
+    could land between them)."""
+    sys.stderr.write(json.dumps({"event": event, "logger": "tandem.gpu_worker",
+                                 "level": "info", **fields}) + "\n")
+    sys.stderr.flush()
 
 
 def _device_free(xp) -> dict[str, float]:
