@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from scripts.procs import stop_server
+
 if TYPE_CHECKING:
     import aiohttp
 
@@ -173,8 +175,7 @@ def served(config: str, port: int, speculation: str, proposer: str,
             model = json.load(r)["data"][0]["id"]
         yield url, model
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop_server(proc)
 
 
 async def sse_chunks(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:

@@ -29,7 +29,7 @@ from daemon.proposers.replay import expected_accepted
 from protocol.messages import WorkKind
 from scripts.bench_common import REPO, Samples, delta, wait_ready
 from scripts.bench_concurrency_arms import parse_set, run_config, set_keys
-from scripts.procs import descendants, wait_gone
+from scripts.procs import descendants, stop_server
 
 
 def base_config(args: argparse.Namespace, work: Path) -> tuple[dict, dict]:
@@ -156,13 +156,7 @@ def serving(config: Path, port: int, log: Path, ready_timeout: float,
             yield url, model
         finally:
             tree = descendants(proc.pid)
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            left = wait_gone(tree, 60)
+            left = stop_server(proc, tree)
             if left:
                 print(f"server processes {left} of {config.name} did not end", flush=True)
             drop_shared_files(tree)

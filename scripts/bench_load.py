@@ -45,7 +45,7 @@ from scripts.bench_load_probe import (
     nvidia_smi,
 )
 from scripts.bench_load_report import GIB, checks, merge, run_facts, table
-from scripts.procs import free_port, process_tree
+from scripts.procs import free_port, process_tree, stop_server
 
 PROMPT = "Write a Python function that reverses a string."
 
@@ -244,13 +244,7 @@ def one_run(arm: Arm, plan: Any, args: argparse.Namespace, model: Path, work: Pa
         pids = pids or process_tree(proc.pid)
         tree.stop()
         gpu.stop()
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        _wait_gone(pids)
+        stop_server(proc, pids)
         shutil.rmtree(run_dir.parent, ignore_errors=True)
     rec.update(tree.report())
     rec.update(peak_gpu_bytes=gpu.peak, gpu_used_before_bytes=gpu.before)
@@ -266,13 +260,6 @@ def served_model(url: str) -> str:
     """The model id the server answers to (its /v1/models)."""
     with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
         return json.load(r)["data"][0]["id"]
-
-
-def _wait_gone(pids: list[int], timeout: float = 60) -> None:
-    """Wait until every process of the tree has exited (their shared memory with them)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
-        time.sleep(0.2)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import time
 
 
@@ -80,3 +81,19 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
         time.sleep(0.1)
         left = [p for p in left if alive(p)]
     return left
+
+
+def stop_server(proc: subprocess.Popen, tree: list[int] | None = None,
+                timeout: float = 60) -> list[int]:
+    """End a server started by a script: SIGTERM to ``proc`` (SIGKILL after ``timeout`` s),
+    then wait for every process of ``tree`` (default: ``proc``'s descendants now) to end,
+    killing those that outlast ``timeout`` (the next server needs the memory they hold).
+    Returns the pids still running after that (normally none)."""
+    tree = descendants(proc.pid) if tree is None else tree
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    return wait_gone(tree, timeout)
