@@ -16,7 +16,7 @@ from pathlib import Path
 
 from protocol.sockets import client_address
 from scripts.bench_common import Samples, parse_samples
-from scripts.procs import cmdline, descendants, free_port
+from scripts.procs import cmdline, descendants, free_port, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_WORKER, CPU_WORKER = "gpu_worker.server", "cpu_experts.worker"
@@ -149,12 +149,8 @@ class Daemon:
     def stop(self) -> int | None:
         if not self.alive():
             return self.proc.returncode if self.proc else None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        stop_server(self.proc)
+        return self.proc.returncode
 
 
 

@@ -180,22 +180,6 @@ def test_summary_gives_the_four_stream_steps_parts_where_runs_have_them():
                                                                  "wide@2": 90.0}
 
 
-def test_wait_gone_waits_for_processes_and_kills_what_stays():
-    import subprocess
-    import sys
-
-    from scripts.procs import alive, wait_gone
-
-    quick = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
-    stuck = subprocess.Popen([sys.executable, "-c", "import signal, time; "
-                              "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"])
-    assert alive(quick.pid) and alive(stuck.pid)
-    children = [quick, stuck]  # zombies until this process waits for them
-    assert wait_gone([quick.pid, stuck.pid], 2.0) == []  # a zombie counts as gone
-    assert [p.wait(timeout=5) for p in children] == [0, -9]
-    assert not alive(quick.pid)
-
-
 def test_streams_are_admitted_in_order_each_after_the_first_token_of_the_one_before():
     import asyncio
 
