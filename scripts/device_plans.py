@@ -74,11 +74,11 @@ def workload_ab(name: str, arms: str, pairs: int = 4, seconds: int = 540,
                  "--exclude='*.records.jsonl' out work; exit $rc", seconds + 45)
 
 
-# the matrix's runs resume across calls and machines, so another card's runs would pass for
-# the H200's: refused unless MATRIX_ANY_GPU=1 is in the environment
-H200_ONLY = ("if [ -z \"$MATRIX_ANY_GPU\" ] && ! nvidia-smi --query-gpu=name --format=csv,noheader "
-             "| grep -q H200; then echo 'not an H200 (MATRIX_ANY_GPU=1 runs it anyway)'; "
-             "exit 3; fi; ")
+# the matrix's runs resume across calls and machines, so another card's would pass for the
+# H200's: refused unless MATRIX_ANY_GPU=1, then kept apart (/tmp/m<budget>-other, .matrix/..-other)
+H200_ONLY = ("sfx=; if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then "
+             "[ -n \"$MATRIX_ANY_GPU\" ] || { echo 'not an H200 (MATRIX_ANY_GPU=1 runs it anyway, "
+             "in /tmp/m*-other)'; exit 3; }; sfx=-other; fi; ")
 
 
 def matrix(budget: str, arms: str = "off,narrow,wide,adaptive", name: str = "",
@@ -95,7 +95,7 @@ def matrix(budget: str, arms: str = "off,narrow,wide,adaptive", name: str = "",
     default (the fixed draft lengths) go into the same folders: the off runs are shared.
     With less device time left, ``MATRIX_BUDGET=150 MATRIX_LIMIT=185`` in the environment
     shorten the run's time budget and its time limit (default 510 and 540 s)."""
-    m, keep = f"/tmp/m{budget}", f".matrix/{budget}"
+    m, keep = f"/tmp/m{budget}$sfx", f".matrix/{budget}$sfx"  # (H200_ONLY's suffix)
     rate = f"{m}/cpu_rate.json"  # this machine's, measured by its first call (never carried)
     measure = CPU_INT8_RATE.command.replace("$OUT/cpu_experts_int8_1row.json", rate)
     return Check(name or f"matrix_{budget}", "mount -o remount,size=110G /dev/shm; "

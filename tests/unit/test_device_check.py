@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import tarfile
+
+import pytest
 
 from scripts import device_check
 from scripts.device_check import Check
+from scripts.device_plans import H200_ONLY
 
 
 def test_checks_run_time_out_and_skip_within_the_budget(tmp_path, monkeypatch):
@@ -59,3 +63,21 @@ def test_every_plan_names_files_and_options_that_exist():
                 importlib.import_module(module)
                 for option in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", rest):
                     assert f'"{option}"' in source, (plan, check.name, module, option)
+
+
+@pytest.mark.parametrize("card, any_gpu, rc, sfx", [
+    ("NVIDIA H200", "", 0, ""), ("NVIDIA H100 80GB HBM3", "", 3, None),
+    ("NVIDIA H100 80GB HBM3", "1", 0, "-other"), ("NVIDIA H200", "1", 0, "")])
+def test_the_matrix_refuses_other_cards_or_keeps_their_runs_apart(tmp_path, card, any_gpu,
+                                                                   rc, sfx):
+    """An H100's matrix runs must never land among the H200's (they resume across calls)."""
+    (tmp_path / "nvidia-smi").write_text(f"#!/bin/sh\necho '{card}'\n")
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "MATRIX_ANY_GPU": any_gpu}
+    out = subprocess.run(["bash", "-c", H200_ONLY + "echo \"sfx=$sfx\""], env=env,
+                         capture_output=True, text=True)
+    assert out.returncode == rc
+    if sfx is None:
+        assert "not an H200" in out.stdout and "sfx=" not in out.stdout
+    else:
+        assert out.stdout.strip() == f"sfx={sfx}"
