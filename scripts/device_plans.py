@@ -85,11 +85,11 @@ def matrix(budget: str, arms: str = "off,narrow,wide,adaptive", name: str = "",
            workloads: str = "essay,coding") -> Check:
     """Issue 15's whole matrix at GPU budget ``budget`` (32 or whole): essays and coding,
     off, narrow, wide and adaptive, three pairs, resumable across calls. The runs so far stay
-    in /tmp/m<budget> on a machine kept warm between calls; a fresh machine restores them from
-    the carried ``.matrix/<budget>/{out,work}`` (the tars of earlier calls unpacked there:
-    docs/benchmarks.md). Each call measures this machine's CPU expert rate for the floors
-    (~30 s; once per machine: a warm machine's later calls reuse it), starts no run it
-    cannot finish in 510 s more, and returns
+    in /tmp/m<budget> (-other: another card's, H200_ONLY) on a warm machine; a fresh one
+    restores them from the carried ``.matrix/<budget>[-other]/{out,work}`` (earlier calls'
+    tars unpacked there: docs/benchmarks.md). Each call measures this machine's CPU expert
+    rate for the floors (~30 s; once per machine: a warm machine's later calls reuse it),
+    starts no run it cannot finish in 510 s more, and returns
     every run file so far ($OUT/matrix_<budget>_out.tar.gz) and the work folder's replay
     files, records and logs ($OUT/matrix_<budget>_work.tar.gz). ``arms`` other than the
     default (the fixed draft lengths) go into the same folders: the off runs are shared.
