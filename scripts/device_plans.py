@@ -79,22 +79,23 @@ def workload_ab(name: str, arms: str, pairs: int = 4, seconds: int = 540,
 H200_ONLY = ("sfx=; if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then "
              "[ -n \"$MATRIX_ANY_GPU\" ] || { echo 'not an H200 (MATRIX_ANY_GPU=1 runs it anyway, "
              "in /tmp/m*-other)'; exit 3; }; sfx=-other; fi; ")
+# the matrix run's time limit and budget: the check's seconds (device_check's CHECK_SECONDS)
+# less the rate's measure, the kill's grace and the tars; MATRIX_LIMIT/_BUDGET override
+MATRIX_TIMES = ("lim=${MATRIX_LIMIT:-$((${CHECK_SECONDS:-595} - 55))}; "
+                "bud=${MATRIX_BUDGET:-$((lim - 30))}; ")
 
 
 def matrix(budget: str, arms: str = "off,narrow,wide,adaptive", name: str = "",
            workloads: str = "essay,coding") -> Check:
     """Issue 15's whole matrix at GPU budget ``budget`` (32 or whole): essays and coding,
-    off, narrow, wide and adaptive, three pairs, resumable across calls. The runs so far stay
-    in /tmp/m<budget> (-other: another card's, H200_ONLY) on a warm machine; a fresh one
-    restores them from the carried ``.matrix/<budget>[-other]/{out,work}`` (earlier calls'
-    tars unpacked there: docs/benchmarks.md). Each call measures this machine's CPU expert
-    rate for the floors (~30 s; once per machine: a warm machine's later calls reuse it),
-    starts no run it cannot finish in 510 s more, and returns
-    every run file so far ($OUT/matrix_<budget>_out.tar.gz) and the work folder's replay
-    files, records and logs ($OUT/matrix_<budget>_work.tar.gz). ``arms`` other than the
-    default (the fixed draft lengths) go into the same folders: the off runs are shared.
-    With less device time left, ``MATRIX_BUDGET=150 MATRIX_LIMIT=185`` in the environment
-    shorten the run's time budget and its time limit (default 510 and 540 s)."""
+    off, narrow, wide and adaptive, three pairs, resumable across calls: the runs stay in
+    /tmp/m<budget> (-other: another card's, H200_ONLY) on a warm machine; a fresh one restores
+    them from the carried ``.matrix/<budget>[-other]/{out,work}`` (earlier calls' tars unpacked
+    there: docs/benchmarks.md). Each call measures this machine's CPU expert rate (~30 s, once
+    per machine), starts no run it cannot finish in its time (MATRIX_TIMES) and returns every
+    run so far ($OUT/matrix_<budget>_out.tar.gz) and the work folder's replay files, records
+    and logs ($OUT/matrix_<budget>_work.tar.gz). ``arms`` other than the default (the fixed
+    draft lengths) go into the same folders: the off runs are shared."""
     m, keep = f"/tmp/m{budget}$sfx", f".matrix/{budget}$sfx"  # (H200_ONLY's suffix)
     rate = f"{m}/cpu_rate.json"  # this machine's, measured by its first call (never carried)
     measure = CPU_INT8_RATE.command.replace("$OUT/cpu_experts_int8_1row.json", rate)
@@ -103,15 +104,14 @@ def matrix(budget: str, arms: str = "off,narrow,wide,adaptive", name: str = "",
                  f"cp -n {keep}/out/*.json {m}/out/ 2>/dev/null; "
                  f"cp -n {keep}/work/* {m}/work/ 2>/dev/null; fi; "
                  f"[ -s {rate} ] || {measure}; cp {rate} {m}/work/cpu_experts_int8_1row.json; "
-                 "timeout -k 15 ${MATRIX_LIMIT:-540} "
+                 f"{MATRIX_TIMES}timeout -k 15 $lim "
                  f"{PY} scripts.bench_concurrency --model qwen3-next-80b-a3b --gpu-budget {budget} "
                  f"--dram-gbs {m}/work/cpu_experts_int8_1row.json "
                  f"--proposer replay --replay-source mtp {SHARDS}"
                  f"--set scheduler.prefix_cache_host_mb=8192 --arms {arms} "
                  f"--pairs 3 --workloads {workloads} --essay-tokens 128 --coding-turns 3 "
-                 "--coding-tokens 64 --resume --time-budget ${MATRIX_BUDGET:-510} "
-                 f"--out-dir {m}/out "
-                 f"--work-dir {m}/work; rc=$?; "
+                 "--coding-tokens 64 --resume --time-budget $bud "
+                 f"--out-dir {m}/out --work-dir {m}/work; rc=$?; "
                  f"tar czf $OUT/matrix_{budget}_out.tar.gz -C {m}/out .; "
                  f"tar czf $OUT/matrix_{budget}_work.tar.gz --exclude='./model-*' -C {m}/work .; "
                  "exit $rc", 595)

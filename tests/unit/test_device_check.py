@@ -10,12 +10,12 @@ import pytest
 
 from scripts import device_check
 from scripts.device_check import Check
-from scripts.device_plans import H200_ONLY
+from scripts.device_plans import H200_ONLY, MATRIX_TIMES, matrix
 
 
 def test_checks_run_time_out_and_skip_within_the_budget(tmp_path, monkeypatch):
     monkeypatch.setitem(device_check.PLANS, "t", [
-        Check("ok", "echo hello; echo bye > $OUT/made.txt", 10),
+        Check("ok", "echo $CHECK_SECONDS > $OUT/made.txt; echo hello", 10),
         Check("fails", "echo broken; exit 3", 10),
         Check("hangs", "sleep 30", 1),
         Check("late", "echo never", 60),
@@ -24,7 +24,8 @@ def test_checks_run_time_out_and_skip_within_the_budget(tmp_path, monkeypatch):
     assert rc == 1
     got = {r["name"]: r for r in json.loads((tmp_path / "summary.json").read_text())["checks"]}
     assert got["ok"]["rc"] == 0 and got["ok"]["last_line"] == "hello"
-    assert (tmp_path / "made.txt").read_text().strip() == "bye"  # $OUT is the output folder
+    # $OUT is the output folder; CHECK_SECONDS the check's own time (its timeout here)
+    assert (tmp_path / "made.txt").read_text().strip() == "10"
     assert got["fails"]["rc"] == 3 and got["fails"]["last_line"] == "broken"
     assert got["hangs"]["rc"] == "timeout" and got["hangs"]["seconds"] < 10
     assert got["late"]["rc"] == "skipped"  # under 30 s left of 20: not started
@@ -81,3 +82,18 @@ def test_the_matrix_refuses_other_cards_or_keeps_their_runs_apart(tmp_path, card
         assert "not an H200" in out.stdout and "sfx=" not in out.stdout
     else:
         assert out.stdout.strip() == f"sfx={sfx}"
+
+
+@pytest.mark.parametrize("env, lim, bud", [
+    ({}, 540, 510), ({"CHECK_SECONDS": "290"}, 235, 205),
+    ({"CHECK_SECONDS": "290", "MATRIX_BUDGET": "150", "MATRIX_LIMIT": "185"}, 185, 150)])
+def test_the_matrix_fits_its_run_to_the_checks_time(env, lim, bud):
+    """Session 40: --budget 290 killed the matrix check mid-run (its run's limit stayed 540 s)
+    and no tar of its finished runs came back. The run's limit and budget now follow the
+    check's seconds, which device_check passes as CHECK_SECONDS (the first test)."""
+    out = subprocess.run(["bash", "-c", MATRIX_TIMES + 'echo "$lim $bud"'],
+                         env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, text=True)
+    assert out.stdout.split() == [str(lim), str(bud)]
+    command = matrix("32").command
+    assert "timeout -k 15 $lim " in command and "--time-budget $bud " in command
+    assert command.index(MATRIX_TIMES) < command.index("timeout -k 15 $lim")
