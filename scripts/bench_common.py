@@ -89,11 +89,21 @@ def files_tree(repo: Path = REPO) -> str | None:
 
 def machine() -> dict[str, Any]:
     """Where a benchmark ran: host, CPU model and cores (all / usable by this process), GPU if
-    any, Python and platform, and the git tree (the commit, and the files' tree id)."""
+    any, Python and platform, the git tree (the commit, and the files' tree id), and the
+    kernel's boot id: lent machines all call themselves alike ("vm", the same CPU and GPU), so
+    the boot id is what tells two of them apart when one benchmark's runs span calls."""
     return {"host": platform.node(), "cpu": cpu_model(), "cores": os.cpu_count(),
             "usable_cores": len(os.sched_getaffinity(0)), "gpu": gpu_name(),
             "python": platform.python_version(), "platform": platform.platform(),
-            "git": git_tree(), "files_tree": files_tree()}
+            "git": git_tree(), "files_tree": files_tree(), "boot_id": boot_id()}
+
+
+def boot_id(path: Path = Path("/proc/sys/kernel/random/boot_id")) -> str | None:
+    """This boot of this machine's id (Linux; None elsewhere)."""
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
 
 
 def emit_json(data: dict, out: Path | None) -> None:

@@ -20,7 +20,13 @@ luck, ``acceptance_luck`` of a run: its four-slot decode steps' tokens over thos
 makes expected of the drafts it verified). ``four_stream_tps_at_common_cost_expected_
 acceptance`` divides the common-cost figure by the run's luck as well: each arm's choices at
 the same memory speed and the same acceptance. Derived too; an arm with a run that has no
-step trace (before it existed) gets None there."""
+step trace (before it existed) gets None there.
+
+A benchmark resumed over several calls (``--resume``) can run one pair's arms on two lent
+machines, which differ as much: a pair whose runs name two boot ids (``machine.boot_id``) is
+no paired comparison, so it is left out of the per-pair ratios and listed under
+``pairs_across_machines``; the summary's ``runs_by_machine`` says which machine ran which
+run."""
 
 from __future__ import annotations
 
@@ -33,6 +39,19 @@ STEP_KEYS = ("step_ms", "cpu_floor_ms", "step_over_cpu_floor", "cpu_experts_per_
              "cpu_kernel_ms")
 # the four-stream steps' parts (bench_concurrency_serve.steady_figures; absent in older runs)
 PART_KEYS = ("daemon_ms", "worker_ms", "forward_ms", "slot_routing_ms")
+
+
+def _pairs(runs: list[dict], arm: str, base: str) -> list[tuple[dict, dict]]:
+    """(``arm``'s run, ``base``'s run) of each pair that has both."""
+    return [(x, y) for x in runs for y in runs
+            if x["arm"] == arm and y["arm"] == base and x["pair"] == y["pair"]]
+
+
+def _one_machine(x: dict, y: dict) -> bool:
+    """Whether two runs ran on one machine (one boot of it). Runs from before the machine's
+    boot id was recorded are taken as one machine's."""
+    a, b = (r.get("machine", {}).get("boot_id") for r in (x, y))
+    return a is None or b is None or a == b
 
 
 def _median(values: list) -> float | None:
@@ -51,10 +70,13 @@ def summarize(runs: list[dict], arms: list[str], base: str | None = None) -> dic
         for key in RATIO_KEYS:
             entry[key] = {a: _median([r[key] for r in mine if r["arm"] == a]) for a in arms}
             entry[key + "_pair_ratios"] = {
-                a: [round(x[key] / y[key], 3) for x in mine for y in mine
-                    if x["arm"] == a and y["arm"] == base and x["pair"] == y["pair"]
-                    and x[key] and y[key]]
+                a: [round(x[key] / y[key], 3) for x, y in _pairs(mine, a, base)
+                    if _one_machine(x, y) and x[key] and y[key]]
                 for a in arms if a != base}
+        across = {a: [x["pair"] for x, y in _pairs(mine, a, base) if not _one_machine(x, y)]
+                  for a in arms if a != base}
+        if any(across.values()):  # not paired figures: left out of the ratios above
+            entry["pairs_across_machines"] = {a: p for a, p in across.items() if p}
         _common(entry, mine, arms)
         if any("steps" in r for r in mine):
             for key in STEP_KEYS + PART_KEYS:
@@ -175,14 +197,23 @@ def write_summary(out_dir: Path, head: dict, workloads: list[str], arms: list[st
     all ran on one (a summary of a device's runs made elsewhere with ``--pairs 0``)."""
     runs = load_runs(out_dir, workloads, arms)
     by_workload = summarize(runs, arms, base)
-    where = lambda m: json.dumps({k: m.get(k) for k in ("host", "cpu", "gpu")})  # noqa: E731
-    machines = {where(r["machine"]) for r in runs if r.get("machine")}
+    where = lambda m: json.dumps({k: m.get(k)  # noqa: E731
+                                  for k in ("host", "cpu", "gpu", "boot_id")})
+    machines: dict[str, list[dict]] = {}  # the runs of each machine, in the runs' order
+    for r in runs:
+        if r.get("machine"):
+            machines.setdefault(where(r["machine"]), []).append(r)
     summary = {**head, "arms": arms, "base": base, "runs": len(runs),
                "by_workload": by_workload,
                "adaptive_vs_best_fixed": {n: best_fixed(e, arms)
                                           for n, e in by_workload.items()}}
-    if len(machines) == 1 and machines != {where(head["machine"])}:
+    if len(machines) == 1 and set(machines) != {where(head["machine"])}:
         summary["machine"], summary["summarized_on"] = runs[-1]["machine"], head["machine"]
+    elif len(machines) > 1:  # a benchmark resumed on other machines: which ran what
+        summary["runs_by_machine"] = [
+            {"machine": mine[0]["machine"],
+             "runs": [f"{r['workload']}_{r['arm']}_{r['pair']}" for r in mine]}
+            for mine in machines.values()]
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 

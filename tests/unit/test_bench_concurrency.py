@@ -341,3 +341,42 @@ def test_a_replay_file_keeps_what_it_was_recorded_with(tmp_path):
     assert ReplayProposer.load(path).records  # the proposer reads it as before
     write_replay_file(path, records, workload="essay", source="mtp", profile={})
     assert "recorded_with" not in json.loads(path.read_text())
+
+
+def test_a_pair_split_over_two_machines_is_no_pair_and_the_summary_says_who_ran_what(tmp_path):
+    from scripts.bench_common import boot_id
+    from scripts.bench_concurrency_report import write_summary
+
+    one, two = ({"host": "vm", "cpu": "Xeon", "gpu": "NVIDIA H100", "boot_id": b}
+                for b in ("b-1", "b-2"))
+    rows = [("narrow", 1, 10.0, one), ("wide", 1, 15.0, one), ("narrow", 2, 12.0, two),
+            ("wide", 2, 13.0, one), ("narrow", 3, 11.0, two), ("wide", 3, 14.3, two)]
+    for arm, pair, tps, where in rows:
+        (tmp_path / f"essay_{arm}_{pair}.json").write_text(json.dumps(
+            {"workload": "essay", "arm": arm, "pair": pair, "four_stream_decode_tps": tps,
+             "whole_run_tps": tps / 5, "machine": where}))
+    head = {"command": "c", "machine": two, "model": "m", "skipped": []}
+    s = write_summary(tmp_path, head, ["essay"], ["narrow", "wide"], "narrow")
+    e = s["by_workload"]["essay"]
+    assert e["four_stream_decode_tps_pair_ratios"] == {"wide": [1.5, 1.3]}  # pairs 1 and 3
+    assert e["whole_run_tps_pair_ratios"] == {"wide": [1.5, 1.3]}
+    assert e["pairs_across_machines"] == {"wide": [2]}
+    assert s["runs_by_machine"] == [
+        {"machine": one, "runs": ["essay_narrow_1", "essay_wide_1", "essay_wide_2"]},
+        {"machine": two, "runs": ["essay_narrow_2", "essay_narrow_3", "essay_wide_3"]}]
+    assert s["machine"] == two and "summarized_on" not in s
+    # runs from before the boot id was recorded still pair; one machine's runs say no more
+    for f in tmp_path.glob("essay_*.json"):
+        run = json.loads(f.read_text())
+        run["machine"] = {k: v for k, v in run["machine"].items() if k != "boot_id"}
+        f.write_text(json.dumps(run))
+    s = write_summary(tmp_path, head, ["essay"], ["narrow", "wide"], "narrow")
+    e = s["by_workload"]["essay"]
+    assert e["four_stream_decode_tps_pair_ratios"] == {"wide": [1.5, 1.083, 1.3]}
+    assert "pairs_across_machines" not in e and "runs_by_machine" not in s
+    # (they cannot say they ran on this machine: as if summarized elsewhere)
+    assert s["machine"] == {"host": "vm", "cpu": "Xeon", "gpu": "NVIDIA H100"}
+    assert s["summarized_on"] == two
+    (tmp_path / "boot_id").write_text("1234-abcd\n")
+    assert boot_id(tmp_path / "boot_id") == "1234-abcd"
+    assert boot_id(tmp_path / "missing") is None
