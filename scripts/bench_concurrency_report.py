@@ -25,8 +25,8 @@ step trace (before it existed) gets None there.
 A benchmark resumed over several calls (``--resume``) can run one pair's arms on two lent
 machines, which differ as much: a pair whose runs name two boot ids (``machine.boot_id``) is
 no paired comparison, so it is left out of the per-pair ratios and listed under
-``pairs_across_machines``; the summary's ``runs_by_machine`` says which machine ran which
-run."""
+``pairs_across_machines`` (so is a pair of a run with a boot id and one from before they
+were recorded); the summary's ``runs_by_machine`` says which machine ran which run."""
 
 from __future__ import annotations
 
@@ -48,10 +48,11 @@ def _pairs(runs: list[dict], arm: str, base: str) -> list[tuple[dict, dict]]:
 
 
 def _one_machine(x: dict, y: dict) -> bool:
-    """Whether two runs ran on one machine (one boot of it). Runs from before the machine's
-    boot id was recorded are taken as one machine's."""
+    """Whether two runs ran on one machine (one boot of it). Two runs from before the boot id
+    was recorded are taken as one machine's, as they were; such a run and a later one cannot
+    be: a lent machine does not outlive its session."""
     a, b = (r.get("machine", {}).get("boot_id") for r in (x, y))
-    return a is None or b is None or a == b
+    return a == b
 
 
 def _median(values: list) -> float | None:

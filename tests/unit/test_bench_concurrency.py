@@ -365,7 +365,14 @@ def test_a_pair_split_over_two_machines_is_no_pair_and_the_summary_says_who_ran_
         {"machine": one, "runs": ["essay_narrow_1", "essay_wide_1", "essay_wide_2"]},
         {"machine": two, "runs": ["essay_narrow_2", "essay_narrow_3", "essay_wide_3"]}]
     assert s["machine"] == two and "summarized_on" not in s
-    # runs from before the boot id was recorded still pair; one machine's runs say no more
+    # a run from before the boot id was recorded (an earlier session's) pairs with no later one
+    old = json.loads((tmp_path / "essay_narrow_1.json").read_text())
+    old["machine"].pop("boot_id")
+    (tmp_path / "essay_narrow_1.json").write_text(json.dumps(old))
+    e = write_summary(tmp_path, head, ["essay"], ["narrow", "wide"], "narrow")["by_workload"]
+    assert e["essay"]["four_stream_decode_tps_pair_ratios"] == {"wide": [1.3]}
+    assert e["essay"]["pairs_across_machines"] == {"wide": [1, 2]}
+    # runs all from before the boot id was recorded pair as they did; one machine says no more
     for f in tmp_path.glob("essay_*.json"):
         run = json.loads(f.read_text())
         run["machine"] = {k: v for k, v in run["machine"].items() if k != "boot_id"}
