@@ -198,17 +198,15 @@ def write_summary(out_dir: Path, head: dict, workloads: list[str], arms: list[st
     all ran on one (a summary of a device's runs made elsewhere with ``--pairs 0``)."""
     runs = load_runs(out_dir, workloads, arms)
     by_workload = summarize(runs, arms, base)
-    where = lambda m: json.dumps({k: m.get(k)  # noqa: E731
-                                  for k in ("host", "cpu", "gpu", "boot_id")})
     machines: dict[str, list[dict]] = {}  # the runs of each machine, in the runs' order
     for r in runs:
         if r.get("machine"):
-            machines.setdefault(where(r["machine"]), []).append(r)
+            machines.setdefault(_machine_key(r["machine"]), []).append(r)
     summary = {**head, "arms": arms, "base": base, "runs": len(runs),
                "by_workload": by_workload,
                "adaptive_vs_best_fixed": {n: best_fixed(e, arms)
                                           for n, e in by_workload.items()}}
-    if len(machines) == 1 and set(machines) != {where(head["machine"])}:
+    if len(machines) == 1 and set(machines) != {_machine_key(head["machine"])}:
         summary["machine"], summary["summarized_on"] = runs[-1]["machine"], head["machine"]
     elif len(machines) > 1:  # a benchmark resumed on other machines: which ran what
         summary["runs_by_machine"] = [
@@ -217,6 +215,11 @@ def write_summary(out_dir: Path, head: dict, workloads: list[str], arms: list[st
             for mine in machines.values()]
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def _machine_key(machine: dict) -> str:
+    """One machine (one boot of it) as a key: what ``bench_common.machine`` says of it."""
+    return json.dumps({k: machine.get(k) for k in ("host", "cpu", "gpu", "boot_id")})
 
 
 def load_runs(out_dir: Path, workloads: list[str], arms: list[str]) -> list[dict]:
