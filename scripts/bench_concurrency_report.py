@@ -26,7 +26,11 @@ A benchmark resumed over several calls (``--resume``) can run one pair's arms on
 machines, which differ as much: a pair whose runs name two boot ids (``machine.boot_id``) is
 no paired comparison, so it is left out of the per-pair ratios and listed under
 ``pairs_across_machines`` (so is a pair of a run with a boot id and one from before they
-were recorded); the summary's ``runs_by_machine`` says which machine ran which run."""
+were recorded); the summary's ``runs_by_machine`` says which machine ran which run. Runs from
+before the boot id stand for their machine by the tree they ran (``machine.git``): a session
+commits between its calls and no lent machine outlives its session, so runs of two trees
+(sessions 40 and 41's coding matrix: two H100 machines) are no pair, and runs of one tree
+pair as they did."""
 
 from __future__ import annotations
 
@@ -48,11 +52,15 @@ def _pairs(runs: list[dict], arm: str, base: str) -> list[tuple[dict, dict]]:
 
 
 def _one_machine(x: dict, y: dict) -> bool:
-    """Whether two runs ran on one machine (one boot of it). Two runs from before the boot id
-    was recorded are taken as one machine's, as they were; such a run and a later one cannot
-    be: a lent machine does not outlive its session."""
-    a, b = (r.get("machine", {}).get("boot_id") for r in (x, y))
-    return a == b
+    """Whether two runs ran on one machine (one boot of it): the module doc's rule."""
+    return _machine_id(x.get("machine")) == _machine_id(y.get("machine"))
+
+
+def _machine_id(machine: dict | str | None) -> str:
+    """A run's machine: its boot id, else (before boot ids) the tree it ran."""
+    if not isinstance(machine, dict):  # the oldest runs named their machine in words
+        return f"named {machine}"
+    return machine.get("boot_id") or f"tree {machine.get('git')}"
 
 
 def _median(values: list) -> float | None:
@@ -217,9 +225,11 @@ def write_summary(out_dir: Path, head: dict, workloads: list[str], arms: list[st
     return summary
 
 
-def _machine_key(machine: dict) -> str:
+def _machine_key(machine: dict | str) -> str:
     """One machine (one boot of it) as a key: what ``bench_common.machine`` says of it."""
-    return json.dumps({k: machine.get(k) for k in ("host", "cpu", "gpu", "boot_id")})
+    said = machine if isinstance(machine, dict) else {}
+    return json.dumps({**{k: said.get(k) for k in ("host", "cpu", "gpu")},
+                       "id": _machine_id(machine)})
 
 
 def load_runs(out_dir: Path, workloads: list[str], arms: list[str]) -> list[dict]:

@@ -384,6 +384,13 @@ def test_a_pair_split_over_two_machines_is_no_pair_and_the_summary_says_who_ran_
     # (they cannot say they ran on this machine: as if summarized elsewhere)
     assert s["machine"] == {"host": "vm", "cpu": "Xeon", "gpu": "NVIDIA H100"}
     assert s["summarized_on"] == two
+    # ... and stand for their machines by the tree they ran: two trees, two machines
+    for f in tmp_path.glob("essay_*.json"):
+        run = json.loads(f.read_text())
+        run["machine"]["git"] = "b" if f.stem == "essay_narrow_2" else "a"
+        f.write_text(json.dumps(run))
+    e = write_summary(tmp_path, head, ["essay"], ["narrow", "wide"], "narrow")["by_workload"]
+    assert e["essay"]["pairs_across_machines"] == {"wide": [2]}
     (tmp_path / "boot_id").write_text("1234-abcd\n")
     assert boot_id(tmp_path / "boot_id") == "1234-abcd"
     assert boot_id(tmp_path / "missing") is None
