@@ -57,10 +57,13 @@ def _one_machine(x: dict, y: dict) -> bool:
 
 
 def _machine_id(machine: dict | str | None) -> str:
-    """A run's machine: its boot id, else (before boot ids) the tree it ran."""
+    """A run's machine (one boot of it) as a key: its boot id, else (before boot ids) what
+    ``bench_common.machine`` says of it and the tree it ran."""
     if not isinstance(machine, dict):  # the oldest runs named their machine in words
-        return f"named {machine}"
-    return machine.get("boot_id") or f"tree {machine.get('git')}"
+        return json.dumps(machine)
+    if machine.get("boot_id"):
+        return machine["boot_id"]
+    return json.dumps({k: machine.get(k) for k in ("host", "cpu", "gpu", "git")})
 
 
 def _median(values: list) -> float | None:
@@ -209,12 +212,12 @@ def write_summary(out_dir: Path, head: dict, workloads: list[str], arms: list[st
     machines: dict[str, list[dict]] = {}  # the runs of each machine, in the runs' order
     for r in runs:
         if r.get("machine"):
-            machines.setdefault(_machine_key(r["machine"]), []).append(r)
+            machines.setdefault(_machine_id(r["machine"]), []).append(r)
     summary = {**head, "arms": arms, "base": base, "runs": len(runs),
                "by_workload": by_workload,
                "adaptive_vs_best_fixed": {n: best_fixed(e, arms)
                                           for n, e in by_workload.items()}}
-    if len(machines) == 1 and set(machines) != {_machine_key(head["machine"])}:
+    if len(machines) == 1 and set(machines) != {_machine_id(head["machine"])}:
         summary["machine"], summary["summarized_on"] = runs[-1]["machine"], head["machine"]
     elif len(machines) > 1:  # a benchmark resumed on other machines: which ran what
         summary["runs_by_machine"] = [
@@ -223,13 +226,6 @@ def write_summary(out_dir: Path, head: dict, workloads: list[str], arms: list[st
             for mine in machines.values()]
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
-
-
-def _machine_key(machine: dict | str) -> str:
-    """One machine (one boot of it) as a key: what ``bench_common.machine`` says of it."""
-    said = machine if isinstance(machine, dict) else {}
-    return json.dumps({**{k: said.get(k) for k in ("host", "cpu", "gpu")},
-                       "id": _machine_id(machine)})
 
 
 def load_runs(out_dir: Path, workloads: list[str], arms: list[str]) -> list[dict]:
